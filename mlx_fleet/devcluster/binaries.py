@@ -1,0 +1,228 @@
+"""Build and cache the local control-plane binaries: etcd, kube-apiserver and kubectl.
+
+All three are built from source through the Go module proxy, because this project's machines
+reach only package registries (no release tarballs, no Docker images). Built binaries are cached
+under ``$MLX_FLEET_CACHE/bin/<component>-<version>/`` (default ``~/.cache/mlx-fleet``), so the
+first build takes many minutes on two cores and every later call returns at once.
+
+* etcd: ``go install go.etcd.io/etcd/server/v3`` fails on the relative ``replace`` directives in
+  etcd's own go.mod, so we build a tiny wrapper ``main`` that calls
+  ``go.etcd.io/etcd/server/v3/etcdmain.Main``.
+* kube-apiserver and kubectl: ``k8s.io/kubernetes``'s go.mod points every staging module
+  (``k8s.io/api``, ``k8s.io/client-go``, ...) at ``./staging/...``, which does not exist in the
+  module zip. The wrapper module ``replace``s each one with its published ``v0.<minor>.<patch>``
+  (the list is read from that go.mod, so it follows the pinned version), then builds
+  ``k8s.io/kubernetes/cmd/{kube-apiserver,kubectl}`` with ``CGO_ENABLED=0`` and version ldflags
+  so that ``--version`` reports a real ``v1.<minor>.<patch>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+#: Pinned versions. Kubernetes 1.34 is tested with etcd 3.6 (its go.mod requires etcd client 3.6).
+KUBERNETES_VERSION = "v1.34.4"
+ETCD_VERSION = "v3.6.16"
+
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(label, done, total)``: called as packages compile; ``total`` may grow."""
+
+
+class BuildError(RuntimeError):
+    """A Go build failed; the message names the step and the log file with the full output."""
+
+
+def cache_dir() -> Path:
+    """Root of everything mlx-fleet caches outside the repository (``$MLX_FLEET_CACHE``)."""
+    return Path(os.environ.get("MLX_FLEET_CACHE", Path.home() / ".cache" / "mlx-fleet"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Binaries:
+    """Absolute paths of the three control-plane executables."""
+
+    etcd: Path
+    kube_apiserver: Path
+    kubectl: Path
+
+    @property
+    def bin_dirs(self) -> list[Path]:
+        return sorted({self.etcd.parent, self.kube_apiserver.parent, self.kubectl.parent})
+
+
+def _go_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CGO_ENABLED="0",
+        GOFLAGS="-mod=mod -buildvcs=false",
+        GOTOOLCHAIN=env.get("GOTOOLCHAIN", "auto"),
+        GOWORK="off",
+    )
+    env.pop("GOPATH_OVERRIDE", None)
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, log: Path, step: str) -> str:
+    with log.open("a") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.run(cmd, cwd=cwd, env=_go_env(cwd), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        fh.write(proc.stdout)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+        raise BuildError(f"{step} failed (exit {proc.returncode}); full log: {log}\n{tail}")
+    return proc.stdout
+
+
+def _go_build(work: Path, pkgs: dict[str, str], ldflags: str, log: Path, label: str,
+              progress: ProgressFn | None) -> None:
+    """``go build -v`` each ``pkgs[name]`` into ``work/out/name``, reporting compiled packages."""
+    deps: set[str] = set()
+    for pkg in pkgs.values():
+        out = _run(["go", "list", "-deps", pkg], work, log, f"go list {pkg}")
+        deps.update(line for line in out.splitlines() if line)
+    # The standard library is usually already compiled in the build cache; count it anyway
+    # so the bar never overruns.
+    total = max(len(deps), 1)
+    done = 0
+    if progress:
+        progress(label, 0, total)
+    (work / "out").mkdir(exist_ok=True)
+    for name, pkg in pkgs.items():
+        cmd = ["go", "build", "-v", "-trimpath", "-ldflags", ldflags, "-o", str(work / "out" / name), pkg]
+        with log.open("a") as fh:
+            fh.write(f"$ {' '.join(cmd)}\n")
+            proc = subprocess.Popen(cmd, cwd=work, env=_go_env(work), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            assert proc.stdout is not None
+            tail: list[str] = []
+            for line in proc.stdout:
+                fh.write(line)
+                tail = (tail + [line.rstrip()])[-15:]
+                if line.strip() in deps:
+                    done = min(done + 1, total)
+                    if progress:
+                        progress(label, done, total)
+            rc = proc.wait()
+        if rc != 0:
+            raise BuildError(f"building {pkg} failed (exit {rc}); full log: {log}\n" + "\n".join(tail))
+    if progress:
+        progress(label, total, total)
+
+
+def _install(work: Path, names: list[str], dest: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=dest.parent))
+    for name in names:
+        shutil.copy2(work / "out" / name, tmp / name)
+    # Atomic publish: a half-finished build never looks like a cached one.
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+
+
+def ensure_etcd(progress: ProgressFn | None = None) -> Path:
+    """Return the path of a cached etcd ``ETCD_VERSION`` binary, building it first if needed.
+
+    Raises :class:`BuildError` if ``go`` fails; the message names the log file.
+    """
+    dest = cache_dir() / "bin" / f"etcd-{ETCD_VERSION}"
+    exe = dest / "etcd"
+    if exe.is_file():
+        return exe
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = cache_dir() / "build" / f"etcd-{ETCD_VERSION}"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "build.log"
+    (work / "go.mod").write_text(
+        "module mlxfleet.local/etcdbuild\n\ngo 1.24\n\n"
+        f"require go.etcd.io/etcd/server/v3 {ETCD_VERSION}\n"
+    )
+    (work / "main.go").write_text(
+        "// Command etcd: the etcd server, built from the Go module proxy (see binaries.py).\n"
+        "package main\n\n"
+        'import (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
+        "func main() { etcdmain.Main(os.Args) }\n"
+    )
+    _run(["go", "mod", "tidy"], work, log, "go mod tidy (etcd)")
+    _go_build(work, {"etcd": "."}, "-s -w", log, f"etcd {ETCD_VERSION}", progress)
+    _install(work, ["etcd"], dest)
+    return exe
+
+
+def _staging_modules(kubernetes_gomod: str) -> list[str]:
+    """Module paths that ``k8s.io/kubernetes``'s go.mod replaces with ``./staging/...``."""
+    return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", kubernetes_gomod, re.M)))
+
+
+def _kubernetes_gomod(work: Path, log: Path) -> str:
+    out = _run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"], work, log,
+               "go mod download k8s.io/kubernetes")
+    info = json.loads(out)
+    if info.get("Error"):
+        raise BuildError(f"go mod download k8s.io/kubernetes@{KUBERNETES_VERSION}: {info['Error']}")
+    return Path(info["GoMod"]).read_text()
+
+
+def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
+    """Return ``(kube_apiserver, kubectl)`` for ``KUBERNETES_VERSION``, building them if needed.
+
+    Raises :class:`BuildError` if ``go`` fails; the message names the log file.
+    """
+    dest = cache_dir() / "bin" / f"kubernetes-{KUBERNETES_VERSION}"
+    apiserver, kubectl = dest / "kube-apiserver", dest / "kubectl"
+    if apiserver.is_file() and kubectl.is_file():
+        return apiserver, kubectl
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = cache_dir() / "build" / f"kubernetes-{KUBERNETES_VERSION}"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "build.log"
+    # `go mod download` needs a module context; a bare go.mod is enough.
+    (work / "go.mod").write_text("module mlxfleet.local/k8sbuild\n\ngo 1.24.0\n")
+    staging = _staging_modules(_kubernetes_gomod(work, log))
+    if not staging:
+        raise BuildError(f"found no staging replaces in k8s.io/kubernetes@{KUBERNETES_VERSION}'s go.mod")
+    minor_patch = KUBERNETES_VERSION.removeprefix("v1.")
+    replaces = "\n".join(f"\t{m} => {m} v0.{minor_patch}" for m in staging)
+    (work / "go.mod").write_text(
+        "module mlxfleet.local/k8sbuild\n\ngo 1.24.0\n\n"
+        f"require k8s.io/kubernetes {KUBERNETES_VERSION}\n\n"
+        f"replace (\n{replaces}\n)\n"
+    )
+    # The tools-file idiom: lets `go mod tidy` resolve the commands' dependency graph.
+    (work / "tools.go").write_text(
+        "//go:build tools\n\npackage tools\n\nimport (\n"
+        '\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kubectl"\n)\n'
+    )
+    _run(["go", "mod", "tidy"], work, log, "go mod tidy (kubernetes)")
+    major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+    vpkg = "k8s.io/component-base/version"
+    ldflags = " ".join([
+        "-s -w",
+        f"-X {vpkg}.gitVersion={KUBERNETES_VERSION}",
+        f"-X {vpkg}.gitMajor={major}",
+        f"-X {vpkg}.gitMinor={minor}",
+        f"-X {vpkg}.gitTreeState=clean",
+        f"-X {vpkg}.buildDate=1970-01-01T00:00:00Z",
+        f"-X k8s.io/client-go/pkg/version.gitVersion={KUBERNETES_VERSION}",
+    ])
+    _go_build(work, {"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+                     "kubectl": "k8s.io/kubernetes/cmd/kubectl"},
+              ldflags, log, f"kubernetes {KUBERNETES_VERSION}", progress)
+    _install(work, ["kube-apiserver", "kubectl"], dest)
+    return apiserver, kubectl
+
+
+def ensure_all(progress: ProgressFn | None = None) -> Binaries:
+    """Build (once) and return the three control-plane binaries."""
+    etcd = ensure_etcd(progress)
+    apiserver, kubectl = ensure_kubernetes(progress)
+    return Binaries(etcd=etcd, kube_apiserver=apiserver, kubectl=kubectl)

@@ -1,0 +1,311 @@
+"""The project's narrow etcd interface, and its one implementation over ``aetcd``.
+
+Everything else in mlx-fleet talks to etcd through :class:`Store` (get, list a prefix,
+transaction, watch from a revision, leases), so the client library can be swapped without
+touching the operator or the agent. ``aetcd`` (the asyncio fork of python-etcd3) is used because
+python-etcd3 is abandoned, fails to import with protobuf >= 4 and blocks the event loop.
+
+:func:`follow_prefix` implements the watch discipline of the contract once for both sides:
+list, then watch from ``list revision + 1``; after a disconnect resume from the last revision
+seen; when that revision was compacted, re-list and hand the caller a fresh snapshot, so no
+event is ever silently skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Literal, Protocol
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KV:
+    """One key-value pair with etcd's revision metadata (``mod_revision``, ``create_revision``:
+    cluster revisions; ``version``: number of writes since creation; ``lease``: lease ID or 0)."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int = 0
+    version: int = 0
+    lease: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """The result of a prefix read: items sorted by key and the store ``revision`` it was read at."""
+
+    items: list[KV]
+    revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchEvent:
+    """A change to one key. For ``DELETE`` the ``kv.value`` is empty and ``kv.mod_revision`` is
+    the revision of the deletion."""
+
+    type: Literal["PUT", "DELETE"]
+    kv: KV
+
+
+@dataclasses.dataclass(frozen=True)
+class Compare:
+    """A transaction guard: ``target`` of ``key`` compared to ``value`` with ``op``.
+
+    ``target``: ``"mod"`` (mod_revision), ``"create"`` (create_revision), ``"version"`` or
+    ``"value"``. A key that does not exist has mod_revision, create_revision and version 0,
+    so ``Compare(key, "mod", "==", 0)`` means "key absent".
+    """
+
+    key: str
+    target: Literal["mod", "create", "version", "value"]
+    op: Literal["==", "!=", "<", ">"]
+    value: int | bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Delete:
+    key: str
+
+
+class StoreError(Exception):
+    """etcd could not be reached or refused the request (wraps the client's error)."""
+
+
+class Compacted(StoreError):
+    """The requested watch start revision was compacted; re-list from the present."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"revision compacted below {compact_revision}")
+        self.compact_revision = compact_revision
+
+
+class Store(Protocol):
+    """What mlx-fleet needs from etcd. All methods are coroutines safe to call concurrently."""
+
+    async def get(self, key: str) -> KV | None: ...
+
+    async def list(self, prefix: str) -> Listing: ...
+
+    async def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
+                  failure: Sequence[Put | Delete] = ()) -> bool: ...
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int: ...
+
+    async def delete(self, key: str) -> bool: ...
+
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]: ...
+
+    async def grant_lease(self, ttl_seconds: int) -> int: ...
+
+    async def keepalive(self, lease_id: int) -> int: ...
+
+    async def revoke_lease(self, lease_id: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    b = bytearray(prefix)
+    while b:
+        if b[-1] < 0xFF:
+            b[-1] += 1
+            return bytes(b)
+        b.pop()
+    return b"\0"
+
+
+class EtcdStore:
+    """:class:`Store` over an ``aetcd.Client``.
+
+    ``endpoint``: ``http://host:port`` (TLS and auth arrive with the security work).
+    ``timeout``: per-RPC deadline in seconds for unary calls (watches have none).
+    Raises :class:`StoreError` (or :class:`Compacted`) instead of the client's exceptions.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 10.0) -> None:
+        import aetcd  # imported here so the contract stays importable without grpc
+
+        url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        self.endpoint = endpoint
+        self._aetcd = aetcd
+        self._client = aetcd.Client(host=url.hostname or "127.0.0.1", port=url.port or 2379,
+                                    timeout=timeout)
+
+    async def __aenter__(self) -> EtcdStore:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        try:
+            await self._client.connect()
+        except self._aetcd.ClientError as e:
+            raise StoreError(f"cannot connect to etcd at {self.endpoint}: {e}") from e
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    @staticmethod
+    def _kv(kv) -> KV:  # aetcd KeyValue / protobuf KeyValue
+        return KV(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
+                  create_revision=kv.create_revision, version=kv.version, lease=kv.lease)
+
+    async def _call(self, coro: Awaitable):
+        try:
+            return await coro
+        except self._aetcd.exceptions.RevisionCompactedError as e:
+            raise Compacted(e.compacted_revision) from e
+        except self._aetcd.ClientError as e:
+            raise StoreError(f"etcd {self.endpoint}: {type(e).__name__}: {e}") from e
+
+    async def get(self, key: str) -> KV | None:
+        res = await self._call(self._client.get(key.encode()))
+        return None if res is None else self._kv(res)
+
+    async def list(self, prefix: str) -> Listing:
+        res = await self._call(self._client.get_prefix(prefix.encode()))
+        return Listing(items=[self._kv(kv) for kv in res.kvs], revision=res.header.revision)
+
+    def _op(self, op: Put | Delete):
+        t = self._client.transactions
+        if isinstance(op, Put):
+            return t.put(op.key.encode(), op.value, lease=op.lease)
+        return t.delete(op.key.encode())
+
+    def _cmp(self, c: Compare):
+        t = self._client.transactions
+        field = {"mod": t.mod, "create": t.create, "version": t.version, "value": t.value}[c.target]
+        lhs = field(c.key.encode())
+        # aetcd's compare objects record the operator as a side effect of the comparison,
+        # so exactly one operator may be applied to each.
+        if c.op == "==":
+            return lhs == c.value
+        if c.op == "!=":
+            return lhs != c.value
+        if c.op == "<":
+            return lhs < c.value
+        return lhs > c.value
+
+    async def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
+                  failure: Sequence[Put | Delete] = ()) -> bool:
+        """Apply ``success`` atomically if every compare holds (else ``failure``); True if held."""
+        ok, _ = await self._call(self._client.transaction(
+            compare=[self._cmp(c) for c in compares],
+            success=[self._op(o) for o in success],
+            failure=[self._op(o) for o in failure],
+        ))
+        return bool(ok)
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        """Unconditional put; returns the new store revision."""
+        res = await self._call(self._client.put(key.encode(), value, lease=lease))
+        return res.header.revision
+
+    async def delete(self, key: str) -> bool:
+        res = await self._call(self._client.delete(key.encode()))
+        return res is not None and getattr(res, "deleted", 1) > 0
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Yield every change under ``prefix`` from ``start_revision`` (inclusive) on.
+
+        Raises :class:`Compacted` if ``start_revision`` was compacted, :class:`StoreError` if
+        the stream breaks. The caller resumes from ``last seen mod_revision + 1``.
+        """
+        key = prefix.encode()
+        try:
+            watch = await self._client.watch(key, range_end=_prefix_end(key),
+                                             start_revision=start_revision)
+        except self._aetcd.exceptions.RevisionCompactedError as e:
+            raise Compacted(e.compacted_revision) from e
+        except self._aetcd.ClientError as e:
+            raise StoreError(f"etcd watch {prefix}: {e}") from e
+        try:
+            async for ev in watch:
+                yield WatchEvent(type="PUT" if ev.kind == "PUT" else "DELETE",
+                                 kv=KV(key=ev.kv.key.decode(), value=bytes(ev.kv.value),
+                                       mod_revision=ev.kv.mod_revision,
+                                       create_revision=ev.kv.create_revision,
+                                       version=ev.kv.version, lease=ev.kv.lease))
+        except self._aetcd.exceptions.RevisionCompactedError as e:
+            raise Compacted(e.compacted_revision) from e
+        except self._aetcd.ClientError as e:
+            raise StoreError(f"etcd watch {prefix}: {e}") from e
+        finally:
+            try:
+                await asyncio.shield(watch.cancel())
+            except Exception:  # the stream may already be gone
+                pass
+
+    async def grant_lease(self, ttl_seconds: int) -> int:
+        lease = await self._call(self._client.lease(ttl_seconds))
+        return lease.id if hasattr(lease, "id") else lease.lease_id
+
+    async def keepalive(self, lease_id: int) -> int:
+        """Refresh the lease; returns its remaining TTL in seconds (0 or less: it expired)."""
+        reply = await self._call(self._client.refresh_lease(lease_id))
+        return int(reply.TTL) if reply is not None else 0
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        await self._call(self._client.revoke_lease(lease_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# The watch discipline
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Every key under the prefix at ``revision``; replaces whatever the follower held."""
+
+    items: list[KV]
+    revision: int
+
+
+async def follow_prefix(store: Store, prefix: str,
+                        on_snapshot: Callable[[Snapshot], Awaitable[None]],
+                        on_event: Callable[[WatchEvent], Awaitable[None]],
+                        *, retry_delay: float = 0.5, max_retry_delay: float = 5.0) -> None:
+    """Keep a caller's view of ``prefix`` exact, forever (until cancelled).
+
+    1. list the prefix → ``on_snapshot``; 2. watch from ``snapshot.revision + 1`` → ``on_event``
+    for each change; 3. if the stream breaks, resume from ``last seen revision + 1`` (after a
+    capped exponential back-off); 4. if that revision was compacted, go back to 1.
+    Errors raised by the callbacks propagate (they are bugs, not transport failures).
+    """
+    next_rev: int | None = None
+    delay = retry_delay
+    while True:
+        try:
+            if next_rev is None:
+                snap = await store.list(prefix)
+                await on_snapshot(Snapshot(items=snap.items, revision=snap.revision))
+                next_rev = snap.revision + 1
+            async for ev in store.watch(prefix, next_rev):
+                await on_event(ev)
+                next_rev = ev.kv.mod_revision + 1
+                delay = retry_delay
+        except Compacted as e:
+            log.warning("watch on %s: %s; re-listing", prefix, e)
+            next_rev = None
+            continue
+        except StoreError as e:
+            log.warning("watch on %s broke (%s); resuming from revision %s in %.1fs",
+                        prefix, e, next_rev, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_retry_delay)

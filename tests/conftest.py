@@ -1,0 +1,60 @@
+"""Session fixtures: the real local control plane (etcd, kube-apiserver) from mlx_fleet.devcluster.
+
+The binaries are built once and cached (``mlx-fleet provision``; the README's test command runs
+it before pytest, with a progress bar). Every fixture tears its processes down, also on failure.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from mlx_fleet.contract import Keys
+from mlx_fleet.devcluster.binaries import Binaries, ensure_all
+from mlx_fleet.devcluster.controlplane import ControlPlane, EtcdServer, start_control_plane, start_etcd
+from mlx_fleet.store import EtcdStore
+
+
+@pytest.fixture(scope="session")
+def binaries() -> Binaries:
+    return ensure_all()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(binaries: Binaries, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session. Tests isolate themselves with a unique key root
+    (see ``keys``), never by wiping the store."""
+    server = start_etcd(tmp_path_factory.mktemp("etcd"), binaries, "etcd-test")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    """A contract key layout under a root unique to the test."""
+    return Keys(f"/mlx-fleet-test/{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+async def store(etcd_server: EtcdServer) -> AsyncIterator[EtcdStore]:
+    async with EtcdStore(etcd_server.client_url) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def control_plane(binaries: Binaries) -> Iterator[ControlPlane]:
+    """etcd ×2 + kube-apiserver with the project's CRDs installed."""
+    cp = start_control_plane(binaries=binaries)
+    yield cp
+    cp.stop()
+
+
+@pytest.fixture(scope="session")
+def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real MLX llama model (random weights, real BPE tokenizer) on disk."""
+    from mlx_fleet.testmodel import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-llama")
