@@ -1,0 +1,215 @@
+"""``mlx-fleet``: the developer and operator-facing command line.
+
+Commands:
+  provision         build (once) and cache etcd, kube-apiserver and kubectl from the Go module proxy
+  dev up / dev down run / stop a local control plane (and optionally operator + agents) on loopback
+  demo              the local demo fleet end to end (the README's first Quick start command)
+  make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
+  status            print nodes, assignments and agent reports from etcd
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from rich.console import Console
+
+T = TypeVar("T")
+
+
+def progress_builder(console: Console, build: Callable[..., T]) -> T:
+    """Run ``build(progress=...)`` with a rich progress bar fed by compiled-package counts."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    tasks: dict[str, int] = {}
+    with Progress(TextColumn("[bold]building {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("packages"), TimeElapsedColumn(), console=console, transient=False) as bar:
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done, total=total)
+
+        return build(progress=progress)
+
+
+def _cmd_provision(args: argparse.Namespace) -> int:
+    from mlx_fleet.devcluster.binaries import BuildError, ensure_all
+
+    console = Console(stderr=True)
+    try:
+        binaries = progress_builder(console, ensure_all)
+    except BuildError as e:
+        console.print(f"[red]build failed:[/] {e}")
+        return 1
+    if args.print_bin_dir:
+        print(os.pathsep.join(map(str, binaries.bin_dirs)))
+    else:
+        for name, path in (("etcd", binaries.etcd), ("kube-apiserver", binaries.kube_apiserver),
+                           ("kubectl", binaries.kubectl)):
+            console.print(f"[green]✓[/] {name}: {path}")
+    return 0
+
+
+def _state_file() -> Path:
+    from mlx_fleet.devcluster.binaries import cache_dir
+
+    return cache_dir() / "dev" / "state.json"
+
+
+def _cmd_dev_up(args: argparse.Namespace) -> int:
+    from mlx_fleet.devcluster.binaries import ensure_all
+    from mlx_fleet.devcluster.controlplane import start_control_plane
+    from mlx_fleet.devcluster.fleet import start_agent, start_operator
+
+    console = Console(stderr=True)
+    binaries = progress_builder(console, ensure_all)
+    with console.status("starting etcd ×2 and kube-apiserver"):
+        cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
+                                 keep_workdir=args.keep)
+    try:
+        if args.operator:
+            with console.status("starting the operator"):
+                start_operator(cp)
+        for i in range(args.agents):
+            with console.status(f"starting agent mac-{i}"):
+                start_agent(cp, f"mac-{i}")
+        state = {"pid": os.getpid(), "workdir": str(cp.workdir), "kubeconfig": str(cp.kubeconfig),
+                 "etcd": cp.etcd_url, "apiserver": cp.apiserver_url}
+        _state_file().parent.mkdir(parents=True, exist_ok=True)
+        _state_file().write_text(json.dumps(state, indent=2))
+        console.print(f"[green]control plane up[/] — logs in {cp.logs_dir}\n"
+                      f"  export KUBECONFIG={cp.kubeconfig}\n"
+                      f"  export MLX_FLEET_ETCD_ENDPOINT={cp.etcd_url}\n"
+                      f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
+                      "Ctrl-C (or `mlx-fleet dev down`) stops everything.")
+        stop = False
+
+        def on_signal(*_: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not stop:
+            signal.pause()
+    finally:
+        cp.stop()
+        _state_file().unlink(missing_ok=True)
+    return 0
+
+
+def _cmd_dev_down(args: argparse.Namespace) -> int:
+    path = _state_file()
+    if not path.exists():
+        print("no local control plane is running (no state file)", file=sys.stderr)
+        return 1
+    pid = json.loads(path.read_text())["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        print(f"stale state file: process {pid} is gone", file=sys.stderr)
+        return 1
+    print(f"asked `mlx-fleet dev up` (pid {pid}) to stop", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from mlx_fleet.demo import run_demo
+
+    return run_demo(prompt=args.prompt, max_tokens=args.max_tokens, keep=args.keep)
+
+
+def _cmd_make_test_model(args: argparse.Namespace) -> int:
+    from mlx_fleet.testmodel import make_test_model
+
+    path = make_test_model(Path(args.dir), seed=args.seed)
+    print(path)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from mlx_fleet.contract import Keys
+    from mlx_fleet.fleetstatus import collect, render
+    from mlx_fleet.store import EtcdStore, StoreError
+
+    async def go() -> None:
+        async with EtcdStore(args.etcd_endpoint) as store:
+            render(await collect(store, Keys(args.etcd_prefix)))
+
+    try:
+        asyncio.run(go())
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlx_fleet.contract import ROOT
+
+    p = argparse.ArgumentParser(prog="mlx-fleet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("provision", help="build and cache etcd, kube-apiserver, kubectl",
+                       description="Build etcd and kube-apiserver/kubectl from the Go module proxy into "
+                                   "$MLX_FLEET_CACHE/bin (default ~/.cache/mlx-fleet). The first build "
+                                   "takes many minutes; later calls return at once.")
+    s.add_argument("--print-bin-dir", action="store_true",
+                   help="print the directories holding the binaries (for PATH) and nothing else")
+    s.set_defaults(func=_cmd_provision)
+
+    dev = sub.add_parser("dev", help="run a local control plane on loopback").add_subparsers(
+        dest="dev_command", required=True, metavar="ACTION")
+    up = dev.add_parser("up", help="start etcd + kube-apiserver (+ operator, agents) until Ctrl-C",
+                        description="Start a local control plane on free loopback ports and keep it "
+                                    "running until Ctrl-C or `mlx-fleet dev down`.")
+    up.add_argument("--workdir", help="directory for data, PKI, logs and the kubeconfig (default: temp)")
+    up.add_argument("--operator", action="store_true", help="also run the operator")
+    up.add_argument("--agents", type=int, default=0, metavar="N", help="also run N node agents")
+    up.add_argument("--keep", action="store_true", help="keep the working directory on exit")
+    up.set_defaults(func=_cmd_dev_up)
+    down = dev.add_parser("down", help="stop a running `mlx-fleet dev up`")
+    down.set_defaults(func=_cmd_dev_down)
+
+    d = sub.add_parser("demo", help="run the local demo fleet end to end",
+                       description="Bring up the local control plane, the operator and two agents, "
+                                   "apply examples/modeldeployment.yaml, wait until Ready, stream a "
+                                   "chat completion, print the fleet, tear down.")
+    d.add_argument("--prompt", default="Write one sentence about Apple silicon.")
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--keep", action="store_true", help="keep the logs directory after success")
+    d.set_defaults(func=_cmd_demo)
+
+    m = sub.add_parser("make-test-model", help="write a small real MLX model to DIR",
+                       description="Write a llama-architecture MLX model with random weights "
+                                   "(safetensors) and a real byte-level BPE tokenizer to DIR. "
+                                   "Loads through mlx_lm.load like any downloaded model. No network.")
+    m.add_argument("dir", help="destination directory (created; reused if already complete)")
+    m.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
+    m.set_defaults(func=_cmd_make_test_model)
+
+    st = sub.add_parser("status", help="print nodes, assignments and reports from etcd")
+    st.add_argument("--etcd-endpoint", default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
+                    help="etcd client URL (env MLX_FLEET_ETCD_ENDPOINT)")
+    st.add_argument("--etcd-prefix", default=ROOT, help=f"key root (default {ROOT})")
+    st.set_defaults(func=_cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

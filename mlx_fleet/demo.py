@@ -1,0 +1,134 @@
+"""The local demo fleet: control plane, operator, two agents, one ModelDeployment, one
+streamed completion.
+
+Steps (each shown as it runs): build/cached binaries → generate the test model → start etcd ×2 +
+kube-apiserver → start the operator and agents ``mac-a``/``mac-b`` → ``kubectl apply``
+``examples/modeldeployment.yaml`` → ``kubectl wait`` for ``Ready`` → stream a chat completion
+with the official ``openai`` client from the agent named in ``status.endpoints`` → print the fleet
+→ tear everything down. On failure it says which step failed and keeps the logs directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import string
+import time
+
+from rich.console import Console
+from rich.panel import Panel
+
+from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
+from mlx_fleet.devcluster.controlplane import REPO_ROOT, start_control_plane
+from mlx_fleet.devcluster.fleet import start_agent, start_operator
+
+EXAMPLE = REPO_ROOT / "examples" / "modeldeployment.yaml"
+
+
+class DemoFailed(RuntimeError):
+    pass
+
+
+def _step(console: Console, text: str):
+    return console.status(f"[bold]{text}…")
+
+
+def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tokens: int = 48,
+             keep: bool = False, console: Console | None = None) -> int:
+    """Run the demo; returns a process exit code (0 on success)."""
+    from mlx_fleet.cli import progress_builder
+    from mlx_fleet.testmodel import make_test_model
+
+    console = console or Console()
+    t0 = time.monotonic()
+    binaries = progress_builder(console, ensure_all)
+    with _step(console, "Generating the test model (random weights, real BPE tokenizer)"):
+        model_dir = make_test_model(cache_dir() / "models" / "tiny-llama")
+    console.print(f"[green]✓[/] test model at {model_dir}")
+
+    with _step(console, "Starting etcd ×2 and kube-apiserver on loopback"):
+        cp = start_control_plane(binaries=binaries, keep_workdir=True)
+    console.print(f"[green]✓[/] control plane up: {cp.apiserver_url} (kubeconfig {cp.kubeconfig})")
+    failed = True
+    step = "starting the operator"
+    try:
+        with _step(console, "Starting the operator and two node agents"):
+            start_operator(cp)
+            step = "starting the agents"
+            start_agent(cp, "mac-a", chip="Apple M3 Max", memory="64Gi", labels={"rack": "a"})
+            start_agent(cp, "mac-b", chip="Apple M4 Pro", memory="24Gi", labels={"rack": "b"})
+        console.print("[green]✓[/] operator and agents mac-a, mac-b running")
+
+        step = "applying examples/modeldeployment.yaml"
+        manifest = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))
+        console.print(f"$ kubectl apply -f {EXAMPLE.relative_to(REPO_ROOT)}")
+        console.print(cp.kubectl("apply", "-f", "-", input=manifest).stdout.strip())
+
+        step = "waiting for the ModelDeployment to become Ready"
+        with _step(console, "Waiting for llama-demo to become Ready"):
+            cp.kubectl("wait", "--for=condition=Ready", "modeldeployment/llama-demo",
+                       "--timeout=240s", timeout=260)
+        console.print("$ kubectl get modeldeployments")
+        console.print(cp.kubectl("get", "modeldeployments").stdout.rstrip())
+
+        step = "reading status.endpoints"
+        obj = json.loads(cp.kubectl("get", "modeldeployment/llama-demo", "-o", "json").stdout)
+        endpoints = obj.get("status", {}).get("endpoints") or []
+        if not endpoints:
+            raise DemoFailed("the ModelDeployment is Ready but status.endpoints is empty")
+
+        step = f"streaming a chat completion from {endpoints[0]}"
+        _stream_completion(console, endpoints[0], obj["spec"]["model"].get("servedModelName", "llama-demo"),
+                           prompt, max_tokens)
+
+        step = "printing the fleet status"
+        _print_fleet(console, cp.etcd_url)
+        failed = False
+        console.print(f"[bold green]Demo finished in {time.monotonic() - t0:.0f}s.[/]")
+        return 0
+    except Exception as e:  # the demo reports any failure and where to look
+        console.print(Panel(f"[red]{type(e).__name__}: {e}[/]\n\nLogs: {cp.logs_dir}",
+                            title=f"Demo failed while {step}", border_style="red"))
+        return 1
+    finally:
+        with _step(console, "Tearing down"):
+            cp.keep_workdir = keep or failed
+            cp.stop()
+        if cp.keep_workdir:
+            console.print(f"logs kept in {cp.logs_dir}")
+
+
+def _stream_completion(console: Console, base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="not-needed")
+    console.print(Panel(prompt, title=f"prompt → {model} at {base_url}"))
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0.8, stream=True, stream_options={"include_usage": True})
+    t0 = time.monotonic()
+    ttft = None
+    usage = None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta and choice.delta.content:
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                console.print(choice.delta.content, end="", markup=False, highlight=False)
+    console.print()
+    console.print(f"[dim](random weights: the text is noise; TTFT {1000 * (ttft or 0):.0f} ms"
+                  + (f", {usage.completion_tokens} tokens" if usage else "") + ")[/]")
+
+
+def _print_fleet(console: Console, etcd_url: str) -> None:
+    from mlx_fleet.contract import Keys
+    from mlx_fleet.fleetstatus import collect, render
+    from mlx_fleet.store import EtcdStore
+
+    async def go() -> None:
+        async with EtcdStore(etcd_url) as store:
+            render(await collect(store, Keys()), console)
+
+    asyncio.run(go())

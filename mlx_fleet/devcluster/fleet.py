@@ -1,0 +1,76 @@
+"""Start the operator and node agents as real processes against a :class:`ControlPlane`.
+
+Used by the demo, the end-to-end tests and the benchmarks, so all three run the very same
+command lines a user would (``python -m mlx_fleet_operator``, ``python -m node_agent``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from dataclasses import dataclass
+
+from mlx_fleet.contract import ROOT
+from mlx_fleet.devcluster.controlplane import ControlPlane
+from mlx_fleet.devcluster.processes import ManagedProcess, free_port
+
+
+@dataclass
+class AgentProcess:
+    """A node agent process and the URL its OpenAI-compatible API listens on."""
+
+    name: str
+    url: str
+    process: ManagedProcess
+
+    def health(self) -> tuple[int, dict]:
+        """``GET /health`` → (HTTP status, body); raises ``OSError`` if unreachable."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=3) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:  # 503 carries a body too
+            return e.code, json.load(e)
+
+
+def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float = 120.0,
+                   extra_args: tuple[str, ...] = ()) -> ManagedProcess:
+    """Run ``python -m mlx_fleet_operator`` against ``cp``; returns once its liveness probe
+    answers (kopf is connected to the API server and its handlers are registered)."""
+    metrics, liveness = free_port(), free_port()
+    proc = ManagedProcess("operator", [
+        sys.executable, "-m", "mlx_fleet_operator",
+        "--etcd-endpoint", cp.etcd_url, "--etcd-prefix", etcd_prefix,
+        "--metrics-port", str(metrics), "--liveness-port", str(liveness), *extra_args,
+    ], cp.logs_dir / "operator.log", env={**cp.env(), "PYTHONUNBUFFERED": "1"})
+    cp.extra.append(proc)
+
+    def live() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2) as r:
+            return r.status == 200
+
+    proc.wait_until(live, timeout=timeout, what="live (/healthz)")
+    proc.metrics_url = f"http://127.0.0.1:{metrics}/metrics"  # type: ignore[attr-defined]
+    return proc
+
+
+def start_agent(cp: ControlPlane, name: str, *, etcd_prefix: str = ROOT,
+                chip: str = "Apple M3 Max", memory: str = "64Gi", labels: dict[str, str] | None = None,
+                lease_ttl: int = 5, timeout: float = 120.0,
+                extra_args: tuple[str, ...] = ()) -> AgentProcess:
+    """Run ``python -m node_agent`` as node ``name`` (simulated ``chip``/``memory`` on Linux);
+    returns once ``/health`` answers 200 (HTTP up and node registered under its lease)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    label_args = [a for k, v in (labels or {}).items() for a in ("--label", f"{k}={v}")]
+    proc = ManagedProcess(f"agent {name}", [
+        sys.executable, "-m", "node_agent",
+        "--node-name", name, "--etcd-endpoint", cp.etcd_url, "--etcd-prefix", etcd_prefix,
+        "--listen", f"127.0.0.1:{port}", "--advertise-url", url,
+        "--simulated-chip", chip, "--simulated-memory", memory,
+        "--lease-ttl", str(lease_ttl), *label_args, *extra_args,
+    ], cp.logs_dir / f"agent-{name}.log", env={**cp.env(), "PYTHONUNBUFFERED": "1"})
+    cp.extra.append(proc)
+    agent = AgentProcess(name=name, url=url, process=proc)
+    proc.wait_until(lambda: agent.health()[0] == 200, timeout=timeout, what="healthy (/health)")
+    return agent
