@@ -1,0 +1,182 @@
+"""What this node offers: unified memory, GPU wired-memory limit and chip → :class:`NodeCapacity`.
+
+On macOS every value comes from the hardware:
+
+* ``hw.memsize`` (``sysctl -n``): physical unified memory in bytes;
+* ``machdep.cpu.brand_string``: the chip's marketing name, e.g. ``"Apple M3 Max"``, whose number
+  is the chip generation (:func:`chip_generation`);
+* ``iogpu.wired_limit_mb``: the GPU wired-memory limit in MiB (absent or 0 = the OS default,
+  reported as 0);
+* available memory: ``psutil.virtual_memory().available`` (free + reclaimable, bytes).
+
+Anywhere else (Linux, for development and tests) chip and total memory come from configuration
+(``--simulated-chip``, ``--simulated-memory``) and the capacity carries ``simulated=True``, so the
+operator and a human reading etcd never mistake such a node for a Mac. Configuring either value
+on macOS forces the same simulated mode (many simulated agents on one Mac).
+
+The parsing functions (:func:`chip_generation`, :func:`parse_quantity`) are pure. The agent and
+the operator do not import each other (import-linter contract), so the Kubernetes quantity
+parser lives here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import sys
+from decimal import Decimal, InvalidOperation
+
+import psutil
+
+from mlx_fleet.contract import NodeCapacity
+
+log = logging.getLogger(__name__)
+
+__all__ = ["chip_generation", "parse_quantity", "format_bytes", "CapacityConfig", "CapacityProbe",
+           "materially_different", "DEFAULT_SIMULATED_CHIP"]
+
+#: Chip reported by a simulated node when ``--simulated-chip`` is not given.
+DEFAULT_SIMULATED_CHIP = "Apple M3 Max"
+
+_CHIP_RE = re.compile(r"\bApple\s+M(\d+)\b", re.IGNORECASE)
+
+
+def chip_generation(brand: str) -> int:
+    """Apple-Silicon generation from a brand string: ``"Apple M3 Max"`` → 3, ``"Apple M4"`` → 4.
+
+    Returns 0 when the string names no Apple M-series chip (Intel Macs, other CPUs, empty),
+    which the operator's placement treats as "below every minimum generation".
+    """
+    m = _CHIP_RE.search(brand or "")
+    return int(m.group(1)) if m else 0
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGTPE]i|[kMGTPE]?)\s*$")
+
+
+def parse_quantity(text: str | int) -> int:
+    """A Kubernetes-style memory quantity → bytes (rounded up to a whole byte).
+
+    ``"64Gi"`` → 68719476736, ``"512Mi"``, ``"1.5Gi"``, ``"16G"`` (decimal: 16·10⁹),
+    ``"1000"`` (bytes). Suffixes: binary ``Ki Mi Gi Ti Pi Ei``, decimal ``k M G T P E``.
+    Raises ``ValueError`` naming the input for anything else (negative, empty, ``"64GB"``).
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"memory quantity must not be negative: {text}")
+        return text
+    m = _QUANTITY_RE.match(str(text))
+    if not m:
+        raise ValueError(f"invalid memory quantity {text!r}: expected a number with an optional "
+                         "suffix Ki/Mi/Gi/Ti/Pi/Ei (binary) or k/M/G/T/P/E (decimal), e.g. 64Gi")
+    number, suffix = m.groups()
+    try:
+        value = Decimal(number)
+    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
+        raise ValueError(f"invalid memory quantity {text!r}") from e
+    scaled = value * (_BINARY.get(suffix) or _DECIMAL[suffix])
+    return int(scaled.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable binary size for log lines: 68719476736 → ``"64.0 GiB"``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityConfig:
+    """How to detect capacity. ``simulated_chip`` / ``simulated_memory_bytes``: configured
+    values (either one forces simulation; off macOS simulation is always on, with
+    :data:`DEFAULT_SIMULATED_CHIP` and the host's physical memory as defaults)."""
+
+    simulated_chip: str | None = None
+    simulated_memory_bytes: int | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return (sys.platform != "darwin" or self.simulated_chip is not None
+                or self.simulated_memory_bytes is not None)
+
+
+async def _sysctl(name: str) -> str | None:
+    """``sysctl -n name`` without blocking the event loop; None when absent or failing."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "sysctl", "-n", name, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=5.0)
+    except (OSError, asyncio.TimeoutError) as e:
+        log.debug("sysctl %s failed: %s", name, e)
+        return None
+    if proc.returncode != 0:
+        return None
+    return out.decode(errors="replace").strip() or None
+
+
+class CapacityProbe:
+    """Reads this node's :class:`NodeCapacity`; :meth:`read` is cheap enough to call on every
+    heartbeat (static facts are read once, available memory and the wired limit each time).
+    """
+
+    def __init__(self, config: CapacityConfig = CapacityConfig()) -> None:
+        self.config = config
+        self._chip: str | None = None
+        self._total: int | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.config.simulated
+
+    async def _static(self) -> tuple[str, int]:
+        if self._chip is None or self._total is None:
+            if self.simulated:
+                host_total = psutil.virtual_memory().total
+                self._chip = self.config.simulated_chip or DEFAULT_SIMULATED_CHIP
+                self._total = self.config.simulated_memory_bytes or host_total
+            else:
+                self._chip = await _sysctl("machdep.cpu.brand_string") or "unknown"
+                raw = await _sysctl("hw.memsize")
+                self._total = int(raw) if raw and raw.isdigit() else psutil.virtual_memory().total
+        return self._chip, self._total
+
+    async def read(self) -> NodeCapacity:
+        """Current capacity (bytes). Simulated nodes report the host's *fraction* of available
+        memory applied to the simulated total, so a simulated 64 GiB node on a 16 GiB host is
+        placeable and still reacts to real memory pressure."""
+        chip, total = await self._static()
+        vm = await asyncio.to_thread(psutil.virtual_memory)
+        if self.simulated:
+            available = int(total * (vm.available / vm.total)) if vm.total else 0
+            wired = 0
+        else:
+            available = min(vm.available, total)
+            raw = await _sysctl("iogpu.wired_limit_mb")
+            wired = int(raw) * 2**20 if raw and raw.isdigit() else 0
+        return NodeCapacity(memory_total_bytes=total, memory_available_bytes=available,
+                            wired_limit_bytes=wired, chip=chip,
+                            chip_generation=chip_generation(chip), simulated=self.simulated)
+
+
+def materially_different(old: NodeCapacity | None, new: NodeCapacity, *,
+                         available_threshold_bytes: int | None = None) -> bool:
+    """True when ``new`` is worth rewriting the node record for: any static fact changed, or
+    available memory moved by more than ``available_threshold_bytes`` (default: 5 % of total
+    memory, at least 256 MiB)."""
+    if old is None:
+        return True
+    if (old.memory_total_bytes, old.wired_limit_bytes, old.chip, old.chip_generation,
+            old.simulated) != (new.memory_total_bytes, new.wired_limit_bytes, new.chip,
+                               new.chip_generation, new.simulated):
+        return True
+    threshold = (available_threshold_bytes if available_threshold_bytes is not None
+                 else max(256 * 2**20, new.memory_total_bytes // 20))
+    return abs(old.memory_available_bytes - new.memory_available_bytes) > threshold

@@ -1,0 +1,86 @@
+"""Capacity detection: pure parsers (table-driven) and the simulated probe on Linux."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mlx_fleet.contract import NodeCapacity
+from node_agent.capacity import (CapacityConfig, CapacityProbe, chip_generation,
+                                 materially_different, parse_quantity)
+
+
+@pytest.mark.parametrize("brand, generation", [
+    ("Apple M3 Max", 3),
+    ("Apple M3", 3),
+    ("Apple M4 Pro", 4),
+    ("Apple M2 Ultra", 2),
+    ("Apple M1", 1),
+    ("apple m5 max", 5),
+    ("Apple M10 Max", 10),
+    ("Intel(R) Core(TM) i9-9980HK CPU @ 2.40GHz", 0),
+    ("", 0),
+    ("Apple Mx", 0),
+    ("AppleM3", 0),
+])
+def test_chip_generation(brand: str, generation: int) -> None:
+    assert chip_generation(brand) == generation
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("64Gi", 64 * 2**30),
+    ("512Mi", 512 * 2**20),
+    ("1.5Gi", 3 * 2**29),
+    ("16G", 16 * 10**9),
+    ("100k", 100_000),
+    ("1000", 1000),
+    ("1Ti", 2**40),
+    (" 2Ki ", 2048),
+    ("0.5", 1),  # rounded up to a whole byte
+    (4096, 4096),
+])
+def test_parse_quantity(text, expected: int) -> None:
+    assert parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "64GB", "-1Gi", "Gi", "1.2.3", "64 gibibytes", "1e9", -5])
+def test_parse_quantity_rejects(text) -> None:
+    with pytest.raises(ValueError, match="quantity"):
+        parse_quantity(text)
+
+
+def _cap(**kw) -> NodeCapacity:
+    base = dict(memory_total_bytes=64 * 2**30, memory_available_bytes=40 * 2**30,
+                wired_limit_bytes=0, chip="Apple M3 Max", chip_generation=3, simulated=True)
+    return NodeCapacity(**(base | kw))
+
+
+@pytest.mark.parametrize("old, new, changed", [
+    (None, _cap(), True),
+    (_cap(), _cap(), False),
+    (_cap(), _cap(memory_available_bytes=40 * 2**30 + 100 * 2**20), False),  # < 5 % of 64 GiB
+    (_cap(), _cap(memory_available_bytes=36 * 2**30), True),
+    (_cap(), _cap(wired_limit_bytes=48 * 2**30), True),
+    (_cap(), _cap(chip="Apple M4 Max", chip_generation=4), True),
+])
+def test_materially_different(old, new, changed: bool) -> None:
+    assert materially_different(old, new) is changed
+
+
+async def test_simulated_probe() -> None:
+    probe = CapacityProbe(CapacityConfig(simulated_chip="Apple M4 Pro",
+                                         simulated_memory_bytes=parse_quantity("48Gi")))
+    cap = await probe.read()
+    assert cap.simulated is True
+    assert cap.chip == "Apple M4 Pro" and cap.chip_generation == 4
+    assert cap.memory_total_bytes == 48 * 2**30
+    assert 0 < cap.memory_available_bytes <= cap.memory_total_bytes
+    assert cap.wired_limit_bytes == 0
+
+
+async def test_defaults_are_simulated_off_macos() -> None:
+    cap = await CapacityProbe().read()
+    assert cap.simulated is (sys.platform != "darwin")
+    if cap.simulated:
+        assert cap.chip == "Apple M3 Max" and cap.chip_generation == 3
