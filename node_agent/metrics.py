@@ -1,0 +1,68 @@
+"""Prometheus metrics of the node agent's serving core and HTTP API.
+
+All metrics live on a caller-supplied :class:`prometheus_client.CollectorRegistry` (never the
+global one), so several agents can share one process (tests, simulations).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["AgentMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+_LOAD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class AgentMetrics:
+    """The agent's serving metrics, registered on ``registry``.
+
+    Labels: ``model`` (model id) and ``revision`` everywhere; the request counter also has
+    ``endpoint`` (URL path) and ``code`` (HTTP status as a string). Times are seconds.
+
+    * ``mlxfleet_agent_requests_total`` counter, ``{model,revision,endpoint,code}``
+    * ``mlxfleet_agent_time_to_first_token_seconds`` histogram: submit → first generated token
+    * ``mlxfleet_agent_inter_token_latency_seconds`` histogram: gap between consecutive tokens
+    * ``mlxfleet_agent_generated_tokens_total`` / ``mlxfleet_agent_prompt_tokens_total`` counters
+    * ``mlxfleet_agent_prompt_cache_hits_total`` counter (requests that reused a cached prefix)
+      and ``mlxfleet_agent_prompt_cache_tokens_total`` (prompt tokens served from the cache)
+    * ``mlxfleet_agent_queue_depth`` gauge: requests waiting for a batch slot
+    * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
+    * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
+    * ``mlxfleet_agent_model_load_seconds`` histogram: duration of ``mlx_lm.load``
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        mr = ["model", "revision"]
+        self.requests = Counter("mlxfleet_agent_requests_total",
+                                "HTTP API requests by model, endpoint and status code",
+                                mr + ["endpoint", "code"], registry=registry)
+        self.ttft = Histogram("mlxfleet_agent_time_to_first_token_seconds",
+                              "Time from request admission to its first generated token", mr,
+                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("mlxfleet_agent_inter_token_latency_seconds",
+                                     "Time between consecutive generated tokens of a request",
+                                     mr, buckets=_LATENCY_BUCKETS, registry=registry)
+        self.generated_tokens = Counter("mlxfleet_agent_generated_tokens_total",
+                                        "Tokens generated", mr, registry=registry)
+        self.prompt_tokens = Counter("mlxfleet_agent_prompt_tokens_total",
+                                     "Prompt tokens of admitted requests", mr, registry=registry)
+        self.prompt_cache_hits = Counter("mlxfleet_agent_prompt_cache_hits_total",
+                                         "Requests whose prompt prefix came from the prompt cache",
+                                         mr, registry=registry)
+        self.prompt_cache_tokens = Counter("mlxfleet_agent_prompt_cache_tokens_total",
+                                           "Prompt tokens served from the prompt cache", mr,
+                                           registry=registry)
+        self.queue_depth = Gauge("mlxfleet_agent_queue_depth",
+                                 "Requests waiting for a slot in the running batch", mr,
+                                 registry=registry)
+        self.batch_occupancy = Gauge("mlxfleet_agent_batch_occupancy",
+                                     "Sequences in the running batch (prefill + decode)", mr,
+                                     registry=registry)
+        self.model_loaded = Gauge("mlxfleet_agent_model_loaded",
+                                  "1 while the model is loaded, else 0", mr, registry=registry)
+        self.model_load_seconds = Histogram("mlxfleet_agent_model_load_seconds",
+                                            "Duration of loading a model", mr,
+                                            buckets=_LOAD_BUCKETS, registry=registry)

@@ -1,0 +1,352 @@
+"""The node agent's OpenAI-compatible HTTP API (aiohttp) over :class:`ServingCore`.
+
+Routes:
+
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming),
+* ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus).
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
+``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
+``code`` ``context_length_exceeded``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
+(seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
+mid-request.
+
+Run the app with ``handler_cancellation=True`` (as ``aiohttp.test_utils.TestServer`` does) so a
+client disconnect cancels the handler; the handler additionally notices a closed transport
+between tokens. Either way the generation leaves the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Annotated, Any, Awaitable, Callable, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelNotLoaded,
+                      Overloaded, ServingCore)
+
+__all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY"]
+
+log = logging.getLogger(__name__)
+
+CORE_KEY = web.AppKey("mlxfleet_core", ServingCore)
+_MODEL = "mlxfleet_model"
+_REVISION = "mlxfleet_revision"
+
+StrictInt = Annotated[int, Field(strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Request models (unknown fields are ignored)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: Annotated[bool, Field(strict=True)] = False
+
+
+class ContentPart(_Base):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Base):
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class _Sampling(_Base):
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: Annotated[bool, Field(strict=True)] = False
+    stream_options: StreamOptions | None = None
+    seed: StrictInt | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    user: str | None = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("must be a number")
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions`` body; ``prompt`` is one string."""
+
+    prompt: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, *, type_: str = "invalid_request_error",
+           param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
+        status=status, headers=headers)
+
+
+def _validation_error(e: ValidationError) -> web.Response:
+    err = e.errors(include_url=False)[0]
+    if err.get("type") == "json_invalid":
+        return _error(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
+    loc = [str(p) for p in err.get("loc", ()) if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if param is None and err.get("type") == "model_type":
+        msg = "the request body must be a JSON object"
+    return _error(400, f"{param + ': ' if param else ''}{msg}", param=param,
+                  code="invalid_value")
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic puts union-member names (``str``, ``list[str]`` ...) into error locations."""
+    if isinstance(part, int):
+        return False
+    p = str(part)
+    return ("[" in p or "-" in p or p in {"str", "int", "float", "bool", "none",
+                                          "ContentPart", "ChatMessage"})
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+
+def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
+              registry: CollectorRegistry) -> web.Application:
+    """Build the OpenAI-compatible app over ``core``.
+
+    ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
+    ``details`` as JSON. ``GET /metrics`` exposes ``registry`` (pass the core's registry, or one
+    that includes it, to see the serving metrics). Request counts go to ``core.metrics``.
+    """
+    metrics = core.metrics
+
+    @web.middleware
+    async def errors(request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            if e.status < 400:
+                raise
+            headers = {k: v for k, v in e.headers.items() if k.lower() in {"allow"}}
+            type_ = "invalid_request_error" if e.status < 500 else "server_error"
+            code = {404: "not_found", 405: "method_not_allowed",
+                    413: "request_too_large"}.get(e.status)
+            return _error(e.status, e.reason or "error", type_=type_, code=code,
+                          headers=headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499
+            raise
+        except Exception:  # noqa: BLE001 - never let a request take the server down
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return _error(500, "internal server error", type_="server_error",
+                          code="internal_error")
+        finally:
+            route = request.match_info.route
+            endpoint = (route.resource.canonical if route is not None
+                        and route.resource is not None else "unmatched")
+            metrics.requests.labels(request.get(_MODEL, ""), request.get(_REVISION, ""),
+                                    endpoint, str(status)).inc()
+
+    app = web.Application(middlewares=[errors])
+    app[CORE_KEY] = core
+
+    async def parse(request: web.Request, cls: type[_Sampling]) -> _Sampling | web.Response:
+        body = await request.read()
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as e:
+            return _validation_error(e)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        req = await parse(request, ChatCompletionRequest)
+        if isinstance(req, web.Response):
+            return req
+        assert isinstance(req, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await complete(request, req, "chat", max_tokens, messages=messages)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        req = await parse(request, CompletionRequest)
+        if isinstance(req, web.Response):
+            return req
+        assert isinstance(req, CompletionRequest)
+        return await complete(request, req, "text", req.max_tokens, prompt=req.prompt)
+
+    async def complete(request: web.Request, req: _Sampling, kind: Literal["chat", "text"],
+                       max_tokens: int | None, *, messages: list[dict] | None = None,
+                       prompt: str | None = None) -> web.StreamResponse:
+        request[_MODEL] = req.model
+        try:
+            info = core.model_info(req.model)
+        except ModelNotLoaded:
+            return _error(404, f"The model '{req.model}' does not exist or is not loaded on "
+                          "this node", param="model", code="model_not_found")
+        request[_REVISION] = info.revision
+        try:
+            gen = await core.generate(req.model, prompt=prompt, messages=messages,
+                                      max_tokens=max_tokens, temperature=req.temperature,
+                                      top_p=req.top_p, stop=req.stop, seed=req.seed)
+        except ModelNotLoaded:
+            return _error(404, f"The model '{req.model}' is not loaded on this node",
+                          param="model", code="model_not_found")
+        except Overloaded as e:
+            return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
+                          code="overloaded",
+                          headers={"Retry-After": str(e.retry_after_seconds)})
+        except ContextLengthExceeded as e:
+            return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
+                          code="context_length_exceeded")
+        except InvalidPrompt as e:
+            return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
+                          code="invalid_prompt")
+        except GenerationAborted as e:
+            return _error(503, str(e), type_="server_error", code="unavailable")
+
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        async with gen:
+            if req.stream:
+                return await stream(request, req, kind, gen, rid, created)
+            parts: list[str] = []
+            try:
+                async for chunk in gen:
+                    parts.append(chunk.text)
+                    if _client_gone(request):
+                        gen.cancel()
+                        raise ConnectionResetError("client disconnected")
+            except GenerationAborted as e:
+                return _error(503, str(e), type_="server_error", code="unavailable")
+        text = "".join(parts)
+        usage = _usage(gen.prompt_tokens, gen.completion_tokens)
+        if kind == "chat":
+            body = {"id": rid, "object": "chat.completion", "created": created,
+                    "model": req.model,
+                    "choices": [{"index": 0,
+                                 "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": gen.finish_reason}],
+                    "usage": usage}
+        else:
+            body = {"id": rid, "object": "text_completion", "created": created,
+                    "model": req.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": gen.finish_reason}],
+                    "usage": usage}
+        return web.json_response(body)
+
+    async def stream(request: web.Request, req: _Sampling, kind: str, gen: Any, rid: str,
+                     created: int) -> web.StreamResponse:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def event(choices: list[dict], usage: dict | None = None) -> bytes:
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
+                                    "model": req.model, "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+        def choice(text: str, finish: str | None, first: bool = False) -> dict:
+            if kind == "chat":
+                delta: dict[str, Any] = {"content": text}
+                if first:
+                    delta = {"role": "assistant", "content": text}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        if kind == "chat":
+            await resp.write(event([choice("", None, first=True)]))
+        try:
+            async for chunk in gen:
+                if chunk.text or chunk.finish_reason is not None:
+                    await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
+        except GenerationAborted as e:
+            err = {"error": {"message": str(e), "type": "server_error", "param": None,
+                             "code": "unavailable"}}
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            await resp.write_eof()
+            return resp
+        if include_usage:
+            await resp.write(event([], _usage(gen.prompt_tokens, gen.completion_tokens)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": m.model_id, "object": "model", "created": m.created_unix,
+             "owned_by": "mlx-fleet", "revision": m.revision,
+             "max_context_tokens": m.max_context_tokens}
+            for m in core.models()]})
+
+    async def health_handler(request: web.Request) -> web.Response:
+        ok, details = health()
+        return web.json_response(details, status=200 if ok else 503)
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(registry))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        resp.charset = "utf-8"
+        return resp
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health_handler)
+    app.router.add_get("/metrics", metrics_handler)
+    return app
