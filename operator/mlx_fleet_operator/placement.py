@@ -1,0 +1,213 @@
+"""Placement: which Macs serve a ModelDeployment. A pure function over plain data.
+
+:func:`place` takes what the operator read (the request, every node record, every current
+assignment of every deployment) and returns the nodes that should host the deployment's
+replicas, and — like the kube-scheduler's ``FailedScheduling`` event — a human explanation of
+why the remaining replicas could not be placed. It does no I/O and keeps no state, so the
+same input always gives the same output (ties are broken by node name).
+
+Rules
+-----
+* A node is *eligible* when it is ``Healthy``, carries every ``nodeSelector`` label, has
+  ``chip_generation >= minChipGeneration`` and its memory budget fits the request. The budget
+  is ``memory_total_bytes × WATERMARK`` minus the ``memory_bytes`` of *other* deployments'
+  assignments on that node (this deployment's own assignment does not count against itself).
+* Stability: a replica already placed on a node that is still eligible stays there; it is never
+  moved just because another node has more room. Replicas on vanished or ineligible nodes are
+  dropped (and re-placed elsewhere if possible).
+* Scale down removes replicas from the most loaded nodes first (least free budget; ties: the
+  node name sorting last goes first).
+* Scale up adds replicas by strategy: ``Spread`` = most free budget first, ``Binpack`` = least
+  free budget that still fits; ties by node name. At most one replica per node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Literal
+
+from mlx_fleet.contract import MIN_CHIP_GENERATION, Assignment, NodeHealth, NodeRecord
+
+#: Fraction of a Mac's unified memory that assignments may reserve. The rest is left to macOS,
+#: the agent and the KV-cache growth of loaded models. Source: seed 004's node budget,
+#: "watermark 80%" (DESIGN.md, "Lifecycle on unified memory").
+WATERMARK = 0.8
+
+Strategy = Literal["Spread", "Binpack"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRequest:
+    """What one ModelDeployment asks for.
+
+    ``memory_bytes``: unified memory per replica (bytes, > 0). ``node_selector``: labels a node
+    must all carry. ``min_chip_generation``: 3 for M3 ... ``strategy``: Spread or Binpack.
+    """
+
+    namespace: str
+    name: str
+    replicas: int
+    memory_bytes: int
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    min_chip_generation: int = MIN_CHIP_GENERATION
+    strategy: Strategy = "Spread"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementDecision:
+    """The outcome of :func:`place`.
+
+    ``nodes``: the nodes that should host a replica, sorted by name. ``kept``/``added``/
+    ``removed``: the diff against the current placement (``removed`` includes nodes that
+    vanished). ``unplaced``: replicas that could not be placed. ``reasons``: one fragment per
+    cause, e.g. ``"2 below chip generation M4"``; ``message``: the whole sentence, e.g.
+    ``"0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB, 1.1GiB
+    free)"``; both empty when every replica is placed.
+    """
+
+    nodes: tuple[str, ...]
+    kept: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    unplaced: int = 0
+    reasons: tuple[str, ...] = ()
+    message: str = ""
+
+
+def node_budget_bytes(node: NodeRecord) -> int:
+    """Bytes assignments may reserve on ``node``: ``memory_total_bytes × WATERMARK``, floored."""
+    return int(Decimal(node.capacity.memory_total_bytes) * Decimal(str(WATERMARK)))
+
+
+def used_by_others(request: PlacementRequest, assignments: Sequence[Assignment]) -> int:
+    """Memory reserved on one node by assignments of deployments other than ``request``'s."""
+    return sum(a.memory_bytes for a in assignments
+               if (a.namespace, a.name) != (request.namespace, request.name))
+
+
+def free_bytes(request: PlacementRequest, node: NodeRecord,
+               assignments: Sequence[Assignment]) -> int:
+    """The node's budget left for ``request`` (may be negative when it is over-committed)."""
+    return node_budget_bytes(node) - used_by_others(request, assignments)
+
+
+def _fmt(n: int) -> str:
+    value = float(max(n, 0))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# Order of the checks, which is also the order of the reasons in the message.
+_UNHEALTHY, _SELECTOR, _CHIP, _MEMORY = range(4)
+
+
+def _ineligible(request: PlacementRequest, node: NodeRecord, free: int) -> int | None:
+    if node.health != NodeHealth.HEALTHY:
+        return _UNHEALTHY
+    if any(node.labels.get(k) != v for k, v in request.node_selector.items()):
+        return _SELECTOR
+    if node.capacity.chip_generation < request.min_chip_generation:
+        return _CHIP
+    if free < request.memory_bytes:
+        return _MEMORY
+    return None
+
+
+def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
+          assignments: Mapping[str, Sequence[Assignment]]) -> PlacementDecision:
+    """Choose the nodes for ``request``'s replicas (rules in the module docstring).
+
+    ``nodes``: every node record. ``assignments``: node name → all assignments stored for that
+    node (every deployment, including ``request``'s own; nodes without a record may appear).
+    Raises ``ValueError`` if two records share a name or ``replicas`` is negative.
+    """
+    if request.replicas < 0:
+        raise ValueError(f"replicas must be >= 0, got {request.replicas}")
+    by_name: dict[str, NodeRecord] = {}
+    for n in nodes:
+        if n.name in by_name:
+            raise ValueError(f"duplicate node record {n.name!r}")
+        by_name[n.name] = n
+    me = (request.namespace, request.name)
+    current = sorted(node for node, items in assignments.items()
+                     if any((a.namespace, a.name) == me for a in items))
+
+    free: dict[str, int] = {name: free_bytes(request, n, assignments.get(name, ()))
+                            for name, n in by_name.items()}
+    verdict: dict[str, int | None] = {name: _ineligible(request, n, free[name])
+                                      for name, n in by_name.items()}
+    eligible = {name for name, v in verdict.items() if v is None}
+
+    kept = [n for n in current if n in eligible]
+    # Scale down: drop from the most loaded nodes first (least free; ties: last name first).
+    if len(kept) > request.replicas:
+        kept.sort(key=lambda n: (free[n], _neg(n)))
+        kept = kept[len(kept) - request.replicas:] if request.replicas else []
+    chosen = set(kept)
+
+    candidates = [n for n in eligible if n not in chosen]
+    if request.strategy == "Binpack":
+        candidates.sort(key=lambda n: (free[n], n))
+    else:
+        candidates.sort(key=lambda n: (-free[n], n))
+    added = candidates[:max(request.replicas - len(chosen), 0)]
+    chosen.update(added)
+    unplaced = request.replicas - len(chosen)
+
+    reasons: tuple[str, ...] = ()
+    message = ""
+    if unplaced > 0:
+        reasons, message = _explain(request, by_name, verdict, free, unplaced)
+    return PlacementDecision(
+        nodes=tuple(sorted(chosen)), kept=tuple(sorted(kept)), added=tuple(sorted(added)),
+        removed=tuple(n for n in current if n not in chosen), unplaced=unplaced,
+        reasons=reasons, message=message)
+
+
+class _neg(str):
+    """Sort key that orders strings in reverse."""
+
+    def __lt__(self, other: str) -> bool:  # type: ignore[override]
+        return str.__gt__(self, other)
+
+    def __gt__(self, other: str) -> bool:  # type: ignore[override]
+        return str.__lt__(self, other)
+
+
+def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
+             verdict: Mapping[str, int | None], free: Mapping[str, int], unplaced: int) -> tuple[tuple[str, ...], str]:
+    total = len(by_name)
+    replicas = "replica" if unplaced == 1 else "replicas"
+    if total == 0:
+        return ("no nodes registered",), f"{unplaced} {replicas} unplaced: no nodes registered"
+    counts: dict[int, list[str]] = {}
+    for name in sorted(by_name):
+        v = verdict[name]
+        if v is not None:
+            counts.setdefault(v, []).append(name)
+    fit = sum(1 for v in verdict.values() if v is None)
+    parts: list[str] = []
+    for kind in sorted(counts):
+        names = counts[kind]
+        k = len(names)
+        if kind == _UNHEALTHY:
+            states = sorted({by_name[n].health.value for n in names})
+            parts.append(f"{k} not healthy ({', '.join(states)})")
+        elif kind == _SELECTOR:
+            sel = ",".join(f"{a}={b}" for a, b in sorted(request.node_selector.items()))
+            parts.append(f"{k} not matching node selector {sel}")
+        elif kind == _CHIP:
+            parts.append(f"{k} below chip generation M{request.min_chip_generation}")
+        elif kind == _MEMORY:
+            best = max(free[n] for n in names)
+            parts.append(f"{k} insufficient memory (needs {_fmt(request.memory_bytes)}, "
+                         f"{_fmt(best)} free)")
+    message = f"{fit}/{total} nodes fit: {', '.join(parts)}"
+    if fit:  # the fitting nodes already host one replica each
+        message += f"; {unplaced} of {request.replicas} replicas unplaced (one per node)"
+    return tuple(parts), message

@@ -1,0 +1,198 @@
+"""Placement: table-driven cases over plain data, plus hypothesis properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_fleet.contract import (Assignment, ModelSource, NodeCapacity, NodeHealth, NodeRecord)
+from mlx_fleet_operator.placement import (WATERMARK, PlacementRequest, node_budget_bytes, place,
+                                          used_by_others)
+from mlx_fleet_operator.spec import SpecError, parse_quantity, parse_spec, to_assignment
+
+GiB = 1024**3
+
+
+def node(name: str, mem_gib: float = 10, gen: int = 3, health: NodeHealth = NodeHealth.HEALTHY,
+         **labels: str) -> NodeRecord:
+    return NodeRecord(name=name, address=f"http://{name}:8000", labels=labels, health=health,
+                      capacity=NodeCapacity(memory_total_bytes=int(mem_gib * GiB),
+                                            memory_available_bytes=int(mem_gib * GiB),
+                                            chip=f"Apple M{gen}", chip_generation=gen))
+
+
+def asg(name: str, mem_gib: float, ns: str = "default") -> Assignment:
+    return Assignment(namespace=ns, name=name, served_model_name=name,
+                      source=ModelSource(uri="/m", revision="v1"), memory_bytes=int(mem_gib * GiB))
+
+
+def req(replicas: int = 1, mem_gib: float = 2, **kw) -> PlacementRequest:
+    return PlacementRequest(namespace="default", name="llm", replicas=replicas,
+                            memory_bytes=int(mem_gib * GiB), **kw)
+
+
+CASES = [
+    # id, request, nodes, assignments, expected nodes, expected unplaced, message fragment
+    ("fits", req(), [node("a")], {}, ("a",), 0, ""),
+    ("no nodes", req(), [], {}, (), 1, "no nodes registered"),
+    ("memory too small", req(mem_gib=9), [node("a", 10)], {}, (), 1,
+     "0/1 nodes fit: 1 insufficient memory (needs 9.0GiB, 8.0GiB free)"),
+    ("exactly the watermark", req(mem_gib=8), [node("a", 10)], {}, ("a",), 0, ""),
+    ("mixed reasons", req(mem_gib=2, min_chip_generation=4),
+     [node("a", 10, gen=3), node("b", 10, gen=3), node("c", 2, gen=4)], {}, (), 1,
+     "0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB, 1.6GiB free)"),
+    ("selector", req(node_selector={"rack": "r1"}),
+     [node("a", rack="r2"), node("b", rack="r1"), node("c")], {}, ("b",), 0, ""),
+    ("selector none match", req(node_selector={"rack": "r1"}), [node("a", rack="r2")], {}, (), 1,
+     "0/1 nodes fit: 1 not matching node selector rack=r1"),
+    ("chip generation ok", req(min_chip_generation=4), [node("a", gen=3), node("b", gen=5)], {},
+     ("b",), 0, ""),
+    ("unhealthy", req(), [node("a", health=NodeHealth.DRAINING), node("b", health=NodeHealth.DEGRADED)],
+     {}, (), 1, "0/2 nodes fit: 2 not healthy (Degraded, Draining)"),
+    ("already placed: no churn", req(), [node("a", 10), node("b", 64)], {"a": [asg("llm", 2)]},
+     ("a",), 0, ""),
+    ("node gone", req(), [node("b")], {"a": [asg("llm", 2)]}, ("b",), 0, ""),
+    ("placed node became unhealthy", req(), [node("a", health=NodeHealth.DRAINING), node("b")],
+     {"a": [asg("llm", 2)]}, ("b",), 0, ""),
+    ("scale up keeps existing", req(replicas=3), [node("a"), node("b"), node("c"), node("d", 5)],
+     {"c": [asg("llm", 2)]}, ("a", "b", "c"), 0, ""),
+    ("scale up short", req(replicas=3), [node("a"), node("b", 1)], {}, ("a",), 2,
+     "1/2 nodes fit: 1 insufficient memory (needs 2.0GiB, 819.2MiB free); 2 of 3 replicas unplaced"),
+    ("scale down: most loaded first", req(replicas=1), [node("a"), node("b"), node("c")],
+     {"a": [asg("llm", 2), asg("other", 4)], "b": [asg("llm", 2)], "c": [asg("llm", 2), asg("x", 1)]},
+     ("b",), 0, ""),
+    ("scale to zero", req(replicas=0), [node("a")], {"a": [asg("llm", 2)]}, (), 0, ""),
+    ("spread: most free", req(replicas=1), [node("a", 16), node("b", 32), node("c", 8)], {},
+     ("b",), 0, ""),
+    ("binpack: least free that fits", req(replicas=1, strategy="Binpack"),
+     [node("a", 16), node("b", 32), node("c", 2), node("d", 8)], {}, ("d",), 0, ""),
+    ("tie broken by name", req(replicas=1), [node("z"), node("m"), node("b")], {}, ("b",), 0, ""),
+    ("binpack tie broken by name", req(replicas=1, strategy="Binpack"), [node("z"), node("m")], {},
+     ("m",), 0, ""),
+    ("other deployments count", req(mem_gib=4), [node("a", 10), node("b", 10)],
+     {"a": [asg("x", 5)], "b": [asg("y", 3)]}, ("b",), 0, ""),
+    ("other deployments fill it", req(mem_gib=4), [node("a", 10)], {"a": [asg("x", 5)]}, (), 1,
+     "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB, 3.0GiB free)"),
+    ("same name other namespace counts", req(mem_gib=4), [node("a", 10)],
+     {"a": [asg("llm", 5, ns="prod")]}, (), 1, "insufficient memory"),
+    ("own assignment does not count against itself", req(mem_gib=8), [node("a", 10)],
+     {"a": [asg("llm", 8)]}, ("a",), 0, ""),
+    ("grown request moves replica", req(mem_gib=6), [node("a", 10), node("b", 10)],
+     {"a": [asg("llm", 2), asg("x", 3)]}, ("b",), 0, ""),
+]
+
+
+@pytest.mark.parametrize("request_, nodes, assignments, want, unplaced, message",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_place(request_, nodes, assignments, want, unplaced, message):
+    d = place(request_, nodes, assignments)
+    assert d.nodes == want
+    assert d.unplaced == unplaced
+    if message:
+        assert message in d.message
+    else:
+        assert d.message == "" and d.reasons == ()
+
+
+def test_diff_fields():
+    d = place(req(replicas=2), [node("b"), node("c")], {"a": [asg("llm", 2)], "b": [asg("llm", 2)]})
+    assert (d.kept, d.added, d.removed, d.nodes) == (("b",), ("c",), ("a",), ("b", "c"))
+
+
+def test_duplicate_node_rejected():
+    with pytest.raises(ValueError, match="duplicate"):
+        place(req(), [node("a"), node("a")], {})
+
+
+def test_budget_uses_watermark():
+    assert WATERMARK == 0.8
+    assert node_budget_bytes(node("a", 10)) == 8 * GiB
+
+
+# --- spec parsing ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, want", [
+    ("2Gi", 2 * GiB), ("512Mi", 512 * 1024**2), ("1Ki", 1024), ("1Ti", 1024**4), ("1Pi", 1024**5),
+    ("1Ei", 1024**6), ("1k", 1000), ("1.5G", 1_500_000_000), ("1M", 10**6), ("1T", 10**12),
+    ("1P", 10**15), ("1E", 10**18), ("1e9", 10**9), ("2.5E+3", 2500), ("1500m", 2), ("123", 123),
+    (4096, 4096), (".5Ki", 512), ("+1k", 1000),
+])
+def test_parse_quantity(text, want):
+    assert parse_quantity(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "Gi", "1GB", "1 Gi", "abc", "1.2.3", "0x10", True, None, "1e999"])
+def test_parse_quantity_rejects(bad):
+    with pytest.raises(ValueError, match="invalid quantity"):
+        parse_quantity(bad)
+
+
+SPEC = {"model": {"source": "file:///models/llama", "revision": "v1"}, "resources": {"memory": "2Gi"}}
+
+
+def test_parse_spec_defaults_and_assignment():
+    s = parse_spec(SPEC)
+    assert (s.replicas, s.placement.strategy, s.placement.min_chip_generation) == (1, "Spread", 3)
+    a = to_assignment(s, namespace="ns", name="llm", uid="u1", generation=4)
+    assert a.served_model_name == "llm" and a.memory_bytes == 2 * GiB and a.generation == 4
+    assert a.source.uri == "file:///models/llama" and a.serving.max_concurrent_sequences == 8
+    s2 = parse_spec({**SPEC, "model": {**SPEC["model"], "servedModelName": "x"},
+                     "placement": {"minChipGeneration": "M4", "strategy": "Binpack",
+                                   "nodeSelector": {"a": "b"}}})
+    assert s2.placement.min_chip_generation == 4 and s2.placement.node_selector == {"a": "b"}
+    assert to_assignment(s2, namespace="ns", name="llm").served_model_name == "x"
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"resources": {"memory": "0"}}, "spec.resources.memory"),
+    ({"resources": {"memory": "lots"}}, "spec.resources.memory"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"model": {"source": "relative/path", "revision": "v1"}}, "spec.model.source"),
+    ({"placement": {"minChipGeneration": "X9"}}, "spec.placement.minChipGeneration"),
+    ({"placement": {"strategy": "Random"}}, "spec.placement.strategy"),
+    ({"model": None}, "spec.model"),
+])
+def test_parse_spec_errors_name_the_field(patch, field):
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        parse_spec({**SPEC, **patch})
+
+
+# --- properties --------------------------------------------------------------------------------
+
+names = st.sampled_from([f"n{i}" for i in range(8)])
+node_st = st.builds(node, name=names, mem_gib=st.integers(1, 64), gen=st.integers(3, 5),
+                    health=st.sampled_from(list(NodeHealth)))
+
+
+@st.composite
+def scenarios(draw):
+    nodes = list({n.name: n for n in draw(st.lists(node_st, max_size=8))}.values())
+    others = draw(st.dictionaries(names, st.lists(
+        st.builds(asg, name=st.sampled_from(["x", "y", "llm"]), mem_gib=st.integers(1, 16)),
+        max_size=3), max_size=8))
+    r = draw(st.builds(req, replicas=st.integers(0, 6), mem_gib=st.integers(1, 32),
+                       min_chip_generation=st.integers(3, 5),
+                       strategy=st.sampled_from(["Spread", "Binpack"])))
+    return r, nodes, others
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_properties(scenario):
+    r, nodes, assignments = scenario
+    d = place(r, nodes, assignments)
+    by_name = {n.name: n for n in nodes}
+    assert len(set(d.nodes)) == len(d.nodes) <= r.replicas
+    assert d.unplaced == r.replicas - len(d.nodes)
+    for n in d.nodes:  # never exceeds the budget, only healthy matching nodes
+        rec = by_name[n]
+        assert used_by_others(r, assignments.get(n, ())) + r.memory_bytes <= node_budget_bytes(rec)
+        assert rec.health == NodeHealth.HEALTHY and rec.capacity.chip_generation >= r.min_chip_generation
+    assert place(r, list(reversed(nodes)), dict(reversed(list(assignments.items())))) == d
+    assert (d.message != "") == (d.unplaced > 0)
+    # stability: placing again on the result changes nothing
+    again = {k: [a for a in v if a.name != "llm"] for k, v in assignments.items()}
+    for n in d.nodes:
+        again.setdefault(n, []).append(asg("llm", r.memory_bytes / GiB))
+    assert place(r, nodes, again).nodes == d.nodes
