@@ -1,0 +1,193 @@
+"""The ModelDeployment ``status`` and the Kubernetes events to post: a pure function.
+
+:func:`compute_status` turns what the operator knows (the spec's generation and replica count,
+the placement decision, the assignments it wrote, the agents' reports and node records, and the
+previous status) into the new ``status`` dict (docs/api-spec-draft.md) and the list of events
+that mark transitions since the previous status. Conditions follow the Kubernetes API
+conventions: ``type``, ``status`` ("True"/"False"/"Unknown"), CamelCase ``reason``, ``message``,
+``lastTransitionTime`` (kept unchanged while ``status`` does not change) and
+``observedGeneration``.
+
+Conditions
+----------
+``Ready``        True when ``readyReplicas >= replicas`` (``ScaledToZero`` when replicas is 0).
+``Progressing``  True while placed replicas are still being fetched or loaded; False with
+                 ``Complete``, ``FailedPlacement`` or ``ReplicaFailed`` otherwise.
+``Degraded``     True when a replica failed or replicas could not be placed.
+
+A report counts only when its ``generation`` equals the generation of the assignment stored
+for that node (an older report describes an older spec).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, NodeRecord
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A Kubernetes event to post on the ModelDeployment: ``type`` Normal or Warning."""
+
+    type: str
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusInput:
+    """Everything :func:`compute_status` looks at.
+
+    ``assignments``: node → this deployment's stored assignment (after reconcile).
+    ``reports``: node → the agent's report for this deployment. ``nodes``: node → record.
+    ``unplaced`` / ``placement_message``: from the placement decision.
+    ``spec_error``: set when the spec is invalid (nothing is placed then).
+    """
+
+    generation: int
+    replicas: int
+    assignments: Mapping[str, Assignment] = dataclasses.field(default_factory=dict)
+    reports: Mapping[str, AssignmentReport] = dataclasses.field(default_factory=dict)
+    nodes: Mapping[str, NodeRecord] = dataclasses.field(default_factory=dict)
+    unplaced: int = 0
+    placement_message: str = ""
+    spec_error: str | None = None
+
+
+def now_rfc3339(now: dt.datetime | None = None) -> str:
+    """UTC time as RFC 3339 with second precision (``2025-01-02T03:04:05Z``)."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
+                record: NodeRecord | None) -> dict[str, str]:
+    endpoint = (report.endpoint if report and report.endpoint else
+                record.address if record else "")
+    if report is None:
+        return {"name": node, "state": AssignmentState.PENDING.value, "reason": "AwaitingAgent",
+                "message": f"waiting for the agent to report generation {asg.generation}",
+                "endpoint": endpoint}
+    if report.generation != asg.generation:
+        return {"name": node, "state": AssignmentState.PENDING.value, "reason": "AwaitingAgent",
+                "message": (f"agent last reported {report.state.value} for generation "
+                            f"{report.generation}; assigned generation is {asg.generation}"),
+                "endpoint": endpoint}
+    return {"name": node, "state": report.state.value,
+            "reason": report.reason or report.state.value, "message": report.message,
+            "endpoint": endpoint}
+
+
+def _condition(ctype: str, status: str, reason: str, message: str, generation: int,
+               previous: Mapping[str, Mapping[str, Any]], now: str) -> dict[str, Any]:
+    prev = previous.get(ctype)
+    changed = prev is None or prev.get("status") != status
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": now if changed else prev.get("lastTransitionTime", now),
+            "observedGeneration": generation}
+
+
+def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
+                   now: dt.datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
+    """→ ``(status, events)``. ``previous``: the object's current ``status`` (or None).
+
+    Events (only on transitions against ``previous``): Normal ``Placed`` for a node that newly
+    hosts a replica, Normal ``ReplicaReady`` when a replica becomes Ready, Warning
+    ``ReplicaFailed`` with the agent's reason and message when one becomes Failed (or fails
+    with a new reason), Warning ``FailedPlacement`` when replicas become unplaceable or the
+    explanation changes, Warning ``InvalidSpec`` when the spec becomes invalid.
+    """
+    previous = previous or {}
+    stamp = now_rfc3339(now)
+    prev_conditions = {c.get("type"): c for c in previous.get("conditions") or [] if isinstance(c, Mapping)}
+    prev_nodes = {n.get("name"): n for n in previous.get("nodes") or [] if isinstance(n, Mapping)}
+    gen = inp.generation
+    events: list[Event] = []
+
+    entries = [_node_entry(n, inp.assignments[n], inp.reports.get(n), inp.nodes.get(n))
+               for n in sorted(inp.assignments)]
+    ready = [e for e in entries if e["state"] == AssignmentState.READY.value]
+    failed = [e for e in entries if e["state"] == AssignmentState.FAILED.value]
+    starting = [e for e in entries if e["state"] not in (AssignmentState.READY.value,
+                                                        AssignmentState.FAILED.value)]
+    n_ready = len(ready)
+    desired = inp.replicas
+
+    def cond(ctype: str, status: str, reason: str, message: str) -> dict[str, Any]:
+        return _condition(ctype, status, reason, message, gen, prev_conditions, stamp)
+
+    if inp.spec_error is not None:
+        conditions = [cond("Ready", "False", "InvalidSpec", inp.spec_error),
+                      cond("Progressing", "False", "InvalidSpec", inp.spec_error),
+                      cond("Degraded", "True", "InvalidSpec", inp.spec_error)]
+    else:
+        if desired == 0:
+            ready_c = cond("Ready", "True", "ScaledToZero", "0 replicas requested")
+        elif n_ready >= desired:
+            ready_c = cond("Ready", "True", "ReplicasReady", f"{n_ready}/{desired} replicas ready")
+        else:
+            ready_c = cond("Ready", "False", "ReplicasNotReady",
+                           f"{n_ready}/{desired} replicas ready")
+        if starting:
+            detail = ", ".join(f"{e['name']} {e['state']}" for e in starting)
+            prog_c = cond("Progressing", "True", "ReplicasStarting",
+                          f"{len(starting)} replica(s) starting: {detail}")
+        elif inp.unplaced > 0:
+            prog_c = cond("Progressing", "False", "FailedPlacement", inp.placement_message)
+        elif failed:
+            prog_c = cond("Progressing", "False", "ReplicaFailed",
+                          f"{len(failed)} replica(s) failed")
+        else:
+            prog_c = cond("Progressing", "False", "Complete",
+                          f"{n_ready}/{desired} replicas ready at generation {gen}")
+        problems = [f"{e['name']}: {e['reason']}: {e['message']}".rstrip(": ") for e in failed]
+        if failed:
+            deg_c = cond("Degraded", "True", "ReplicaFailed", "; ".join(problems))
+        elif inp.unplaced > 0:
+            deg_c = cond("Degraded", "True", "FailedPlacement", inp.placement_message)
+        else:
+            deg_c = cond("Degraded", "False", "AsExpected", "no failed or unplaced replicas")
+        conditions = [ready_c, prog_c, deg_c]
+
+    # -- events on transitions -----------------------------------------------------------------
+    for e in entries:
+        before = prev_nodes.get(e["name"])
+        if before is None:
+            events.append(Event("Normal", "Placed", f"Assigned a replica to node {e['name']}"))
+        before_state = before.get("state") if before else None
+        if e["state"] == AssignmentState.READY.value and before_state != e["state"]:
+            events.append(Event("Normal", "ReplicaReady",
+                                f"Replica on node {e['name']} is Ready at {e['endpoint']}"))
+        if e["state"] == AssignmentState.FAILED.value and (
+                before_state != e["state"] or (before or {}).get("reason") != e["reason"]):
+            events.append(Event("Warning", "ReplicaFailed",
+                                f"Replica on node {e['name']} failed: {e['reason']}: {e['message']}"))
+    prev_degraded = prev_conditions.get("Degraded", {})
+    new_degraded = conditions[2]
+    if new_degraded["reason"] in ("FailedPlacement", "InvalidSpec") and (
+            prev_degraded.get("reason") != new_degraded["reason"]
+            or prev_degraded.get("message") != new_degraded["message"]):
+        events.append(Event("Warning", new_degraded["reason"], new_degraded["message"]))
+
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "replicas": desired,
+        "readyReplicas": n_ready,
+        "nodes": entries,
+        "endpoints": sorted({e["endpoint"] for e in ready if e["endpoint"]}),
+        "conditions": conditions,
+    }
+    return status, events
+
+
+def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """True when ``new`` differs from ``old`` in any field :func:`compute_status` owns."""
+    old = old or {}
+    return any(old.get(k) != v for k, v in new.items())
+

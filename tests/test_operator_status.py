@@ -1,0 +1,146 @@
+"""status.compute_status: table-driven, pure."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, ModelSource,
+                                NodeCapacity, NodeRecord)
+from mlx_fleet_operator.status import StatusInput, compute_status, status_changed
+
+T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+T1 = T0 + dt.timedelta(minutes=5)
+
+
+def asg(gen: int = 2) -> Assignment:
+    return Assignment(namespace="ns", name="llm", generation=gen, served_model_name="llm",
+                      source=ModelSource(uri="/m", revision="v1"), memory_bytes=1)
+
+
+def rep(node: str, state: AssignmentState, gen: int = 2, **kw) -> AssignmentReport:
+    return AssignmentReport(node=node, namespace="ns", name="llm", generation=gen, state=state,
+                            endpoint=f"http://{node}:8000", **kw)
+
+
+def rec(node: str) -> NodeRecord:
+    return NodeRecord(name=node, address=f"http://{node}:9000",
+                      capacity=NodeCapacity(memory_total_bytes=1, memory_available_bytes=1,
+                                            chip="Apple M3", chip_generation=3))
+
+
+def conds(status):
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+R, F, L = AssignmentState.READY, AssignmentState.FAILED, AssignmentState.LOADING
+
+CASES = [
+    # id, input, ready replicas, conditions, state per node
+    ("scaled to zero", StatusInput(generation=2, replicas=0), 0,
+     {"Ready": ("True", "ScaledToZero"), "Progressing": ("False", "Complete"),
+      "Degraded": ("False", "AsExpected")}, {}),
+    ("no report yet", StatusInput(generation=2, replicas=1, assignments={"a": asg()},
+                                  nodes={"a": rec("a")}), 0,
+     {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "ReplicasStarting"),
+      "Degraded": ("False", "AsExpected")}, {"a": "Pending"}),
+    ("loading", StatusInput(generation=2, replicas=1, assignments={"a": asg()},
+                            reports={"a": rep("a", L)}), 0,
+     {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "ReplicasStarting")},
+     {"a": "Loading"}),
+    ("all ready", StatusInput(generation=2, replicas=2, assignments={"a": asg(), "b": asg()},
+                              reports={"a": rep("a", R), "b": rep("b", R)}), 2,
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete"),
+      "Degraded": ("False", "AsExpected")}, {"a": "Ready", "b": "Ready"}),
+    ("stale report does not count", StatusInput(generation=3, replicas=1, assignments={"a": asg(3)},
+                                                reports={"a": rep("a", R, gen=2)}), 0,
+     {"Ready": ("False", "ReplicasNotReady")}, {"a": "Pending"}),
+    ("failed", StatusInput(generation=2, replicas=2, assignments={"a": asg(), "b": asg()},
+                           reports={"a": rep("a", R), "b": rep("b", F, reason="LoadFailed",
+                                                             message="no such file")}), 1,
+     {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("False", "ReplicaFailed"),
+      "Degraded": ("True", "ReplicaFailed")}, {"a": "Ready", "b": "Failed"}),
+    ("unplaced", StatusInput(generation=2, replicas=2, assignments={"a": asg()},
+                             reports={"a": rep("a", R)}, unplaced=1,
+                             placement_message="1/2 nodes fit: 1 insufficient memory"), 1,
+     {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("False", "FailedPlacement"),
+      "Degraded": ("True", "FailedPlacement")}, {"a": "Ready"}),
+    ("invalid spec", StatusInput(generation=2, replicas=1, spec_error="spec.replicas: bad"), 0,
+     {"Ready": ("False", "InvalidSpec"), "Degraded": ("True", "InvalidSpec")}, {}),
+]
+
+
+@pytest.mark.parametrize("inp, ready, want_conds, states", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_compute_status(inp, ready, want_conds, states):
+    status, _ = compute_status(inp, None, T0)
+    assert status["observedGeneration"] == inp.generation
+    assert status["replicas"] == inp.replicas and status["readyReplicas"] == ready
+    got = conds(status)
+    for k, v in want_conds.items():
+        assert got[k] == v, k
+    assert {n["name"]: n["state"] for n in status["nodes"]} == states
+    assert all(c["observedGeneration"] == inp.generation for c in status["conditions"])
+    assert all(c["lastTransitionTime"] == "2025-01-01T00:00:00Z" for c in status["conditions"])
+
+
+def test_endpoints_only_ready_and_fallback_to_node_address():
+    status, _ = compute_status(StatusInput(
+        generation=2, replicas=2, assignments={"a": asg(), "b": asg()},
+        reports={"a": rep("a", R), "b": rep("b", L)}, nodes={"a": rec("a"), "b": rec("b")}), None, T0)
+    assert status["endpoints"] == ["http://a:8000"]
+    s2, _ = compute_status(StatusInput(generation=2, replicas=1, assignments={"c": asg()},
+                                       nodes={"c": rec("c")}), None, T0)
+    assert s2["nodes"][0]["endpoint"] == "http://c:9000"
+
+
+def test_last_transition_time_kept_when_status_unchanged():
+    inp = StatusInput(generation=2, replicas=1, assignments={"a": asg()}, reports={"a": rep("a", L)})
+    first, _ = compute_status(inp, None, T0)
+    inp2 = StatusInput(generation=2, replicas=1, assignments={"a": asg()},
+                       reports={"a": rep("a", R)})
+    second, _ = compute_status(inp2, first, T1)
+    times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
+    assert times["Ready"] == "2025-01-01T00:05:00Z"  # False -> True
+    assert times["Progressing"] == "2025-01-01T00:05:00Z"  # True -> False
+    assert times["Degraded"] == "2025-01-01T00:00:00Z"  # False all along
+    third, events = compute_status(inp2, second, T1 + dt.timedelta(hours=1))
+    assert third == second and events == [] and not status_changed(second, third)
+
+
+EVENT_CASES = [
+    ("placed", None, {"a": None}, [("Normal", "Placed")]),
+    ("placed and ready at once", None, {"a": R}, [("Normal", "Placed"), ("Normal", "ReplicaReady")]),
+    ("becomes ready", {"a": L}, {"a": R}, [("Normal", "ReplicaReady")]),
+    ("stays ready", {"a": R}, {"a": R}, []),
+    ("fails", {"a": L}, {"a": F}, [("Warning", "ReplicaFailed")]),
+    ("stays failed", {"a": F}, {"a": F}, []),
+]
+
+
+@pytest.mark.parametrize("before, after, want", [c[1:] for c in EVENT_CASES],
+                         ids=[c[0] for c in EVENT_CASES])
+def test_events(before, after, want):
+    def inp(states):
+        return StatusInput(generation=2, replicas=1, assignments={n: asg() for n in states},
+                           reports={n: rep(n, s, reason="LoadFailed" if s == F else "",
+                                           message="boom" if s == F else "")
+                                    for n, s in states.items() if s is not None})
+    prev = compute_status(inp(before), None, T0)[0] if before else None
+    _, events = compute_status(inp(after), prev, T1)
+    assert [(e.type, e.reason) for e in events] == want
+    if want and want[-1][1] == "ReplicaFailed":
+        assert "LoadFailed: boom" in events[-1].message
+
+
+def test_failed_placement_event_once_per_message():
+    inp = StatusInput(generation=1, replicas=1, unplaced=1, placement_message="0/1 nodes fit: x")
+    s1, e1 = compute_status(inp, None, T0)
+    assert [(e.type, e.reason, e.message) for e in e1] == [("Warning", "FailedPlacement",
+                                                            "0/1 nodes fit: x")]
+    _, e2 = compute_status(inp, s1, T1)
+    assert e2 == []
+    _, e3 = compute_status(StatusInput(generation=1, replicas=1, unplaced=1,
+                                       placement_message="0/2 nodes fit: y"), s1, T1)
+    assert [e.reason for e in e3] == ["FailedPlacement"]
