@@ -505,8 +505,6 @@ class ServingCore:
         t0 = time.perf_counter()
         try:
             model, tokenizer = mlx_lm.load(info.path)
-        except FileNotFoundError as e:
-            raise ModelLoadError("ModelNotFound", str(e)) from e
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
         generator = BatchGenerator(

@@ -1,0 +1,76 @@
+"""Shared fixtures for the serving-core and OpenAI-API tests: one tiny generated model per
+session, a started :class:`ServingCore` with it loaded, and an aiohttp test server/client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from mlx_fleet.testmodel import make_test_model
+from node_agent.openai_api import build_app
+from node_agent.serving import ServingCore
+
+MODEL_ID = "tiny"
+REVISION = "r1"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_test_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Await until ``cond()`` is true (bounded; polls the event loop)."""
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(poll(), timeout)
+
+
+class Agent:
+    """A core with the tiny model loaded, served by the real app on a test server."""
+
+    def __init__(self, core: ServingCore, client: TestClient, registry: CollectorRegistry,
+                 health: dict) -> None:
+        self.core = core
+        self.client = client
+        self.registry = registry
+        self.health = health
+
+    @property
+    def base_url(self) -> str:
+        return str(self.client.make_url("/v1"))
+
+
+async def make_agent(path: Path, *, max_queued_requests: int = 64,
+                     max_concurrent_sequences: int = 8,
+                     max_context_tokens: int = 8192) -> Agent:
+    registry = CollectorRegistry()
+    core = ServingCore(registry=registry, max_queued_requests=max_queued_requests)
+    await core.start()
+    await core.load_model(MODEL_ID, path, revision=REVISION,
+                          max_concurrent_sequences=max_concurrent_sequences,
+                          max_context_tokens=max_context_tokens)
+    health = {"ok": True, "details": {"node": "test"}}
+    app = build_app(core, health=lambda: (health["ok"], health["details"]), registry=registry)
+    client = TestClient(TestServer(app, host="127.0.0.1"))
+    await client.start_server()
+    return Agent(core, client, registry, health)
+
+
+async def close_agent(agent: Agent) -> None:
+    await agent.client.close()
+    await agent.core.close()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def agent(tiny_model_path: Path) -> AsyncIterator[Agent]:
+    a = await make_agent(tiny_model_path)
+    yield a
+    await close_agent(a)

@@ -1,0 +1,238 @@
+"""ServingCore against a real generated model loaded through mlx_lm: generation, limits,
+continuous batching through BatchGenerator, cancellation, unload, several models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from node_agent.serving import (ContextLengthExceeded, GenerationAborted, ModelInfo,
+                                ModelLoadError, ModelNotLoaded, Overloaded, ServingCore,
+                                _Request)
+from serving_fixtures import tiny_model_path, wait_for  # noqa: F401
+
+LONG = 4000  # more tokens than any test lets a request run
+
+
+@pytest_asyncio.fixture(scope="module")
+async def core(tiny_model_path: Path) -> AsyncIterator[ServingCore]:  # noqa: F811
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    await c.load_model("m", tiny_model_path, revision="r1", max_concurrent_sequences=4,
+                       max_context_tokens=8192)
+    yield c
+    await c.close()
+
+
+def sample(core: ServingCore, name: str, **labels: str) -> float | None:
+    return core.registry.get_sample_value(name, labels)
+
+
+async def collect(gen) -> str:
+    return "".join([c.text async for c in gen])
+
+
+async def test_load_is_idempotent_and_reports_info(core: ServingCore, tiny_model_path: Path) -> None:  # noqa: F811
+    info = core.model_info("m")
+    assert isinstance(info, ModelInfo)
+    assert (info.model_id, info.revision, info.path) == ("m", "r1", str(tiny_model_path))
+    assert (info.max_concurrent_sequences, info.max_context_tokens) == (4, 8192)
+    again = await core.load_model("m", tiny_model_path, revision="r1",
+                                  max_concurrent_sequences=4, max_context_tokens=8192)
+    assert again is info
+    assert core.is_loaded("m") and not core.is_loaded("other")
+    assert [m.model_id for m in core.models()] == ["m"]
+    assert sample(core, "mlxfleet_agent_model_loaded", model="m", revision="r1") == 1
+    assert sample(core, "mlxfleet_agent_model_load_seconds_count", model="m", revision="r1") == 1
+
+
+async def test_load_errors(core: ServingCore, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError) as exc:
+        await core.load_model("x", tmp_path / "missing", revision="r")
+    assert exc.value.reason == "ModelNotFound"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelLoadError) as exc:
+        await core.load_model("x", broken, revision="r")
+    assert exc.value.reason == "LoadFailed" and exc.value.message
+    assert not core.is_loaded("x")
+    # the core still serves afterwards
+    gen = await core.generate("m", prompt="Hello", max_tokens=2, temperature=0)
+    assert len([c async for c in gen]) == 2
+
+
+async def test_greedy_generation_is_deterministic_and_ends_by_length(core: ServingCore) -> None:
+    g1 = await core.generate("m", prompt="The quick brown fox", max_tokens=12, temperature=0)
+    t1 = await collect(g1)
+    g2 = await core.generate("m", prompt="The quick brown fox", max_tokens=12, temperature=0)
+    t2 = await collect(g2)
+    assert t1 == t2 and t1
+    assert g1.finish_reason == "length" and g1.completion_tokens == 12
+    assert g1.prompt_tokens > 0
+    # the second identical prompt reused the first one's KV cache (mlx-lm LRUPromptCache)
+    assert (sample(core, "mlxfleet_agent_prompt_cache_hits_total", model="m", revision="r1")
+            or 0) >= 1
+
+
+async def test_chat_messages_use_the_chat_template(core: ServingCore) -> None:
+    msgs = [{"role": "user", "content": "Hi"}]
+    gen = await core.generate("m", messages=msgs, max_tokens=3, temperature=0)
+    await collect(gen)
+    # "<s><|user|>\nHi</s>\n<|assistant|>\n": more tokens than the raw "Hi"
+    raw = await core.generate("m", prompt="Hi", max_tokens=1, temperature=0)
+    await collect(raw)
+    assert gen.prompt_tokens > raw.prompt_tokens + 3
+
+
+async def test_stop_string_truncates_decoded_text(core: ServingCore) -> None:
+    full = await collect(await core.generate("m", prompt="Once upon a time", max_tokens=24,
+                                             temperature=0))
+    printable = [i for i in range(2, len(full) - 3) if full[i:i + 3].isprintable()
+                 and full[i:i + 3] == full[i:i + 3].strip()]
+    assert printable, full
+    i = printable[0]
+    stop = full[i:i + 3]
+    cut = full.index(stop)
+    gen = await core.generate("m", prompt="Once upon a time", max_tokens=24, temperature=0,
+                              stop=["never-appears", stop])
+    text = await collect(gen)
+    assert text == full[:cut]
+    assert gen.finish_reason == "stop"
+    assert core.active_sequences("m") == 0
+
+
+def test_stop_matching_across_segments() -> None:
+    req = _Request("m", "", None, 5, 0.0, 1.0, ["END"], None, None, None)  # type: ignore[arg-type]
+    assert ServingCore._t_apply_stops(req, "abcE") == ("abc", None)
+    assert ServingCore._t_apply_stops(req, "N") == ("", None)
+    assert ServingCore._t_apply_stops(req, "Dtail") == ("", "stop")
+    req = _Request("m", "", None, 5, 0.0, 1.0, ["xy"], None, None, None)  # type: ignore[arg-type]
+    assert ServingCore._t_apply_stops(req, "ax") == ("a", None)
+    assert ServingCore._t_apply_stops(req, "b") == ("xb", None)
+
+
+async def test_sampling_with_temperature_and_seed(core: ServingCore) -> None:
+    texts = []
+    for _ in range(2):
+        gen = await core.generate("m", prompt="Hello", max_tokens=10, temperature=1.0,
+                                  top_p=0.9, seed=1234)
+        texts.append(await collect(gen))
+    assert texts[0] == texts[1]
+
+
+async def test_context_limit(core: ServingCore) -> None:
+    with pytest.raises(ContextLengthExceeded) as exc:
+        await core.generate("m", prompt="Hello", max_tokens=8192, temperature=0)
+    assert exc.value.max_context_tokens == 8192
+    with pytest.raises(ValueError):
+        await core.generate("m", prompt="Hello", max_tokens=0)
+    with pytest.raises(ModelNotLoaded):
+        await core.generate("nope", prompt="Hello", max_tokens=1)
+    assert core.inflight_requests() == 0
+
+
+async def test_second_request_joins_the_running_batch(core: ServingCore) -> None:
+    first = await core.generate("m", prompt="The sun rises", max_tokens=LONG, temperature=0)
+    async with first:
+        await first.__anext__()                       # first is decoding
+        second = await core.generate("m", prompt="Water boils", max_tokens=LONG,
+                                     temperature=0)
+        async with second:
+            await second.__anext__()
+            await wait_for(lambda: core.active_sequences("m") == 2)
+            assert first.finish_reason is None and second.finish_reason is None
+            assert sample(core, "mlxfleet_agent_batch_occupancy", model="m", revision="r1") == 2
+    # leaving `async with` cancelled both: they leave the batch
+    await wait_for(lambda: core.active_sequences("m") == 0)
+    assert core.inflight_requests() == 0
+
+
+async def test_cancelling_the_consumer_stops_generation(core: ServingCore) -> None:
+    gen = await core.generate("m", prompt="Tokens are generated", max_tokens=LONG, temperature=0)
+    got_one = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in gen:
+            got_one.set()
+
+    task = asyncio.create_task(consume())
+    await got_one.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: core.active_sequences("m") == 0)
+    assert core.inflight_requests() == 0 and core.queued_requests() == 0
+
+
+async def test_requests_beyond_the_batch_wait_then_run(core: ServingCore) -> None:
+    gens = [await core.generate("m", prompt=f"Number {i}", max_tokens=4, temperature=0)
+            for i in range(6)]                       # batch holds 4
+    texts = await asyncio.gather(*[collect(g) for g in gens])
+    assert all(g.finish_reason == "length" and g.completion_tokens == 4 for g in gens)
+    assert len(texts) == 6
+    assert core.peak_active_sequences("m") <= 4
+    assert core.queued_requests() == 0 and core.active_sequences() == 0
+
+
+async def test_overloaded_when_admission_is_full(tiny_model_path: Path) -> None:  # noqa: F811
+    c = ServingCore(max_queued_requests=1)
+    await c.start()
+    try:
+        await c.load_model("m", tiny_model_path, revision="r1", max_concurrent_sequences=1)
+        running = await c.generate("m", prompt="a", max_tokens=LONG, temperature=0)
+        waiting = await c.generate("m", prompt="b", max_tokens=2, temperature=0)
+        with pytest.raises(Overloaded) as exc:
+            await c.generate("m", prompt="c", max_tokens=2, temperature=0)
+        assert exc.value.retry_after_seconds >= 1
+        await running.__anext__()
+        assert c.queued_requests("m") == 1 and c.active_sequences("m") == 1
+        running.cancel()
+        assert await collect(waiting) is not None and waiting.finish_reason == "length"
+        await wait_for(lambda: c.active_sequences() == 0)
+    finally:
+        await c.close()
+
+
+async def test_several_models_unload_and_replace(tiny_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
+    registry = CollectorRegistry()
+    c = ServingCore(registry=registry)
+    await c.start()
+    try:
+        await c.load_model("a", tiny_model_path, revision="r1")
+        await c.load_model("b", tiny_model_path, revision="r1")
+        ga = await c.generate("a", prompt="Hello", max_tokens=5, temperature=0)
+        gb = await c.generate("b", prompt="Hello", max_tokens=5, temperature=0)
+        ta, tb = await asyncio.gather(collect(ga), collect(gb))
+        assert ta == tb  # same weights, greedy
+
+        long = await c.generate("a", prompt="Hello", max_tokens=LONG, temperature=0)
+        await long.__anext__()
+        await c.unload_model("a")
+        with pytest.raises(GenerationAborted):
+            async for _ in long:
+                pass
+        assert not c.is_loaded("a") and c.is_loaded("b")
+        assert registry.get_sample_value("mlxfleet_agent_model_loaded",
+                                         {"model": "a", "revision": "r1"}) == 0
+        await c.unload_model("a")  # unknown: no-op
+        with pytest.raises(ModelNotLoaded):
+            await c.generate("a", prompt="x", max_tokens=1)
+
+        info = await c.load_model("b", tiny_model_path, revision="r2")
+        assert info.revision == "r2" and [m.revision for m in c.models()] == ["r2"]
+        assert registry.get_sample_value("mlxfleet_agent_model_loaded",
+                                         {"model": "b", "revision": "r1"}) == 0
+        await collect(await c.generate("b", prompt="x", max_tokens=2))
+    finally:
+        await c.close()
+        await c.close()  # idempotent
+    assert c.models() == []
+    with pytest.raises(ModelLoadError):
+        await c.load_model("a", tiny_model_path, revision="r1")
