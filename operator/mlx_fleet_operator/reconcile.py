@@ -1,0 +1,216 @@
+"""The thin I/O around placement: read etcd, decide, write one fenced transaction.
+
+:func:`reconcile` (one ModelDeployment):
+
+1. :func:`read_fleet` lists ``nodes/`` and ``assignments/`` and gets ``placement-epoch``;
+2. :func:`plan` runs :func:`~mlx_fleet_operator.placement.place` and diffs the desired
+   assignments of this deployment against the stored ones → puts and deletes;
+3. if there is nothing to change, nothing is written (no transaction at all);
+4. otherwise :func:`apply_plan` commits the puts/deletes in ONE ``store.txn`` whose compares are
+   the ``mod_revision`` of ``placement-epoch`` (0 when absent) and of every assignment key of
+   this deployment that was read (0 for keys about to be created), bumping the epoch in the
+   same transaction. A failed compare means someone wrote in between: re-read and retry, up to
+   ``max_attempts`` times, then raise :class:`ConflictError`. A concurrent writer is never
+   clobbered.
+
+:func:`remove_deployment` deletes every assignment of a deployment under the same fencing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from collections.abc import Mapping
+
+from pydantic import ValidationError
+
+from mlx_fleet.contract import Assignment, Keys, NodeRecord, PlacementEpoch
+from mlx_fleet.store import KV, Compare, Delete, Put, Store
+
+from .placement import PlacementDecision, PlacementRequest, place
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WRITER = f"mlx-fleet-operator@{socket.gethostname()}"
+
+
+class ConflictError(RuntimeError):
+    """The fenced transaction kept failing its compares (heavy contention); retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredAssignment:
+    key: str
+    kv: KV
+    assignment: Assignment | None  # None when the stored value is unparseable
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetView:
+    """A consistent-enough read of the fleet. ``assignments``: node → stored assignments."""
+
+    nodes: dict[str, NodeRecord]
+    assignments: dict[str, list[StoredAssignment]]
+    epoch: KV | None
+    revision: int
+
+    def of(self, namespace: str, name: str) -> dict[str, StoredAssignment]:
+        """node → this deployment's stored assignment."""
+        out = {}
+        for node, items in self.assignments.items():
+            for s in items:
+                if s.assignment is not None and (s.assignment.namespace, s.assignment.name) == (
+                        namespace, name):
+                    out[node] = s
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to write for one deployment. Empty ``ops`` means: already converged."""
+
+    decision: PlacementDecision
+    ops: tuple[Put | Delete, ...]
+    compares: tuple[Compare, ...]
+    epoch: KV | None
+    desired: dict[str, Assignment]  # node → assignment once the plan is applied
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcileResult:
+    decision: PlacementDecision
+    assignments: dict[str, Assignment]  # node → this deployment's assignment, as stored now
+    written: bool
+    conflicts: int
+
+
+async def read_fleet(store: Store, keys: Keys) -> FleetView:
+    """List node records and assignments, get the epoch. Unparseable records are skipped
+    (logged); an assignment key outside the layout is ignored."""
+    nodes_l = await store.list(keys.nodes_prefix)
+    asg_l = await store.list(keys.assignments_prefix)
+    epoch = await store.get(keys.placement_epoch)
+    nodes: dict[str, NodeRecord] = {}
+    for kv in nodes_l.items:
+        name = keys.parse_node(kv.key)
+        if name is None:
+            continue
+        try:
+            rec = NodeRecord.from_json(kv.value)
+        except ValidationError as e:
+            log.warning("ignoring malformed node record %s: %s", kv.key, e)
+            continue
+        nodes[name] = rec if rec.name == name else rec.model_copy(update={"name": name})
+    assignments: dict[str, list[StoredAssignment]] = {}
+    for kv in asg_l.items:
+        parsed = keys.parse_assignment(kv.key)
+        if parsed is None:
+            continue
+        try:
+            a: Assignment | None = Assignment.from_json(kv.value)
+        except ValidationError:
+            log.warning("malformed assignment %s will be rewritten", kv.key)
+            a = None
+        if a is not None and (a.namespace, a.name) != parsed[1:]:
+            a = a.model_copy(update={"namespace": parsed[1], "name": parsed[2]})
+        assignments.setdefault(parsed[0], []).append(StoredAssignment(kv.key, kv, a))
+    return FleetView(nodes=nodes, assignments=assignments, epoch=epoch,
+                     revision=max(nodes_l.revision, asg_l.revision))
+
+
+def plan(keys: Keys, view: FleetView, request: PlacementRequest,
+         assignment: Assignment | None) -> Plan:
+    """Diff the placement of ``request`` against ``view``. ``assignment``: the record every
+    chosen node should hold (None = remove the deployment everywhere)."""
+    ns, name = request.namespace, request.name
+    mine = view.of(ns, name)
+    # Malformed values under this deployment's keys are rewritten or removed too.
+    for node, items in view.assignments.items():
+        for s in items:
+            if s.assignment is None and keys.parse_assignment(s.key) == (node, ns, name):
+                mine[node] = s
+    if assignment is None:
+        decision = PlacementDecision(nodes=(), removed=tuple(sorted(mine)))
+    else:
+        current = {n: [s.assignment for s in items if s.assignment is not None]
+                   for n, items in view.assignments.items()}
+        decision = place(request, list(view.nodes.values()), current)
+    ops: list[Put | Delete] = []
+    compares = [Compare(keys.placement_epoch, "mod", "==",
+                        view.epoch.mod_revision if view.epoch else 0)]
+    desired: dict[str, Assignment] = {}
+    for node in decision.nodes:
+        assert assignment is not None
+        desired[node] = assignment
+        key = keys.assignment(node, ns, name)
+        have = mine.get(node)
+        if have is not None and have.assignment == assignment:
+            continue
+        compares.append(Compare(key, "mod", "==", have.kv.mod_revision if have else 0))
+        ops.append(Put(key, assignment.to_json()))
+    for node, have in sorted(mine.items()):
+        if node not in desired:
+            compares.append(Compare(have.key, "mod", "==", have.kv.mod_revision))
+            ops.append(Delete(have.key))
+    return Plan(decision=decision, ops=tuple(ops), compares=tuple(compares), epoch=view.epoch,
+                desired=desired)
+
+
+async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT_WRITER) -> bool:
+    """Commit ``p`` in one fenced transaction that also bumps the epoch. True if it held."""
+    if not p.ops:
+        return True
+    counter = 0
+    if p.epoch is not None:
+        try:
+            counter = PlacementEpoch.from_json(p.epoch.value).counter
+        except ValidationError:
+            counter = 0
+    bump = Put(keys.placement_epoch, PlacementEpoch(counter=counter + 1, writer=writer).to_json())
+    return await store.txn(p.compares, [*p.ops, bump])
+
+
+async def _converge(store: Store, keys: Keys, request: PlacementRequest,
+                    assignment: Assignment | None, *, writer: str,
+                    max_attempts: int) -> ReconcileResult:
+    conflicts = 0
+    for attempt in range(1, max_attempts + 1):
+        view = await read_fleet(store, keys)
+        p = plan(keys, view, request, assignment)
+        if not p.ops:
+            return ReconcileResult(p.decision, p.desired, written=False, conflicts=conflicts)
+        if await apply_plan(store, keys, p, writer=writer):
+            log.info("%s/%s: placed on %s (added %s, removed %s)%s", request.namespace,
+                     request.name, list(p.decision.nodes), list(p.decision.added),
+                     list(p.decision.removed),
+                     f"; {p.decision.message}" if p.decision.message else "")
+            return ReconcileResult(p.decision, p.desired, written=True, conflicts=conflicts)
+        conflicts += 1
+        log.info("%s/%s: placement transaction lost a race (attempt %d/%d); re-reading",
+                 request.namespace, request.name, attempt, max_attempts)
+    raise ConflictError(f"{request.namespace}/{request.name}: placement transaction failed its "
+                        f"compares {max_attempts} times in a row ({conflicts} conflicts)")
+
+
+async def reconcile(store: Store, keys: Keys, request: PlacementRequest, assignment: Assignment,
+                    *, writer: str = DEFAULT_WRITER, max_attempts: int = 5) -> ReconcileResult:
+    """Place ``request`` and store ``assignment`` on the chosen nodes (module docstring).
+
+    Writes nothing when the stored state already matches. Raises :class:`ConflictError` after
+    ``max_attempts`` lost races, ``StoreError`` when etcd is unreachable.
+    """
+    return await _converge(store, keys, request, assignment, writer=writer,
+                           max_attempts=max_attempts)
+
+
+async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str, *,
+                            writer: str = DEFAULT_WRITER, max_attempts: int = 5) -> ReconcileResult:
+    """Delete every assignment of ``namespace/name`` (fenced like :func:`reconcile`)."""
+    request = PlacementRequest(namespace=namespace, name=name, replicas=0, memory_bytes=1)
+    return await _converge(store, keys, request, None, writer=writer, max_attempts=max_attempts)
+
+
+def assignments_of(view: FleetView, namespace: str, name: str) -> Mapping[str, Assignment]:
+    """node → this deployment's parseable stored assignment."""
+    return {n: s.assignment for n, s in view.of(namespace, name).items() if s.assignment}

@@ -1,0 +1,151 @@
+"""reconcile: placement written to the real etcd in one fenced transaction."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_fleet.contract import (Assignment, Keys, ModelSource, NodeCapacity, NodeRecord,
+                                PlacementEpoch)
+from mlx_fleet.store import Put
+from mlx_fleet_operator import reconcile as rc
+from mlx_fleet_operator.placement import PlacementRequest
+
+pytestmark = pytest.mark.integration
+GiB = 1024**3
+
+
+def node(name: str, mem_gib: int = 16) -> NodeRecord:
+    return NodeRecord(name=name, address=f"http://{name}:8000",
+                      capacity=NodeCapacity(memory_total_bytes=mem_gib * GiB,
+                                            memory_available_bytes=mem_gib * GiB,
+                                            chip="Apple M3", chip_generation=3))
+
+
+def request(name: str = "llm", replicas: int = 1, mem_gib: int = 2) -> PlacementRequest:
+    return PlacementRequest(namespace="ns", name=name, replicas=replicas, memory_bytes=mem_gib * GiB)
+
+
+def assignment(name: str = "llm", gen: int = 1, mem_gib: int = 2) -> Assignment:
+    return Assignment(namespace="ns", name=name, generation=gen, served_model_name=name,
+                      source=ModelSource(uri="/models/x", revision="v1"),
+                      memory_bytes=mem_gib * GiB)
+
+
+async def put_nodes(store, keys: Keys, *nodes: NodeRecord) -> None:
+    for n in nodes:
+        await store.put(keys.node(n.name), n.to_json())
+
+
+async def stored(store, keys: Keys) -> dict[str, Assignment]:
+    listing = await store.list(keys.assignments_prefix)
+    return {keys.parse_assignment(kv.key)[0]: Assignment.from_json(kv.value) for kv in listing.items}
+
+
+async def revision(store) -> int:
+    return (await store.list("/mlx-fleet-test/none/")).revision
+
+
+async def test_placement_written_and_idempotent(store, keys):
+    await put_nodes(store, keys, node("a", 16), node("b", 32))
+    res = await rc.reconcile(store, keys, request(), assignment())
+    assert res.written and res.decision.nodes == ("b",)  # Spread: most free
+    assert await stored(store, keys) == {"b": assignment()}
+    epoch = PlacementEpoch.from_json((await store.get(keys.placement_epoch)).value)
+    assert epoch.counter == 1
+
+    before = await revision(store)
+    again = await rc.reconcile(store, keys, request(), assignment())
+    assert not again.written and again.decision.nodes == ("b",)
+    assert again.assignments == {"b": assignment()}
+    assert await revision(store) == before  # nothing written, not even a transaction
+
+    # A spec change (new generation) rewrites the assignment in place, no move.
+    res3 = await rc.reconcile(store, keys, request(), assignment(gen=2))
+    assert res3.written and await stored(store, keys) == {"b": assignment(gen=2)}
+
+
+async def test_stale_read_loses_and_retries(store, keys):
+    await put_nodes(store, keys, node("a"), node("b"))
+    view = await rc.read_fleet(store, keys)
+    stale = rc.plan(keys, view, request("llm"), assignment("llm"))
+    # Another operator replica places a different deployment in between.
+    other = await rc.reconcile(store, keys, request("other"), assignment("other"))
+    assert other.written
+    assert not await rc.apply_plan(store, keys, stale)  # the stale transaction fails its compares
+    assert set((await stored(store, keys))) == set(other.decision.nodes)  # nothing clobbered
+
+    # The retry loop re-reads and succeeds; the conflict is counted.
+    real_read = rc.read_fleet
+    calls = 0
+
+    async def read_then_race(store_, keys_):
+        nonlocal calls
+        calls += 1
+        v = await real_read(store_, keys_)
+        if calls == 1:  # a concurrent writer bumps the epoch right after our first read
+            await store.put(keys.placement_epoch, PlacementEpoch(counter=99, writer="x").to_json())
+        return v
+
+    rc_read = rc.read_fleet
+    rc.read_fleet = read_then_race
+    try:
+        res = await rc.reconcile(store, keys, request("llm"), assignment("llm"))
+    finally:
+        rc.read_fleet = rc_read
+    assert res.written and res.conflicts == 1 and calls == 2
+    epoch = PlacementEpoch.from_json((await store.get(keys.placement_epoch)).value)
+    assert epoch.counter == 100  # bumped on top of the concurrent writer's value
+
+
+async def test_conflict_error_after_bounded_attempts(store, keys, monkeypatch):
+    await put_nodes(store, keys, node("a"))
+
+    async def always_lose(store_, keys_, p, **kw):
+        return False
+
+    monkeypatch.setattr(rc, "apply_plan", always_lose)
+    with pytest.raises(rc.ConflictError, match="3 times"):
+        await rc.reconcile(store, keys, request(), assignment(), max_attempts=3)
+
+
+async def test_stale_assignment_compare(store, keys):
+    """Overwriting an assignment someone else changed since our read fails too."""
+    await put_nodes(store, keys, node("a"))
+    await rc.reconcile(store, keys, request(), assignment())
+    view = await rc.read_fleet(store, keys)
+    p = rc.plan(keys, view, request(), assignment(gen=2))
+    await store.put(keys.assignment("a", "ns", "llm"), assignment(gen=3).to_json())
+    assert not await rc.apply_plan(store, keys, p)
+    assert (await stored(store, keys))["a"].generation == 3
+
+
+async def test_delete_removes_all(store, keys):
+    await put_nodes(store, keys, node("a"), node("b"), node("c"))
+    await rc.reconcile(store, keys, request("keep"), assignment("keep"))
+    await rc.reconcile(store, keys, request(replicas=3), assignment())
+    assert sorted(n for n, a in (await stored(store, keys)).items() if a.name == "llm") == ["a", "b", "c"]
+    res = await rc.remove_deployment(store, keys, "ns", "llm")
+    assert res.written and set(res.decision.removed) == {"a", "b", "c"}
+    left = await store.list(keys.assignments_prefix)
+    assert [keys.parse_assignment(kv.key)[2] for kv in left.items] == ["keep"]
+    before = await revision(store)
+    assert not (await rc.remove_deployment(store, keys, "ns", "llm")).written
+    assert await revision(store) == before
+
+
+async def test_node_gone_moves_replica(store, keys):
+    await put_nodes(store, keys, node("a", 32), node("b", 16))
+    res = await rc.reconcile(store, keys, request(), assignment())
+    assert res.decision.nodes == ("a",)
+    await store.delete(keys.node("a"))
+    res2 = await rc.reconcile(store, keys, request(), assignment())
+    assert res2.written and res2.decision.nodes == ("b",) and res2.decision.removed == ("a",)
+    assert await stored(store, keys) == {"b": assignment()}
+
+
+async def test_other_deployments_memory_from_etcd(store, keys):
+    await put_nodes(store, keys, node("a", 10), node("b", 10))
+    await store.txn([], [Put(keys.assignment("a", "ns", "big"), assignment("big", mem_gib=7).to_json())])
+    res = await rc.reconcile(store, keys, request(mem_gib=2, replicas=2), assignment(mem_gib=2))
+    assert res.decision.nodes == ("b",) and res.decision.unplaced == 1
+    assert "1 insufficient memory (needs 2.0GiB, 1.0GiB free)" in res.decision.message
