@@ -1,0 +1,317 @@
+"""The agent's presence in etcd: its node record and its reports, bound to one lease.
+
+:class:`Registration` grants a lease (TTL ``ttl`` seconds, default 15), puts the
+:class:`~mlx_fleet.contract.NodeRecord` at ``keys.node(name)`` attached to it and keeps the lease
+alive every ``ttl / 3`` seconds. The one-third interval is etcd's own guidance: the etcd client
+(``clientv3``'s ``KeepAlive``) sends a keep-alive every ``TTL/3`` so that two consecutive lost
+requests still leave the lease alive (etcd docs, "Interacting with etcd → Lease keep-alives";
+``clientv3/lease.go``: ``nextKeepAlive = now + TTL/3``).
+
+Every key the agent writes is written here, under the current lease:
+
+* the node record, rewritten only when it *materially* changes (health, or capacity per
+  :func:`~node_agent.capacity.materially_different`), never on a mere heartbeat;
+* assignment reports (:meth:`put_report` / :meth:`delete_report`): the latest report per key is
+  remembered so it can be re-written; a write that fails is retried on the next heartbeat.
+
+Recovery: if a keep-alive says the lease is gone (TTL ≤ 0: expired, or revoked behind the
+agent's back) or etcd stayed unreachable for longer than the TTL, the agent grants a *new*
+lease and re-puts the node record and every current report in one transaction, so a
+partitioned or stalled agent comes back by itself. :meth:`stop` revokes the lease, so the record
+and reports vanish at once rather than after the TTL.
+
+Only asyncio is used; the store's calls are coroutines and nothing blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from mlx_fleet.contract import AssignmentReport, Keys, NodeCapacity, NodeHealth, NodeRecord
+from mlx_fleet.store import Put, Store, StoreError
+
+from .capacity import materially_different
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Registration", "DEFAULT_LEASE_TTL"]
+
+#: Default lease TTL in seconds: a dead Mac disappears from placement within ~15 s.
+DEFAULT_LEASE_TTL = 15
+
+#: etcd's default ``--max-txn-ops``; re-registration splits its puts into chunks of this size.
+_MAX_TXN_OPS = 128
+
+
+def _same_report(a: AssignmentReport | None, b: AssignmentReport) -> bool:
+    if a is None:
+        return False
+    return a.model_dump(exclude={"updated_unix"}) == b.model_dump(exclude={"updated_unix"})
+
+
+class Registration:
+    """Registers ``node_name`` in etcd and keeps it registered until :meth:`stop`.
+
+    ``store``: the project's :class:`~mlx_fleet.store.Store`; ``keys``: the contract layout.
+    ``address``: the agent's advertised base URL (``NodeRecord.address``).
+    ``capacity``: a coroutine function returning the current :class:`NodeCapacity`, called once
+    per heartbeat (:meth:`node_agent.capacity.CapacityProbe.read`).
+    ``ttl``: lease TTL in whole seconds (≥ 1; default :data:`DEFAULT_LEASE_TTL`).
+    ``available_threshold_bytes``: how far available memory must move before the record is
+    rewritten (default: see :func:`~node_agent.capacity.materially_different`).
+
+    :meth:`start` raises :class:`~mlx_fleet.store.StoreError` when the first registration
+    fails; after that, failures are handled inside the heartbeat loop.
+    """
+
+    def __init__(self, store: Store, keys: Keys, *, node_name: str, address: str,
+                 capacity: Callable[[], Awaitable[NodeCapacity]],
+                 labels: dict[str, str] | None = None, ttl: int = DEFAULT_LEASE_TTL,
+                 agent_version: str = "",
+                 available_threshold_bytes: int | None = None) -> None:
+        if ttl < 1:
+            raise ValueError(f"lease TTL must be at least 1 second, got {ttl}")
+        self._store = store
+        self._keys = keys
+        self.node_name = node_name
+        self.key = keys.node(node_name)
+        self.address = address
+        self.labels = dict(labels or {})
+        self.ttl = ttl
+        self.agent_version = agent_version
+        self._capacity_fn = capacity
+        self._threshold = available_threshold_bytes
+
+        self._lease_id: int | None = None
+        self._health = NodeHealth.HEALTHY
+        self._capacity: NodeCapacity | None = None
+        self._written: NodeRecord | None = None     # the record as last written
+        self._record_dirty = True
+        self._reports: dict[str, AssignmentReport] = {}
+        self._dirty_reports: set[str] = set()       # keys whose latest state isn't in etcd
+        self._pending_deletes: set[str] = set()
+        self._last_ok = 0.0                         # monotonic time of the last etcd success
+        self._etcd_ok = False
+        self._lease_alive = False
+        self._lock = asyncio.Lock()                 # serializes every lease-bound write
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        #: Incremented whenever a new lease is granted (tests and logs use it).
+        self.registrations = 0
+
+    # -- views -------------------------------------------------------------------------------
+    @property
+    def lease_id(self) -> int | None:
+        """The current lease ID (reports are written under it), or None before registering."""
+        return self._lease_id
+
+    @property
+    def healthy(self) -> bool:
+        """True while the lease is alive and etcd answered within the last TTL."""
+        return (self._lease_alive and self._etcd_ok
+                and time.monotonic() - self._last_ok <= self.ttl)
+
+    @property
+    def health(self) -> NodeHealth:
+        return self._health
+
+    def status(self) -> dict:
+        """A JSON-able summary for ``/health``: lease, etcd reachability, registrations."""
+        return {"node": self.node_name, "lease_id": self._lease_id,
+                "lease_alive": self._lease_alive, "etcd_reachable": self._etcd_ok,
+                "registrations": self.registrations, "ttl_seconds": self.ttl,
+                "health": self._health.value}
+
+    @property
+    def interval(self) -> float:
+        """Keep-alive period in seconds: ``ttl / 3`` (etcd's recommendation, see module doc)."""
+        return self.ttl / 3
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Grant a lease, write the record and start the heartbeat task.
+
+        Raises :class:`StoreError` if etcd can't be reached for the first registration."""
+        self._capacity = await self._capacity_fn()
+        await self._register()
+        self._task = asyncio.create_task(self._heartbeat(), name=f"registration:{self.node_name}")
+
+    async def stop(self, *, revoke: bool = True) -> None:
+        """Stop heart-beating; with ``revoke`` (default) revoke the lease so the node record and
+        every report disappear at once. Never raises for etcd trouble (logs it)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if revoke and self._lease_id is not None:
+            try:
+                async with self._lock:
+                    await self._store.revoke_lease(self._lease_id)
+                log.info("revoked lease %x of node %s", self._lease_id, self.node_name)
+            except StoreError as e:
+                log.warning("could not revoke lease %x (its keys expire after %ss): %s",
+                            self._lease_id, self.ttl, e)
+        self._lease_alive = False
+
+    def set_health(self, health: NodeHealth) -> None:
+        """Change the node's reported health; the record is rewritten on the next beat (soon)."""
+        if health != self._health:
+            self._health = health
+            self._record_dirty = True
+            self._wake.set()
+
+    # -- reports -----------------------------------------------------------------------------
+    async def put_report(self, key: str, report: AssignmentReport) -> None:
+        """Record ``report`` as the state of ``key`` and write it under the lease.
+
+        Identical reports (ignoring ``updated_unix``) are not rewritten. If the write fails it
+        is retried on the next heartbeat; this method never raises for etcd trouble."""
+        if _same_report(self._reports.get(key), report) and key not in self._dirty_reports:
+            return
+        self._reports[key] = report
+        self._pending_deletes.discard(key)
+        self._dirty_reports.add(key)
+        await self._flush_reports()
+
+    async def delete_report(self, key: str) -> None:
+        """Forget ``key``'s report and delete it from etcd (retried on failure)."""
+        self._reports.pop(key, None)
+        self._dirty_reports.discard(key)
+        self._pending_deletes.add(key)
+        await self._flush_reports()
+
+    def report(self, key: str) -> AssignmentReport | None:
+        """The latest report recorded for ``key`` (whether or not it reached etcd yet)."""
+        return self._reports.get(key)
+
+    async def _flush_reports(self) -> None:
+        async with self._lock:
+            if self._lease_id is None or not self._lease_alive:
+                return  # re-registration writes everything
+            try:
+                for key in list(self._pending_deletes):
+                    await self._store.delete(key)
+                    self._pending_deletes.discard(key)
+                for key in list(self._dirty_reports):
+                    report = self._reports.get(key)
+                    if report is not None:
+                        await self._store.put(key, report.to_json(), lease=self._lease_id)
+                    self._dirty_reports.discard(key)
+                self._ok()
+            except StoreError as e:
+                self._etcd_ok = False
+                log.warning("writing reports of node %s failed (retrying on the next beat): %s",
+                            self.node_name, e)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _ok(self) -> None:
+        self._etcd_ok = True
+        self._last_ok = time.monotonic()
+
+    def _record(self) -> NodeRecord:
+        assert self._capacity is not None
+        return NodeRecord(name=self.node_name, address=self.address, labels=self.labels,
+                          capacity=self._capacity, health=self._health,
+                          agent_version=self.agent_version)
+
+    async def _register(self) -> None:
+        """Grant a new lease and (re)write the record and every report under it, atomically."""
+        async with self._lock:
+            old = self._lease_id
+            lease = await self._store.grant_lease(self.ttl)
+            record = self._record()
+            ops: list[Put] = [Put(self.key, record.to_json(), lease=lease)]
+            ops += [Put(k, r.to_json(), lease=lease) for k, r in self._reports.items()]
+            try:
+                for i in range(0, len(ops), _MAX_TXN_OPS):
+                    await self._store.txn([], ops[i:i + _MAX_TXN_OPS])
+                for key in list(self._pending_deletes):
+                    await self._store.delete(key)
+            except StoreError:
+                with contextlib.suppress(StoreError):
+                    await self._store.revoke_lease(lease)
+                raise
+            self._pending_deletes.clear()
+            self._lease_id = lease
+            self._lease_alive = True
+            self._written = record
+            self._record_dirty = False
+            self._dirty_reports.clear()
+            self.registrations += 1
+            self._ok()
+        log.info("registered node %s (lease %x, ttl %ss, %d report(s)%s)", self.node_name, lease,
+                 self.ttl, len(self._reports),
+                 f", replacing lease {old:x}" if old is not None else "")
+        if old is not None and old != lease:
+            # The old lease may still be alive (a partition shorter than etcd noticed); it
+            # holds no keys any more, so revoking it only tidies up.
+            with contextlib.suppress(StoreError):
+                await self._store.revoke_lease(old)
+
+    async def _write_record_if_changed(self) -> None:
+        cap = await self._capacity_fn()
+        if materially_different(self._capacity, cap, available_threshold_bytes=self._threshold):
+            self._capacity = cap
+            self._record_dirty = True
+        if not self._record_dirty:
+            return
+        async with self._lock:
+            record = self._record()
+            await self._store.put(self.key, record.to_json(), lease=self._lease_id)
+            self._written = record
+            self._record_dirty = False
+            self._ok()
+        log.info("updated node record of %s (health %s, available %d bytes)", self.node_name,
+                 record.health.value, record.capacity.memory_available_bytes)
+
+    async def _beat(self) -> None:
+        """One heartbeat: keep-alive, then record/report writes; re-register when needed."""
+        if not self._lease_alive or self._lease_id is None:
+            await self._register()
+            return
+        try:
+            remaining = await self._store.keepalive(self._lease_id)
+        except StoreError as e:
+            self._etcd_ok = False
+            down_for = time.monotonic() - self._last_ok
+            if down_for > self.ttl:
+                self._lease_alive = False
+                log.warning("etcd unreachable for %.1fs (> ttl %ss): lease %x presumed lost; "
+                            "re-registering when etcd answers (%s)", down_for, self.ttl,
+                            self._lease_id, e)
+            else:
+                log.warning("keep-alive of lease %x failed (%s); retrying", self._lease_id, e)
+            return
+        self._ok()
+        if remaining <= 0:
+            log.warning("lease %x of node %s expired or was revoked; re-registering",
+                        self._lease_id, self.node_name)
+            self._lease_alive = False
+            await self._register()
+            return
+        await self._write_record_if_changed()
+        if self._dirty_reports or self._pending_deletes:
+            await self._flush_reports()
+
+    async def _heartbeat(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+            self._wake.clear()
+            try:
+                await self._beat()
+            except StoreError as e:
+                self._etcd_ok = False
+                log.warning("registration of node %s: %s; retrying in %.1fs", self.node_name, e,
+                            self.interval)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the node's presence silently
+                log.exception("registration heartbeat of node %s failed", self.node_name)

@@ -1,0 +1,138 @@
+"""The node agent's registration against a real etcd: lease, keep-alive, recovery, revoke."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from mlx_fleet.contract import (AssignmentReport, AssignmentState, Keys, NodeCapacity, NodeHealth,
+                                NodeRecord)
+from mlx_fleet.store import EtcdStore, WatchEvent
+from node_agent.registration import Registration
+
+GiB = 2**30
+
+
+class Capacity:
+    """A controllable capacity source (the real probe's values drift with the host)."""
+
+    def __init__(self) -> None:
+        self.value = NodeCapacity(memory_total_bytes=64 * GiB, memory_available_bytes=48 * GiB,
+                                  chip="Apple M3 Max", chip_generation=3, simulated=True)
+
+    async def __call__(self) -> NodeCapacity:
+        return self.value
+
+
+@pytest.fixture
+async def reg(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
+    r = Registration(store, keys, node_name="mac-1", address="http://127.0.0.1:8000",
+                     capacity=Capacity(), labels={"rack": "a"}, ttl=2, agent_version="test")
+    yield r
+    await r.stop()
+
+
+async def events(store: EtcdStore, prefix: str, start: int, n: int,
+                 timeout: float) -> list[WatchEvent]:
+    """The next ``n`` watch events under ``prefix`` from revision ``start``."""
+    out: list[WatchEvent] = []
+
+    async def collect() -> None:
+        async for ev in store.watch(prefix, start):
+            out.append(ev)
+            if len(out) == n:
+                return
+
+    await asyncio.wait_for(collect(), timeout)
+    return out
+
+
+async def test_registers_record_under_lease_and_stop_removes_it(
+        store: EtcdStore, keys: Keys, reg: Registration) -> None:
+    await reg.start()
+    kv = await store.get(keys.node("mac-1"))
+    assert kv is not None and reg.lease_id and kv.lease == reg.lease_id
+    rec = NodeRecord.from_json(kv.value)
+    assert rec.name == "mac-1" and rec.address == "http://127.0.0.1:8000"
+    assert rec.labels == {"rack": "a"} and rec.capacity.simulated and rec.agent_version == "test"
+    assert reg.healthy
+
+    await reg.stop()
+    assert await store.get(keys.node("mac-1")) is None
+    assert not reg.healthy
+
+
+async def test_keepalive_holds_record_past_ttl_without_rewrites(
+        store: EtcdStore, keys: Keys, reg: Registration) -> None:
+    await reg.start()
+    kv = await store.get(keys.node("mac-1"))
+    assert kv is not None
+    # Three TTLs of heart-beating: no DELETE (expiry) and no PUT (no rewrite per heartbeat).
+    with pytest.raises(asyncio.TimeoutError):
+        await events(store, keys.node("mac-1"), kv.mod_revision + 1, 1, timeout=3 * reg.ttl)
+    after = await store.get(keys.node("mac-1"))
+    assert after is not None and after.mod_revision == kv.mod_revision and reg.healthy
+
+
+async def test_record_rewritten_on_material_change(store: EtcdStore, keys: Keys) -> None:
+    cap = Capacity()
+    reg = Registration(store, keys, node_name="mac-2", address="http://h:1", capacity=cap, ttl=3)
+    try:
+        await reg.start()
+        kv = await store.get(keys.node("mac-2"))
+        assert kv is not None
+        reg.set_health(NodeHealth.DEGRADED)
+        (ev,) = await events(store, keys.node("mac-2"), kv.mod_revision + 1, 1, timeout=5)
+        assert ev.type == "PUT" and NodeRecord.from_json(ev.kv.value).health == NodeHealth.DEGRADED
+
+        cap.value = cap.value.model_copy(update={"memory_available_bytes": 20 * GiB})
+        (ev,) = await events(store, keys.node("mac-2"), ev.kv.mod_revision + 1, 1, timeout=5)
+        rec = NodeRecord.from_json(ev.kv.value)
+        assert rec.capacity.memory_available_bytes == 20 * GiB
+    finally:
+        await reg.stop()
+
+
+async def test_lost_lease_reregisters_with_reports(store: EtcdStore, keys: Keys,
+                                                   reg: Registration) -> None:
+    await reg.start()
+    rkey = keys.report("mac-1", "default", "llama")
+    report = AssignmentReport(node="mac-1", namespace="default", name="llama",
+                              state=AssignmentState.READY, reason="ModelLoaded")
+    await reg.put_report(rkey, report)
+    kv = await store.get(rkey)
+    assert kv is not None and kv.lease == reg.lease_id
+    old_lease = reg.lease_id
+
+    # Behind the agent's back: the lease is revoked (as if it had expired in a partition).
+    await store.revoke_lease(old_lease)
+    # Two DELETEs (revocation) then two PUTs (re-registration) under the test's root.
+    evs = await events(store, keys.root + "/", kv.mod_revision + 1, 4, timeout=10)
+    assert [e.type for e in evs[:2]] == ["DELETE", "DELETE"]
+    puts = {e.kv.key: e.kv for e in evs[2:]}
+    assert set(puts) == {keys.node("mac-1"), rkey}
+    assert reg.lease_id != old_lease and reg.registrations == 2
+    assert all(p.lease == reg.lease_id for p in puts.values())
+    assert AssignmentReport.from_json(puts[rkey].value).state == AssignmentState.READY
+    assert reg.healthy
+
+
+async def test_delete_report_and_revoke_on_stop(store: EtcdStore, keys: Keys,
+                                                reg: Registration) -> None:
+    await reg.start()
+    k1, k2 = keys.report("mac-1", "ns", "a"), keys.report("mac-1", "ns", "b")
+    for k, n in ((k1, "a"), (k2, "b")):
+        await reg.put_report(k, AssignmentReport(node="mac-1", namespace="ns", name=n,
+                                                 state=AssignmentState.LOADING))
+    await reg.delete_report(k1)
+    assert await store.get(k1) is None and await store.get(k2) is not None
+    await reg.stop()
+    listing = await store.list(keys.root + "/")
+    assert listing.items == []
+
+
+def test_ttl_must_be_positive(keys: Keys) -> None:
+    with pytest.raises(ValueError, match="TTL"):
+        Registration(None, keys, node_name="x", address="", capacity=Capacity(), ttl=0)  # type: ignore[arg-type]
