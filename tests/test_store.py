@@ -1,0 +1,154 @@
+"""The project's etcd interface against a real etcd: fencing, leases, watches, compaction."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_fleet.contract import Keys
+from mlx_fleet.store import (
+    Compacted,
+    Compare,
+    Delete,
+    EtcdStore,
+    Put,
+    Snapshot,
+    StoreError,
+    WatchEvent,
+    follow_prefix,
+)
+
+
+async def test_txn_is_fenced_on_mod_revision(store: EtcdStore, keys: Keys) -> None:
+    key = keys.placement_epoch
+    assert await store.txn([Compare(key, "mod", "==", 0)], [Put(key, b"1")])  # absent → created
+    first = await store.get(key)
+    assert first is not None and first.value == b"1"
+    # A writer that read before `first` loses and changes nothing.
+    assert not await store.txn([Compare(key, "mod", "==", 0)], [Put(key, b"stale")])
+    assert (await store.get(key)).value == b"1"
+    # The writer that read `first` wins.
+    assert await store.txn([Compare(key, "mod", "==", first.mod_revision)], [Put(key, b"2")])
+    assert (await store.get(key)).value == b"2"
+
+
+async def test_list_reports_revision_and_sorted_items(store: EtcdStore, keys: Keys) -> None:
+    for name in ("b", "a", "c"):
+        await store.put(keys.node(name), name.encode())
+    listing = await store.list(keys.nodes_prefix)
+    assert [kv.key for kv in listing.items] == [keys.node(n) for n in "abc"]
+    assert listing.revision >= max(kv.mod_revision for kv in listing.items)
+
+
+async def test_lease_revocation_deletes_attached_keys(store: EtcdStore, keys: Keys) -> None:
+    lease = await store.grant_lease(30)
+    assert await store.keepalive(lease) > 0
+    await store.put(keys.node("leased"), b"x", lease=lease)
+    assert (await store.get(keys.node("leased"))).lease == lease
+    await store.revoke_lease(lease)
+    assert await store.get(keys.node("leased")) is None
+
+
+async def test_watch_from_revision_then_compacted(store: EtcdStore, keys: Keys) -> None:
+    start = (await store.list(keys.nodes_prefix)).revision + 1
+    await store.put(keys.node("w1"), b"1")
+    await store.txn([], [Delete(keys.node("w1"))])
+    seen: list[WatchEvent] = []
+    async for ev in store.watch(keys.nodes_prefix, start):
+        seen.append(ev)
+        if len(seen) == 2:
+            break
+    assert [(e.type, e.kv.key) for e in seen] == [("PUT", keys.node("w1")), ("DELETE", keys.node("w1"))]
+
+    now = (await store.list(keys.nodes_prefix)).revision
+    await store._client.compact(now)  # test-only: compaction is an etcd admin operation
+    with pytest.raises(Compacted):
+        async for _ in store.watch(keys.nodes_prefix, start):
+            pass
+
+
+class CuttableStore:
+    """Delegates to a real store; the test can break the follower's watch stream (as a network
+    cut would) and hold the reconnect until it has compacted etcd behind the follower's back."""
+
+    def __init__(self, inner: EtcdStore) -> None:
+        self.inner = inner
+        self.cut_next_event = False
+        self.cut_done = asyncio.Event()
+        self.reconnect = asyncio.Event()
+        self.reconnect.set()
+        self.watch_starts: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def watch(self, prefix: str, start_revision: int):
+        await self.reconnect.wait()
+        self.watch_starts.append(start_revision)
+        async for ev in self.inner.watch(prefix, start_revision):
+            if self.cut_next_event:
+                self.cut_next_event = False
+                self.reconnect.clear()
+                self.cut_done.set()
+                raise StoreError("connection cut by the test")
+            yield ev
+
+
+async def test_follow_prefix_resumes_then_relists_after_compaction(store: EtcdStore, keys: Keys) -> None:
+    view: dict[str, bytes] = {}
+    snapshots: list[int] = []
+    changed = asyncio.Event()
+
+    async def on_snapshot(s: Snapshot) -> None:
+        view.clear()
+        view.update({kv.key: kv.value for kv in s.items})
+        snapshots.append(s.revision)
+        changed.set()
+
+    async def on_event(e: WatchEvent) -> None:
+        if e.type == "PUT":
+            view[e.kv.key] = e.kv.value
+        else:
+            view.pop(e.kv.key, None)
+        changed.set()
+
+    async def wait_for(pred) -> None:
+        while not pred():
+            changed.clear()
+            await asyncio.wait_for(changed.wait(), 10)
+
+    await store.put(keys.node("a"), b"1")
+    cuttable = CuttableStore(store)
+    task = asyncio.create_task(follow_prefix(cuttable, keys.nodes_prefix, on_snapshot, on_event,
+                                             retry_delay=0.01))
+    try:
+        await wait_for(lambda: view == {keys.node("a"): b"1"})
+        await store.put(keys.node("b"), b"2")
+        await wait_for(lambda: keys.node("b") in view)
+        resume_from = (await store.get(keys.node("b"))).mod_revision + 1
+
+        # 1. A plain disconnect resumes from the last revision seen: nothing is missed.
+        cuttable.cut_next_event = True
+        await store.put(keys.node("x"), b"9")  # the cut swallows this delivery ...
+        await asyncio.wait_for(cuttable.cut_done.wait(), 10)
+        cuttable.reconnect.set()
+        await wait_for(lambda: keys.node("x") in view)  # ... and the resumed watch replays it
+        assert cuttable.watch_starts[-1] == resume_from
+        assert len(snapshots) == 1
+
+        # 2. Disconnected while history is compacted: the follower must re-list.
+        cuttable.cut_done.clear()
+        cuttable.cut_next_event = True
+        await store.put(keys.node("y"), b"8")
+        await asyncio.wait_for(cuttable.cut_done.wait(), 10)
+        await store.put(keys.node("c"), b"3")
+        await store.txn([], [Delete(keys.node("a"))])
+        await store._client.compact((await store.list(keys.nodes_prefix)).revision)
+        cuttable.reconnect.set()
+        await wait_for(lambda: len(snapshots) == 2)
+        assert view == {keys.node(n): v for n, v in (("b", b"2"), ("c", b"3"), ("x", b"9"), ("y", b"8"))}
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
