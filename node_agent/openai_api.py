@@ -37,8 +37,10 @@ __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY"
 log = logging.getLogger(__name__)
 
 CORE_KEY = web.AppKey("mlxfleet_core", ServingCore)
-_MODEL = "mlxfleet_model"
-_REVISION = "mlxfleet_revision"
+# Request-scoped keys (web.RequestKey where aiohttp has it: 3.11+).
+_RequestKey = getattr(web, "RequestKey", None)
+_MODEL: Any = _RequestKey("mlxfleet_model", str) if _RequestKey else "mlxfleet_model"
+_REVISION: Any = _RequestKey("mlxfleet_revision", str) if _RequestKey else "mlxfleet_revision"
 
 StrictInt = Annotated[int, Field(strict=True)]
 
@@ -309,22 +311,27 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
-        if kind == "chat":
-            await resp.write(event([choice("", None, first=True)]))
         try:
-            async for chunk in gen:
-                if chunk.text or chunk.finish_reason is not None:
-                    await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
-        except GenerationAborted as e:
-            err = {"error": {"message": str(e), "type": "server_error", "param": None,
-                             "code": "unavailable"}}
-            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            if kind == "chat":
+                await resp.write(event([choice("", None, first=True)]))
+            try:
+                async for chunk in gen:
+                    if chunk.text or chunk.finish_reason is not None:
+                        await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
+            except GenerationAborted as e:
+                err = {"error": {"message": str(e), "type": "server_error", "param": None,
+                                 "code": "unavailable"}}
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            if include_usage:
+                await resp.write(event([], _usage(gen.prompt_tokens, gen.completion_tokens)))
+            await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-            return resp
-        if include_usage:
-            await resp.write(event([], _usage(gen.prompt_tokens, gen.completion_tokens)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away mid-stream: stop generating (the caller's `async with`
+            # cancels too) and end quietly; the status stays the 200 already sent.
+            gen.cancel()
         return resp
 
     async def list_models(request: web.Request) -> web.Response:

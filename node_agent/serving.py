@@ -229,7 +229,8 @@ class ServingCore:
         self.metrics = AgentMetrics(self.registry)
         self.max_queued_requests = max_queued_requests
         self._cmds: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._finished = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._infos: dict[str, ModelInfo] = {}
         self._inflight: dict[str, int] = {}
@@ -243,23 +244,23 @@ class ServingCore:
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the MLX thread (idempotent)."""
-        if self._thread is not None:
+        if self._started:
             return
         if self._closed:
             raise RuntimeError("ServingCore is closed")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="mlx-serving", daemon=True)
-        self._thread.start()
+        self._started = True
+        _worker_thread(self._run_and_signal)
 
     async def close(self) -> None:
         """Abort running generations, drop all models and stop the thread (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self._thread is None:
+        if not self._started:
             return
         self._cmds.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._finished.wait)
         for model_id, info in list(self._infos.items()):
             self.metrics.model_loaded.labels(model_id, info.revision).set(0)
         self._infos.clear()
@@ -275,7 +276,7 @@ class ServingCore:
         Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
         ``config.json``, ``LoadFailed`` for any error while loading, ``NotStarted``).
         """
-        if self._thread is None or self._closed:
+        if not self._started or self._closed:
             raise ModelLoadError("NotStarted", "the serving core is not running")
         if max_concurrent_sequences < 1 or max_context_tokens < 2:
             raise ValueError("max_concurrent_sequences must be >= 1, max_context_tokens >= 2")
@@ -300,7 +301,7 @@ class ServingCore:
         if info is None:
             return
         self.metrics.model_loaded.labels(model_id, info.revision).set(0)
-        if self._thread is not None and not self._closed:
+        if self._started and not self._closed:
             await self._call(self._t_unload, model_id)
 
     def models(self) -> list[ModelInfo]:
@@ -363,7 +364,7 @@ class ServingCore:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if self._closed or self._thread is None:
+        if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id)
         self._admit(info)
@@ -443,10 +444,18 @@ class ServingCore:
         except RuntimeError:
             pass
 
+    def _run_and_signal(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._finished.set()
+
     def _run(self) -> None:
         import mlx.core as mx
 
-        stream = mx.new_stream(mx.default_device())
+        # Like mlx_lm.server: generate on this thread's default stream, so that model, caches
+        # and synchronisation all live on the one thread that owns MLX.
+        stream = mx.default_stream(mx.default_device())
         self._stream = stream
         try:
             with mx.stream(stream):
@@ -731,6 +740,39 @@ class ServingCore:
                     break
         req.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], None
+
+
+# MLX keeps thread-local state whose destructor needs the GIL. A thread that used MLX and exits
+# late (after ``join`` returned, while the interpreter finalizes) aborts the process. So MLX
+# threads never exit: when a core closes, its thread parks in this pool and the next core reuses
+# it. Parked threads are daemons and hold nothing.
+_idle_workers: "queue.SimpleQueue[queue.SimpleQueue[Callable[[], None]]]" = queue.SimpleQueue()
+_worker_names = itertools.count(1)
+
+
+def _worker_main(inbox: "queue.SimpleQueue[Callable[[], None]]") -> None:
+    while True:
+        job = inbox.get()
+        try:
+            job()
+        except BaseException:  # noqa: BLE001 - a worker must survive its job
+            log.exception("MLX worker job failed")
+        _idle_workers.put(inbox)
+
+
+def _worker_thread(job: Callable[[], None]) -> threading.Thread | None:
+    """Run ``job`` on a parked MLX worker thread (or a new one). Returns the new thread, if any."""
+    try:
+        inbox = _idle_workers.get_nowait()
+    except queue.Empty:
+        inbox = queue.SimpleQueue()
+        thread = threading.Thread(target=_worker_main, args=(inbox,), daemon=True,
+                                  name=f"mlx-serving-{next(_worker_names)}")
+        inbox.put(job)
+        thread.start()
+        return thread
+    inbox.put(job)
+    return None
 
 
 def _seeded(sampler: Callable[[Any], Any], seed: int) -> Callable[[Any], Any]:
