@@ -36,7 +36,12 @@ DEFAULT_WRITER = f"mlx-fleet-operator@{socket.gethostname()}"
 
 
 class ConflictError(RuntimeError):
-    """The fenced transaction kept failing its compares (heavy contention); retry later."""
+    """The fenced transaction kept failing its compares (heavy contention); retry later.
+    ``conflicts``: how many transactions failed."""
+
+    def __init__(self, message: str, conflicts: int) -> None:
+        super().__init__(message)
+        self.conflicts = conflicts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +195,7 @@ async def _converge(store: Store, keys: Keys, request: PlacementRequest,
         log.info("%s/%s: placement transaction lost a race (attempt %d/%d); re-reading",
                  request.namespace, request.name, attempt, max_attempts)
     raise ConflictError(f"{request.namespace}/{request.name}: placement transaction failed its "
-                        f"compares {max_attempts} times in a row ({conflicts} conflicts)")
+                        f"compares {max_attempts} times in a row", conflicts)
 
 
 async def reconcile(store: Store, keys: Keys, request: PlacementRequest, assignment: Assignment,

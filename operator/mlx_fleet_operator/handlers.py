@@ -1,0 +1,445 @@
+"""kopf handlers for ``modeldeployments.mlx-fleet.io/v1alpha1``: gather inputs, apply outputs.
+
+Every decision is made by the pure modules (:mod:`.spec`, :mod:`.placement`, :mod:`.status`);
+this module only moves data between the Kubernetes API, etcd and them.
+
+* ``on.startup``: kopf settings, the etcd store, two etcd followers (``nodes/`` and
+  ``reports/``, via :func:`mlx_fleet.store.follow_prefix`) that keep an in-memory view and wake
+  the affected deployments, the Kubernetes client for status patches, the metrics server.
+* ``on.create`` / ``on.update`` / ``on.resume``: :func:`sync` — parse the spec, reconcile
+  (placement → one fenced etcd transaction), compute and patch ``status``, post events.
+  An invalid spec becomes a permanent error plus a Warning event and ``InvalidSpec``
+  conditions, never a crash.
+* ``daemon`` (one per ModelDeployment): waits on the deployment's wake-up event (set by the
+  followers, or by a spec change) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
+  :func:`sync` again, so node churn re-places replicas and agents' reports reach ``status``.
+* ``on.delete``: removes the deployment's assignments (fenced), then kopf drops the finalizer.
+
+Why status is patched with the ``kubernetes`` client: kopf 1.45 applies a daemon's ``patch``
+only when the daemon function returns (``_core/engines/daemons.py``), and this daemon runs
+forever; so :func:`sync` patches the ``status`` subresource itself (JSON merge patch, in a
+worker thread) — and only when the computed status differs from the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord
+from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
+
+from . import metrics
+from .placement import PlacementRequest
+from .reconcile import DEFAULT_WRITER, ConflictError, reconcile, remove_deployment
+from .spec import SpecError, parse_spec, to_assignment
+from .status import Event, StatusInput, compute_status, status_changed
+
+GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
+FINALIZER = "mlx-fleet.io/finalizer"
+#: Seconds between unconditional re-syncs of a deployment (a safety net under the watches).
+RESYNC_SECONDS = 30.0
+
+log = logging.getLogger(__name__)
+DeploymentKey = tuple[str, str]
+
+
+@dataclasses.dataclass
+class OperatorConfig:
+    """Runtime configuration, set by :func:`mlx_fleet_operator.main.main` (or read from the
+    environment when the module is loaded by ``kopf run``)."""
+
+    etcd_endpoint: str = "http://127.0.0.1:2379"
+    etcd_prefix: str = ROOT
+    metrics_port: int = 8080  # 0 = do not serve metrics
+    writer: str = DEFAULT_WRITER
+
+    @classmethod
+    def from_env(cls) -> OperatorConfig:
+        return cls(etcd_endpoint=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", cls.etcd_endpoint),
+                   etcd_prefix=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
+                   metrics_port=int(os.environ.get("MLX_FLEET_METRICS_PORT", "8080")))
+
+
+CONFIG: OperatorConfig | None = None
+
+
+class Runtime:
+    """The operator's in-memory state: etcd store, followed views, wake-ups, locks."""
+
+    def __init__(self, store: EtcdStore, keys: Keys, writer: str) -> None:
+        self.store = store
+        self.keys = keys
+        self.writer = writer
+        self.nodes: dict[str, NodeRecord] = {}
+        self.reports: dict[DeploymentKey, dict[str, AssignmentReport]] = {}
+        self.wakeups: dict[DeploymentKey, asyncio.Event] = {}
+        self.locks: dict[DeploymentKey, asyncio.Lock] = {}
+        self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
+        self.tasks: list[asyncio.Task] = []
+        self.nodes_synced = asyncio.Event()
+        self.reports_synced = asyncio.Event()
+        self.custom_api: Any = None
+
+    def wakeup(self, key: DeploymentKey) -> asyncio.Event:
+        return self.wakeups.setdefault(key, asyncio.Event())
+
+    def lock(self, key: DeploymentKey) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
+    def wake_all(self) -> None:
+        for ev in self.wakeups.values():
+            ev.set()
+
+    # -- etcd followers ------------------------------------------------------------------------
+    @staticmethod
+    def _placement_view(rec: NodeRecord | None) -> tuple | None:
+        """The node fields placement looks at (heartbeats alone must not wake anyone)."""
+        if rec is None:
+            return None
+        return (rec.health, tuple(sorted(rec.labels.items())), rec.capacity.memory_total_bytes,
+                rec.capacity.chip_generation, rec.address)
+
+    def _parse_node(self, key: str, value: bytes) -> NodeRecord | None:
+        name = self.keys.parse_node(key)
+        if name is None:
+            return None
+        try:
+            return NodeRecord.from_json(value)
+        except ValueError as e:
+            log.warning("ignoring malformed node record %s: %s", key, e)
+            return None
+
+    async def on_nodes_snapshot(self, snap: Snapshot) -> None:
+        nodes = {}
+        for kv in snap.items:
+            rec = self._parse_node(kv.key, kv.value)
+            if rec is not None:
+                nodes[self.keys.parse_node(kv.key)] = rec
+        old = {n: self._placement_view(r) for n, r in self.nodes.items()}
+        self.nodes = nodes
+        metrics.set_nodes(nodes.values())
+        self.nodes_synced.set()
+        if old != {n: self._placement_view(r) for n, r in nodes.items()}:
+            self.wake_all()
+
+    async def on_nodes_event(self, ev: WatchEvent) -> None:
+        name = self.keys.parse_node(ev.kv.key)
+        if name is None:
+            return
+        before = self._placement_view(self.nodes.get(name))
+        rec = self._parse_node(ev.kv.key, ev.kv.value) if ev.type == "PUT" else None
+        if rec is None:
+            self.nodes.pop(name, None)
+        else:
+            self.nodes[name] = rec
+        metrics.set_nodes(self.nodes.values())
+        if before != self._placement_view(rec):
+            log.info("node %s %s; re-placing deployments", name,
+                     "gone" if rec is None else "changed" if before else "appeared")
+            self.wake_all()
+
+    def _parse_report(self, key: str, value: bytes) -> tuple[tuple[str, str, str] | None,
+                                                            AssignmentReport | None]:
+        parsed = self.keys.parse_report(key)
+        if parsed is None or not value:
+            return parsed, None
+        try:
+            return parsed, AssignmentReport.from_json(value)
+        except ValueError as e:
+            log.warning("ignoring malformed report %s: %s", key, e)
+            return parsed, None
+
+    @staticmethod
+    def _report_view(r: AssignmentReport | None) -> Any:
+        return None if r is None else r.model_dump(exclude={"updated_unix", "resident_bytes"})
+
+    async def on_reports_snapshot(self, snap: Snapshot) -> None:
+        reports: dict[DeploymentKey, dict[str, AssignmentReport]] = {}
+        for kv in snap.items:
+            parsed, rep = self._parse_report(kv.key, kv.value)
+            if parsed and rep:
+                reports.setdefault((parsed[1], parsed[2]), {})[parsed[0]] = rep
+        changed = set(reports) | set(self.reports)
+        self.reports = reports
+        self.reports_synced.set()
+        for key in changed:
+            if key in self.wakeups:
+                self.wakeups[key].set()
+
+    async def on_reports_event(self, ev: WatchEvent) -> None:
+        parsed, rep = self._parse_report(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
+        if parsed is None:
+            return
+        node, key = parsed[0], (parsed[1], parsed[2])
+        per = self.reports.setdefault(key, {})
+        before = self._report_view(per.get(node))
+        if rep is None:
+            per.pop(node, None)
+        else:
+            per[node] = rep
+        if before != self._report_view(rep) and key in self.wakeups:
+            self.wakeups[key].set()
+
+    def start_followers(self) -> None:
+        self.tasks.append(asyncio.create_task(follow_prefix(
+            self.store, self.keys.nodes_prefix, self.on_nodes_snapshot, self.on_nodes_event),
+            name="etcd follower: nodes"))
+        self.tasks.append(asyncio.create_task(follow_prefix(
+            self.store, self.keys.reports_prefix, self.on_reports_snapshot, self.on_reports_event),
+            name="etcd follower: reports"))
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.store.close()
+
+
+RUNTIME: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    if RUNTIME is None:
+        raise kopf.TemporaryError("the operator is still starting", delay=1)
+    return RUNTIME
+
+
+# ---------------------------------------------------------------------------------------------
+# Startup / cleanup
+# ---------------------------------------------------------------------------------------------
+
+
+def _kubernetes_api() -> Any:
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient())
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    global RUNTIME
+    cfg = CONFIG or OperatorConfig.from_env()
+    # Watches: ask the server to end each watch after 60 s and give up on a silent connection
+    # after 90 s, so a half-dead connection never freezes the operator (kopf's default: none).
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
+    settings.watching.connect_timeout = 10
+    settings.networking.connect_timeout = 10
+    settings.networking.request_timeout = 60
+    # Only warnings and errors of handler logs become Kubernetes events; our own transitions
+    # are posted explicitly with kopf.event().
+    settings.posting.level = logging.WARNING
+    settings.persistence.finalizer = FINALIZER
+    # Progress and diff-base in annotations: the CRD's status schema prunes unknown fields,
+    # so kopf's default status.kopf storage would be silently dropped.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="mlx-fleet.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="mlx-fleet.io", key="last-handled-configuration")
+
+    store = EtcdStore(cfg.etcd_endpoint)
+    await store.connect()
+    rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer)
+    rt.custom_api = await asyncio.to_thread(_kubernetes_api)
+    rt.start_followers()
+    try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
+        await asyncio.wait_for(asyncio.gather(rt.nodes_synced.wait(), rt.reports_synced.wait()),
+                               timeout=30)
+    except asyncio.TimeoutError:
+        logger.warning("etcd views not loaded after 30s; continuing, watches will catch up")
+    if cfg.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.metrics_port)
+    RUNTIME = rt
+    logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s",
+                cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off")
+
+
+@kopf.on.cleanup()
+async def cleanup(logger: logging.Logger, **_: Any) -> None:
+    global RUNTIME
+    if RUNTIME is not None:
+        await RUNTIME.close()
+        RUNTIME = None
+    logger.info("mlx-fleet operator stopped")
+
+
+@kopf.on.probe(id="etcd_nodes")
+async def probe_nodes(**_: Any) -> int:
+    """Liveness probe payload: the number of node records seen in etcd."""
+    return len(runtime().nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reconcile
+# ---------------------------------------------------------------------------------------------
+
+
+async def _patch_status(rt: Runtime, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    import kubernetes
+
+    def call() -> None:
+        try:
+            rt.custom_api.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)},
+                _content_type="application/merge-patch+json")
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:  # deleted meanwhile: nothing to report on
+                raise
+
+    await asyncio.to_thread(call)
+
+
+def _post(body: Mapping[str, Any], events: list[Event]) -> None:
+    for e in events:
+        kopf.event(body, type=e.type, reason=e.reason, message=e.message[:1024])
+
+
+async def _publish(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
+                   status: dict[str, Any], events: list[Event]) -> None:
+    previous = rt.last_status.get(key) or body.get("status") or {}
+    if status_changed(previous, status):
+        await _patch_status(rt, key[0], key[1], status)
+        rt.last_status[key] = status
+    _post(body, events)
+    metrics.set_replicas(key[0], key[1], status["replicas"], status["readyReplicas"])
+
+
+async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
+    """Converge one ModelDeployment: placement → fenced etcd txn → status → events.
+
+    Safe to run concurrently with itself (a per-deployment lock) and after a crash at any
+    point (every step is idempotent). Raises ``kopf.PermanentError`` for an invalid spec and
+    ``kopf.TemporaryError`` for etcd conflicts or outages.
+    """
+    rt = runtime()
+    meta = body.get("metadata", {})
+    key: DeploymentKey = (meta["namespace"], meta["name"])
+    async with rt.lock(key):
+        if meta.get("deletionTimestamp"):
+            return
+        started = time.perf_counter()
+        generation = int(meta.get("generation") or 0)
+        previous = rt.last_status.get(key) or body.get("status") or {}
+        spec_dict = dict(body.get("spec") or {})
+        try:
+            spec = parse_spec(spec_dict)
+        except SpecError as e:
+            metrics.RECONCILE_TOTAL.labels(result="invalid").inc()
+            replicas = spec_dict.get("replicas")
+            status, events = compute_status(StatusInput(
+                generation=generation, replicas=replicas if isinstance(replicas, int) else 0,
+                spec_error=str(e)), previous)
+            await _publish(rt, body, key, status, events)
+            raise kopf.PermanentError(str(e)) from None
+
+        request = PlacementRequest(
+            namespace=key[0], name=key[1], replicas=spec.replicas,
+            memory_bytes=spec.resources.memory_bytes,
+            node_selector=spec.placement.node_selector,
+            min_chip_generation=spec.placement.min_chip_generation,
+            strategy=spec.placement.strategy)
+        assignment = to_assignment(spec, namespace=key[0], name=key[1],
+                                   uid=meta.get("uid", ""), generation=generation)
+        try:
+            result = await reconcile(rt.store, rt.keys, request, assignment, writer=rt.writer)
+        except ConflictError as e:
+            metrics.TXN_CONFLICTS.inc(e.conflicts)
+            metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
+            raise kopf.TemporaryError(str(e), delay=1) from e
+        except StoreError as e:
+            metrics.RECONCILE_TOTAL.labels(result="error").inc()
+            raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
+        metrics.TXN_CONFLICTS.inc(result.conflicts)
+
+        reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
+        status, events = compute_status(StatusInput(
+            generation=generation, replicas=spec.replicas, assignments=result.assignments,
+            reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
+            placement_message=result.decision.message), previous)
+        await _publish(rt, body, key, status, events)
+        metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
+        metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+
+
+_RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
+
+
+@kopf.on.resume(**_RESOURCE)
+@kopf.on.create(**_RESOURCE)
+@kopf.on.update(**_RESOURCE)
+async def reconcile_handler(body: kopf.Body, logger: logging.Logger, namespace: str, name: str,
+                            **_: Any) -> None:
+    try:
+        await sync(body, logger)
+    except kopf.PermanentError as e:
+        kopf.warn(body, reason="InvalidSpec", message=str(e)[:1024])
+        raise
+    runtime().wakeup((namespace, name))  # make sure the daemon's event exists
+
+
+@kopf.daemon(**_RESOURCE, cancellation_timeout=10.0)
+async def follow_deployment(stopped: kopf.DaemonStopped, body: kopf.Body, logger: logging.Logger,
+                            namespace: str, name: str, **_: Any) -> None:
+    """Re-sync on etcd changes (node churn, agent reports) and every RESYNC_SECONDS."""
+    rt = runtime()
+    key = (namespace, name)
+    wake = rt.wakeup(key)
+
+    async def relay_stop() -> None:
+        await stopped.wait()
+        wake.set()
+
+    relay = asyncio.create_task(relay_stop())
+    try:
+        while not stopped:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=RESYNC_SECONDS)
+            wake.clear()
+            if stopped:
+                break
+            try:
+                await sync(body, logger)
+            except (kopf.PermanentError, kopf.TemporaryError) as e:
+                logger.debug("re-sync of %s/%s deferred: %s", namespace, name, e)
+            except Exception:  # keep following; the next wake-up or resync retries
+                logger.exception("re-sync of %s/%s failed", namespace, name)
+                await asyncio.sleep(1)
+    finally:
+        relay.cancel()
+
+
+@kopf.on.delete(**_RESOURCE)
+async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    rt = runtime()
+    key = (namespace, name)
+    async with rt.lock(key):
+        try:
+            result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer)
+        except ConflictError as e:
+            metrics.TXN_CONFLICTS.inc(e.conflicts)
+            raise kopf.TemporaryError(str(e), delay=1) from e
+        except StoreError as e:
+            raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
+        metrics.TXN_CONFLICTS.inc(result.conflicts)
+        logger.info("removed assignments of %s/%s from %s", namespace, name,
+                    list(result.decision.removed))
+    rt.last_status.pop(key, None)
+    rt.wakeups.pop(key, None)
+    rt.locks.pop(key, None)
+    metrics.forget_deployment(namespace, name)

@@ -1,0 +1,77 @@
+"""``mlx-fleet-operator``: the command line that runs the kopf operator programmatically."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from mlx_fleet.contract import ROOT
+
+DESCRIPTION = """\
+Run the mlx-fleet operator: turn ModelDeployment resources (mlx-fleet.io/v1alpha1) into
+per-Mac assignments in etcd, and the node agents' reports back into status and events.
+Kubernetes access: $KUBECONFIG (or ~/.kube/config), or the in-cluster service account.
+Stops cleanly on SIGTERM or SIGINT.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-fleet-operator", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--etcd-endpoint",
+                   default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
+                   help="etcd client URL (http://host:port) holding node records, assignments "
+                        "and reports (env MLX_FLEET_ETCD_ENDPOINT; default %(default)s)")
+    p.add_argument("--etcd-prefix", default=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
+                   help="key root of the etcd contract; the agents must use the same one "
+                        "(env MLX_FLEET_ETCD_PREFIX; default %(default)s)")
+    p.add_argument("--namespace", action="append", default=[], metavar="NS",
+                   help="watch ModelDeployments only in this namespace (repeatable; glob "
+                        "patterns allowed); default: all namespaces (cluster-wide)")
+    p.add_argument("--metrics-port", type=int, default=8080,
+                   help="port of the Prometheus /metrics endpoint on 0.0.0.0; 0 disables it "
+                        "(default %(default)s)")
+    p.add_argument("--liveness-port", type=int, default=8081,
+                   help="port of the liveness endpoint http://0.0.0.0:PORT/healthz; 0 disables "
+                        "it (default %(default)s)")
+    peering = p.add_mutually_exclusive_group()
+    peering.add_argument("--standalone", dest="standalone", action="store_true", default=True,
+                         help="run without kopf peering (the default): safety against two "
+                              "operator replicas comes from the fenced etcd transactions, so "
+                              "no KopfPeering CRD or its RBAC is needed")
+    peering.add_argument("--peering", dest="standalone", action="store_false",
+                         help="use kopf peering (requires the KopfPeering CRDs installed) so "
+                              "only the highest-priority replica handles resources")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="debug logging (kopf and mlx-fleet)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the operator until signalled.
+    Returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    import kopf
+
+    from . import handlers
+
+    handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
+                                              etcd_prefix=args.etcd_prefix,
+                                              metrics_port=args.metrics_port)
+    kopf.configure(verbose=args.verbose)
+    logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
+    kopf.run(
+        standalone=args.standalone,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the operator (served by ``prometheus_client`` on ``--metrics-port``).
+
+=====================================================  ===========================================
+``mlxfleet_operator_reconcile_total{result}``          reconciles by outcome: ``changed`` (a
+                                                       transaction was written), ``unchanged``,
+                                                       ``invalid`` (bad spec), ``conflict``,
+                                                       ``error``
+``mlxfleet_operator_reconcile_duration_seconds``       histogram of one reconcile (etcd read,
+                                                       placement, transaction, status patch)
+``mlxfleet_operator_etcd_txn_conflicts_total``         fenced transactions that failed their
+                                                       compares (someone wrote in between)
+``mlxfleet_operator_nodes{health}``                    node records in etcd by health
+``mlxfleet_operator_deployment_replicas``              replicas per ModelDeployment,
+``{namespace,name,state}``                             ``state`` = ``desired`` or ``ready``
+=====================================================  ===========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from mlx_fleet.contract import NodeHealth, NodeRecord
+
+RECONCILE_TOTAL = Counter("mlxfleet_operator_reconcile_total",
+                          "ModelDeployment reconciles by result", ["result"])
+RECONCILE_DURATION = Histogram("mlxfleet_operator_reconcile_duration_seconds",
+                               "Duration of one ModelDeployment reconcile in seconds")
+TXN_CONFLICTS = Counter("mlxfleet_operator_etcd_txn_conflicts_total",
+                        "Fenced etcd transactions that failed their mod_revision compares")
+NODES = Gauge("mlxfleet_operator_nodes", "Node records in etcd by health", ["health"])
+DEPLOYMENT_REPLICAS = Gauge("mlxfleet_operator_deployment_replicas",
+                            "Replicas of a ModelDeployment by state (desired, ready)",
+                            ["namespace", "name", "state"])
+
+for _result in ("changed", "unchanged", "invalid", "conflict", "error"):
+    RECONCILE_TOTAL.labels(result=_result)
+
+
+def set_nodes(records: Iterable[NodeRecord]) -> None:
+    counts = {h.value: 0 for h in NodeHealth}
+    for r in records:
+        counts[r.health.value] = counts.get(r.health.value, 0) + 1
+    for health, n in counts.items():
+        NODES.labels(health=health).set(n)
+
+
+def set_replicas(namespace: str, name: str, desired: int, ready: int) -> None:
+    DEPLOYMENT_REPLICAS.labels(namespace=namespace, name=name, state="desired").set(desired)
+    DEPLOYMENT_REPLICAS.labels(namespace=namespace, name=name, state="ready").set(ready)
+
+
+def forget_deployment(namespace: str, name: str) -> None:
+    for state in ("desired", "ready"):
+        try:
+            DEPLOYMENT_REPLICAS.remove(namespace, name, state)
+        except KeyError:
+            pass
