@@ -128,14 +128,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(prompt=args.prompt, max_tokens=args.max_tokens, keep=args.keep)
 
 
-def _cmd_make_test_model(args: argparse.Namespace) -> int:
-    from mlx_fleet.testmodel import make_test_model
-
-    path = make_test_model(Path(args.dir), seed=args.seed)
-    print(path)
-    return 0
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
     from mlx_fleet.contract import Keys
     from mlx_fleet.fleetstatus import collect, render
@@ -190,13 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", help="keep the logs directory after success")
     d.set_defaults(func=_cmd_demo)
 
-    m = sub.add_parser("make-test-model", help="write a small real MLX model to DIR",
-                       description="Write a llama-architecture MLX model with random weights "
-                                   "(safetensors) and a real byte-level BPE tokenizer to DIR. "
-                                   "Loads through mlx_lm.load like any downloaded model. No network.")
-    m.add_argument("dir", help="destination directory (created; reused if already complete)")
-    m.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
-    m.set_defaults(func=_cmd_make_test_model)
+    from mlx_fleet import testmodel
+
+    m = sub.add_parser("make-test-model", help="write a small real MLX model to DIR")
+    testmodel.add_arguments(m)
+    m.set_defaults(func=testmodel.run)
 
     st = sub.add_parser("status", help="print nodes, assignments and reports from etcd")
     st.add_argument("--etcd-endpoint", default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),

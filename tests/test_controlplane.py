@@ -1,0 +1,68 @@
+"""The local control plane itself, and the CRD schema as enforced by a real kube-apiserver."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlx_fleet.devcluster.binaries import KUBERNETES_VERSION, Binaries
+from mlx_fleet.devcluster.controlplane import ControlPlane, start_control_plane
+from crd_cases import invalid_examples, valid_examples
+
+
+def test_apiserver_reports_pinned_version(control_plane: ControlPlane) -> None:
+    version = json.loads(control_plane.kubectl("get", "--raw", "/version").stdout)
+    assert version["gitVersion"] == KUBERNETES_VERSION
+
+
+def test_crd_is_established_with_printer_columns(control_plane: ControlPlane) -> None:
+    crd = json.loads(control_plane.kubectl(
+        "get", "crd", "modeldeployments.mlx-fleet.io", "-o", "json").stdout)
+    conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert conditions["Established"] == "True"
+    assert "md" in crd["spec"]["names"]["shortNames"]
+    # `kubectl get` renders the printer columns through the server-side Table API.
+    header = control_plane.kubectl("get", "md", "--all-namespaces").stdout + \
+        control_plane.kubectl("get", "md", "--all-namespaces").stderr
+    assert "No resources found" in header or "MODEL" in header
+
+
+@pytest.mark.parametrize("obj", valid_examples(), ids=lambda o: o["metadata"]["name"])
+def test_valid_objects_accepted(control_plane: ControlPlane, obj: dict) -> None:
+    out = control_plane.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-",
+                                input=json.dumps(obj))
+    applied = json.loads(out.stdout)
+    assert applied["spec"]["replicas"] >= 0  # defaulted by the schema when absent
+
+
+@pytest.mark.parametrize(("obj", "field"), invalid_examples(), ids=lambda v: v["metadata"]["name"]
+                         if isinstance(v, dict) else v)
+def test_invalid_objects_refused_naming_the_field(control_plane: ControlPlane, obj: dict, field: str) -> None:
+    res = control_plane.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
+    assert res.returncode != 0, f"{obj['metadata']['name']} was accepted"
+    assert "is invalid" in res.stderr
+    assert field in res.stderr, res.stderr
+    got = control_plane.kubectl("get", "md", obj["metadata"]["name"], check=False)
+    assert got.returncode != 0  # nothing was stored
+
+
+def test_example_manifest_is_valid(control_plane: ControlPlane) -> None:
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "examples" / "modeldeployment.yaml").read_text().replace("${MODEL_DIR}", "/models/x")
+    obj = yaml.safe_load(text)
+    control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(obj))
+
+
+def test_stop_leaves_no_process_or_directory(binaries: Binaries) -> None:
+    cp = start_control_plane(binaries=binaries, install_crds=False)
+    pids = [cp.etcd.process.pid, cp.kube_etcd.process.pid, cp.apiserver.pid]
+    assert all(Path(f"/proc/{p}").exists() for p in pids)
+    cp.stop()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not cp.workdir.exists()
