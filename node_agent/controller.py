@@ -1,0 +1,324 @@
+"""Converge the serving core onto this node's assignments, and report per-assignment state.
+
+Desired state: every key under ``keys.node_assignments_prefix(node)``, followed with
+:func:`mlx_fleet.store.follow_prefix` (a snapshot *replaces* the desired set, events update it;
+the watch resumes from the last revision seen and re-lists after a compaction, so no change is
+ever skipped).
+
+Actual state: the models this controller loaded into the :class:`~node_agent.serving.ServingCore`
+(``served_model_name`` → source path + revision + serving limits).
+
+Converging is serialized: one worker task waits for a "desired state changed" signal and runs
+a pass over the latest desired set. A pass first unloads models that are no longer assigned
+(or whose model name changed), then loads what is missing or changed (a changed source URI,
+revision or serving limit reloads). Before each load it checks the signal again, so the newest
+desired state wins; a load that is running is never started a second time.
+
+Reports (:class:`~mlx_fleet.contract.AssignmentReport` at ``keys.report(node, ns, name)``) are
+written through :class:`~node_agent.registration.Registration`, bound to its lease:
+``Loading`` → ``Ready`` (``endpoint`` = the agent's advertised URL, ``resident_bytes`` = size of
+the weight files, an estimate of the memory MLX maps) or ``Failed`` (``reason``/``message`` from
+:class:`~node_agent.serving.ModelLoadError` or :class:`~node_agent.sources.SourceError`). The
+report is deleted when the assignment goes away. A malformed assignment value is logged and
+reported ``Failed``/``InvalidAssignment``; it never stops the controller. A failed load is not
+retried until the assignment's spec changes (retry with back-off arrives with the lifecycle work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys
+from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
+
+from .registration import Registration
+from .serving import ModelLoadError, ServingCore
+from .sources import SourceError, resolve_source
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Controller"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Everything about an assignment that determines what is loaded; a change reloads."""
+
+    model_id: str
+    uri: str
+    revision: str
+    max_concurrent_sequences: int
+    max_context_tokens: int
+
+    @classmethod
+    def of(cls, a: Assignment) -> _Spec:
+        return cls(a.served_model_name, a.source.uri, a.source.revision,
+                   a.serving.max_concurrent_sequences, a.serving.max_context_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Invalid:
+    """An assignment key whose value could not be parsed."""
+
+    namespace: str
+    name: str
+    generation: int
+    message: str
+
+
+@dataclasses.dataclass
+class _Loaded:
+    spec: _Spec
+    resident_bytes: int
+
+
+def _weights_bytes(path: Path) -> int:
+    """Total size of the model's weight files in bytes (0 if none are found)."""
+    total = 0
+    for pattern in ("*.safetensors", "*.npz"):
+        for f in path.glob(pattern):
+            with contextlib.suppress(OSError):
+                total += f.stat().st_size
+    return total
+
+
+class Controller:
+    """Keeps ``core`` serving exactly ``node_name``'s assignments.
+
+    ``store``/``keys``: the etcd store and contract layout; ``registration``: writes the reports
+    under the node's lease; ``advertise_url``: the ``endpoint`` put into Ready reports;
+    ``resolve``: source URI → local path (default :func:`~node_agent.sources.resolve_source`).
+    """
+
+    def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
+                 registration: Registration, advertise_url: str,
+                 resolve: Callable[[str], Path] = resolve_source) -> None:
+        self._store = store
+        self._keys = keys
+        self.node_name = node_name
+        self.prefix = keys.node_assignments_prefix(node_name)
+        self._core = core
+        self._reg = registration
+        self.advertise_url = advertise_url
+        self._resolve = resolve
+        self._desired: dict[str, Assignment | _Invalid] = {}
+        self._loaded: dict[str, _Loaded] = {}
+        self._failed: dict[str, _Spec] = {}
+        self._reported: set[str] = set()            # assignment keys with a report written
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        #: Number of snapshots (initial list + re-lists after compaction) applied.
+        self.snapshots = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start following assignments and the converge worker (returns at once)."""
+        self._tasks = [
+            asyncio.create_task(follow_prefix(self._store, self.prefix, self._on_snapshot,
+                                              self._on_event), name="controller:follow"),
+            asyncio.create_task(self._worker(), name="controller:converge"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop following and converging. Loaded models stay loaded (the core owns them)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    def states(self) -> dict[str, dict]:
+        """Per-assignment state for ``/health``: ``{"ns/name": {model, revision, state,
+        reason}}`` from the latest reports."""
+        out: dict[str, dict] = {}
+        for key in sorted(self._desired):
+            parsed = self._keys.parse_assignment(key)
+            report = self._reg.report(self._keys.report(*parsed)) if parsed else None
+            d = self._desired[key]
+            out[f"{parsed[1]}/{parsed[2]}" if parsed else key] = {
+                "model": d.served_model_name if isinstance(d, Assignment) else "",
+                "revision": report.revision if report else "",
+                "state": report.state.value if report else AssignmentState.PENDING.value,
+                "reason": report.reason if report else "",
+            }
+        return out
+
+    # -- desired state -----------------------------------------------------------------------
+    def _parse(self, kv: KV) -> Assignment | _Invalid | None:
+        parsed = self._keys.parse_assignment(kv.key)
+        if parsed is None or parsed[0] != self.node_name:
+            log.warning("ignoring key %s: not an assignment key of node %s", kv.key,
+                        self.node_name)
+            return None
+        _, ns, name = parsed
+        try:
+            a = Assignment.from_json(kv.value)
+        except (ValidationError, ValueError) as e:
+            generation = 0
+            with contextlib.suppress(Exception):
+                g = json.loads(kv.value).get("generation", 0)
+                generation = g if isinstance(g, int) and g >= 0 else 0
+            msg = f"cannot parse assignment {kv.key}: {e}".replace("\n", "; ")
+            log.error("%s", msg)
+            return _Invalid(ns, name, generation, msg[:1000])
+        if (a.namespace, a.name) != (ns, name):
+            msg = (f"assignment {kv.key} names {a.namespace}/{a.name} in its body, "
+                   f"but {ns}/{name} in its key")
+            log.error("%s", msg)
+            return _Invalid(ns, name, a.generation, msg)
+        if not a.served_model_name:
+            return _Invalid(ns, name, a.generation, f"assignment {kv.key}: empty served_model_name")
+        return a
+
+    async def _on_snapshot(self, snap: Snapshot) -> None:
+        desired: dict[str, Assignment | _Invalid] = {}
+        for kv in snap.items:
+            value = self._parse(kv)
+            if value is not None:
+                desired[kv.key] = value
+        self._desired = desired
+        self.snapshots += 1
+        log.info("assignments of %s at revision %d: %d", self.node_name, snap.revision,
+                 len(desired))
+        self._changed.set()
+
+    async def _on_event(self, ev: WatchEvent) -> None:
+        if ev.type == "DELETE":
+            if self._desired.pop(ev.kv.key, None) is not None:
+                log.info("assignment %s removed", ev.kv.key)
+        else:
+            value = self._parse(ev.kv)
+            if value is None:
+                return
+            self._desired[ev.kv.key] = value
+            log.info("assignment %s changed (revision %d)", ev.kv.key, ev.kv.mod_revision)
+        self._changed.set()
+
+    # -- converging --------------------------------------------------------------------------
+    async def _worker(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            try:
+                await self._converge()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: log, and try again a little later
+                log.exception("converging assignments of %s failed; retrying", self.node_name)
+                await asyncio.sleep(2.0)
+                self._changed.set()
+
+    def _report_key(self, key: str) -> str:
+        parsed = self._keys.parse_assignment(key)
+        assert parsed is not None
+        return self._keys.report(*parsed)
+
+    async def _report(self, key: str, state: AssignmentState, *, namespace: str, name: str,
+                      generation: int, revision: str = "", reason: str = "", message: str = "",
+                      endpoint: str = "", resident_bytes: int = 0) -> None:
+        await self._reg.put_report(self._report_key(key), AssignmentReport(
+            node=self.node_name, namespace=namespace, name=name, generation=generation,
+            revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
+            resident_bytes=resident_bytes))
+
+    async def _converge(self) -> None:
+        desired = dict(self._desired)
+
+        # 1. unload what is no longer assigned (or is now served under another name)
+        for key, loaded in list(self._loaded.items()):
+            d = desired.get(key)
+            if isinstance(d, Assignment) and d.served_model_name == loaded.spec.model_id:
+                continue  # same name: a changed spec reloads in place below
+            log.info("unloading %s (assignment %s %s)", loaded.spec.model_id, key,
+                     "removed" if d is None else "changed")
+            await self._core.unload_model(loaded.spec.model_id)
+            del self._loaded[key]
+        for key in list(self._failed):
+            if key not in desired:
+                del self._failed[key]
+        # reports of assignments that are gone (Ready, Failed or Loading alike)
+        for key in {*self._reported, *self._loaded} - desired.keys():
+            await self._reg.delete_report(self._report_key(key))
+            self._reported.discard(key)
+
+        # 2. load what is missing or changed; newest desired state wins
+        for key, d in desired.items():
+            if self._changed.is_set():
+                return  # the worker runs again at once with the latest desired set
+            self._reported.add(key)
+            if isinstance(d, _Invalid):
+                await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
+                                   name=d.name, generation=d.generation,
+                                   reason="InvalidAssignment", message=d.message)
+                continue
+            spec = _Spec.of(d)
+            loaded = self._loaded.get(key)
+            if loaded is not None and loaded.spec == spec:
+                await self._ready(key, d, loaded)  # no-op unless e.g. the generation moved
+                continue
+            if self._failed.get(key) == spec:
+                continue
+            owner = next((k for k, v in self._loaded.items()
+                          if k != key and v.spec.model_id == spec.model_id), None)
+            if owner is not None:
+                await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
+                                   name=d.name, generation=d.generation,
+                                   revision=spec.revision, reason="ModelNameConflict",
+                                   message=f"model name {spec.model_id!r} is already served "
+                                           f"for assignment {owner}")
+                continue
+            await self._load(key, d, spec)
+
+    async def _ready(self, key: str, a: Assignment, loaded: _Loaded) -> None:
+        await self._report(key, AssignmentState.READY, namespace=a.namespace, name=a.name,
+                           generation=a.generation, revision=loaded.spec.revision,
+                           reason="ModelLoaded", endpoint=self.advertise_url,
+                           message=f"serving {loaded.spec.model_id} from {loaded.spec.uri}",
+                           resident_bytes=loaded.resident_bytes)
+
+    async def _load(self, key: str, a: Assignment, spec: _Spec) -> None:
+        common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
+                      revision=spec.revision)
+        await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
+                           message=f"loading {spec.model_id} from {spec.uri}", **common)
+        log.info("loading %s revision %s from %s (assignment %s)", spec.model_id, spec.revision,
+                 spec.uri, key)
+        try:
+            path = await asyncio.to_thread(self._resolve, spec.uri)
+            await self._core.load_model(
+                spec.model_id, path, revision=spec.revision,
+                max_concurrent_sequences=spec.max_concurrent_sequences,
+                max_context_tokens=spec.max_context_tokens)
+            resident = await asyncio.to_thread(_weights_bytes, path)
+        except (SourceError, ModelLoadError) as e:
+            await self._fail(key, spec, e.reason, e.message, common)
+            return
+        except ValueError as e:
+            await self._fail(key, spec, "InvalidAssignment", str(e), common)
+            return
+        except Exception as e:  # MLX or anything else: the assignment fails, the agent lives
+            log.exception("loading %s failed", spec.model_id)
+            await self._fail(key, spec, "LoadFailed", f"{type(e).__name__}: {e}", common)
+            return
+        self._failed.pop(key, None)
+        self._loaded[key] = loaded = _Loaded(spec, resident)
+        log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
+        await self._ready(key, a, loaded)
+
+    async def _fail(self, key: str, spec: _Spec, reason: str, message: str, common: dict) -> None:
+        log.error("assignment %s failed: %s: %s", key, reason, message)
+        previous = self._loaded.pop(key, None)
+        if previous is not None or self._core.is_loaded(spec.model_id):
+            # what is served must be what is assigned: don't keep an older revision around
+            await self._core.unload_model(spec.model_id)
+        self._failed[key] = spec
+        await self._report(key, AssignmentState.FAILED, reason=reason, message=message, **common)

@@ -1,0 +1,307 @@
+"""``mlx-fleet-agent`` / ``python -m node_agent``: the node agent process.
+
+Start-up order: serving core → HTTP server (logs ``serving on http://...``) → registration in
+etcd (logs ``registered node X (lease ...)``; retried with back-off while etcd is unreachable)
+→ assignment controller. SIGTERM/SIGINT shut down gracefully: stop accepting connections, stop
+the controller, revoke the lease (the node record and reports vanish at once), close the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from mlx_fleet.contract import ROOT, Keys
+from mlx_fleet.store import EtcdStore, StoreError
+
+from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
+from .registration import DEFAULT_LEASE_TTL, Registration
+
+log = logging.getLogger("node_agent")
+
+__all__ = ["AgentConfig", "Agent", "build_parser", "main"]
+
+ENV_ETCD_ENDPOINT = "MLX_FLEET_ETCD_ENDPOINT"
+DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
+DEFAULT_LISTEN = "127.0.0.1:8000"
+
+
+def _agent_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("mlx-fleet")
+    except Exception:  # running from a source tree without metadata
+        return ""
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) → ``(host, port)``; port 0 picks a free port.
+    Raises ``ValueError``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    p = int(port)
+    if not 0 <= p <= 65535:
+        raise ValueError(f"port out of range in {text!r}")
+    return host, p
+
+
+def parse_label(text: str) -> tuple[str, str]:
+    """``key=value`` → ``(key, value)``; raises ``ValueError`` for a missing ``=`` or key."""
+    k, sep, v = text.partition("=")
+    if not sep or not k.strip():
+        raise ValueError(f"expected key=value, got {text!r}")
+    return k.strip(), v.strip()
+
+
+def _argtype(fn):
+    def wrapped(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    """Everything the agent is configured with (the CLI flags, parsed)."""
+
+    node_name: str
+    etcd_endpoint: str = DEFAULT_ETCD_ENDPOINT
+    etcd_prefix: str = ROOT
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8000
+    advertise_url: str | None = None
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    lease_ttl: int = DEFAULT_LEASE_TTL
+    simulated_chip: str | None = None
+    simulated_memory_bytes: int | None = None
+    max_queued_requests: int = 64
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-fleet-agent",
+        description="mlx-fleet node agent: registers this Mac in etcd under a lease, watches its "
+                    "model assignments, serves the models with MLX over an OpenAI-compatible "
+                    "HTTP API and reports per-assignment state back to etcd.")
+    p.add_argument("--node-name", default=socket.gethostname(),
+                   help="name of this node in etcd (nodes/<name>); must not contain '/' (default: this host's name, %(default)s)")
+    p.add_argument("--etcd-endpoint",
+                   default=os.environ.get(ENV_ETCD_ENDPOINT, DEFAULT_ETCD_ENDPOINT),
+                   help=f"etcd client URL http://host:port (default: env {ENV_ETCD_ENDPOINT}, else "
+                        f"{DEFAULT_ETCD_ENDPOINT})")
+    p.add_argument("--etcd-prefix", default=ROOT,
+                   help="key root of the etcd contract; must match the operator's (default: %(default)s)")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, type=_argtype(parse_listen),
+                   metavar="HOST:PORT",
+                   help="address of the OpenAI-compatible API, /health and /metrics "
+                        "(default: %s; port 0 picks a free port)" % DEFAULT_LISTEN)
+    p.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="base URL clients and the operator use to reach this agent "
+                        "(default: http://<listen>, with the host name for 0.0.0.0/::)")
+    p.add_argument("--label", action="append", default=[], type=_argtype(parse_label),
+                   metavar="KEY=VALUE",
+                   help="node label matched by deployments' node selectors (repeatable)")
+    p.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
+                   help="etcd lease TTL: a node that stops heart-beating disappears after this "
+                        "long; keep-alives are sent every TTL/3 (default: %(default)s)")
+    p.add_argument("--simulated-chip", default=None, metavar="BRAND",
+                   help="pretend to be this chip, e.g. 'Apple M3 Max' (forces simulated "
+                        "capacity; off macOS capacity is always simulated, default "
+                        "'Apple M3 Max')")
+    p.add_argument("--simulated-memory", default=None, type=_argtype(parse_quantity),
+                   metavar="QUANTITY",
+                   help="pretend to have this much unified memory, e.g. 64Gi (forces simulated "
+                        "capacity; default off macOS: the host's physical memory)")
+    p.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
+                   help="requests waiting for a batch slot, across all models, before the API "
+                        "answers 429 with Retry-After (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log verbosity (default: %(default)s; logs go to stderr)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    host, port = args.listen
+    return AgentConfig(node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
+                       etcd_prefix=args.etcd_prefix, listen_host=host, listen_port=port,
+                       advertise_url=args.advertise_url, labels=dict(args.label),
+                       lease_ttl=args.lease_ttl, simulated_chip=args.simulated_chip,
+                       simulated_memory_bytes=args.simulated_memory,
+                       max_queued_requests=args.max_queued_requests)
+
+
+class Agent:
+    """The whole agent in one object (the CLI runs it; tests run several in one process).
+
+    :meth:`start` brings everything up and returns once the HTTP server listens and the node
+    is registered (it keeps retrying registration while etcd is unreachable, until
+    :meth:`stop`). :meth:`stop` is the graceful shutdown. ``url`` is the advertised base URL.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from .serving import ServingCore
+
+        self.config = config
+        self.keys = Keys(config.etcd_prefix)
+        self.keys.node(config.node_name)  # validates the name early (ValueError)
+        self.registry = CollectorRegistry()
+        self.core = ServingCore(registry=self.registry,
+                                max_queued_requests=config.max_queued_requests)
+        self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
+                                                  config.simulated_memory_bytes))
+        self.store = EtcdStore(config.etcd_endpoint)
+        self.registration: Registration | None = None
+        self.controller = None
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    def health(self) -> tuple[bool, dict]:
+        """``(healthy, details)`` for ``GET /health``: healthy while the lease is alive and
+        etcd reachable; details list the registration and every assignment's state."""
+        reg = self.registration
+        ok = reg is not None and reg.healthy
+        return ok, {
+            "status": "ok" if ok else "unhealthy",
+            "node": self.config.node_name,
+            "registration": reg.status() if reg is not None else None,
+            "assignments": self.controller.states() if self.controller is not None else {},
+            "models": [{"id": m.model_id, "revision": m.revision} for m in self.core.models()],
+        }
+
+    async def start(self) -> None:
+        from .controller import Controller
+        from .openai_api import build_app
+
+        cap = await self.probe.read()
+        if cap.simulated:
+            log.warning("capacity is SIMULATED: chip %r (generation %d), %s unified memory — "
+                        "this node is not a real Mac", cap.chip, cap.chip_generation,
+                        format_bytes(cap.memory_total_bytes))
+        else:
+            log.info("capacity: %s (generation %d), %s unified memory, wired limit %s",
+                     cap.chip, cap.chip_generation, format_bytes(cap.memory_total_bytes),
+                     format_bytes(cap.wired_limit_bytes) if cap.wired_limit_bytes else "default")
+        await self.core.start()
+        app = build_app(self.core, health=self.health, registry=self.registry)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
+        await self._site.start()
+        port = self._bound_port()
+        host = self.config.listen_host
+        shown = f"[{host}]" if ":" in host else host
+        log.info("serving on http://%s:%d", shown, port)
+        if self.config.advertise_url:
+            self.url = self.config.advertise_url.rstrip("/")
+        else:
+            adv = socket.gethostname() if host in {"0.0.0.0", "::", ""} else shown
+            self.url = f"http://{adv}:{port}"
+
+        self.registration = Registration(
+            self.store, self.keys, node_name=self.config.node_name, address=self.url,
+            capacity=self.probe.read, labels=self.config.labels, ttl=self.config.lease_ttl,
+            agent_version=_agent_version())
+        delay = 0.5
+        while True:
+            try:
+                await self.store.connect()
+                await self.registration.start()
+                break
+            except StoreError as e:
+                log.warning("cannot register node %s yet (%s); retrying in %.1fs",
+                            self.config.node_name, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        self.controller = Controller(self.store, self.keys, node_name=self.config.node_name,
+                                     core=self.core, registration=self.registration,
+                                     advertise_url=self.url)
+        await self.controller.start()
+
+    def _bound_port(self) -> int:
+        server = self._site._server if self._site is not None else None  # type: ignore[attr-defined]
+        sockets = getattr(server, "sockets", None) or []
+        return sockets[0].getsockname()[1] if sockets else self.config.listen_port
+
+    async def stop(self) -> None:
+        """Graceful shutdown; safe to call more than once and after a partial start."""
+        if self._site is not None:
+            with contextlib.suppress(Exception):
+                await self._site.stop()  # stop accepting new connections
+            self._site = None
+        if self.controller is not None:
+            await self.controller.stop()
+        if self.registration is not None:
+            await self.registration.stop(revoke=True)
+        await self.core.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        log.info("node agent %s stopped", self.config.node_name)
+
+
+async def run(config: AgentConfig) -> None:
+    """Run an agent until SIGTERM or SIGINT, then shut it down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    agent = Agent(config)
+    starting = asyncio.create_task(agent.start())
+    waiting = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # raise a start-up bug
+            await waiting
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        log.info("shutting down")
+    finally:
+        waiting.cancel()
+        await agent.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script entry point. Returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        Keys(config.etcd_prefix).node(config.node_name)
+        if config.lease_ttl < 1:
+            raise ValueError("--lease-ttl must be at least 1 second")
+    except ValueError as e:
+        print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
