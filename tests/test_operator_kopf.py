@@ -1,0 +1,173 @@
+"""The operator end to end on the real local control plane (etcd + kube-apiserver + CRDs).
+
+The test plays the node agents: it writes node records (under a lease) and reports into etcd,
+and watches the assignments the operator writes. No sleeps: etcd changes are awaited with a
+watch; Kubernetes status with a short bounded poll of ``kubectl get -o json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeCapacity,
+                                NodeRecord)
+from mlx_fleet.devcluster.processes import ManagedProcess, free_port
+from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent, follow_prefix
+
+pytestmark = pytest.mark.integration
+GiB = 1024**3
+TIMEOUT = 60.0
+
+
+@pytest.fixture
+def fleet_keys() -> Keys:
+    return Keys(f"/mlx-fleet-test/{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def operator(control_plane, fleet_keys, tmp_path):
+    liveness = free_port()
+    proc = ManagedProcess("mlx-fleet-operator", [
+        sys.executable, "-m", "mlx_fleet_operator", "--etcd-endpoint", control_plane.etcd_url,
+        "--etcd-prefix", fleet_keys.root, "--metrics-port", str(free_port()),
+        "--liveness-port", str(liveness), "--verbose"],
+        tmp_path / "operator.log", env=control_plane.env())
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2) as r:
+            return r.status == 200
+
+    try:
+        proc.wait_until(healthy, timeout=TIMEOUT, what="live (/healthz)")
+        yield proc
+    finally:
+        code = proc.stop()
+        print(proc.log_tail(60))
+        assert code == 0, f"operator exited with {code} on SIGTERM"
+
+
+async def until_assignments(store: EtcdStore, keys: Keys,
+                            predicate: Callable[[dict[str, Assignment]], bool]) -> dict[str, Assignment]:
+    """Follow ``assignments/`` until ``predicate(node → assignment)`` holds; return that view."""
+    view: dict[str, Assignment] = {}
+    done = asyncio.Event()
+
+    def check() -> None:
+        if predicate(view):
+            done.set()
+
+    async def on_snapshot(snap: Snapshot) -> None:
+        view.clear()
+        for kv in snap.items:
+            view[keys.parse_assignment(kv.key)[0]] = Assignment.from_json(kv.value)
+        check()
+
+    async def on_event(ev: WatchEvent) -> None:
+        node = keys.parse_assignment(ev.kv.key)[0]
+        if ev.type == "PUT":
+            view[node] = Assignment.from_json(ev.kv.value)
+        else:
+            view.pop(node, None)
+        check()
+
+    task = asyncio.create_task(follow_prefix(store, keys.assignments_prefix, on_snapshot, on_event))
+    try:
+        await asyncio.wait_for(done.wait(), TIMEOUT)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    return dict(view)
+
+
+async def until_object(control_plane, name: str, predicate: Callable[[dict | None], bool]) -> dict | None:
+    """Bounded poll of ``kubectl get`` (nothing to watch from here); None once it is gone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT
+    last = None
+    while loop.time() < deadline:
+        r = await asyncio.to_thread(control_plane.kubectl, "get", "modeldeployment", name,
+                                    "-o", "json", check=False)
+        last = json.loads(r.stdout) if r.returncode == 0 else None
+        if predicate(last):
+            return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"condition not reached; last object: {json.dumps(last, indent=1)}")
+
+
+def node_record(name: str) -> NodeRecord:
+    return NodeRecord(name=name, address=f"http://{name}.local:8000",
+                      capacity=NodeCapacity(memory_total_bytes=64 * GiB,
+                                            memory_available_bytes=60 * GiB,
+                                            chip="Apple M4 Max", chip_generation=4, simulated=True))
+
+
+def manifest(name: str) -> str:
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
+                 "replicas": 1, "resources": {"memory": "1Gi"},
+                 "placement": {"minChipGeneration": "M4"}},
+    })
+
+
+def ready_condition(obj: dict | None) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == "Ready":
+            return c
+    return {}
+
+
+async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys):
+    keys = fleet_keys
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    async with EtcdStore(control_plane.etcd_url) as store:
+        lease = await store.grant_lease(60)
+        await store.put(keys.node("mac-a"), node_record("mac-a").to_json(), lease=lease)
+
+        await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=manifest(name))
+        placed = await until_assignments(store, keys, lambda v: "mac-a" in v)
+        asg = placed["mac-a"]
+        assert (asg.namespace, asg.name, asg.served_model_name) == ("default", name, name)
+        assert asg.memory_bytes == GiB and asg.source.uri == "file:///models/tiny-llama"
+
+        # Acting as the agent: the replica is Ready.
+        await store.put(keys.report("mac-a", "default", name), AssignmentReport(
+            node="mac-a", namespace="default", name=name, generation=asg.generation,
+            revision="v1", state=AssignmentState.READY, reason="ModelLoaded",
+            endpoint="http://mac-a.local:8000").to_json(), lease=lease)
+        obj = await until_object(control_plane, name, lambda o: bool(o) and (
+            o.get("status") or {}).get("readyReplicas") == 1 and ready_condition(o).get("status") == "True")
+        status = obj["status"]
+        assert status["observedGeneration"] == obj["metadata"]["generation"] == asg.generation
+        assert status["endpoints"] == ["http://mac-a.local:8000"]
+        assert [(n["name"], n["state"]) for n in status["nodes"]] == [("mac-a", "Ready")]
+        assert "mlx-fleet.io/finalizer" in obj["metadata"]["finalizers"]
+
+        # mac-a goes away (its agent's keys vanish), mac-b appears: the replica moves.
+        lease_b = await store.grant_lease(60)
+        await store.put(keys.node("mac-b"), node_record("mac-b").to_json(), lease=lease_b)
+        await store.revoke_lease(lease)
+        moved = await until_assignments(store, keys, lambda v: set(v) == {"mac-b"})
+        assert moved["mac-b"].name == name
+        await until_object(control_plane, name, lambda o: bool(o) and [
+            n["name"] for n in o["status"]["nodes"]] == ["mac-b"] and o["status"]["readyReplicas"] == 0)
+
+        events = await asyncio.to_thread(
+            control_plane.kubectl, "get", "events", "--field-selector",
+            f"involvedObject.name={name}", "-o", "jsonpath={.items[*].reason}")
+        assert {"Placed", "ReplicaReady"} <= set(events.stdout.split())
+
+        await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name,
+                                "--wait=true", "--timeout=60s")
+        await until_assignments(store, keys, lambda v: not v)
+        assert await until_object(control_plane, name, lambda o: o is None) is None
+        await store.revoke_lease(lease_b)
