@@ -1,0 +1,365 @@
+"""The assignment controller (and the whole agent process) against a real etcd, the real
+ServingCore and a generated MLX model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
+                                NodeCapacity, NodeRecord)
+from mlx_fleet.store import EtcdStore, StoreError, WatchEvent
+from node_agent.controller import Controller
+from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
+from node_agent.registration import Registration
+from node_agent.serving import ServingCore
+from node_agent.sources import SourceError, resolve_source
+
+NODE = "mac-1"
+ADVERTISED = "http://agent.test:8000"
+TIMEOUT = 120  # a model load on two busy CPU cores
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def assignment(name: str, model_dir: Path | str, *, model: str | None = None,
+               revision: str = "r1", generation: int = 1, ns: str = "default") -> Assignment:
+    uri = model_dir if isinstance(model_dir, str) else f"file://{model_dir}"
+    return Assignment(namespace=ns, name=name, generation=generation,
+                      served_model_name=model or name,
+                      source=ModelSource(uri=uri, revision=revision), memory_bytes=2**20)
+
+
+async def put(store: EtcdStore, keys: Keys, a: Assignment) -> int:
+    return await store.put(keys.assignment(NODE, a.namespace, a.name), a.to_json())
+
+
+async def report_events(store: EtcdStore, key: str, start: int,
+                        until: Callable[[AssignmentReport | None], bool],
+                        timeout: float = TIMEOUT) -> list[AssignmentReport | None]:
+    """Reports written to ``key`` from revision ``start`` (None = deleted), up to and including
+    the first one satisfying ``until``."""
+    seen: list[AssignmentReport | None] = []
+
+    async def collect() -> None:
+        async for ev in store.watch(key, start):
+            if ev.kv.key != key:
+                continue
+            r = AssignmentReport.from_json(ev.kv.value) if ev.type == "PUT" else None
+            seen.append(r)
+            if until(r):
+                return
+
+    await asyncio.wait_for(collect(), timeout)
+    return seen
+
+
+async def wait_report(store: EtcdStore, key: str,
+                      until: Callable[[AssignmentReport | None], bool],
+                      timeout: float = TIMEOUT) -> AssignmentReport | None:
+    """The first state of the report at ``key`` (now or later) satisfying ``until``."""
+    listing = await store.list(key)
+    kv = next((kv for kv in listing.items if kv.key == key), None)
+    now = AssignmentReport.from_json(kv.value) if kv is not None else None
+    if until(now):
+        return now
+    return (await report_events(store, key, listing.revision + 1, until, timeout))[-1]
+
+
+def state_is(state: AssignmentState) -> Callable[[AssignmentReport | None], bool]:
+    return lambda r: r is not None and r.state == state
+
+
+def settled(r: AssignmentReport | None) -> bool:
+    return r is not None and r.state in (AssignmentState.READY, AssignmentState.FAILED)
+
+
+async def complete(core: ServingCore, model: str) -> str:
+    gen = await core.generate(model, prompt="Hello, world!", max_tokens=4, temperature=0.0)
+    text = ""
+    async with gen:
+        async for chunk in gen:
+            text += chunk.text
+    return text
+
+
+class Capacity:
+    async def __call__(self) -> NodeCapacity:
+        return NodeCapacity(memory_total_bytes=64 * 2**30, memory_available_bytes=48 * 2**30,
+                            chip="Apple M3 Max", chip_generation=3, simulated=True)
+
+
+class FlakyStore:
+    """The real store, with a switch that breaks the watch stream and keeps new watches
+    failing until :meth:`reconnect` (a network partition between agent and etcd watch)."""
+
+    def __init__(self, inner: EtcdStore) -> None:
+        self._inner = inner
+        self._up = asyncio.Event()
+        self._up.set()
+        self._broken = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def disconnect(self) -> None:
+        self._up.clear()
+        self._broken.set()
+
+    def reconnect(self) -> None:
+        self._broken.clear()
+        self._up.set()
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        if not self._up.is_set():
+            raise StoreError("watch refused: disconnected (test)")
+        it = self._inner.watch(prefix, start_revision).__aiter__()
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                brk = asyncio.ensure_future(self._broken.wait())
+                try:
+                    await asyncio.wait({nxt, brk}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    brk.cancel()
+                if not nxt.done():
+                    raise StoreError("watch stream broken (test)")
+                try:
+                    ev = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield ev
+        finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
+            await it.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def core() -> AsyncIterator[ServingCore]:
+    c = ServingCore()
+    await c.start()
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+async def registration(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
+    reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
+                       ttl=5)
+    await reg.start()
+    yield reg
+    await reg.stop()
+
+
+@pytest.fixture
+async def flaky(store: EtcdStore) -> FlakyStore:
+    return FlakyStore(store)
+
+
+@pytest.fixture
+async def controller(flaky: FlakyStore, keys: Keys, core: ServingCore,
+                     registration: Registration) -> AsyncIterator[Controller]:
+    ctl = Controller(flaky, keys, node_name=NODE, core=core,  # type: ignore[arg-type]
+                     registration=registration, advertise_url=ADVERTISED)
+    await ctl.start()
+    yield ctl
+    await ctl.stop()
+    for m in core.models():
+        await core.unload_model(m.model_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# sources (pure-ish: file system only)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resolve_source(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert resolve_source(str(model)) == model
+    assert resolve_source(f"file://{model}") == model
+    assert resolve_source(f"file://localhost{model}") == model
+    cases = {
+        "hf://mlx-community/Llama-3.2-1B": "UnsupportedSource",
+        "https://example.com/m.tar": "UnsupportedSource",
+        "s3://bucket/m": "UnsupportedSource",
+        "relative/path": "InvalidSource",
+        "": "InvalidSource",
+        "file://host/abs": "InvalidSource",
+        str(tmp_path / "missing"): "ModelNotFound",
+        str(tmp_path): "ModelNotFound",  # exists, but no config.json
+    }
+    for uri, reason in cases.items():
+        with pytest.raises(SourceError) as e:
+            resolve_source(uri)
+        assert e.value.reason == reason, uri
+        assert e.value.message
+
+
+# ---------------------------------------------------------------------------------------------
+# controller
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_assignment_loads_serves_and_unloads(store: EtcdStore, keys: Keys,
+                                                   core: ServingCore, controller: Controller,
+                                                   test_model_dir: Path) -> None:
+    rkey = keys.report(NODE, "default", "llama")
+    start = (await store.list(keys.root + "/")).revision + 1
+    await put(store, keys, assignment("llama", test_model_dir, model="tiny-llama"))
+
+    seen = await report_events(store, rkey, start, settled)
+    assert [r.state for r in seen if r] == [AssignmentState.LOADING, AssignmentState.READY]
+    ready = seen[-1]
+    assert ready is not None and ready.endpoint == ADVERTISED and ready.revision == "r1"
+    assert ready.generation == 1 and ready.resident_bytes > 0 and ready.reason == "ModelLoaded"
+    kv = await store.get(rkey)
+    assert kv is not None and kv.lease == controller._reg.lease_id
+
+    assert core.is_loaded("tiny-llama")
+    assert isinstance(await complete(core, "tiny-llama"), str)
+    assert controller.states()["default/llama"]["state"] == "Ready"
+
+    # a new generation with the same spec: report follows, no reload
+    info = core.models()[0]
+    await put(store, keys, assignment("llama", test_model_dir, model="tiny-llama", generation=2))
+    r = await wait_report(store, rkey, lambda r: r is not None and r.generation == 2)
+    assert r is not None and r.state == AssignmentState.READY
+    assert core.models()[0] is info
+
+    await store.delete(keys.assignment(NODE, "default", "llama"))
+    assert await wait_report(store, rkey, lambda r: r is None) is None
+    assert not core.is_loaded("tiny-llama")
+
+
+async def test_revision_change_reloads(store: EtcdStore, keys: Keys, core: ServingCore,
+                                       controller: Controller, test_model_dir: Path) -> None:
+    rkey = keys.report(NODE, "default", "m")
+    await put(store, keys, assignment("m", test_model_dir, revision="r1"))
+    assert (await wait_report(store, rkey, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
+    await put(store, keys, assignment("m", test_model_dir, revision="r2", generation=2))
+    r = await wait_report(store, rkey, lambda r: settled(r) and r.revision == "r2")
+    assert r is not None and r.state == AssignmentState.READY
+    assert [(m.model_id, m.revision) for m in core.models()] == [("m", "r2")]
+
+
+async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
+                                                core: ServingCore, controller: Controller,
+                                                tmp_path: Path) -> None:
+    await put(store, keys, assignment("missing", str(tmp_path / "nope")))
+    await put(store, keys, assignment("hub", "hf://mlx-community/Qwen3-0.6B-4bit"))
+    await store.put(keys.assignment(NODE, "default", "garbage"), b'{"generation": 7, "name": ')
+    await store.put(keys.assignment(NODE, "default", "partial"),
+                    b'{"generation": 3, "namespace": "default", "name": "partial"}')
+    expected = {"missing": "ModelNotFound", "hub": "UnsupportedSource",
+                "garbage": "InvalidAssignment", "partial": "InvalidAssignment"}
+    for name, reason in expected.items():
+        r = await wait_report(store, keys.report(NODE, "default", name), settled)
+        assert r is not None and r.state == AssignmentState.FAILED, name
+        assert r.reason == reason and r.message, (name, r)
+    partial = await wait_report(store, keys.report(NODE, "default", "partial"), settled)
+    assert partial is not None and partial.generation == 3
+    assert core.models() == []
+
+    # the controller survived and still converges: deleting a failed assignment drops its report
+    await store.delete(keys.assignment(NODE, "default", "garbage"))
+    assert await wait_report(store, keys.report(NODE, "default", "garbage"),
+                             lambda r: r is None) is None
+
+
+async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core: ServingCore,
+                                              flaky: FlakyStore, controller: Controller,
+                                              test_model_dir: Path) -> None:
+    ka, kb = keys.report(NODE, "default", "a"), keys.report(NODE, "default", "b")
+    await put(store, keys, assignment("a", test_model_dir))
+    assert (await wait_report(store, ka, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
+    assert controller.snapshots == 1
+
+    flaky.disconnect()  # the controller's watch breaks and can't come back yet
+    await store.delete(keys.assignment(NODE, "default", "a"))
+    rev = await put(store, keys, assignment("b", test_model_dir))
+    await store._client.compact(rev)  # the events above are gone from etcd's history
+    flaky.reconnect()
+
+    assert (await wait_report(store, kb, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
+    assert await wait_report(store, ka, lambda r: r is None) is None
+    assert controller.snapshots == 2  # resumed, hit the compaction, re-listed
+    assert [m.model_id for m in core.models()] == ["b"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent process (main.py wiring)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_parses_every_flag() -> None:
+    args = build_parser().parse_args([
+        "--node-name", "studio-1", "--etcd-endpoint", "http://10.0.0.2:2379",
+        "--etcd-prefix", "/fleet", "--listen", "0.0.0.0:9000", "--advertise-url", "http://s:9",
+        "--label", "rack=a", "--label", "tier=gold", "--lease-ttl", "9",
+        "--simulated-chip", "Apple M4 Max", "--simulated-memory", "128Gi",
+        "--max-queued-requests", "5", "--log-level", "DEBUG"])
+    cfg = config_from_args(args)
+    assert (cfg.node_name, cfg.etcd_endpoint, cfg.etcd_prefix) == (
+        "studio-1", "http://10.0.0.2:2379", "/fleet")
+    assert (cfg.listen_host, cfg.listen_port, cfg.advertise_url) == ("0.0.0.0", 9000, "http://s:9")
+    assert cfg.labels == {"rack": "a", "tier": "gold"} and cfg.lease_ttl == 9
+    assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30
+    assert cfg.max_queued_requests == 5
+    for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+
+
+async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
+                                test_model_dir: Path) -> None:
+    agent = Agent(AgentConfig(node_name="e2e", etcd_endpoint=etcd_server.client_url,
+                              etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
+                              lease_ttl=5, simulated_memory_bytes=64 * 2**30))
+    try:
+        await agent.start()
+        assert agent.url and agent.url.startswith("http://127.0.0.1:")
+        kv = await store.get(keys.node("e2e"))
+        assert kv is not None
+        rec = NodeRecord.from_json(kv.value)
+        assert rec.address == agent.url and rec.capacity.simulated and rec.labels == {"rack": "a"}
+
+        a = assignment("chat", test_model_dir, model="tiny")
+        await store.put(keys.assignment("e2e", "default", "chat"), a.to_json())
+        r = await wait_report(store, keys.report("e2e", "default", "chat"), settled)
+        assert r is not None and r.state == AssignmentState.READY and r.endpoint == agent.url
+
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{agent.url}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 200, body
+                assert body["assignments"]["default/chat"]["state"] == "Ready"
+            async with http.post(f"{r.endpoint}/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 3,
+                    "messages": [{"role": "user", "content": "Hello"}]}) as resp:
+                assert resp.status == 200, await resp.text()
+                out = await resp.json()
+                assert out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        await agent.stop()
+    # graceful stop revoked the lease: record and report are gone at once
+    assert (await store.list(keys.root + "/nodes/")).items == []
+    assert (await store.list(keys.root + "/reports/")).items == []
