@@ -1,0 +1,223 @@
+"""End to end on real parts: kube-apiserver + etcd + the operator process + agent processes
+serving a generated MLX model, driven with kubectl and the official ``openai`` client.
+
+Each test uses its own ModelDeployment (and, where it kills agents, its own agents selected
+by a label), so the tests do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import string
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys
+from mlx_fleet.devcluster.controlplane import ControlPlane
+from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
+from mlx_fleet.store import EtcdStore
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "modeldeployment.yaml"
+LEASE_TTL = 3  # seconds; short so node loss is detected quickly in tests
+
+
+@pytest.fixture(scope="module")
+def fleet_keys() -> Keys:
+    return Keys(f"/mlx-fleet-e2e/{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="module")
+def fleet(control_plane: ControlPlane, fleet_keys: Keys) -> Iterator[dict[str, AgentProcess]]:
+    """The operator and two agents (an M3 Max and an M4 Pro, both simulated on Linux)."""
+    operator = start_operator(control_plane, etcd_prefix=fleet_keys.root)
+    agents = {
+        "mac-a": start_agent(control_plane, "mac-a", etcd_prefix=fleet_keys.root, chip="Apple M3 Max",
+                             memory="64Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
+        "mac-b": start_agent(control_plane, "mac-b", etcd_prefix=fleet_keys.root, chip="Apple M4 Pro",
+                             memory="24Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
+    }
+    yield agents
+    for agent in agents.values():
+        agent.process.stop()
+    operator.stop()
+
+
+def manifest(name: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
+    """The shipped example, renamed, pointed at the generated model, optionally re-scoped."""
+    obj_text = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))
+    import yaml
+
+    obj = yaml.safe_load(obj_text)
+    obj["metadata"]["name"] = name
+    obj["spec"]["model"]["servedModelName"] = name
+    obj["spec"]["replicas"] = replicas
+    if selector:
+        obj["spec"].setdefault("placement", {})["nodeSelector"] = selector
+    return json.dumps(obj)
+
+
+def get_md(cp: ControlPlane, name: str) -> dict:
+    return json.loads(cp.kubectl("get", "modeldeployment", name, "-o", "json").stdout)
+
+
+def wait_ready(cp: ControlPlane, name: str, timeout: int = 180) -> dict:
+    """``kubectl wait`` on the Ready condition (the API server pushes the change; no polling)."""
+    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", f"--timeout={timeout}s",
+               timeout=timeout + 10)
+    return get_md(cp, name)
+
+
+async def wait_for_key(store: EtcdStore, prefix: str, predicate, timeout: float = 60) -> dict[str, bytes]:
+    """Watch ``prefix`` until ``predicate(view)`` holds for the current key→value view."""
+    listing = await store.list(prefix)
+    view = {kv.key: kv.value for kv in listing.items}
+    if predicate(view):
+        return view
+
+    async def follow() -> dict[str, bytes]:
+        async for ev in store.watch(prefix, listing.revision + 1):
+            if ev.type == "PUT":
+                view[ev.kv.key] = ev.kv.value
+            else:
+                view.pop(ev.kv.key, None)
+            if predicate(view):
+                return view
+        raise AssertionError("watch ended")
+
+    return await asyncio.wait_for(follow(), timeout)
+
+
+async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
+                                           fleet_keys: Keys, test_model_dir: Path) -> None:
+    name = "e2e-basic"
+    control_plane.kubectl("apply", "-f", "-", input=manifest(name, test_model_dir))
+    async with EtcdStore(control_plane.etcd_url) as store:
+        # The operator's assignment reaches etcd ...
+        view = await wait_for_key(store, fleet_keys.assignments_prefix,
+                                  lambda v: any(k.endswith(f"/default/{name}") for k in v))
+        (node,) = [fleet_keys.parse_assignment(k)[0] for k in view if k.endswith(f"/default/{name}")]
+        # ... the agent loads the model and reports Ready under its lease ...
+        reports = await wait_for_key(store, fleet_keys.report(node, "default", name),
+                                     lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY
+                                                   for b in v.values()))
+        report = AssignmentReport.from_json(next(iter(reports.values())))
+        report_kv = await store.get(fleet_keys.report(node, "default", name))
+        assert report_kv is not None and report_kv.lease != 0
+    # ... and the operator folds it into status.
+    md = wait_ready(control_plane, name)
+    status = md["status"]
+    assert status["observedGeneration"] == md["metadata"]["generation"]
+    assert status["readyReplicas"] == 1
+    assert status["endpoints"] == [report.endpoint] == [fleet[node].url]
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
+
+    client = openai.AsyncOpenAI(base_url=f"{report.endpoint}/v1", api_key="unused")
+    try:
+        done = await client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8)
+        assert done.choices[0].message.role == "assistant"
+        assert done.usage.completion_tokens == 8 or done.choices[0].finish_reason == "stop"
+        assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+        stream = await client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Stream please"}], max_tokens=6,
+            stream=True, stream_options={"include_usage": True})
+        text, usage, finish = "", None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        assert finish in {"length", "stop"}
+        assert usage is not None and usage.completion_tokens >= 1
+        models = await client.models.list()
+        assert name in [m.id for m in models.data]
+    finally:
+        await client.close()
+
+    # The printer columns show it.
+    table = control_plane.kubectl("get", "modeldeployments", name).stdout
+    assert name in table and "v1" in table
+
+
+async def test_agent_api_rejects_bad_requests(fleet: dict[str, AgentProcess]) -> None:
+    async with aiohttp.ClientSession(base_url=fleet["mac-a"].url) as http:
+        async with http.post("/v1/chat/completions", data=b"{not json",
+                             headers={"content-type": "application/json"}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+        async with http.post("/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": "many"}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "max_tokens"
+        async with http.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"}) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "model_not_found"
+        # The agent is still healthy after all that.
+        async with http.get("/health") as r:
+            assert r.status == 200
+
+
+async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
+                                           fleet_keys: Keys, test_model_dir: Path) -> None:
+    pool = f"failover-{uuid.uuid4().hex[:6]}"
+    victims = {
+        n: start_agent(control_plane, n, etcd_prefix=fleet_keys.root, labels={"pool": pool},
+                       lease_ttl=LEASE_TTL)
+        for n in (f"{pool}-1", f"{pool}-2")
+    }
+    name = "e2e-failover"
+    try:
+        control_plane.kubectl("apply", "-f", "-", input=manifest(name, test_model_dir, selector={"pool": pool}))
+        first = wait_ready(control_plane, name)["status"]["nodes"]
+        (serving,) = [n["name"] for n in first if n["state"] == "Ready"]
+        survivor = next(n for n in victims if n != serving)
+
+        async with EtcdStore(control_plane.etcd_url) as store:
+            victims[serving].process.kill()  # SIGKILL: no lease revocation, as a crashed Mac
+            # The node record vanishes by itself when the lease expires ...
+            await wait_for_key(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
+            # ... and the deployment is placed on the surviving node, which reports Ready.
+            await wait_for_key(
+                store, fleet_keys.report(survivor, "default", name),
+                lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY for b in v.values()),
+                timeout=120)
+            assert not (await store.list(fleet_keys.node_assignments_prefix(serving))).items
+        md = wait_ready(control_plane, name)
+        assert [n["name"] for n in md["status"]["nodes"]] == [survivor]
+        assert md["status"]["endpoints"] == [victims[survivor].url]
+    finally:
+        control_plane.kubectl("delete", "modeldeployment", name, "--ignore-not-found", "--timeout=60s")
+        for v in victims.values():
+            if v.process.alive():
+                v.process.stop()
+
+
+async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPlane,
+                                                        fleet: dict[str, AgentProcess],
+                                                        fleet_keys: Keys, test_model_dir: Path) -> None:
+    name = "e2e-delete"
+    control_plane.kubectl("apply", "-f", "-", input=manifest(name, test_model_dir, replicas=2))
+    md = wait_ready(control_plane, name)
+    assert md["status"]["readyReplicas"] == 2
+    assert "mlx-fleet.io/finalizer" in md["metadata"]["finalizers"]
+    control_plane.kubectl("delete", "modeldeployment", name, "--wait=true", "--timeout=90s", timeout=100)
+    assert control_plane.kubectl("get", "modeldeployment", name, check=False).returncode != 0
+    async with EtcdStore(control_plane.etcd_url) as store:
+        suffix = f"/default/{name}"
+        assert not [kv for kv in (await store.list(fleet_keys.assignments_prefix)).items
+                    if kv.key.endswith(suffix)]
+        # Agents unload it and withdraw their reports.
+        await wait_for_key(store, fleet_keys.reports_prefix,
+                           lambda v: not any(k.endswith(suffix) for k in v), timeout=60)
+    for agent in fleet.values():
+        async with aiohttp.ClientSession(base_url=agent.url) as http, http.get("/v1/models") as r:
+            assert name not in [m["id"] for m in (await r.json())["data"]]
+
