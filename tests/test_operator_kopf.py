@@ -33,10 +33,10 @@ def fleet_keys() -> Keys:
 
 @pytest.fixture
 def operator(control_plane, fleet_keys, tmp_path):
-    liveness = free_port()
+    liveness, metrics_port = free_port(), free_port()
     proc = ManagedProcess("mlx-fleet-operator", [
         sys.executable, "-m", "mlx_fleet_operator", "--etcd-endpoint", control_plane.etcd_url,
-        "--etcd-prefix", fleet_keys.root, "--metrics-port", str(free_port()),
+        "--etcd-prefix", fleet_keys.root, "--metrics-port", str(metrics_port),
         "--liveness-port", str(liveness), "--verbose"],
         tmp_path / "operator.log", env=control_plane.env())
 
@@ -46,6 +46,7 @@ def operator(control_plane, fleet_keys, tmp_path):
 
     try:
         proc.wait_until(healthy, timeout=TIMEOUT, what="live (/healthz)")
+        proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield proc
     finally:
         code = proc.stop()
@@ -165,6 +166,17 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys):
             control_plane.kubectl, "get", "events", "--field-selector",
             f"involvedObject.name={name}", "-o", "jsonpath={.items[*].reason}")
         assert {"Placed", "ReplicaReady"} <= set(events.stdout.split())
+
+        def scrape() -> str:
+            with urllib.request.urlopen(operator.metrics_url, timeout=5) as r:
+                return r.read().decode()
+
+        text = await asyncio.to_thread(scrape)
+        assert 'mlxfleet_operator_nodes{health="Healthy"} 1.0' in text
+        assert f'mlxfleet_operator_deployment_replicas{{name="{name}",namespace="default",state="desired"}} 1.0' in text
+        assert 'mlxfleet_operator_reconcile_total{result="changed"}' in text
+        assert "mlxfleet_operator_etcd_txn_conflicts_total" in text
+        assert "mlxfleet_operator_reconcile_duration_seconds_count" in text
 
         await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name,
                                 "--wait=true", "--timeout=60s")
