@@ -183,3 +183,40 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys):
         await until_assignments(store, keys, lambda v: not v)
         assert await until_object(control_plane, name, lambda o: o is None) is None
         await store.revoke_lease(lease_b)
+
+
+async def test_followers_wake_only_on_relevant_changes():
+    """Heartbeats must not re-place everything; a new node or a changed report must."""
+    from mlx_fleet.store import KV
+    from mlx_fleet_operator.handlers import Runtime
+
+    keys = Keys("/t")
+    rt = Runtime(store=None, keys=keys, writer="test")  # the followers' callbacks only
+    wake = rt.wakeup(("default", "llm"))
+    other = rt.wakeup(("default", "other"))
+    rec = node_record("mac-a")
+
+    def ev(key: str, value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
+        return WatchEvent(type=type_, kv=KV(key=key, value=value, mod_revision=rev))
+
+    await rt.on_nodes_snapshot(Snapshot(items=[], revision=1))
+    await rt.on_nodes_event(ev(keys.node("mac-a"), rec.to_json(), 2))
+    assert wake.is_set() and other.is_set() and set(rt.nodes) == {"mac-a"}
+    wake.clear(), other.clear()
+    beat = rec.model_copy(update={"heartbeat_unix": rec.heartbeat_unix + 5})
+    await rt.on_nodes_event(ev(keys.node("mac-a"), beat.to_json(), 3))
+    assert not wake.is_set()
+    await rt.on_nodes_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
+    assert wake.is_set() and rt.nodes == {}
+    wake.clear(), other.clear()
+
+    report = AssignmentReport(node="mac-a", namespace="default", name="llm",
+                              state=AssignmentState.LOADING)
+    await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), report.to_json(), 5))
+    assert wake.is_set() and not other.is_set()
+    wake.clear()
+    later = report.model_copy(update={"updated_unix": report.updated_unix + 1})
+    await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), later.to_json(), 6))
+    assert not wake.is_set()
+    await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), b"", 7, "DELETE"))
+    assert wake.is_set() and rt.reports[("default", "llm")] == {}
