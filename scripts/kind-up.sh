@@ -11,7 +11,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cluster=mlx-fleet
 namespace=mlx-system
 etcd_mode=in-cluster
-etcd_endpoints=""
+etcd_endpoint=""
 etcd_image=quay.io/coreos/etcd:v3.6.16
 etcd_host_port=2379
 etcd_listen=0.0.0.0
@@ -31,8 +31,8 @@ Not run in the project's CI (no Docker there): see docs/kind.md.
 Options:
   --name NAME              kind cluster name (default: $cluster)
   --namespace NS           namespace for the operator and etcd (default: $namespace)
-  --etcd-endpoints URLS    use an external etcd (comma-separated client URLs) instead of
-                           deploying one in the cluster
+  --etcd-endpoint URL      use an external etcd (one client URL, http://host:port, reachable
+                           from the pods and the Macs) instead of deploying one in the cluster
   --etcd-image IMAGE       etcd image for the in-cluster etcd (default: $etcd_image)
   --etcd-host-port PORT    host port the in-cluster etcd is published on for the Macs
                            (default: $etcd_host_port)
@@ -58,7 +58,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --name) arg "$@"; cluster=$2; shift 2 ;;
     --namespace) arg "$@"; namespace=$2; shift 2 ;;
-    --etcd-endpoints) arg "$@"; etcd_mode=external; etcd_endpoints=$2; shift 2 ;;
+    --etcd-endpoint) arg "$@"; etcd_mode=external; etcd_endpoint=$2; shift 2 ;;
     --etcd-image) arg "$@"; etcd_image=$2; shift 2 ;;
     --etcd-host-port) arg "$@"; etcd_host_port=$2; shift 2 ;;
     --etcd-listen) arg "$@"; etcd_listen=$2; shift 2 ;;
@@ -168,7 +168,7 @@ spec:
         resources: {requests: {storage: 1Gi}}
 EOF
   kubectl -n "$namespace" rollout status statefulset/etcd --timeout=180s
-  etcd_endpoints="http://etcd.$namespace.svc:2379"
+  etcd_endpoint="http://etcd.$namespace.svc:2379"
 fi
 
 # --- 3. CRDs and the operator ----------------------------------------------------------------------
@@ -189,12 +189,12 @@ EOF
   kind load docker-image "$image" --name "$cluster"
 fi
 
-log "installing the chart charts/mlx-fleet (etcd: $etcd_endpoints)"
+log "installing the chart charts/mlx-fleet (etcd: $etcd_endpoint)"
 helm upgrade --install mlx-fleet "$repo/charts/mlx-fleet" \
   --namespace "$namespace" \
   --set "image.repository=${image%:*}" --set "image.tag=${image##*:}" \
   --set "image.pullPolicy=IfNotPresent" \
-  --set "etcd.endpoints={${etcd_endpoints}}" \
+  --set "etcd.endpoints={${etcd_endpoint}}" \
   --wait --timeout 5m
 # Helm installs crds/ on first install only; the kubectl apply above keeps them current.
 
@@ -209,7 +209,7 @@ if [ "$etcd_mode" = in-cluster ]; then
   agent_etcd="http://<this-machine's-LAN-address>:$etcd_host_port"
   [ "$etcd_listen" = 0.0.0.0 ] || agent_etcd="http://$etcd_listen:$etcd_host_port"
 else
-  agent_etcd=$etcd_endpoints
+  agent_etcd=$etcd_endpoint
 fi
 cat >&2 <<EOF
 
@@ -218,7 +218,7 @@ mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
   kubectl -n $namespace logs deploy/mlx-fleet
 
 On every Mac, run the node agent pointed at the same etcd:
-  $agent_etcd
-(see docs/kind.md for the agent command line and the launchd set-up).
+  mlx-fleet-agent --etcd-endpoint $agent_etcd --advertise-url http://<the-mac's-address>:<port>
+(see docs/kind.md and mlx-fleet-agent --help).
 Tear down: scripts/kind-up.sh --name $cluster --down
 EOF

@@ -73,8 +73,9 @@ def test_helm_lint_strict(helm: Path) -> None:
 
 def test_helm_lint_strict_with_every_option_on(helm: Path) -> None:
     proc = run_helm(helm, "lint", "--strict", str(CHART), "--set", "serviceMonitor.enabled=true",
-                    "--set", "etcd.tls.secretName=etcd-client-tls", "--set", "grafana.dashboards.enabled=true",
-                    "--set", "operator.peering=mlx-fleet", "--set", "operator.watchNamespaces={a,b}")
+                    "--set", "etcd.prefix=/fleet-a", "--set", "grafana.dashboards.enabled=true",
+                    "--set", "operator.peering=true", "--set", "operator.verbose=true",
+                    "--set", "operator.watchNamespaces={a,b}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -133,13 +134,24 @@ def test_rbac_is_exactly_what_a_kopf_operator_needs(default_docs: list[dict[str,
         ("events.k8s.io", "events"): {"create", "patch"},
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("", "namespaces"): {"list", "watch"},
-        ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
-        ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
     }
     # Nothing that reads secrets or deletes what users own.
     all_verbs = set().union(*grants.values())
     assert "delete" not in all_verbs and "deletecollection" not in all_verbs
     assert not any(r == "secrets" for _, r in grants)
+
+
+def test_peering_adds_exactly_the_kopf_peering_rbac(helm: Path, default_docs: list[dict[str, Any]]) -> None:
+    def grants(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
+        return {(g, r): set(rule["verbs"]) for rule in one(docs, "ClusterRole")["rules"]
+                for g in rule["apiGroups"] for r in rule["resources"]}
+
+    standalone, peering = grants(default_docs), grants(render(helm, "--set", "operator.peering=true"))
+    assert {k: v for k, v in peering.items() if k not in standalone} == {
+        ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
+        ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
+    }
+    assert standalone.items() <= peering.items()
 
 
 def test_binding_ties_the_role_to_the_operator_service_account(default_docs: list[dict[str, Any]]) -> None:
@@ -173,12 +185,28 @@ def test_operator_deployment(default_docs: list[dict[str, Any]]) -> None:
     c = _container(default_docs)
     assert c["image"] == "ghcr.io/mlx-fleet/mlx-fleet-operator:0.1.0"
     assert c["command"] == ["mlx-fleet-operator"]
-    assert c["args"] == ["--etcd=http://etcd.mlx-fleet.svc:2379",
-                         "--liveness=http://0.0.0.0:8081/healthz", "--metrics-port=8080",
-                         "--all-namespaces", "--standalone"]
+    assert c["args"] == ["--etcd-endpoint=http://etcd.mlx-fleet.svc:2379", "--metrics-port=8080",
+                         "--liveness-port=8081", "--standalone"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 8080, "health": 8081}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+@pytest.mark.parametrize("flags", [(), ("--set", "etcd.prefix=/fleet-a", "--set", "operator.peering=true",
+                                       "--set", "operator.verbose=true", "--set", "operator.watchNamespaces={a,b-*}")],
+                         ids=["defaults", "every-option"])
+def test_rendered_args_parse_with_the_operators_own_cli(helm: Path, flags: tuple[str, ...]) -> None:
+    from mlx_fleet_operator.main import build_parser
+
+    c = _container(render(helm, *flags))
+    assert c["command"] == ["mlx-fleet-operator"]
+    args = build_parser().parse_args(c["args"])  # exits (SystemExit) on an unknown flag
+    assert args.etcd_endpoint == "http://etcd.mlx-fleet.svc:2379"
+    assert (args.metrics_port, args.liveness_port) == (8080, 8081)
+    if flags:
+        assert (args.etcd_prefix, args.standalone, args.verbose, args.namespace) == ("/fleet-a", False, True, ["a", "b-*"])
+    else:
+        assert (args.standalone, args.namespace) == (True, [])
 
 
 def test_operator_runs_non_root_with_a_read_only_root_fs(default_docs: list[dict[str, Any]]) -> None:
@@ -201,30 +229,29 @@ def test_metrics_service_selects_the_operator(default_docs: list[dict[str, Any]]
     assert svc["spec"]["ports"] == [{"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}]
 
 
-def test_etcd_endpoints_and_tls(helm: Path) -> None:
-    docs = render(helm, "--set", "etcd.endpoints={https://etcd-0:2379,https://etcd-1:2379}",
-                  "--set", "etcd.tls.secretName=etcd-client-tls")
-    c = _container(docs)
-    tls_dir = "/etc/mlx-fleet/etcd-tls"
-    assert c["args"][:4] == ["--etcd=https://etcd-0:2379,https://etcd-1:2379",
-                             f"--etcd-cacert={tls_dir}/ca.crt", f"--etcd-cert={tls_dir}/tls.crt",
-                             f"--etcd-key={tls_dir}/tls.key"]
-    assert {"name": "etcd-tls", "mountPath": tls_dir, "readOnly": True} in c["volumeMounts"]
-    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "etcd-tls", "secret": {"secretName": "etcd-client-tls", "defaultMode": 0o440}} in volumes
+def test_etcd_endpoint_and_prefix(helm: Path) -> None:
+    args = _container(render(helm, "--set", "etcd.endpoints={http://etcd-0:2379}", "--set", "etcd.prefix=/fleet-a"))["args"]
+    assert args[:2] == ["--etcd-endpoint=http://etcd-0:2379", "--etcd-prefix=/fleet-a"]
 
 
-def test_empty_etcd_endpoints_fail_with_a_message(helm: Path) -> None:
-    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "etcd.endpoints=null")
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--set", "etcd.endpoints=null"), "etcd.endpoints must list one etcd client URL"),
+    (("--set", "etcd.endpoints={http://a:2379,http://b:2379}"),
+     "etcd.endpoints: the operator accepts exactly one etcd endpoint for now"),
+    (("--set", "etcd.tls.secretName=etcd-client-tls"),
+     "etcd.tls.secretName: the operator does not support etcd TLS yet"),
+], ids=["no-endpoint", "two-endpoints", "tls"])
+def test_unsupported_etcd_values_fail_with_a_message(helm: Path, flags: tuple[str, ...], message: str) -> None:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *flags)
     assert proc.returncode != 0
-    assert "etcd.endpoints must list at least one etcd client URL" in proc.stderr
+    assert message in proc.stderr
 
 
 def test_watch_namespaces_and_peering(helm: Path) -> None:
-    docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}", "--set", "operator.peering=mlx-fleet")
-    args = _container(docs)["args"]
-    assert "--all-namespaces" not in args and "--standalone" not in args
-    assert {"--namespace=team-a", "--namespace=team-b", "--peering=mlx-fleet"} <= set(args)
+    docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-*}", "--set", "operator.peering=true",
+                  "--set", "operator.verbose=true", "--set", "operator.extraArgs={--foo=bar}")
+    assert _container(docs)["args"][-6:] == [
+        "--liveness-port=8081", "--namespace=team-a", "--namespace=team-*", "--peering", "--verbose", "--foo=bar"]
 
 
 def test_service_monitor_is_opt_in(helm: Path, default_docs: list[dict[str, Any]]) -> None:
@@ -250,6 +277,7 @@ def test_values_defaults() -> None:
     assert values["serviceMonitor"]["enabled"] is False
     assert values["grafana"]["dashboards"]["enabled"] is False
     assert values["etcd"]["tls"]["secretName"] == ""
+    assert values["operator"]["peering"] is False
     assert set(values["image"]) == {"repository", "tag", "pullPolicy"}
 
 

@@ -49,7 +49,3 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
-{{/* Mount path of the optional etcd client TLS secret. */}}
-{{- define "mlx-fleet.etcdTLSDir" -}}
-/etc/mlx-fleet/etcd-tls
-{{- end }}
