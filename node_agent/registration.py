@@ -195,15 +195,19 @@ class Registration:
         async with self._lock:
             if self._lease_id is None or not self._lease_alive:
                 return  # re-registration writes everything
+            # put_report/delete_report change the maps without the lock (they only wait for it
+            # to write), so a flag is cleared only if nothing newer arrived during the write.
             try:
                 for key in list(self._pending_deletes):
                     await self._store.delete(key)
-                    self._pending_deletes.discard(key)
+                    if key not in self._reports:
+                        self._pending_deletes.discard(key)
                 for key in list(self._dirty_reports):
                     report = self._reports.get(key)
                     if report is not None:
                         await self._store.put(key, report.to_json(), lease=self._lease_id)
-                    self._dirty_reports.discard(key)
+                    if self._reports.get(key) is report:
+                        self._dirty_reports.discard(key)
                 self._ok()
             except StoreError as e:
                 self._etcd_ok = False
@@ -227,33 +231,39 @@ class Registration:
             old = self._lease_id
             lease = await self._store.grant_lease(self.ttl)
             record = self._record()
+            reports = dict(self._reports)
+            deletes = set(self._pending_deletes)
             ops: list[Put] = [Put(self.key, record.to_json(), lease=lease)]
-            ops += [Put(k, r.to_json(), lease=lease) for k, r in self._reports.items()]
+            ops += [Put(k, r.to_json(), lease=lease) for k, r in reports.items()]
             try:
                 for i in range(0, len(ops), _MAX_TXN_OPS):
                     await self._store.txn([], ops[i:i + _MAX_TXN_OPS])
-                for key in list(self._pending_deletes):
+                for key in deletes:
                     await self._store.delete(key)
             except StoreError:
                 with contextlib.suppress(StoreError):
                     await self._store.revoke_lease(lease)
                 raise
-            self._pending_deletes.clear()
+            # Reports changed while we were writing stay dirty for the next flush.
+            self._pending_deletes -= {k for k in deletes if k not in self._reports}
+            self._dirty_reports -= {k for k, r in reports.items() if self._reports.get(k) is r}
             self._lease_id = lease
             self._lease_alive = True
             self._written = record
-            self._record_dirty = False
-            self._dirty_reports.clear()
+            self._record_dirty = (record.health, record.capacity) != (self._health, self._capacity)
             self.registrations += 1
             self._ok()
+            flush_again = bool(self._dirty_reports or self._pending_deletes)
         log.info("registered node %s (lease %x, ttl %ss, %d report(s)%s)", self.node_name, lease,
-                 self.ttl, len(self._reports),
+                 self.ttl, len(reports),
                  f", replacing lease {old:x}" if old is not None else "")
         if old is not None and old != lease:
             # The old lease may still be alive (a partition shorter than etcd noticed); it
             # holds no keys any more, so revoking it only tidies up.
             with contextlib.suppress(StoreError):
                 await self._store.revoke_lease(old)
+        if flush_again:
+            await self._flush_reports()
 
     async def _write_record_if_changed(self) -> None:
         cap = await self._capacity_fn()
@@ -266,7 +276,7 @@ class Registration:
             record = self._record()
             await self._store.put(self.key, record.to_json(), lease=self._lease_id)
             self._written = record
-            self._record_dirty = False
+            self._record_dirty = (record.health, record.capacity) != (self._health, self._capacity)
             self._ok()
         log.info("updated node record of %s (health %s, available %d bytes)", self.node_name,
                  record.health.value, record.capacity.memory_available_bytes)

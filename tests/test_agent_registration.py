@@ -113,8 +113,15 @@ async def test_lost_lease_reregisters_with_reports(store: EtcdStore, keys: Keys,
     assert [e.type for e in evs[:2]] == ["DELETE", "DELETE"]
     puts = {e.kv.key: e.kv for e in evs[2:]}
     assert set(puts) == {keys.node("mac-1"), rkey}
-    assert reg.lease_id != old_lease and reg.registrations == 2
-    assert all(p.lease == reg.lease_id for p in puts.values())
+    new_lease = puts[rkey].lease
+    assert new_lease != old_lease and puts[keys.node("mac-1")].lease == new_lease
+    # A report written after recovery goes under the new lease (put_report waits for the
+    # re-registration to finish: both take the registration's write lock).
+    rkey2 = keys.report("mac-1", "default", "other")
+    await reg.put_report(rkey2, report.model_copy(update={"name": "other"}))
+    kv2 = await store.get(rkey2)
+    assert kv2 is not None and kv2.lease == new_lease == reg.lease_id
+    assert reg.registrations == 2
     assert AssignmentReport.from_json(puts[rkey].value).state == AssignmentState.READY
     assert reg.healthy
 
