@@ -111,7 +111,7 @@ class Controller:
         self._resolve = resolve
         self._desired: dict[str, Assignment | _Invalid] = {}
         self._loaded: dict[str, _Loaded] = {}
-        self._failed: dict[str, _Spec] = {}
+        self._failed: dict[str, tuple[_Spec, str, str]] = {}  # key → (spec, reason, message)
         self._reported: set[str] = set()            # assignment keys with a report written
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -265,7 +265,12 @@ class Controller:
             if loaded is not None and loaded.spec == spec:
                 await self._ready(key, d, loaded)  # no-op unless e.g. the generation moved
                 continue
-            if self._failed.get(key) == spec:
+            failed = self._failed.get(key)
+            if failed is not None and failed[0] == spec:
+                # not retried until the spec changes; the report follows the generation
+                await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
+                                   name=d.name, generation=d.generation, revision=spec.revision,
+                                   reason=failed[1], message=failed[2])
                 continue
             owner = next((k for k, v in self._loaded.items()
                           if k != key and v.spec.model_id == spec.model_id), None)
@@ -320,5 +325,5 @@ class Controller:
         if previous is not None or self._core.is_loaded(spec.model_id):
             # what is served must be what is assigned: don't keep an older revision around
             await self._core.unload_model(spec.model_id)
-        self._failed[key] = spec
+        self._failed[key] = (spec, reason, message)
         await self._report(key, AssignmentState.FAILED, reason=reason, message=message, **common)

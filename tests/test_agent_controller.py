@@ -279,6 +279,12 @@ async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
     assert partial is not None and partial.generation == 3
     assert core.models() == []
 
+    # a new generation of a failed assignment with the same spec: not retried, report follows
+    await put(store, keys, assignment("missing", str(tmp_path / "nope"), generation=2))
+    r = await wait_report(store, keys.report(NODE, "default", "missing"),
+                          lambda r: r is not None and r.generation == 2)
+    assert r is not None and r.state == AssignmentState.FAILED and r.reason == "ModelNotFound"
+
     # the controller survived and still converges: deleting a failed assignment drops its report
     await store.delete(keys.assignment(NODE, "default", "garbage"))
     assert await wait_report(store, keys.report(NODE, "default", "garbage"),
