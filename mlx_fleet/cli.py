@@ -25,6 +25,13 @@ from rich.console import Console
 T = TypeVar("T")
 
 
+def make_console(*, stderr: bool = False) -> Console:
+    """A rich console; when output is not a terminal (CI logs, pipes) it is 160 columns wide
+    instead of rich's 80, so tables stay readable."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=160)
+
+
 def progress_builder(console: Console, build: Callable[..., T]) -> T:
     """Run ``build(progress=...)`` with a rich progress bar fed by compiled-package counts."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -43,7 +50,7 @@ def progress_builder(console: Console, build: Callable[..., T]) -> T:
 def _cmd_provision(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.binaries import BuildError, ensure_all
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     try:
         binaries = progress_builder(console, ensure_all)
     except BuildError as e:
@@ -69,7 +76,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.controlplane import start_control_plane
     from mlx_fleet.devcluster.fleet import start_agent, start_operator
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     binaries = progress_builder(console, ensure_all)
     with console.status("starting etcd ×2 and kube-apiserver"):
         cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
@@ -135,7 +142,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     async def go() -> None:
         async with EtcdStore(args.etcd_endpoint) as store:
-            render(await collect(store, Keys(args.etcd_prefix)))
+            render(await collect(store, Keys(args.etcd_prefix)), make_console())
 
     try:
         asyncio.run(go())

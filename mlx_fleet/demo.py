@@ -36,10 +36,10 @@ def _step(console: Console, text: str):
 def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tokens: int = 48,
              keep: bool = False, console: Console | None = None) -> int:
     """Run the demo; returns a process exit code (0 on success)."""
-    from mlx_fleet.cli import progress_builder
+    from mlx_fleet.cli import make_console, progress_builder
     from mlx_fleet.testmodel import make_test_model
 
-    console = console or Console()
+    console = console or make_console()
     t0 = time.monotonic()
     binaries = progress_builder(console, ensure_all)
     with _step(console, "Generating the test model (random weights, real BPE tokenizer)"):

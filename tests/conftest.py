@@ -52,6 +52,18 @@ def control_plane(binaries: Binaries) -> Iterator[ControlPlane]:
     cp.stop()
 
 
+@pytest.fixture(scope="module")
+def namespace(control_plane: ControlPlane) -> Iterator[str]:
+    """A Kubernetes namespace unique to the test module. Operators started by a module watch
+    only its namespace (``--namespace``), so modules sharing the session's API server never see
+    each other's objects. (There is no namespace controller here, so the namespace itself stays
+    Terminating after deletion; that is harmless.)"""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    control_plane.kubectl("create", "namespace", ns)
+    yield ns
+    control_plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
 @pytest.fixture(scope="session")
 def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real MLX llama model (random weights, real BPE tokenizer) on disk."""

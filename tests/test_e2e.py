@@ -35,9 +35,11 @@ def fleet_keys() -> Keys:
 
 
 @pytest.fixture(scope="module")
-def fleet(control_plane: ControlPlane, fleet_keys: Keys) -> Iterator[dict[str, AgentProcess]]:
-    """The operator and two agents (an M3 Max and an M4 Pro, both simulated on Linux)."""
-    operator = start_operator(control_plane, etcd_prefix=fleet_keys.root)
+def fleet(control_plane: ControlPlane, fleet_keys: Keys, namespace: str) -> Iterator[dict[str, AgentProcess]]:
+    """The operator (watching this module's namespace) and two agents (an M3 Max and an M4
+    Pro, both simulated on Linux)."""
+    operator = start_operator(control_plane, etcd_prefix=fleet_keys.root,
+                              extra_args=("--namespace", namespace))
     agents = {
         "mac-a": start_agent(control_plane, "mac-a", etcd_prefix=fleet_keys.root, chip="Apple M3 Max",
                              memory="64Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
@@ -45,18 +47,22 @@ def fleet(control_plane: ControlPlane, fleet_keys: Keys) -> Iterator[dict[str, A
                              memory="24Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
     }
     yield agents
+    # Delete what the tests left while the operator still runs, so finalizers are released.
+    control_plane.kubectl("delete", "modeldeployments", "--all", "-n", namespace, "--wait=true",
+                          "--timeout=60s", check=False, timeout=70)
     for agent in agents.values():
         agent.process.stop()
     operator.stop()
 
 
-def manifest(name: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
+def manifest(name: str, namespace: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
     """The shipped example, renamed, pointed at the generated model, optionally re-scoped."""
     obj_text = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))
     import yaml
 
     obj = yaml.safe_load(obj_text)
     obj["metadata"]["name"] = name
+    obj["metadata"]["namespace"] = namespace
     obj["spec"]["model"]["servedModelName"] = name
     obj["spec"]["replicas"] = replicas
     if selector:
@@ -64,15 +70,15 @@ def manifest(name: str, model_dir: Path, *, replicas: int = 1, selector: dict[st
     return json.dumps(obj)
 
 
-def get_md(cp: ControlPlane, name: str) -> dict:
-    return json.loads(cp.kubectl("get", "modeldeployment", name, "-o", "json").stdout)
+def get_md(cp: ControlPlane, namespace: str, name: str) -> dict:
+    return json.loads(cp.kubectl("get", "modeldeployment", name, "-n", namespace, "-o", "json").stdout)
 
 
-def wait_ready(cp: ControlPlane, name: str, timeout: int = 180) -> dict:
+def wait_ready(cp: ControlPlane, namespace: str, name: str, timeout: int = 180) -> dict:
     """``kubectl wait`` on the Ready condition (the API server pushes the change; no polling)."""
-    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", f"--timeout={timeout}s",
-               timeout=timeout + 10)
-    return get_md(cp, name)
+    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
+               f"--timeout={timeout}s", timeout=timeout + 10)
+    return get_md(cp, namespace, name)
 
 
 async def wait_for_key(store: EtcdStore, prefix: str, predicate, timeout: float = 60) -> dict[str, bytes]:
@@ -96,23 +102,23 @@ async def wait_for_key(store: EtcdStore, prefix: str, predicate, timeout: float 
 
 
 async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
-                                           fleet_keys: Keys, test_model_dir: Path) -> None:
+                                           fleet_keys: Keys, test_model_dir: Path, namespace: str) -> None:
     name = "e2e-basic"
-    control_plane.kubectl("apply", "-f", "-", input=manifest(name, test_model_dir))
+    control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
     async with EtcdStore(control_plane.etcd_url) as store:
         # The operator's assignment reaches etcd ...
         view = await wait_for_key(store, fleet_keys.assignments_prefix,
-                                  lambda v: any(k.endswith(f"/default/{name}") for k in v))
-        (node,) = [fleet_keys.parse_assignment(k)[0] for k in view if k.endswith(f"/default/{name}")]
+                                  lambda v: any(k.endswith(f"/{namespace}/{name}") for k in v))
+        (node,) = [fleet_keys.parse_assignment(k)[0] for k in view if k.endswith(f"/{namespace}/{name}")]
         # ... the agent loads the model and reports Ready under its lease ...
-        reports = await wait_for_key(store, fleet_keys.report(node, "default", name),
+        reports = await wait_for_key(store, fleet_keys.report(node, namespace, name),
                                      lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY
                                                    for b in v.values()))
         report = AssignmentReport.from_json(next(iter(reports.values())))
-        report_kv = await store.get(fleet_keys.report(node, "default", name))
+        report_kv = await store.get(fleet_keys.report(node, namespace, name))
         assert report_kv is not None and report_kv.lease != 0
     # ... and the operator folds it into status.
-    md = wait_ready(control_plane, name)
+    md = wait_ready(control_plane, namespace, name)
     status = md["status"]
     assert status["observedGeneration"] == md["metadata"]["generation"]
     assert status["readyReplicas"] == 1
@@ -144,7 +150,7 @@ async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: 
         await client.close()
 
     # The printer columns show it.
-    table = control_plane.kubectl("get", "modeldeployments", name).stdout
+    table = control_plane.kubectl("get", "modeldeployments", name, "-n", namespace).stdout
     assert name in table and "v1" in table
 
 
@@ -166,7 +172,7 @@ async def test_agent_api_rejects_bad_requests(fleet: dict[str, AgentProcess]) ->
 
 
 async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
-                                           fleet_keys: Keys, test_model_dir: Path) -> None:
+                                           fleet_keys: Keys, test_model_dir: Path, namespace: str) -> None:
     pool = f"failover-{uuid.uuid4().hex[:6]}"
     victims = {
         n: start_agent(control_plane, n, etcd_prefix=fleet_keys.root, labels={"pool": pool},
@@ -175,8 +181,8 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
     }
     name = "e2e-failover"
     try:
-        control_plane.kubectl("apply", "-f", "-", input=manifest(name, test_model_dir, selector={"pool": pool}))
-        first = wait_ready(control_plane, name)["status"]["nodes"]
+        control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir, selector={"pool": pool}))
+        first = wait_ready(control_plane, namespace, name)["status"]["nodes"]
         (serving,) = [n["name"] for n in first if n["state"] == "Ready"]
         survivor = next(n for n in victims if n != serving)
 
@@ -186,15 +192,15 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
             await wait_for_key(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
             # ... and the deployment is placed on the surviving node, which reports Ready.
             await wait_for_key(
-                store, fleet_keys.report(survivor, "default", name),
+                store, fleet_keys.report(survivor, namespace, name),
                 lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY for b in v.values()),
                 timeout=120)
             assert not (await store.list(fleet_keys.node_assignments_prefix(serving))).items
-        md = wait_ready(control_plane, name)
+        md = wait_ready(control_plane, namespace, name)
         assert [n["name"] for n in md["status"]["nodes"]] == [survivor]
         assert md["status"]["endpoints"] == [victims[survivor].url]
     finally:
-        control_plane.kubectl("delete", "modeldeployment", name, "--ignore-not-found", "--timeout=60s")
+        control_plane.kubectl("delete", "modeldeployment", name, "-n", namespace, "--ignore-not-found", "--timeout=60s")
         for v in victims.values():
             if v.process.alive():
                 v.process.stop()
@@ -202,16 +208,16 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
 
 async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPlane,
                                                         fleet: dict[str, AgentProcess],
-                                                        fleet_keys: Keys, test_model_dir: Path) -> None:
+                                                        fleet_keys: Keys, test_model_dir: Path, namespace: str) -> None:
     name = "e2e-delete"
-    control_plane.kubectl("apply", "-f", "-", input=manifest(name, test_model_dir, replicas=2))
-    md = wait_ready(control_plane, name)
+    control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir, replicas=2))
+    md = wait_ready(control_plane, namespace, name)
     assert md["status"]["readyReplicas"] == 2
     assert "mlx-fleet.io/finalizer" in md["metadata"]["finalizers"]
-    control_plane.kubectl("delete", "modeldeployment", name, "--wait=true", "--timeout=90s", timeout=100)
-    assert control_plane.kubectl("get", "modeldeployment", name, check=False).returncode != 0
+    control_plane.kubectl("delete", "modeldeployment", name, "-n", namespace, "--wait=true", "--timeout=90s", timeout=100)
+    assert control_plane.kubectl("get", "modeldeployment", name, "-n", namespace, check=False).returncode != 0
     async with EtcdStore(control_plane.etcd_url) as store:
-        suffix = f"/default/{name}"
+        suffix = f"/{namespace}/{name}"
         assert not [kv for kv in (await store.list(fleet_keys.assignments_prefix)).items
                     if kv.key.endswith(suffix)]
         # Agents unload it and withdraw their reports.

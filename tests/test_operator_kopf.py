@@ -32,12 +32,12 @@ def fleet_keys() -> Keys:
 
 
 @pytest.fixture
-def operator(control_plane, fleet_keys, tmp_path):
+def operator(control_plane, fleet_keys, namespace, tmp_path):
     liveness, metrics_port = free_port(), free_port()
     proc = ManagedProcess("mlx-fleet-operator", [
         sys.executable, "-m", "mlx_fleet_operator", "--etcd-endpoint", control_plane.etcd_url,
         "--etcd-prefix", fleet_keys.root, "--metrics-port", str(metrics_port),
-        "--liveness-port", str(liveness), "--verbose"],
+        "--liveness-port", str(liveness), "--namespace", namespace, "--verbose"],
         tmp_path / "operator.log", env=control_plane.env())
 
     def healthy() -> bool:
@@ -88,14 +88,14 @@ async def until_assignments(store: EtcdStore, keys: Keys,
     return dict(view)
 
 
-async def until_object(control_plane, name: str, predicate: Callable[[dict | None], bool]) -> dict | None:
+async def until_object(control_plane, namespace: str, name: str, predicate: Callable[[dict | None], bool]) -> dict | None:
     """Bounded poll of ``kubectl get`` (nothing to watch from here); None once it is gone."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + TIMEOUT
     last = None
     while loop.time() < deadline:
         r = await asyncio.to_thread(control_plane.kubectl, "get", "modeldeployment", name,
-                                    "-o", "json", check=False)
+                                    "-n", namespace, "-o", "json", check=False)
         last = json.loads(r.stdout) if r.returncode == 0 else None
         if predicate(last):
             return last
@@ -110,10 +110,10 @@ def node_record(name: str) -> NodeRecord:
                                             chip="Apple M4 Max", chip_generation=4, simulated=True))
 
 
-def manifest(name: str) -> str:
+def manifest(name: str, namespace: str) -> str:
     return json.dumps({
         "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": "default"},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
                  "replicas": 1, "resources": {"memory": "1Gi"},
                  "placement": {"minChipGeneration": "M4"}},
@@ -127,25 +127,25 @@ def ready_condition(obj: dict | None) -> dict:
     return {}
 
 
-async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys):
+async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, namespace):
     keys = fleet_keys
     name = f"llm-{uuid.uuid4().hex[:6]}"
     async with EtcdStore(control_plane.etcd_url) as store:
         lease = await store.grant_lease(60)
         await store.put(keys.node("mac-a"), node_record("mac-a").to_json(), lease=lease)
 
-        await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=manifest(name))
+        await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=manifest(name, namespace))
         placed = await until_assignments(store, keys, lambda v: "mac-a" in v)
         asg = placed["mac-a"]
-        assert (asg.namespace, asg.name, asg.served_model_name) == ("default", name, name)
+        assert (asg.namespace, asg.name, asg.served_model_name) == (namespace, name, name)
         assert asg.memory_bytes == GiB and asg.source.uri == "file:///models/tiny-llama"
 
         # Acting as the agent: the replica is Ready.
-        await store.put(keys.report("mac-a", "default", name), AssignmentReport(
-            node="mac-a", namespace="default", name=name, generation=asg.generation,
+        await store.put(keys.report("mac-a", namespace, name), AssignmentReport(
+            node="mac-a", namespace=namespace, name=name, generation=asg.generation,
             revision="v1", state=AssignmentState.READY, reason="ModelLoaded",
             endpoint="http://mac-a.local:8000").to_json(), lease=lease)
-        obj = await until_object(control_plane, name, lambda o: bool(o) and (
+        obj = await until_object(control_plane, namespace, name, lambda o: bool(o) and (
             o.get("status") or {}).get("readyReplicas") == 1 and ready_condition(o).get("status") == "True")
         status = obj["status"]
         assert status["observedGeneration"] == obj["metadata"]["generation"] == asg.generation
@@ -159,11 +159,11 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys):
         await store.revoke_lease(lease)
         moved = await until_assignments(store, keys, lambda v: set(v) == {"mac-b"})
         assert moved["mac-b"].name == name
-        await until_object(control_plane, name, lambda o: bool(o) and [
+        await until_object(control_plane, namespace, name, lambda o: bool(o) and [
             n["name"] for n in o["status"]["nodes"]] == ["mac-b"] and o["status"]["readyReplicas"] == 0)
 
         events = await asyncio.to_thread(
-            control_plane.kubectl, "get", "events", "--field-selector",
+            control_plane.kubectl, "get", "events", "-n", namespace, "--field-selector",
             f"involvedObject.name={name}", "-o", "jsonpath={.items[*].reason}")
         assert {"Placed", "ReplicaReady"} <= set(events.stdout.split())
 
@@ -173,15 +173,15 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys):
 
         text = await asyncio.to_thread(scrape)
         assert 'mlxfleet_operator_nodes{health="Healthy"} 1.0' in text
-        assert f'mlxfleet_operator_deployment_replicas{{name="{name}",namespace="default",state="desired"}} 1.0' in text
+        assert f'mlxfleet_operator_deployment_replicas{{name="{name}",namespace="{namespace}",state="desired"}} 1.0' in text
         assert 'mlxfleet_operator_reconcile_total{result="changed"}' in text
         assert "mlxfleet_operator_etcd_txn_conflicts_total" in text
         assert "mlxfleet_operator_reconcile_duration_seconds_count" in text
 
-        await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name,
+        await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name, "-n", namespace,
                                 "--wait=true", "--timeout=60s")
         await until_assignments(store, keys, lambda v: not v)
-        assert await until_object(control_plane, name, lambda o: o is None) is None
+        assert await until_object(control_plane, namespace, name, lambda o: o is None) is None
         await store.revoke_lease(lease_b)
 
 
