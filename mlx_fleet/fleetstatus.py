@@ -7,12 +7,17 @@ use it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import ValidationError
 
 from mlx_fleet.contract import Assignment, AssignmentReport, Keys, NodeRecord
-from mlx_fleet.store import Store
+from mlx_fleet.store import KV, Store
+
+K = TypeVar("K")
+R = TypeVar("R", NodeRecord, Assignment, AssignmentReport)
 
 
 @dataclass(frozen=True)
@@ -26,36 +31,30 @@ class FleetView:
     revision: int = 0
 
 
+def _parse(items: list[KV], parse_key: Callable[[str], K | None], record: type[R]) -> tuple[dict[K, R], int]:
+    """Records keyed by their parsed key; keys that don't parse are skipped, values that don't
+    validate are counted as malformed."""
+    out: dict[K, R] = {}
+    malformed = 0
+    for kv in items:
+        ref = parse_key(kv.key)
+        if ref is None:
+            continue
+        try:
+            out[ref] = record.from_json(kv.value)
+        except ValidationError:
+            malformed += 1
+    return out, malformed
+
+
 async def collect(store: Store, keys: Keys) -> FleetView:
     """Read ``nodes/``, ``assignments/`` and ``reports/`` (three range reads)."""
-    malformed = 0
-    nodes: dict[str, NodeRecord] = {}
-    assignments: dict[tuple[str, str, str], Assignment] = {}
-    reports: dict[tuple[str, str, str], AssignmentReport] = {}
-    listing = await store.list(keys.nodes_prefix)
-    for kv in listing.items:
-        name = keys.parse_node(kv.key)
-        try:
-            if name:
-                nodes[name] = NodeRecord.from_json(kv.value)
-        except ValidationError:
-            malformed += 1
-    for kv in (await store.list(keys.assignments_prefix)).items:
-        ref = keys.parse_assignment(kv.key)
-        try:
-            if ref:
-                assignments[ref] = Assignment.from_json(kv.value)
-        except ValidationError:
-            malformed += 1
+    nodes, bad_nodes = _parse((await store.list(keys.nodes_prefix)).items, keys.parse_node, NodeRecord)
+    assignments, bad_assignments = _parse((await store.list(keys.assignments_prefix)).items,
+                                          keys.parse_assignment, Assignment)
     last = await store.list(keys.reports_prefix)
-    for kv in last.items:
-        ref = keys.parse_report(kv.key)
-        try:
-            if ref:
-                reports[ref] = AssignmentReport.from_json(kv.value)
-        except ValidationError:
-            malformed += 1
-    return FleetView(nodes, assignments, reports, malformed, last.revision)
+    reports, bad_reports = _parse(last.items, keys.parse_report, AssignmentReport)
+    return FleetView(nodes, assignments, reports, bad_nodes + bad_assignments + bad_reports, last.revision)
 
 
 def _gib(n: int) -> str:

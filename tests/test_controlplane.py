@@ -66,3 +66,17 @@ def test_stop_leaves_no_process_or_directory(binaries: Binaries) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not cp.workdir.exists()
+
+
+def test_staging_replaces_are_read_from_kubernetes_gomod() -> None:
+    from mlx_fleet.devcluster.binaries import _staging_modules
+
+    gomod = """module k8s.io/kubernetes
+replace (
+\tk8s.io/api => ./staging/src/k8s.io/api
+\tk8s.io/client-go => ./staging/src/k8s.io/client-go
+\tgithub.com/example/x => github.com/example/x v1.2.3
+)
+replace k8s.io/kubectl => ./staging/src/k8s.io/kubectl
+"""
+    assert _staging_modules(gomod) == ["k8s.io/api", "k8s.io/client-go", "k8s.io/kubectl"]

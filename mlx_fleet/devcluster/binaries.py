@@ -70,7 +70,7 @@ def _go_env(work: Path) -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], cwd: Path, log: Path, step: str) -> str:
+def go_run(cmd: list[str], cwd: Path, log: Path, step: str) -> str:
     with log.open("a") as fh:
         fh.write(f"$ {' '.join(cmd)}\n")
         fh.flush()
@@ -83,12 +83,12 @@ def _run(cmd: list[str], cwd: Path, log: Path, step: str) -> str:
     return proc.stdout
 
 
-def _go_build(work: Path, pkgs: dict[str, str], ldflags: str, log: Path, label: str,
+def go_build(work: Path, pkgs: dict[str, str], ldflags: str, log: Path, label: str,
               progress: ProgressFn | None) -> None:
     """``go build -v`` each ``pkgs[name]`` into ``work/out/name``, reporting compiled packages."""
     deps: set[str] = set()
     for pkg in pkgs.values():
-        out = _run(["go", "list", "-deps", pkg], work, log, f"go list {pkg}")
+        out = go_run(["go", "list", "-deps", pkg], work, log, f"go list {pkg}")
         deps.update(line for line in out.splitlines() if line)
     # The standard library is usually already compiled in the build cache; count it anyway
     # so the bar never overruns.
@@ -119,7 +119,7 @@ def _go_build(work: Path, pkgs: dict[str, str], ldflags: str, log: Path, label: 
         progress(label, total, total)
 
 
-def _install(work: Path, names: list[str], dest: Path) -> None:
+def install_built(work: Path, names: list[str], dest: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=dest.parent))
     for name in names:
         shutil.copy2(work / "out" / name, tmp / name)
@@ -138,10 +138,7 @@ def ensure_etcd(progress: ProgressFn | None = None) -> Path:
     exe = dest / "etcd"
     if exe.is_file():
         return exe
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = cache_dir() / "build" / f"etcd-{ETCD_VERSION}"
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "build.log"
+    work, log = build_workspace(f"etcd-{ETCD_VERSION}")
     (work / "go.mod").write_text(
         "module mlxfleet.local/etcdbuild\n\ngo 1.24\n\n"
         f"require go.etcd.io/etcd/server/v3 {ETCD_VERSION}\n"
@@ -152,24 +149,35 @@ def ensure_etcd(progress: ProgressFn | None = None) -> Path:
         'import (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
         "func main() { etcdmain.Main(os.Args) }\n"
     )
-    _run(["go", "mod", "tidy"], work, log, "go mod tidy (etcd)")
-    _go_build(work, {"etcd": "."}, "-s -w", log, f"etcd {ETCD_VERSION}", progress)
-    _install(work, ["etcd"], dest)
+    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (etcd)")
+    go_build(work, {"etcd": "."}, "-s -w", log, f"etcd {ETCD_VERSION}", progress)
+    install_built(work, ["etcd"], dest)
     return exe
+
+
+def build_workspace(name: str) -> tuple[Path, Path]:
+    """``(work_dir, log_file)`` for building ``name`` under ``$MLX_FLEET_CACHE/build/``; creates
+    the work dir and the ``bin/`` parent that :func:`install_built` publishes into."""
+    (cache_dir() / "bin").mkdir(parents=True, exist_ok=True)
+    work = cache_dir() / "build" / name
+    work.mkdir(parents=True, exist_ok=True)
+    # `go mod download` needs a module context; a bare go.mod is enough until the real one.
+    (work / "go.mod").write_text(f"module mlxfleet.local/{re.sub(r'[^a-z0-9]', '', name)}build\n\ngo 1.24.0\n")
+    return work, work / "build.log"
+
+
+def module_gomod(work: Path, log: Path, module: str, version: str) -> str:
+    """The go.mod text of ``module@version``, fetched through the Go module proxy."""
+    info = json.loads(go_run(["go", "mod", "download", "-json", f"{module}@{version}"], work, log,
+                             f"go mod download {module}@{version}"))
+    if info.get("Error"):
+        raise BuildError(f"go mod download {module}@{version}: {info['Error']}")
+    return Path(info["GoMod"]).read_text()
 
 
 def _staging_modules(kubernetes_gomod: str) -> list[str]:
     """Module paths that ``k8s.io/kubernetes``'s go.mod replaces with ``./staging/...``."""
     return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", kubernetes_gomod, re.M)))
-
-
-def _kubernetes_gomod(work: Path, log: Path) -> str:
-    out = _run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"], work, log,
-               "go mod download k8s.io/kubernetes")
-    info = json.loads(out)
-    if info.get("Error"):
-        raise BuildError(f"go mod download k8s.io/kubernetes@{KUBERNETES_VERSION}: {info['Error']}")
-    return Path(info["GoMod"]).read_text()
 
 
 def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
@@ -181,13 +189,8 @@ def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
     apiserver, kubectl = dest / "kube-apiserver", dest / "kubectl"
     if apiserver.is_file() and kubectl.is_file():
         return apiserver, kubectl
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = cache_dir() / "build" / f"kubernetes-{KUBERNETES_VERSION}"
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "build.log"
-    # `go mod download` needs a module context; a bare go.mod is enough.
-    (work / "go.mod").write_text("module mlxfleet.local/k8sbuild\n\ngo 1.24.0\n")
-    staging = _staging_modules(_kubernetes_gomod(work, log))
+    work, log = build_workspace(f"kubernetes-{KUBERNETES_VERSION}")
+    staging = _staging_modules(module_gomod(work, log, "k8s.io/kubernetes", KUBERNETES_VERSION))
     if not staging:
         raise BuildError(f"found no staging replaces in k8s.io/kubernetes@{KUBERNETES_VERSION}'s go.mod")
     minor_patch = KUBERNETES_VERSION.removeprefix("v1.")
@@ -202,7 +205,7 @@ def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
         "//go:build tools\n\npackage tools\n\nimport (\n"
         '\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kubectl"\n)\n'
     )
-    _run(["go", "mod", "tidy"], work, log, "go mod tidy (kubernetes)")
+    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (kubernetes)")
     major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
     vpkg = "k8s.io/component-base/version"
     ldflags = " ".join([
@@ -214,10 +217,10 @@ def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
         f"-X {vpkg}.buildDate=1970-01-01T00:00:00Z",
         f"-X k8s.io/client-go/pkg/version.gitVersion={KUBERNETES_VERSION}",
     ])
-    _go_build(work, {"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+    go_build(work, {"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
                      "kubectl": "k8s.io/kubernetes/cmd/kubectl"},
               ldflags, log, f"kubernetes {KUBERNETES_VERSION}", progress)
-    _install(work, ["kube-apiserver", "kubectl"], dest)
+    install_built(work, ["kube-apiserver", "kubectl"], dest)
     return apiserver, kubectl
 
 

@@ -14,18 +14,18 @@ bump within the minor that helm itself was tested with).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from mlx_fleet.devcluster.binaries import (
     KUBERNETES_VERSION,
-    BuildError,
     ProgressFn,
-    _go_build,
-    _install,
-    _run,
+    build_workspace,
     cache_dir,
+    go_build,
+    go_run,
+    install_built,
+    module_gomod,
 )
 
 #: Pinned helm release. v3.19.x is built against the Kubernetes 1.34 client libraries.
@@ -37,15 +37,6 @@ _HELM_MODULE = "helm.sh/helm/v3"
 def helm_path() -> Path:
     """Where the cached helm binary lives (whether or not it has been built yet)."""
     return cache_dir() / "bin" / f"helm-{HELM_VERSION}" / "helm"
-
-
-def _helm_gomod(work: Path, log: Path) -> str:
-    out = _run(["go", "mod", "download", "-json", f"{_HELM_MODULE}@{HELM_VERSION}"], work, log,
-               f"go mod download {_HELM_MODULE}")
-    info = json.loads(out)
-    if info.get("Error"):
-        raise BuildError(f"go mod download {_HELM_MODULE}@{HELM_VERSION}: {info['Error']}")
-    return Path(info["GoMod"]).read_text()
 
 
 def _aligned_k8s_requires(helm_gomod: str) -> list[str]:
@@ -66,13 +57,8 @@ def ensure_helm(progress: ProgressFn | None = None) -> Path:
     if exe.is_file():
         return exe
     dest = exe.parent
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = cache_dir() / "build" / f"helm-{HELM_VERSION}"
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "build.log"
-    # `go mod download` needs a module context; a bare go.mod is enough.
-    (work / "go.mod").write_text("module mlxfleet.local/helmbuild\n\ngo 1.24.0\n")
-    k8s = _aligned_k8s_requires(_helm_gomod(work, log))
+    work, log = build_workspace(f"helm-{HELM_VERSION}")
+    k8s = _aligned_k8s_requires(module_gomod(work, log, _HELM_MODULE, HELM_VERSION))
     (work / "go.mod").write_text(
         "module mlxfleet.local/helmbuild\n\ngo 1.24.0\n\n"
         f"require (\n\t{_HELM_MODULE} {HELM_VERSION}\n" + "".join(f"{r}\n" for r in k8s) + ")\n"
@@ -81,7 +67,7 @@ def ensure_helm(progress: ProgressFn | None = None) -> Path:
     (work / "tools.go").write_text(
         f'//go:build tools\n\npackage tools\n\nimport _ "{_HELM_MODULE}/cmd/helm"\n'
     )
-    _run(["go", "mod", "tidy"], work, log, "go mod tidy (helm)")
+    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (helm)")
     # The same version stamps as helm's Makefile: `helm version` and the default
     # Capabilities.KubeVersion used by `helm template` / `helm lint`.
     k8s_minor = KUBERNETES_VERSION.lstrip("v").split(".")[1]
@@ -94,6 +80,6 @@ def ensure_helm(progress: ProgressFn | None = None) -> Path:
         f"-X {_HELM_MODULE}/pkg/chartutil.k8sVersionMajor=1",
         f"-X {_HELM_MODULE}/pkg/chartutil.k8sVersionMinor={k8s_minor}",
     ])
-    _go_build(work, {"helm": f"{_HELM_MODULE}/cmd/helm"}, ldflags, log, f"helm {HELM_VERSION}", progress)
-    _install(work, ["helm"], dest)
+    go_build(work, {"helm": f"{_HELM_MODULE}/cmd/helm"}, ldflags, log, f"helm {HELM_VERSION}", progress)
+    install_built(work, ["helm"], dest)
     return exe
