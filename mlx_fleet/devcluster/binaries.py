@@ -177,7 +177,8 @@ def module_gomod(work: Path, log: Path, module: str, version: str) -> str:
 
 def _staging_modules(kubernetes_gomod: str) -> list[str]:
     """Module paths that ``k8s.io/kubernetes``'s go.mod replaces with ``./staging/...``."""
-    return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", kubernetes_gomod, re.M)))
+    return sorted(set(re.findall(r"^\s*(?:replace\s+)?(k8s\.io/[\w.-]+)\s+=>\s+\./staging/",
+                                  kubernetes_gomod, re.M)))
 
 
 def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
