@@ -1,5 +1,5 @@
 """Pure tests of the ModelDeployment CRD (no cluster): structure, the field contract of
-docs/api-spec-draft.md, and the shared cases of tests/crd_cases.py run through a small validator
+docs/modeldeployment-api.md, and the shared cases of tests/crd_cases.py run through a small validator
 that follows the API server's semantics for the keywords this schema uses.
 
 The CEL rules can't be evaluated here (no CEL library); each rule string is pinned and paired with
@@ -22,7 +22,7 @@ from crd_cases import base_spec, invalid_examples, make, valid_examples
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_PATH = REPO / "crds" / "mlx-fleet.io_modeldeployments.yaml"
-SPEC_DOC = REPO / "docs" / "api-spec-draft.md"
+SPEC_DOC = REPO / "docs" / "modeldeployment-api.md"
 
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"

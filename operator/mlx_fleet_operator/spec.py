@@ -1,4 +1,4 @@
-"""Parsing of a ModelDeployment ``spec`` (camelCase, docs/api-spec-draft.md) into plain data.
+"""Parsing of a ModelDeployment ``spec`` (camelCase, docs/modeldeployment-api.md) into plain data.
 
 The CRD's OpenAPI schema already rejects most bad objects at ``kubectl apply``; this module is
 the second line of defence for whatever gets past it (an older CRD, a schema bug, a client that
@@ -142,7 +142,7 @@ class LifecycleSpec(_Spec):
 
 
 class DeploymentSpec(_Spec):
-    """A validated ModelDeployment spec, defaults applied (docs/api-spec-draft.md)."""
+    """A validated ModelDeployment spec, defaults applied (docs/modeldeployment-api.md)."""
 
     model: ModelSpec
     replicas: Annotated[int, Field(ge=0, le=1000)] = 1

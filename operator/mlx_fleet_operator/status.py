@@ -2,7 +2,7 @@
 
 :func:`compute_status` turns what the operator knows (the spec's generation and replica count,
 the placement decision, the assignments it wrote, the agents' reports and node records, and the
-previous status) into the new ``status`` dict (docs/api-spec-draft.md) and the list of events
+previous status) into the new ``status`` dict (docs/modeldeployment-api.md) and the list of events
 that mark transitions since the previous status. Conditions follow the Kubernetes API
 conventions: ``type``, ``status`` ("True"/"False"/"Unknown"), CamelCase ``reason``, ``message``,
 ``lastTransitionTime`` (kept unchanged while ``status`` does not change) and
