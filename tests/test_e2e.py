@@ -21,6 +21,7 @@ import pytest
 from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
+from mlx_fleet.devcluster.processes import ManagedProcess
 from mlx_fleet.store import EtcdStore
 
 pytestmark = pytest.mark.integration
@@ -35,11 +36,20 @@ def fleet_keys() -> Keys:
 
 
 @pytest.fixture(scope="module")
-def fleet(control_plane: ControlPlane, fleet_keys: Keys, namespace: str) -> Iterator[dict[str, AgentProcess]]:
-    """The operator (watching this module's namespace) and two agents (an M3 Max and an M4
-    Pro, both simulated on Linux)."""
-    operator = start_operator(control_plane, etcd_prefix=fleet_keys.root,
-                              extra_args=("--namespace", namespace))
+def operator(control_plane: ControlPlane, fleet_keys: Keys, namespace: str) -> Iterator[dict[str, ManagedProcess]]:
+    """The operator, watching only this module's namespace, in a holder a test may restart it in."""
+    holder = {"process": start_operator(control_plane, etcd_prefix=fleet_keys.root,
+                                        extra_args=("--namespace", namespace))}
+    yield holder
+    # Delete what the tests left while the operator still runs, so finalizers are released.
+    control_plane.kubectl("delete", "modeldeployments", "--all", "-n", namespace, "--wait=true",
+                          "--timeout=60s", check=False, timeout=70)
+    holder["process"].stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(control_plane: ControlPlane, fleet_keys: Keys, operator: dict) -> Iterator[dict[str, AgentProcess]]:
+    """Two agents (an M3 Max and an M4 Pro, both simulated on Linux) with the operator running."""
     agents = {
         "mac-a": start_agent(control_plane, "mac-a", etcd_prefix=fleet_keys.root, chip="Apple M3 Max",
                              memory="64Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
@@ -47,12 +57,8 @@ def fleet(control_plane: ControlPlane, fleet_keys: Keys, namespace: str) -> Iter
                              memory="24Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
     }
     yield agents
-    # Delete what the tests left while the operator still runs, so finalizers are released.
-    control_plane.kubectl("delete", "modeldeployments", "--all", "-n", namespace, "--wait=true",
-                          "--timeout=60s", check=False, timeout=70)
     for agent in agents.values():
         agent.process.stop()
-    operator.stop()
 
 
 def manifest(name: str, namespace: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
@@ -227,3 +233,31 @@ async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPl
         async with aiohttp.ClientSession(base_url=agent.url) as http, http.get("/v1/models") as r:
             assert name not in [m["id"] for m in (await r.json())["data"]]
 
+
+
+async def test_operator_killed_mid_reconcile_converges_after_restart(
+        control_plane: ControlPlane, operator: dict, fleet: dict[str, AgentProcess], fleet_keys: Keys,
+        test_model_dir: Path, namespace: str) -> None:
+    name = "e2e-restart"
+    control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
+    suffix = f"/{namespace}/{name}"
+    async with EtcdStore(control_plane.etcd_url) as store:
+        # The operator has written the assignment but (typically) not yet folded Ready into
+        # status: kill it there, as a crashed pod, with no chance to clean up.
+        await wait_for_key(store, fleet_keys.assignments_prefix, lambda v: any(k.endswith(suffix) for k in v))
+        operator["process"].kill()
+        # While no operator runs, the user scales up.
+        control_plane.kubectl("patch", "modeldeployment", name, "-n", namespace, "--type=merge",
+                              "-p", '{"spec": {"replicas": 2}}')
+        operator["process"] = start_operator(control_plane, etcd_prefix=fleet_keys.root,
+                                             extra_args=("--namespace", namespace))
+        await wait_for_key(store, fleet_keys.reports_prefix,
+                           lambda v: sum(k.endswith(suffix) and AssignmentReport.from_json(b).state
+                                         is AssignmentState.READY for k, b in v.items()) == 2, timeout=120)
+        assigned = [kv.key for kv in (await store.list(fleet_keys.assignments_prefix)).items
+                    if kv.key.endswith(suffix)]
+        assert sorted(fleet_keys.parse_assignment(k)[0] for k in assigned) == ["mac-a", "mac-b"]
+    control_plane.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=2", f"modeldeployment/{name}",
+                          "-n", namespace, "--timeout=60s", timeout=70)
+    md = wait_ready(control_plane, namespace, name)
+    assert md["status"]["observedGeneration"] == md["metadata"]["generation"] == 2
