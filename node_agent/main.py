@@ -203,7 +203,8 @@ class Agent:
                      format_bytes(cap.wired_limit_bytes) if cap.wired_limit_bytes else "default")
         await self.core.start()
         app = build_app(self.core, health=self.health, registry=self.registry)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
         await self._site.start()

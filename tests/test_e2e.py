@@ -261,3 +261,55 @@ async def test_operator_killed_mid_reconcile_converges_after_restart(
                           "-n", namespace, "--timeout=60s", timeout=70)
     md = wait_ready(control_plane, namespace, name)
     assert md["status"]["observedGeneration"] == md["metadata"]["generation"] == 2
+
+
+def _metric(text: str, name: str, model: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("model") == model:
+                return sample.value
+    return 0.0
+
+
+async def test_client_disconnect_stops_generation(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
+                                                  test_model_dir: Path, namespace: str) -> None:
+    """A non-streaming client that hangs up must not leave its sequence decoding to max_tokens."""
+    name = "e2e-disconnect"
+    control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
+    endpoint = wait_ready(control_plane, namespace, name)["status"]["endpoints"][0]
+    max_tokens = 3500
+
+    async with aiohttp.ClientSession(base_url=endpoint) as http:
+        async def metric(metric_name: str) -> float:
+            async with http.get("/metrics") as r:
+                return _metric(await r.text(), metric_name, name)
+
+        async def hang_up_later() -> None:
+            async with aiohttp.ClientSession(base_url=endpoint) as client, client.post(
+                    "/v1/completions", json={"model": name, "prompt": "Tell a long story",
+                                             "max_tokens": max_tokens, "temperature": 0}) as r:
+                await r.read()
+
+        request = asyncio.create_task(hang_up_later())
+        occupancy = 0.0
+
+        async def running() -> None:
+            nonlocal occupancy
+            while occupancy < 1:
+                occupancy = await metric("mlxfleet_agent_batch_occupancy")
+
+        await asyncio.wait_for(running(), 30)
+        request.cancel()  # closes the connection mid-generation
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+        async def drained() -> None:
+            nonlocal occupancy
+            while occupancy > 0:
+                occupancy = await metric("mlxfleet_agent_batch_occupancy")
+
+        await asyncio.wait_for(drained(), 60)
+        generated = await metric("mlxfleet_agent_generated_tokens_total")
+        assert 0 < generated < max_tokens / 2, generated
