@@ -33,8 +33,25 @@ def make_console(*, stderr: bool = False) -> Console:
 
 
 def progress_builder(console: Console, build: Callable[..., T]) -> T:
-    """Run ``build(progress=...)`` with a rich progress bar fed by compiled-package counts."""
+    """Run ``build(progress=...)`` showing compiled-package counts: a live rich bar on a
+    terminal; elsewhere (CI logs, pipes) a plain line at every further 10 %."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not console.is_terminal:
+        started: dict[str, float] = {}
+        shown: dict[str, int] = {}
+
+        def plain(label: str, done: int, total: int) -> None:
+            started.setdefault(label, time.monotonic())
+            tenth = 10 * done // max(total, 1)
+            if shown.get(label) != tenth:
+                shown[label] = tenth
+                console.print(f"building {label}: {done}/{total} packages ({10 * tenth}%), "
+                              f"{time.monotonic() - started[label]:.0f}s", highlight=False)
+
+        return build(progress=plain)
 
     tasks: dict[str, int] = {}
     with Progress(TextColumn("[bold]building {task.description}"), BarColumn(), MofNCompleteColumn(),
