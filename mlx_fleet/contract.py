@@ -145,7 +145,9 @@ class NodeCapacity(_Record):
     ``wired_limit_bytes``: the GPU wired-memory limit (``iogpu.wired_limit_mb``; 0 = OS default).
     ``chip``: marketing name, e.g. ``"Apple M3 Max"``; ``chip_generation``: 3 for M3, 4 for M4 ...
     ``simulated``: True when chip and memory come from configuration (Linux development), not
-    from the hardware: such a node is visibly marked and never mistaken for a Mac.
+    from the hardware. The flag is shown wherever nodes are listed (``mlx-fleet status``, the
+    agent's start-up warning); placement treats such a node like any other, which is what lets
+    the local fleet run on Linux.
     """
 
     memory_total_bytes: Annotated[int, Field(ge=0)]

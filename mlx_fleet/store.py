@@ -132,17 +132,27 @@ class EtcdStore:
 
     ``endpoint``: ``http://host:port`` (TLS and auth arrive with the security work).
     ``timeout``: per-RPC deadline in seconds for unary calls (watches have none).
+    ``keepalive_seconds``: HTTP/2 ping interval while calls are open, so a half-open connection
+    (a Mac that slept, a dropped NAT entry) breaks the watch stream within about
+    ``keepalive_seconds + 5`` s instead of stalling it forever; :func:`follow_prefix` then
+    resumes. It must stay above etcd's ``--grpc-keepalive-min-time`` (default 5 s) or etcd
+    answers with GOAWAY ``too_many_pings``.
     Raises :class:`StoreError` (or :class:`Compacted`) instead of the client's exceptions.
     """
 
-    def __init__(self, endpoint: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, endpoint: str, *, timeout: float = 10.0, keepalive_seconds: float = 10.0) -> None:
         import aetcd  # imported here so the contract stays importable without grpc
 
         url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
         self.endpoint = endpoint
         self._aetcd = aetcd
-        self._client = aetcd.Client(host=url.hostname or "127.0.0.1", port=url.port or 2379,
-                                    timeout=timeout)
+        self._client = aetcd.Client(
+            host=url.hostname or "127.0.0.1", port=url.port or 2379, timeout=timeout,
+            options={"grpc.keepalive_time_ms": int(keepalive_seconds * 1000),
+                     "grpc.keepalive_timeout_ms": 5000,
+                     # etcd refuses pings on a connection without streams (PermitWithoutStream
+                     # is false server-side), so ping only while a call is open.
+                     "grpc.keepalive_permit_without_calls": 0})
 
     async def __aenter__(self) -> EtcdStore:
         await self.connect()

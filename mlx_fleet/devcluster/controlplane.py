@@ -63,8 +63,6 @@ def start_etcd(workdir: Path, binaries: Binaries, name: str = "etcd", *,
         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-cluster", f"{name}=http://127.0.0.1:{peer}",
         "--log-level", "warn", "--quota-backend-bytes", str(2 * 1024**3),
-        # The operator and agents need progress notifications to resume watches promptly.
-        "--experimental-watch-progress-notify-interval", "5s",
     ], workdir / "logs" / f"{name}.log")
     server = EtcdServer(name=name, process=proc, client_url=url, data_dir=data)
     proc.wait_until(server.healthy, timeout=timeout, what="healthy")
