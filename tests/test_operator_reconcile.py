@@ -149,3 +149,50 @@ async def test_other_deployments_memory_from_etcd(store, keys):
     res = await rc.reconcile(store, keys, request(mem_gib=2, replicas=2), assignment(mem_gib=2))
     assert res.decision.nodes == ("b",) and res.decision.unplaced == 1
     assert "1 insufficient memory (needs 2.0GiB, 1.0GiB free)" in res.decision.message
+
+
+class _RacyStore:
+    """Wraps the store: right after its ``n``-th read (``get`` or ``list``, 1-based) returns,
+    ``hook`` runs a whole competing reconcile, i.e. a write lands in the middle of our read."""
+
+    def __init__(self, inner, n: int, hook) -> None:
+        self.inner, self.n, self.hook, self.reads = inner, n, hook, 0
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    async def _after_read(self, result):
+        self.reads += 1
+        if self.reads == self.n:
+            await self.hook()
+        return result
+
+    async def get(self, key):
+        return await self._after_read(await self.inner.get(key))
+
+    async def list(self, prefix):
+        return await self._after_read(await self.inner.list(prefix))
+
+
+@pytest.mark.parametrize("after_read", [1, 2, 3], ids=["after-1st-read", "after-2nd-read",
+                                                       "after-3rd-read"])
+async def test_write_during_read_never_overcommits(store, keys, after_read):
+    """A competing placement committed anywhere after our epoch read (which must come first:
+    between it and the lists, between the lists, after them) fails our compare; the retry
+    sees its memory. One 10 GiB node = 8 GiB budget: only one of two 6 GiB deployments fits."""
+    await put_nodes(store, keys, node("a", 10))
+    other_result = []
+
+    async def other():
+        other_result.append(await rc.reconcile(store, keys, request("b", mem_gib=6),
+                                               assignment("b", mem_gib=6)))
+
+    racy = _RacyStore(store, after_read, other)
+    res = await rc.reconcile(racy, keys, request("a", mem_gib=6), assignment("a", mem_gib=6))
+    assert other_result and other_result[0].decision.nodes == ("a",)
+    # Landing before a list, the write is simply seen; after the lists, our compare fails.
+    assert res.conflicts == (1 if after_read == 3 else 0)
+    assert res.decision.nodes == () and res.decision.unplaced == 1 and not res.written
+    assert "insufficient memory" in res.decision.message
+    listing = await store.list(keys.assignments_prefix)
+    assert [keys.parse_assignment(kv.key)[2] for kv in listing.items] == ["b"]

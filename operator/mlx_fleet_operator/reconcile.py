@@ -2,7 +2,8 @@
 
 :func:`reconcile` (one ModelDeployment):
 
-1. :func:`read_fleet` lists ``nodes/`` and ``assignments/`` and gets ``placement-epoch``;
+1. :func:`read_fleet` gets ``placement-epoch`` FIRST, then lists ``nodes/`` and
+   ``assignments/`` (the order matters, see :func:`read_fleet`);
 2. :func:`plan` runs :func:`~mlx_fleet_operator.placement.place` and diffs the desired
    assignments of this deployment against the stored ones → puts and deletes;
 3. if there is nothing to change, nothing is written (no transaction at all);
@@ -91,11 +92,19 @@ class ReconcileResult:
 
 
 async def read_fleet(store: Store, keys: Keys) -> FleetView:
-    """List node records and assignments, get the epoch. Unparseable records are skipped
-    (logged); an assignment key outside the layout is ignored."""
+    """Get the epoch, then list node records and assignments. Unparseable records are skipped
+    (logged); an assignment key outside the layout is ignored.
+
+    The epoch is read before the lists on purpose: its ``mod_revision`` is what the fenced
+    transaction compares, and every assignment write bumps it. Reading it first means any
+    assignment write we might have missed in the lists (committed after the epoch read) has
+    changed the epoch, so our compare fails and we re-read. Reading it last would let a write
+    committed between the assignments list and the epoch read slip through unseen (and
+    over-commit a node's memory).
+    """
+    epoch = await store.get(keys.placement_epoch)
     nodes_l = await store.list(keys.nodes_prefix)
     asg_l = await store.list(keys.assignments_prefix)
-    epoch = await store.get(keys.placement_epoch)
     nodes: dict[str, NodeRecord] = {}
     for kv in nodes_l.items:
         name = keys.parse_node(kv.key)
