@@ -59,9 +59,14 @@ async def test_placement_written_and_idempotent(store, keys):
     assert again.assignments == {"b": assignment()}
     assert await revision(store) == before  # nothing written, not even a transaction
 
-    # A spec change (new generation) rewrites the assignment in place, no move.
+    # A new generation that changes nothing for the node leaves the stored record untouched.
     res3 = await rc.reconcile(store, keys, request(), assignment(gen=2))
-    assert res3.written and await stored(store, keys) == {"b": assignment(gen=2)}
+    assert not res3.written and res3.assignments == {"b": assignment()}
+    assert await revision(store) == before
+    # A spec change the node must act on rewrites the assignment in place, no move.
+    v2 = assignment(gen=3).model_copy(update={"source": ModelSource(uri="/models/x", revision="v2")})
+    res4 = await rc.reconcile(store, keys, request(), v2)
+    assert res4.written and await stored(store, keys) == {"b": v2}
 
 
 async def test_stale_read_loses_and_retries(store, keys):
@@ -113,7 +118,9 @@ async def test_stale_assignment_compare(store, keys):
     await put_nodes(store, keys, node("a"))
     await rc.reconcile(store, keys, request(), assignment())
     view = await rc.read_fleet(store, keys)
-    p = rc.plan(keys, view, request(), assignment(gen=2))
+    v2 = assignment(gen=2).model_copy(update={"source": ModelSource(uri="/models/x", revision="v2")})
+    p = rc.plan(keys, view, request(), v2)
+    assert p.ops
     await store.put(keys.assignment("a", "ns", "llm"), assignment(gen=3).to_json())
     assert not await rc.apply_plan(store, keys, p)
     assert (await stored(store, keys))["a"].generation == 3
@@ -196,3 +203,29 @@ async def test_write_during_read_never_overcommits(store, keys, after_read):
     assert "insufficient memory" in res.decision.message
     listing = await store.list(keys.assignments_prefix)
     assert [keys.parse_assignment(kv.key)[2] for kv in listing.items] == ["b"]
+
+
+async def test_scale_up_leaves_existing_assignments_untouched(store, keys):
+    """2 → 3 replicas: the two stored assignments keep their generation and mod_revision (no
+    write), so the agents' reports for them still count and readiness does not flap."""
+    from mlx_fleet.contract import AssignmentReport, AssignmentState
+    from mlx_fleet_operator.status import StatusInput, compute_status
+
+    await put_nodes(store, keys, node("a"), node("b"), node("c"))
+    first = await rc.reconcile(store, keys, request(replicas=2), assignment(gen=1))
+    assert first.decision.nodes == ("a", "b")
+    revs = {kv.key: kv.mod_revision for kv in (await store.list(keys.assignments_prefix)).items}
+    reports = {n: AssignmentReport(node=n, namespace="ns", name="llm", generation=1,
+                                   state=AssignmentState.READY, endpoint=f"http://{n}:8000")
+               for n in ("a", "b")}
+
+    res = await rc.reconcile(store, keys, request(replicas=3), assignment(gen=2))
+    assert res.written and res.decision.added == ("c",)
+    after = {kv.key: kv.mod_revision for kv in (await store.list(keys.assignments_prefix)).items}
+    assert {k: after[k] for k in revs} == revs
+    assert {n: a.generation for n, a in (await stored(store, keys)).items()} == {"a": 1, "b": 1,
+                                                                                 "c": 2}
+    status, _ = compute_status(StatusInput(generation=2, replicas=3, assignments=res.assignments,
+                                           reports=reports))
+    assert status["readyReplicas"] == 2 and status["observedGeneration"] == 2
+    assert status["endpoints"] == ["http://a:8000", "http://b:8000"]

@@ -144,3 +144,57 @@ def test_failed_placement_event_once_per_message():
     _, e3 = compute_status(StatusInput(generation=1, replicas=1, unplaced=1,
                                        placement_message="0/2 nodes fit: y"), s1, T1)
     assert [e.reason for e in e3] == ["FailedPlacement"]
+
+
+def test_scale_up_keeps_ready_replicas_ready():
+    """2 → 3 replicas (a new metadata.generation) must not flap the two Ready replicas: the plan
+    keeps their stored assignments (generation 1) untouched, so their reports still match."""
+    from mlx_fleet.contract import Keys
+    from mlx_fleet.store import KV
+    from mlx_fleet_operator import reconcile as rc
+    from mlx_fleet_operator.placement import PlacementRequest
+
+    keys = Keys("/t")
+    stored = {n: rc.StoredAssignment(keys.assignment(n, "ns", "llm"),
+                                     KV(keys.assignment(n, "ns", "llm"), asg(1).to_json(), 10),
+                                     asg(1)) for n in ("a", "b")}
+    nodes = {n: rec(n).model_copy(update={"capacity": rec(n).capacity.model_copy(
+        update={"memory_total_bytes": 1 << 30})}) for n in ("a", "b", "c")}
+    view = rc.FleetView(nodes=nodes, assignments={n: [s] for n, s in stored.items()},
+                        epoch=None, revision=10)
+    request = PlacementRequest(namespace="ns", name="llm", replicas=3, memory_bytes=1)
+    p = rc.plan(keys, view, request, asg(2))
+    assert {n: a.generation for n, a in p.desired.items()} == {"a": 1, "b": 1, "c": 2}
+    assert [op.key for op in p.ops] == [keys.assignment("c", "ns", "llm")]  # only the new one
+
+    before, _ = compute_status(StatusInput(generation=1, replicas=2, assignments={
+        "a": asg(1), "b": asg(1)}, reports={"a": rep("a", R, gen=1), "b": rep("b", R, gen=1)}),
+        None, T0)
+    after, events = compute_status(StatusInput(
+        generation=2, replicas=3, assignments=p.desired,
+        reports={"a": rep("a", R, gen=1), "b": rep("b", R, gen=1)}), before, T1)
+    assert after["observedGeneration"] == 2 and after["readyReplicas"] == 2
+    assert after["endpoints"] == ["http://a:8000", "http://b:8000"]
+    assert {n["name"]: n["state"] for n in after["nodes"]} == {"a": "Ready", "b": "Ready",
+                                                               "c": "Pending"}
+    assert [e.reason for e in events] == ["Placed"]
+
+
+def test_changed_model_rewrites_every_assignment():
+    """What the node serves changed (revision): every replica gets the new record."""
+    from mlx_fleet.contract import Keys
+    from mlx_fleet.store import KV
+    from mlx_fleet_operator import reconcile as rc
+    from mlx_fleet_operator.placement import PlacementRequest
+
+    keys = Keys("/t")
+    key = keys.assignment("a", "ns", "llm")
+    view = rc.FleetView(nodes={"a": rec("a").model_copy(update={"capacity": rec("a").capacity.model_copy(
+        update={"memory_total_bytes": 1 << 30})})},
+        assignments={"a": [rc.StoredAssignment(key, KV(key, asg(1).to_json(), 10), asg(1))]},
+        epoch=None, revision=10)
+    new = asg(2).model_copy(update={"source": ModelSource(uri="/m", revision="v2")})
+    p = rc.plan(keys, view, PlacementRequest(namespace="ns", name="llm", replicas=1,
+                                             memory_bytes=1), new)
+    assert p.desired == {"a": new} and [op.key for op in p.ops] == [key]
+    assert not rc.same_for_node(asg(1), new) and rc.same_for_node(asg(1), asg(7))

@@ -80,7 +80,8 @@ class Plan:
     ops: tuple[Put | Delete, ...]
     compares: tuple[Compare, ...]
     epoch: KV | None
-    desired: dict[str, Assignment]  # node → assignment once the plan is applied
+    desired: dict[str, Assignment]  # node → assignment once the plan is applied (kept
+    # records keep their stored generation, see same_for_node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +134,25 @@ async def read_fleet(store: Store, keys: Keys) -> FleetView:
                      revision=max(nodes_l.revision, asg_l.revision))
 
 
+#: Assignment fields that do not change what a node does. ``generation`` is bookkeeping (which
+#: spec the record was computed from); the agent's report echoes it.
+_BOOKKEEPING = frozenset({"generation"})
+
+
+def same_for_node(stored: Assignment, wanted: Assignment) -> bool:
+    """True when ``stored`` already tells the node everything ``wanted`` does (source, revision,
+    served name, memory, serving params, lifecycle, identity) — they may differ only in
+    ``generation``. Such a stored assignment is left untouched (no write), so an edit that
+    does not concern this node (e.g. a scale-up) does not invalidate its replica's report."""
+    return (stored.model_dump(exclude=_BOOKKEEPING) == wanted.model_dump(exclude=_BOOKKEEPING))
+
+
 def plan(keys: Keys, view: FleetView, request: PlacementRequest,
          assignment: Assignment | None) -> Plan:
     """Diff the placement of ``request`` against ``view``. ``assignment``: the record every
-    chosen node should hold (None = remove the deployment everywhere)."""
+    chosen node should hold (None = remove the deployment everywhere). A node whose stored
+    record is :func:`same_for_node` as ``assignment`` keeps it as is (``Plan.desired`` then
+    holds the stored record, with its older generation)."""
     ns, name = request.namespace, request.name
     mine = view.of(ns, name)
     # Malformed values under this deployment's keys are rewritten or removed too.
@@ -156,11 +172,15 @@ def plan(keys: Keys, view: FleetView, request: PlacementRequest,
     desired: dict[str, Assignment] = {}
     for node in decision.nodes:
         assert assignment is not None
-        desired[node] = assignment
         key = keys.assignment(node, ns, name)
         have = mine.get(node)
-        if have is not None and have.assignment == assignment:
+        if have is not None and have.assignment is not None and same_for_node(
+                have.assignment, assignment):
+            # Keep the stored record, generation included: rewriting it only to bump the
+            # generation would make the agent's report look stale and flap readiness.
+            desired[node] = have.assignment
             continue
+        desired[node] = assignment
         compares.append(Compare(key, "mod", "==", have.kv.mod_revision if have else 0))
         ops.append(Put(key, assignment.to_json()))
     for node, have in sorted(mine.items()):
