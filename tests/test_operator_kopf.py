@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import urllib.request
 import uuid
@@ -220,3 +221,27 @@ async def test_followers_wake_only_on_relevant_changes():
     assert not wake.is_set()
     await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), b"", 7, "DELETE"))
     assert wake.is_set() and rt.reports[("default", "llm")] == {}
+
+
+async def test_conflict_rearms_the_daemon(monkeypatch):
+    """A reconcile that gives up on etcd conflicts wakes its daemon again soon (not only at the
+    30 s resync)."""
+    import kopf
+
+    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator.reconcile import ConflictError
+
+    async def always_conflict(*args, **kwargs):
+        raise ConflictError("ns/llm: lost", conflicts=8)
+
+    rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
+    monkeypatch.setattr(handlers, "RUNTIME", rt)
+    monkeypatch.setattr(handlers, "reconcile", always_conflict)
+    monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0, raising=False)
+    wake = rt.wakeup(("ns", "llm"))
+    body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
+            "spec": {"model": {"source": "file:///m", "revision": "v1"},
+                     "resources": {"memory": "1Gi"}}}
+    with pytest.raises(kopf.TemporaryError):
+        await handlers.sync(body, logging.getLogger("test"))
+    await asyncio.wait_for(wake.wait(), 10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from mlx_fleet.contract import (Assignment, Keys, ModelSource, NodeCapacity, NodeRecord,
@@ -229,3 +231,33 @@ async def test_scale_up_leaves_existing_assignments_untouched(store, keys):
                                            reports=reports))
     assert status["readyReplicas"] == 2 and status["observedGeneration"] == 2
     assert status["endpoints"] == ["http://a:8000", "http://b:8000"]
+
+
+async def test_concurrent_reconciles_after_node_death_all_converge(store, keys):
+    """The Mac hosting 12 deployments dies: all 12 reconcile at once against the one global
+    epoch. Backoff between retries lets every one of them land (none left unplaced)."""
+    await put_nodes(store, keys, node("a", 64))
+    names = [f"d{i}" for i in range(12)]
+    for n in names:
+        await rc.reconcile(store, keys, request(n, mem_gib=1), assignment(n, mem_gib=1))
+    await put_nodes(store, keys, node("b", 64))
+    await store.delete(keys.node("a"))
+    results = await asyncio.gather(*[
+        rc.reconcile(store, keys, request(n, mem_gib=1), assignment(n, mem_gib=1))
+        for n in names], return_exceptions=True)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert all(r.decision.nodes == ("b",) for r in results)
+    listing = await store.list(keys.assignments_prefix)
+    assert sorted(keys.parse_assignment(kv.key)[::2] for kv in listing.items) == [
+        ("b", n) for n in sorted(names)]
+
+
+def test_backoff_delays_grow_jittered_and_capped():
+    import random
+
+    rng = random.Random(7)
+    for attempt in range(1, 12):
+        cap = min(rc.BACKOFF_MAX_SECONDS, rc.BACKOFF_BASE_SECONDS * 2 ** (attempt - 1))
+        delays = [rc.backoff_delay(attempt, rng) for _ in range(50)]
+        assert all(0 <= d <= cap for d in delays) and len(set(delays)) > 1  # jittered
+    assert rc.BACKOFF_BASE_SECONDS == 0.02 and rc.BACKOFF_MAX_SECONDS == 0.5

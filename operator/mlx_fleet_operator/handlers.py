@@ -11,7 +11,8 @@ this module only moves data between the Kubernetes API, etcd and them.
   An invalid spec becomes a permanent error plus a Warning event and ``InvalidSpec``
   conditions, never a crash.
 * ``daemon`` (one per ModelDeployment): waits on the deployment's wake-up event (set by the
-  followers, or by a spec change) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
+  followers, by a spec change, or ~:data:`CONFLICT_RETRY_SECONDS` after a reconcile gave up on
+  etcd conflicts) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
   :func:`sync` again, so node churn re-places replicas and agents' reports reach ``status``.
 * ``on.delete``: removes the deployment's assignments (fenced), then kopf drops the finalizer.
 
@@ -28,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +49,9 @@ GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
 #: Seconds between unconditional re-syncs of a deployment (a safety net under the watches).
 RESYNC_SECONDS = 30.0
+#: After a reconcile gave up on etcd conflicts, its daemon is woken again after a delay
+#: uniform in [0.5, 1.5] × this (jittered, so the losers do not collide again in lockstep).
+CONFLICT_RETRY_SECONDS = 1.0
 
 log = logging.getLogger(__name__)
 DeploymentKey = tuple[str, str]
@@ -94,6 +99,10 @@ class Runtime:
 
     def lock(self, key: DeploymentKey) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
+
+    def rearm(self, key: DeploymentKey, delay: float) -> None:
+        """Wake ``key``'s daemon again in ``delay`` seconds (a prompt retry, not the resync)."""
+        asyncio.get_running_loop().call_later(delay, self.wakeup(key).set)
 
     def wake_all(self) -> None:
         for ev in self.wakeups.values():
@@ -361,6 +370,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
+            # Retry soon from the daemon instead of waiting for the next resync.
+            rt.rearm(key, CONFLICT_RETRY_SECONDS * random.uniform(0.5, 1.5))
             raise kopf.TemporaryError(str(e), delay=1) from e
         except StoreError as e:
             metrics.RECONCILE_TOTAL.labels(result="error").inc()

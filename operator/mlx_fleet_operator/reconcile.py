@@ -10,17 +10,21 @@
 4. otherwise :func:`apply_plan` commits the puts/deletes in ONE ``store.txn`` whose compares are
    the ``mod_revision`` of ``placement-epoch`` (0 when absent) and of every assignment key of
    this deployment that was read (0 for keys about to be created), bumping the epoch in the
-   same transaction. A failed compare means someone wrote in between: re-read and retry, up to
-   ``max_attempts`` times, then raise :class:`ConflictError`. A concurrent writer is never
-   clobbered.
+   same transaction. A failed compare means someone wrote in between: wait a jittered,
+   exponentially growing moment (:func:`backoff_delay`, 20 ms doubling up to 500 ms) so that
+   many deployments re-placed at once (a Mac died) stop colliding on the one epoch, then
+   re-read and retry, up to ``max_attempts`` times; then raise :class:`ConflictError`. A
+   concurrent writer is never clobbered.
 
 :func:`remove_deployment` deletes every assignment of a deployment under the same fencing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import random
 import socket
 from collections.abc import Mapping
 
@@ -34,6 +38,18 @@ from .placement import PlacementDecision, PlacementRequest, place
 log = logging.getLogger(__name__)
 
 DEFAULT_WRITER = f"mlx-fleet-operator@{socket.gethostname()}"
+#: Attempts of one reconcile before :class:`ConflictError` (each after a failed compare).
+MAX_ATTEMPTS = 8
+#: Backoff between attempts: the cap doubles from BASE to MAX; the delay is uniform in [0, cap].
+BACKOFF_BASE_SECONDS = 0.02
+BACKOFF_MAX_SECONDS = 0.5
+
+
+def backoff_delay(attempt: int, rng: random.Random | None = None) -> float:
+    """Seconds to wait after the ``attempt``-th (1-based) failed transaction: "full jitter",
+    uniform in ``[0, min(MAX, BASE × 2^(attempt-1))]``, so racing reconciles spread out."""
+    cap = min(BACKOFF_MAX_SECONDS, BACKOFF_BASE_SECONDS * 2 ** max(attempt - 1, 0))
+    return (rng or random).uniform(0, cap)
 
 
 class ConflictError(RuntimeError):
@@ -223,12 +239,14 @@ async def _converge(store: Store, keys: Keys, request: PlacementRequest,
         conflicts += 1
         log.info("%s/%s: placement transaction lost a race (attempt %d/%d); re-reading",
                  request.namespace, request.name, attempt, max_attempts)
+        if attempt < max_attempts:
+            await asyncio.sleep(backoff_delay(attempt))
     raise ConflictError(f"{request.namespace}/{request.name}: placement transaction failed its "
                         f"compares {max_attempts} times in a row", conflicts)
 
 
 async def reconcile(store: Store, keys: Keys, request: PlacementRequest, assignment: Assignment,
-                    *, writer: str = DEFAULT_WRITER, max_attempts: int = 5) -> ReconcileResult:
+                    *, writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS) -> ReconcileResult:
     """Place ``request`` and store ``assignment`` on the chosen nodes (module docstring).
 
     Writes nothing when the stored state already matches. Raises :class:`ConflictError` after
@@ -239,7 +257,7 @@ async def reconcile(store: Store, keys: Keys, request: PlacementRequest, assignm
 
 
 async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str, *,
-                            writer: str = DEFAULT_WRITER, max_attempts: int = 5) -> ReconcileResult:
+                            writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS) -> ReconcileResult:
     """Delete every assignment of ``namespace/name`` (fenced like :func:`reconcile`)."""
     request = PlacementRequest(namespace=namespace, name=name, replicas=0, memory_bytes=1)
     return await _converge(store, keys, request, None, writer=writer, max_attempts=max_attempts)
