@@ -9,7 +9,7 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 4
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
 ``code`` ``context_length_exceeded``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
-mid-request.
+mid-request or the serving core has failed (``ServingCore.failure``).
 
 Run the app with ``handler_cancellation=True`` (as ``aiohttp.test_utils.TestServer`` does) so a
 client disconnect cancels the handler; the handler additionally notices a closed transport
@@ -231,6 +231,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                        max_tokens: int | None, *, messages: list[dict] | None = None,
                        prompt: str | None = None) -> web.StreamResponse:
         request[_MODEL] = req.model
+        if core.failure is not None:
+            return _error(503, f"this node cannot serve: {core.failure}", type_="server_error",
+                          code="unavailable")
         try:
             info = core.model_info(req.model)
         except ModelNotLoaded:

@@ -13,6 +13,15 @@ batch at its next step. Prompt prefixes are reused through mlx-lm's
 Admission: at most ``max_concurrent_sequences`` sequences of a model are inside its
 BatchGenerator; further requests wait in the core (FIFO). When the waiting requests of all models
 would exceed ``max_queued_requests``, :class:`Overloaded` is raised at once.
+
+Failures on the MLX thread are contained as narrowly as possible: an error while post-processing
+one request's token (detokenizer, stop strings) aborts that request; any other error in a model's
+step or command (``BatchGenerator.next``/``remove``/``insert`` ...) aborts that model's running
+sequences and gives it a fresh BatchGenerator (waiting requests stay queued; other models are
+untouched). Only an error outside every per-model guard (a ``BaseException`` that is not an
+``Exception``, or a failure of the loop itself) ends the thread: the core is then *failed*
+(:attr:`ServingCore.healthy` is False, :attr:`ServingCore.failure` says why), every running or
+waiting call fails at once and later calls fail immediately.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ _STOP = object()
 
 class ModelLoadError(Exception):
     """Loading a model failed. ``reason``: CamelCase (``ModelNotFound``, ``LoadFailed``,
-    ``NotStarted``); ``message``: human-readable detail."""
+    ``NotStarted``, ``CoreFailed`` once the MLX thread has failed); ``message``: human-readable
+    detail."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -235,6 +245,11 @@ class ServingCore:
         self._infos: dict[str, ModelInfo] = {}
         self._inflight: dict[str, int] = {}
         self._closed = False
+        self._failure: str | None = None
+        # _dead: the MLX thread no longer reads _cmds. Set and read under _cmd_lock so that no
+        # call is queued after the thread's final drain (it would wait forever).
+        self._cmd_lock = threading.Lock()
+        self._dead = False
         # thread-side state (read-only elsewhere: plain ints/len reads are safe)
         self._models: dict[str, _Loaded] = {}
         self._active_count: dict[str, int] = {}
@@ -265,6 +280,23 @@ class ServingCore:
             self.metrics.model_loaded.labels(model_id, info.revision).set(0)
         self._infos.clear()
 
+    @property
+    def healthy(self) -> bool:
+        """True while the core is started, not closed and its MLX thread has not failed.
+
+        Errors confined to one request or one model (see the module docstring) do not make the
+        core unhealthy; they are reported to the affected requests."""
+        return self._started and not self._closed and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the MLX thread failed (``"<ExceptionType>: <message>"``), or ``None`` while it has
+        not (also after a clean :meth:`close`). Once set it never clears: make a new core."""
+        return self._failure
+
+    def _failed_message(self) -> str:
+        return f"the serving core failed: {self._failure}"
+
     # -- models --------------------------------------------------------------------------------
     async def load_model(self, model_id: str, path: str | os.PathLike, *, revision: str,
                          max_concurrent_sequences: int = 8,
@@ -276,6 +308,8 @@ class ServingCore:
         Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
         ``config.json``, ``LoadFailed`` for any error while loading, ``NotStarted``).
         """
+        if self._failure is not None:
+            raise ModelLoadError("CoreFailed", self._failed_message())
         if not self._started or self._closed:
             raise ModelLoadError("NotStarted", "the serving core is not running")
         if max_concurrent_sequences < 1 or max_context_tokens < 2:
@@ -288,7 +322,10 @@ class ServingCore:
             raise ModelLoadError("ModelNotFound", f"no model (config.json) at {spath}")
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
                          max_context_tokens)
-        await self._call(self._t_load, info)
+        try:
+            await self._call(self._t_load, info)
+        except GenerationAborted as e:  # the thread failed or the core closed meanwhile
+            raise ModelLoadError("CoreFailed" if self._failure else "NotStarted", str(e)) from e
         if existing is not None and existing.revision != revision:
             self.metrics.model_loaded.labels(model_id, existing.revision).set(0)
         self._infos[model_id] = info
@@ -309,7 +346,8 @@ class ServingCore:
         return list(self._infos.values())
 
     def is_loaded(self, model_id: str) -> bool:
-        return model_id in self._infos
+        """True when ``model_id`` is loaded and the core can serve it."""
+        return model_id in self._infos and self._failure is None
 
     def model_info(self, model_id: str) -> ModelInfo:
         """Raises :class:`ModelNotLoaded`."""
@@ -357,13 +395,16 @@ class ServingCore:
         text (finish_reason ``"stop"``), as it does on the tokenizer's EOS.
 
         Raises :class:`ModelNotLoaded`, :class:`Overloaded`, :class:`ContextLengthExceeded`,
-        :class:`InvalidPrompt`, ``ValueError`` for bad arguments.
+        :class:`InvalidPrompt`, ``ValueError`` for bad arguments, :class:`GenerationAborted`
+        when the core is not running or has failed (see :attr:`failure`).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if self._failure is not None:
+            raise GenerationAborted(self._failed_message())
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id)
@@ -415,10 +456,30 @@ class ServingCore:
             req.out.put_nowait(item)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the MLX thread and return its result (or raise its error).
+        Raises :class:`GenerationAborted` when the thread has ended (closed or failed)."""
         assert self._loop is not None
         fut = self._loop.create_future()
-        self._cmds.put(("call", fn, args, fut))
+        with self._cmd_lock:
+            if self._dead:
+                raise GenerationAborted(self._failed_message() if self._failure
+                                        else "the serving core closed")
+            self._cmds.put(("call", fn, args, fut))
         return await fut
+
+    def _on_thread_exit(self) -> None:
+        """Loop side, after the MLX thread ended: a failed core serves no model any more."""
+        if self._failure is None:
+            return
+        for model_id, info in list(self._infos.items()):
+            self.metrics.model_loaded.labels(model_id, info.revision).set(0)
+        self._infos.clear()
+
+    def _forget(self, info: ModelInfo) -> None:
+        """Loop side: the thread dropped ``info``'s model on its own (it could not recover)."""
+        if self._infos.get(info.model_id) is info:
+            del self._infos[info.model_id]
+            self.metrics.model_loaded.labels(info.model_id, info.revision).set(0)
 
     # -- the MLX thread ------------------------------------------------------------------------
     def _resolve(self, fut: asyncio.Future, result: Any = None,
@@ -446,7 +507,36 @@ class ServingCore:
 
     def _run_and_signal(self) -> None:
         try:
-            self._run()
+            try:
+                self._run()
+            except BaseException as e:  # noqa: BLE001 - outside every guard: the core fails
+                self._failure = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                log.critical("the MLX serving thread failed; the serving core is unusable",
+                             exc_info=True)
+            reason = self._failed_message() if self._failure else "the serving core closed"
+            for model_id in list(self._models):
+                self._t_unload(model_id, reason=reason)
+        finally:
+            self._t_exit()
+
+    def _t_exit(self) -> None:
+        """Last thing on the thread: fail every queued call, tell the loop, signal the end."""
+        try:
+            reason = self._failed_message() if self._failure else "the serving core closed"
+            with self._cmd_lock:
+                self._dead = True
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, tuple) and cmd[0] == "call":
+                    self._resolve(cmd[3], error=GenerationAborted(reason))
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._on_thread_exit)
+                except RuntimeError:  # loop closed
+                    pass
         finally:
             self._finished.set()
 
@@ -457,40 +547,28 @@ class ServingCore:
         # and synchronisation all live on the one thread that owns MLX.
         stream = mx.default_stream(mx.default_device())
         self._stream = stream
-        try:
-            with mx.stream(stream):
-                while True:
-                    busy = any(m.has_work() for m in self._models.values())
+        with mx.stream(stream):
+            while True:
+                busy = any(m.has_work() for m in self._models.values())
+                try:
+                    cmd = self._cmds.get(block=not busy)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    if cmd is _STOP:
+                        return
+                    self._t_command(cmd)
                     try:
-                        cmd = self._cmds.get(block=not busy)
+                        cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                    stop = False
-                    while cmd is not None:
-                        if cmd is _STOP:
-                            stop = True
-                            break
-                        self._t_command(cmd)
+                for loaded in list(self._models.values()):
+                    if loaded.has_work():
                         try:
-                            cmd = self._cmds.get_nowait()
-                        except queue.Empty:
-                            cmd = None
-                    if stop:
-                        break
-                    for loaded in list(self._models.values()):
-                        if loaded.has_work():
                             self._t_step(loaded)
-        finally:
-            for model_id in list(self._models):
-                self._t_unload(model_id, reason="the serving core closed")
-            # answer calls that raced with the stop
-            while True:
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, tuple) and cmd[0] == "call":
-                    self._resolve(cmd[3], error=GenerationAborted("the serving core closed"))
+                        except Exception as e:  # noqa: BLE001 - contained to this model
+                            log.exception("generation step of %s failed", loaded.info.model_id)
+                            self._t_reset(loaded, f"generation failed: {type(e).__name__}: {e}")
 
     def _t_command(self, cmd: tuple) -> None:
         if cmd[0] == "call":
@@ -502,11 +580,62 @@ class ServingCore:
             else:
                 self._resolve(fut, result)
         elif cmd[0] == "cancel":
-            self._t_cancel(cmd[1])
+            req = cmd[1]
+            try:
+                self._t_cancel(req)
+            except Exception as e:  # noqa: BLE001 - contained to the request's model
+                log.exception("cancelling a request of %s failed", req.model_id)
+                loaded = self._models.get(req.model_id)
+                if loaded is not None:
+                    self._t_reset(loaded, f"generation failed: {type(e).__name__}: {e}")
+
+    def _t_new_generator(self, model: Any, tokenizer: Any, info: ModelInfo) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+            completion_batch_size=info.max_concurrent_sequences,
+            prefill_batch_size=min(8, info.max_concurrent_sequences),
+            stream=self._stream,
+        )
+
+    def _t_reset(self, loaded: _Loaded, reason: str) -> None:
+        """After an error in ``loaded``'s generator: abort its running sequences with
+        ``reason``, replace the generator and prompt cache (their state is unknown). Waiting
+        requests stay queued. If even that fails, the model is unloaded."""
+        from mlx_lm.models.cache import LRUPromptCache
+
+        events: list[tuple[_Request, Any]] = []
+        for req in loaded.active.values():
+            req.done = True
+            events.append((req, GenerationAborted(reason)))
+        loaded.active.clear()
+        self._send(events)
+        old, loaded.generator = loaded.generator, None
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the failed batch generator of %s", loaded.info.model_id)
+        del old
+        try:
+            loaded.generator = self._t_new_generator(loaded.model, loaded.tokenizer, loaded.info)
+            loaded.prompt_cache = LRUPromptCache(max_size=_PROMPT_CACHE_ENTRIES)
+        except Exception as e:  # noqa: BLE001
+            log.exception("recreating the batch generator of %s failed; unloading it",
+                          loaded.info.model_id)
+            self._t_unload(loaded.info.model_id,
+                           reason=f"{reason}; the model could not recover ({e}) and was unloaded")
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._forget, loaded.info)
+            except RuntimeError:
+                pass
+            return
+        self._t_update_gauges(loaded)
 
     def _t_load(self, info: ModelInfo) -> None:
         import mlx_lm
-        from mlx_lm.generate import BatchGenerator
         from mlx_lm.models.cache import LRUPromptCache
 
         if info.model_id in self._models:
@@ -516,13 +645,7 @@ class ServingCore:
             model, tokenizer = mlx_lm.load(info.path)
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
-        generator = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-            completion_batch_size=info.max_concurrent_sequences,
-            prefill_batch_size=min(8, info.max_concurrent_sequences),
-            stream=self._stream,
-        )
+        generator = self._t_new_generator(model, tokenizer, info)
         self.metrics.model_load_seconds.labels(info.model_id, info.revision).observe(
             time.perf_counter() - t0)
         self._models[info.model_id] = _Loaded(info, model, tokenizer, generator,
@@ -532,6 +655,7 @@ class ServingCore:
         self._peak_active[info.model_id] = 0
 
     def _t_unload(self, model_id: str, reason: str = "the model was unloaded") -> None:
+        """Abort the model's requests with ``reason`` and drop it (never raises)."""
         import mlx.core as mx
 
         loaded = self._models.pop(model_id, None)
@@ -544,18 +668,22 @@ class ServingCore:
         self._send(events)
         loaded.pending.clear()
         loaded.active.clear()
-        try:
-            loaded.generator.close()
-        except Exception:  # noqa: BLE001
-            log.exception("closing the batch generator of %s failed", model_id)
         labels = (model_id, loaded.info.revision)
         self.metrics.batch_occupancy.labels(*labels).set(0)
         self.metrics.queue_depth.labels(*labels).set(0)
         self._active_count.pop(model_id, None)
         self._queued_count.pop(model_id, None)
+        try:
+            if loaded.generator is not None:
+                loaded.generator.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the batch generator of %s failed", model_id)
         del loaded
-        gc.collect()
-        mx.clear_cache()
+        try:
+            gc.collect()
+            mx.clear_cache()
+        except Exception:  # noqa: BLE001 - memory is returned later at worst
+            log.exception("returning the memory of %s failed", model_id)
 
     def _t_submit(self, req: _Request) -> tuple[int, int]:
         loaded = self._models.get(req.model_id)
@@ -658,65 +786,70 @@ class ServingCore:
         self._t_update_gauges(loaded)
         if not loaded.active:
             return
-        try:
-            _, responses = loaded.generator.next()
-        except Exception as e:  # noqa: BLE001 - fail the batch, keep the agent alive
-            log.exception("batch step of %s failed", loaded.info.model_id)
-            events = [(r, GenerationAborted(f"generation failed: {e}"))
-                      for r in loaded.active.values()]
-            for r in loaded.active.values():
-                r.done = True
-            uids = list(loaded.active)
-            loaded.active.clear()
-            try:
-                loaded.generator.remove(uids)
-            except Exception:  # noqa: BLE001
-                log.exception("removing failed sequences")
-            self._send(events)
-            self._t_update_gauges(loaded)
-            return
+        # An error from here on propagates to _run, which resets this model (_t_reset).
+        _, responses = loaded.generator.next()
         now = time.perf_counter()
         labels = (loaded.info.model_id, loaded.info.revision)
         events: list[tuple[_Request, Any]] = []
-        finished_text: list[_Request] = []
+        to_remove: list[int] = []                # sequences that ended here but not in mlx-lm
         n_tokens = 0
-        for r in responses:
-            req = loaded.active.get(r.uid)
-            if req is None:
-                continue
-            n_tokens += 1
-            req.n_generated += 1
-            if req.last_token_at is None:
-                self.metrics.ttft.labels(*labels).observe(now - req.submitted)
-            else:
-                self.metrics.inter_token.labels(*labels).observe(now - req.last_token_at)
-            req.last_token_at = now
-            if r.finish_reason == "stop":  # EOS: not part of the text
+        try:
+            for r in responses:
+                req = loaded.active.get(r.uid)
+                if req is None:
+                    continue
+                n_tokens += 1
+                try:
+                    chunk = self._t_token(loaded, req, r, now, labels)
+                except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("processing a token of request %d (%s) failed", req.rid,
+                                  req.model_id)
+                    chunk = GenerationAborted(f"generation failed: {type(e).__name__}: {e}")
+                    req.done = True
+                if req.done:
+                    loaded.active.pop(r.uid, None)
+                    if r.finish_reason is None:
+                        to_remove.append(r.uid)
+                events.append((req, chunk))
+            if to_remove:
+                loaded.generator.remove(to_remove)
+        finally:
+            # what was produced goes out even if the step fails below (then _t_reset aborts the
+            # rest): a request that finished here must not wait for an event that never comes
+            if n_tokens:
+                self.metrics.generated_tokens.labels(*labels).inc(n_tokens)
+            self._t_update_gauges(loaded)
+            self._send(events)
+
+    def _t_token(self, loaded: _Loaded, req: _Request, r: Any, now: float,
+                 labels: tuple[str, str]) -> Chunk:
+        """One generated token of ``req`` → its chunk; marks ``req.done`` at its end."""
+        req.n_generated += 1
+        if req.last_token_at is None:
+            self.metrics.ttft.labels(*labels).observe(now - req.submitted)
+        else:
+            self.metrics.inter_token.labels(*labels).observe(now - req.last_token_at)
+        req.last_token_at = now
+        if r.finish_reason == "stop":  # EOS: not part of the text
+            req.detok.finalize()
+        else:
+            req.detok.add_token(r.token)
+            if r.finish_reason is not None:
                 req.detok.finalize()
-            else:
-                req.detok.add_token(r.token)
-                if r.finish_reason is not None:
-                    req.detok.finalize()
-            text, reason = self._t_apply_stops(req, req.detok.last_segment)
-            if reason is None and r.finish_reason is not None:
-                text += req.held
-                req.held = ""
-                reason = r.finish_reason
-            if reason is not None:
-                req.done = True
-                loaded.active.pop(r.uid, None)
-                if r.finish_reason is None:
-                    finished_text.append(req)
-                elif r.prompt_cache is not None and r.all_tokens:
+        text, reason = self._t_apply_stops(req, req.detok.last_segment)
+        if reason is None and r.finish_reason is not None:
+            text += req.held
+            req.held = ""
+            reason = r.finish_reason
+        if reason is not None:
+            req.done = True
+            if r.finish_reason is not None and r.prompt_cache is not None and r.all_tokens:
+                try:
                     loaded.prompt_cache.insert_cache(req.model_id, list(r.all_tokens),
                                                      r.prompt_cache)
-            events.append((req, Chunk(text, req.n_generated, reason)))
-        if finished_text:
-            loaded.generator.remove([q.uid for q in finished_text])
-        if n_tokens:
-            self.metrics.generated_tokens.labels(*labels).inc(n_tokens)
-        self._t_update_gauges(loaded)
-        self._send(events)
+                except Exception:  # noqa: BLE001 - only a lost cache entry
+                    log.exception("caching the prompt of request %d failed", req.rid)
+        return Chunk(text, req.n_generated, reason)
 
     @staticmethod
     def _t_apply_stops(req: _Request, segment: str) -> tuple[str, str | None]:

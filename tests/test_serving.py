@@ -236,3 +236,117 @@ async def test_several_models_unload_and_replace(tiny_model_path: Path, tmp_path
     assert c.models() == []
     with pytest.raises(ModelLoadError):
         await c.load_model("a", tiny_model_path, revision="r1")
+
+
+# -- failures on the MLX thread ---------------------------------------------------------------
+
+BOUND = 60  # seconds: a request that has not ended by then is hung (the thread died)
+
+
+class _BrokenOnce:
+    """Wraps a tokenizer: the first detokenizer handed out raises on its first token, as for a
+    token id outside the vocabulary; later ones are the real thing."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._armed = True
+
+    def __getattr__(self, name: str):
+        return getattr(self._tok, name)
+
+    @property
+    def detokenizer(self):
+        d = self._tok.detokenizer
+        if self._armed:
+            self._armed = False
+
+            def add_token(token: int) -> None:
+                raise IndexError(f"token id {token} outside the tokenizer's vocabulary")
+            d.add_token = add_token
+        return d
+
+
+async def _two_models(path: Path) -> ServingCore:
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    await c.load_model("a", path, revision="r1", max_concurrent_sequences=4)
+    await c.load_model("b", path, revision="r1", max_concurrent_sequences=4)
+    return c
+
+
+async def test_detokenizer_error_fails_only_that_request(tiny_model_path: Path) -> None:  # noqa: F811
+    c = await _two_models(tiny_model_path)
+    try:
+        ref = await asyncio.wait_for(collect(await c.generate("b", prompt="Hi", max_tokens=6,
+                                                              temperature=0)), BOUND)
+        other = await c.generate("b", prompt="Hi", max_tokens=6, temperature=0)
+        # on the MLX thread, like every other touch of model state
+        await c._call(lambda: setattr(c._models["a"], "tokenizer",
+                                      _BrokenOnce(c._models["a"].tokenizer)))
+        bad = await c.generate("a", prompt="Hello", max_tokens=5, temperature=0)
+        with pytest.raises(GenerationAborted, match="outside the tokenizer's vocabulary"):
+            await asyncio.wait_for(collect(bad), BOUND)
+        assert await asyncio.wait_for(collect(other), BOUND) == ref   # other model unaffected
+        good = await c.generate("a", prompt="Hello", max_tokens=5, temperature=0)
+        assert await asyncio.wait_for(collect(good), BOUND) is not None
+        assert good.finish_reason == "length" and good.completion_tokens == 5
+        assert c.healthy and c.failure is None and c.is_loaded("a")
+        await wait_for(lambda: c.inflight_requests() == 0 and c.active_sequences() == 0)
+    finally:
+        await c.close()
+
+
+async def test_generator_error_resets_that_model_only(tiny_model_path: Path) -> None:  # noqa: F811
+    c = await _two_models(tiny_model_path)
+    try:
+        first = await c.generate("a", prompt="One", max_tokens=LONG, temperature=0)
+        second = await c.generate("a", prompt="Two", max_tokens=LONG, temperature=0)
+        in_b = await c.generate("b", prompt="Three", max_tokens=LONG, temperature=0)
+        for g in (first, second, in_b):
+            await asyncio.wait_for(g.__anext__(), BOUND)
+
+        def broken_remove(uids, return_prompt_caches=False):
+            raise RuntimeError("injected remove failure")
+        await c._call(lambda: setattr(c._models["a"].generator, "remove", broken_remove))
+        first.cancel()                               # -> generator.remove raises on the thread
+        with pytest.raises(GenerationAborted, match="injected remove failure"):
+            await asyncio.wait_for(collect(second), BOUND)
+        await asyncio.wait_for(in_b.__anext__(), BOUND)   # b keeps decoding
+        assert in_b.finish_reason is None
+        in_b.cancel()
+        again = await c.generate("a", prompt="Four", max_tokens=3, temperature=0)
+        await asyncio.wait_for(collect(again), BOUND)  # a fresh generator serves a again
+        assert again.finish_reason == "length"
+        assert c.healthy and c.is_loaded("a") and c.is_loaded("b")
+        await wait_for(lambda: c.inflight_requests() == 0 and c.active_sequences() == 0)
+    finally:
+        await c.close()
+
+
+class _Fatal(BaseException):
+    """Not an Exception: nothing on the MLX thread may swallow it."""
+
+
+async def test_fatal_thread_error_fails_everything_at_once(tiny_model_path: Path) -> None:  # noqa: F811
+    c = await _two_models(tiny_model_path)
+    try:
+        assert c.healthy and c.failure is None
+        running = await c.generate("a", prompt="One", max_tokens=LONG, temperature=0)
+        await asyncio.wait_for(running.__anext__(), BOUND)
+
+        def fatal(loaded) -> None:
+            raise _Fatal("the MLX thread is gone")
+        c._t_step = fatal                            # type: ignore[method-assign]
+        with pytest.raises(GenerationAborted, match="the MLX thread is gone"):
+            await asyncio.wait_for(collect(running), BOUND)
+        assert not c.healthy and "the MLX thread is gone" in (c.failure or "")
+        with pytest.raises(GenerationAborted):
+            await asyncio.wait_for(c.generate("b", prompt="x", max_tokens=1), BOUND)
+        with pytest.raises(ModelLoadError) as exc:
+            await asyncio.wait_for(c.load_model("c", tiny_model_path, revision="r1"), BOUND)
+        assert exc.value.reason == "CoreFailed"
+        await wait_for(lambda: not c.models())
+        assert not c.is_loaded("a") and c.inflight_requests() == 0
+    finally:
+        await asyncio.wait_for(c.close(), BOUND)
+    assert not c.healthy
