@@ -22,8 +22,8 @@ def node(name: str, mem_gib: float = 10, gen: int = 3, health: NodeHealth = Node
                                             chip=f"Apple M{gen}", chip_generation=gen))
 
 
-def asg(name: str, mem_gib: float, ns: str = "default") -> Assignment:
-    return Assignment(namespace=ns, name=name, served_model_name=name,
+def asg(name: str, mem_gib: float, ns: str = "default", served: str | None = None) -> Assignment:
+    return Assignment(namespace=ns, name=name, served_model_name=served or name,
                       source=ModelSource(uri="/m", revision="v1"), memory_bytes=int(mem_gib * GiB))
 
 
@@ -75,7 +75,23 @@ CASES = [
     ("other deployments fill it", req(mem_gib=4), [node("a", 10)], {"a": [asg("x", 5)]}, (), 1,
      "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB, 3.0GiB free)"),
     ("same name other namespace counts", req(mem_gib=4), [node("a", 10)],
-     {"a": [asg("llm", 5, ns="prod")]}, (), 1, "insufficient memory"),
+     {"a": [asg("llm", 5, ns="prod", served="prod-llm")]}, (), 1, "insufficient memory"),
+    # Served model names: one node's OpenAI API serves each `model` id once.
+    ("served name taken on one node", req(served_model_name="llama"), [node("a"), node("b", 64)],
+     {"b": [asg("other", 1, ns="prod", served="llama")]}, ("a",), 0, ""),
+    ("served name taken everywhere", req(served_model_name="llama"), [node("a"), node("b")],
+     {"a": [asg("x", 1, ns="a", served="llama")], "b": [asg("y", 1, ns="b", served="llama")]},
+     (), 1, "0/2 nodes fit: 2 already serve model name 'llama'"),
+    ("served name defaults to the deployment name", req(), [node("a")],
+     {"a": [asg("llm", 1, ns="prod")]}, (), 1, "0/1 nodes fit: 1 already serves model name 'llm'"),
+    ("placed replica moves off a served-name clash", req(served_model_name="llama"),
+     [node("a"), node("b")], {"a": [asg("llm", 2), asg("x", 1, ns="b", served="llama")]},
+     ("b",), 0, ""),
+    ("own served name does not clash", req(served_model_name="llama"), [node("a")],
+     {"a": [asg("llm", 2, served="llama")]}, ("a",), 0, ""),
+    ("mixed reasons with served name", req(served_model_name="llama", mem_gib=4),
+     [node("a"), node("b", 2)], {"a": [asg("x", 1, ns="b", served="llama")]}, (), 1,
+     "0/2 nodes fit: 1 already serves model name 'llama', 1 insufficient memory"),
     ("own assignment does not count against itself", req(mem_gib=8), [node("a", 10)],
      {"a": [asg("llm", 8)]}, ("a",), 0, ""),
     ("grown request moves replica", req(mem_gib=6), [node("a", 10), node("b", 10)],
@@ -169,7 +185,8 @@ node_st = st.builds(node, name=names, mem_gib=st.integers(1, 64), gen=st.integer
 def scenarios(draw):
     nodes = list({n.name: n for n in draw(st.lists(node_st, max_size=8))}.values())
     others = draw(st.dictionaries(names, st.lists(
-        st.builds(asg, name=st.sampled_from(["x", "y", "llm"]), mem_gib=st.integers(1, 16)),
+        st.builds(asg, name=st.sampled_from(["x", "y", "llm"]), mem_gib=st.integers(1, 16),
+                  ns=st.sampled_from(["default", "prod"])),
         max_size=3), max_size=8))
     r = draw(st.builds(req, replicas=st.integers(0, 6), mem_gib=st.integers(1, 32),
                        min_chip_generation=st.integers(3, 5),
@@ -189,10 +206,13 @@ def test_properties(scenario):
         rec = by_name[n]
         assert used_by_others(r, assignments.get(n, ())) + r.memory_bytes <= node_budget_bytes(rec)
         assert rec.health == NodeHealth.HEALTHY and rec.capacity.chip_generation >= r.min_chip_generation
+        assert not any(a.served_model_name == r.model_name and (a.namespace, a.name) != (r.namespace, r.name)
+                       for a in assignments.get(n, ()))
     assert place(r, list(reversed(nodes)), dict(reversed(list(assignments.items())))) == d
     assert (d.message != "") == (d.unplaced > 0)
     # stability: placing again on the result changes nothing
-    again = {k: [a for a in v if a.name != "llm"] for k, v in assignments.items()}
+    again = {k: [a for a in v if (a.namespace, a.name) != ("default", "llm")]
+             for k, v in assignments.items()}
     for n in d.nodes:
         again.setdefault(n, []).append(asg("llm", r.memory_bytes / GiB))
     assert place(r, nodes, again).nodes == d.nodes

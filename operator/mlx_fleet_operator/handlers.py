@@ -362,7 +362,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             memory_bytes=spec.resources.memory_bytes,
             node_selector=spec.placement.node_selector,
             min_chip_generation=spec.placement.min_chip_generation,
-            strategy=spec.placement.strategy)
+            strategy=spec.placement.strategy,
+            served_model_name=spec.model.served_model_name or key[1])
         assignment = to_assignment(spec, namespace=key[0], name=key[1],
                                    uid=meta.get("uid", ""), generation=generation)
         try:

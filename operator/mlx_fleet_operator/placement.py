@@ -9,7 +9,9 @@ same input always gives the same output (ties are broken by node name).
 Rules
 -----
 * A node is *eligible* when it is ``Healthy``, carries every ``nodeSelector`` label, has
-  ``chip_generation >= minChipGeneration`` and its memory budget fits the request. The budget
+  ``chip_generation >= minChipGeneration``, hosts no assignment of *another* deployment with
+  the same served model name (one agent serves each OpenAI ``model`` id once; a second one
+  would fail there with ``ModelNameConflict`` forever) and its memory budget fits. The budget
   is ``memory_total_bytes × WATERMARK`` minus the ``memory_bytes`` of *other* deployments'
   assignments on that node (this deployment's own assignment does not count against itself).
 * Stability: a replica already placed on a node that is still eligible stays there; it is never
@@ -44,6 +46,7 @@ class PlacementRequest:
 
     ``memory_bytes``: unified memory per replica (bytes, > 0). ``node_selector``: labels a node
     must all carry. ``min_chip_generation``: 3 for M3 ... ``strategy``: Spread or Binpack.
+    ``served_model_name``: the OpenAI ``model`` id; empty means ``name`` (as in the spec).
     """
 
     namespace: str
@@ -53,6 +56,12 @@ class PlacementRequest:
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     min_chip_generation: int = MIN_CHIP_GENERATION
     strategy: Strategy = "Spread"
+    served_model_name: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The served model name in effect (``served_model_name`` or ``name``)."""
+        return self.served_model_name or self.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,17 +111,28 @@ def _fmt(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assignment]) -> bool:
+    """True when one node's ``assignments`` include another deployment serving the same model
+    name as ``request``."""
+    return any(a.served_model_name == request.model_name
+               and (a.namespace, a.name) != (request.namespace, request.name)
+               for a in assignments)
+
+
 # Order of the checks, which is also the order of the reasons in the message.
-_UNHEALTHY, _SELECTOR, _CHIP, _MEMORY = range(4)
+_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY = range(5)
 
 
-def _ineligible(request: PlacementRequest, node: NodeRecord, free: int) -> int | None:
+def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
+                assignments: Sequence[Assignment]) -> int | None:
     if node.health != NodeHealth.HEALTHY:
         return _UNHEALTHY
     if any(node.labels.get(k) != v for k, v in request.node_selector.items()):
         return _SELECTOR
     if node.capacity.chip_generation < request.min_chip_generation:
         return _CHIP
+    if serves_name_of_another(request, assignments):
+        return _NAME
     if free < request.memory_bytes:
         return _MEMORY
     return None
@@ -139,8 +159,9 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
 
     free: dict[str, int] = {name: free_bytes(request, n, assignments.get(name, ()))
                             for name, n in by_name.items()}
-    verdict: dict[str, int | None] = {name: _ineligible(request, n, free[name])
-                                      for name, n in by_name.items()}
+    verdict: dict[str, int | None] = {
+        name: _ineligible(request, n, free[name], assignments.get(name, ()))
+        for name, n in by_name.items()}
     eligible = {name for name, v in verdict.items() if v is None}
 
     kept = [n for n in current if n in eligible]
@@ -203,6 +224,9 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
             parts.append(f"{k} not matching node selector {sel}")
         elif kind == _CHIP:
             parts.append(f"{k} below chip generation M{request.min_chip_generation}")
+        elif kind == _NAME:
+            verb = "serves" if k == 1 else "serve"
+            parts.append(f"{k} already {verb} model name {request.model_name!r}")
         elif kind == _MEMORY:
             best = max(free[n] for n in names)
             parts.append(f"{k} insufficient memory (needs {_fmt(request.memory_bytes)}, "
