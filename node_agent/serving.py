@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import gc
 import itertools
 import logging
@@ -303,7 +304,12 @@ class ServingCore:
                          max_context_tokens: int = 4096) -> ModelInfo:
         """Load ``path`` (a local mlx-lm model directory) as ``model_id`` with ``mlx_lm.load``.
 
-        Re-loading the same id, revision and path is a no-op returning the existing info; a
+        Re-loading the same id, revision, path and limits is a no-op returning the existing info.
+        The same id, revision and path with other limits applies the new limits without reloading
+        the weights and returns the updated info (same ``created_unix``): requests admitted from
+        then on get the new ``max_context_tokens``, and at most the new
+        ``max_concurrent_sequences`` sequences run (running ones are never aborted; when the
+        limit shrinks, new sequences start only once the batch has drained below it). A
         different revision or path replaces the model (its running requests are aborted).
         Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
         ``config.json``, ``LoadFailed`` for any error while loading, ``NotStarted``).
@@ -317,7 +323,19 @@ class ServingCore:
         spath = str(Path(path))
         existing = self._infos.get(model_id)
         if existing is not None and existing.revision == revision and existing.path == spath:
-            return existing
+            if (existing.max_concurrent_sequences, existing.max_context_tokens) == (
+                    max_concurrent_sequences, max_context_tokens):
+                return existing
+            info = dataclasses.replace(existing, max_concurrent_sequences=max_concurrent_sequences,
+                                       max_context_tokens=max_context_tokens)
+            try:
+                await self._call(self._t_set_limits, info)
+            except GenerationAborted as e:
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     str(e)) from e
+            if self._infos.get(model_id) is existing:
+                self._infos[model_id] = info
+            return info
         if not (Path(spath) / "config.json").is_file():
             raise ModelLoadError("ModelNotFound", f"no model (config.json) at {spath}")
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
@@ -370,7 +388,8 @@ class ServingCore:
         return sum(self._queued_count.values())
 
     def peak_active_sequences(self, model_id: str) -> int:
-        """The largest batch occupancy seen for ``model_id`` since it was loaded."""
+        """The largest batch occupancy seen for ``model_id`` since it was loaded or its limits
+        last changed."""
         return self._peak_active.get(model_id, 0)
 
     def inflight_requests(self, model_id: str | None = None) -> int:
@@ -653,6 +672,20 @@ class ServingCore:
         self._active_count[info.model_id] = 0
         self._queued_count[info.model_id] = 0
         self._peak_active[info.model_id] = 0
+
+    def _t_set_limits(self, info: ModelInfo) -> None:
+        """Apply ``info``'s limits to the loaded model of the same id (see :meth:`load_model`)."""
+        loaded = self._models.get(info.model_id)
+        if loaded is None:
+            raise ModelNotLoaded(info.model_id)
+        loaded.info = info
+        # BatchGenerator reads these public attributes at every step (as set by its __init__);
+        # the core's own cap in _t_step is what bounds the batch.
+        n = info.max_concurrent_sequences
+        loaded.generator.prefill_batch_size = min(8, n)
+        loaded.generator.completion_batch_size = max(n, loaded.generator.prefill_batch_size)
+        self._peak_active[info.model_id] = len(loaded.active)
+        self._t_update_gauges(loaded)
 
     def _t_unload(self, model_id: str, reason: str = "the model was unloaded") -> None:
         """Abort the model's requests with ``reason`` and drop it (never raises)."""

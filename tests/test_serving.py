@@ -350,3 +350,34 @@ async def test_fatal_thread_error_fails_everything_at_once(tiny_model_path: Path
     finally:
         await asyncio.wait_for(c.close(), BOUND)
     assert not c.healthy
+
+
+async def test_reload_with_new_limits_applies_them(tiny_model_path: Path) -> None:  # noqa: F811
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    try:
+        first = await c.load_model("m", tiny_model_path, revision="r1",
+                                   max_concurrent_sequences=4, max_context_tokens=4096)
+        running = await c.generate("m", prompt="Kept", max_tokens=LONG, temperature=0)
+        await running.__anext__()
+        info = await c.load_model("m", tiny_model_path, revision="r1",
+                                  max_concurrent_sequences=1, max_context_tokens=128)
+        assert (info.max_concurrent_sequences, info.max_context_tokens) == (1, 128)
+        assert c.model_info("m") == info and info.created_unix == first.created_unix
+        # the sequence admitted under the old limits keeps running: nothing was reloaded
+        await running.__anext__()
+        assert running.finish_reason is None
+        with pytest.raises(ContextLengthExceeded) as exc:
+            await c.generate("m", prompt="hello", max_tokens=1000, temperature=0)
+        assert exc.value.max_context_tokens == 128
+        running.cancel()
+        await wait_for(lambda: c.active_sequences("m") == 0)
+        gens = [await c.generate("m", prompt=f"n{i}", max_tokens=3, temperature=0)
+                for i in range(3)]
+        await asyncio.gather(*[collect(g) for g in gens])
+        assert c.peak_active_sequences("m") == 1      # the new batch limit is enforced
+        again = await c.load_model("m", tiny_model_path, revision="r1",
+                                   max_concurrent_sequences=1, max_context_tokens=128)
+        assert again is info                          # same limits: a no-op
+    finally:
+        await c.close()
