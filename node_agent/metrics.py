@@ -19,7 +19,10 @@ class AgentMetrics:
     """The agent's serving metrics, registered on ``registry``.
 
     Labels: ``model`` (model id) and ``revision`` everywhere; the request counter also has
-    ``endpoint`` (URL path) and ``code`` (HTTP status as a string). Times are seconds.
+    ``endpoint`` (URL path, ``unmatched`` for unknown routes) and ``code`` (HTTP status as a
+    string). Label values are bounded: only loaded models' ids and revisions appear; a request
+    for a model that is not loaded (or with no parsable model) counts under
+    ``model="unknown",revision="unknown"``. Times are seconds.
 
     * ``mlxfleet_agent_requests_total`` counter, ``{model,revision,endpoint,code}``
     * ``mlxfleet_agent_time_to_first_token_seconds`` histogram: submit → first generated token

@@ -32,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelNotLoaded,
                       Overloaded, ServingCore)
 
-__all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY"]
+__all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
+           "UNKNOWN_LABEL"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ CORE_KEY = web.AppKey("mlxfleet_core", ServingCore)
 _RequestKey = getattr(web, "RequestKey", None)
 _MODEL: Any = _RequestKey("mlxfleet_model", str) if _RequestKey else "mlxfleet_model"
 _REVISION: Any = _RequestKey("mlxfleet_revision", str) if _RequestKey else "mlxfleet_revision"
+# The model/revision label of requests that name no loaded model (unknown model, malformed body,
+# other routes): a constant, so that clients cannot create metric series at will.
+UNKNOWN_LABEL = "unknown"
 
 StrictInt = Annotated[int, Field(strict=True)]
 
@@ -164,7 +168,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
     ``details`` as JSON. ``GET /metrics`` exposes ``registry`` (pass the core's registry, or one
-    that includes it, to see the serving metrics). Request counts go to ``core.metrics``.
+    that includes it, to see the serving metrics). Request counts go to ``core.metrics``, labelled
+    with the model and revision only when the request names a loaded model, else with
+    :data:`UNKNOWN_LABEL` for both.
     """
     metrics = core.metrics
 
@@ -198,7 +204,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             route = request.match_info.route
             endpoint = (route.resource.canonical if route is not None
                         and route.resource is not None else "unmatched")
-            metrics.requests.labels(request.get(_MODEL, ""), request.get(_REVISION, ""),
+            metrics.requests.labels(request.get(_MODEL, UNKNOWN_LABEL),
+                                    request.get(_REVISION, UNKNOWN_LABEL),
                                     endpoint, str(status)).inc()
 
     app = web.Application(middlewares=[errors])
@@ -230,7 +237,6 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     async def complete(request: web.Request, req: _Sampling, kind: Literal["chat", "text"],
                        max_tokens: int | None, *, messages: list[dict] | None = None,
                        prompt: str | None = None) -> web.StreamResponse:
-        request[_MODEL] = req.model
         if core.failure is not None:
             return _error(503, f"this node cannot serve: {core.failure}", type_="server_error",
                           code="unavailable")
@@ -239,6 +245,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         except ModelNotLoaded:
             return _error(404, f"The model '{req.model}' does not exist or is not loaded on "
                           "this node", param="model", code="model_not_found")
+        # labelled only now that the model is known to be loaded (bounded label values)
+        request[_MODEL] = req.model
         request[_REVISION] = info.revision
         try:
             gen = await core.generate(req.model, prompt=prompt, messages=messages,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving_fixtures import (MODEL_ID, REVISION, Agent, agent, close_agent,  # noqa: F401
@@ -236,6 +238,27 @@ async def test_unknown_model_is_404(client: openai.AsyncOpenAI, agent: Agent) ->
     assert exc.value.code == "model_not_found"
     resp = await agent.client.post(COMPLETIONS, json={"model": "nope", "prompt": "x"})
     assert resp.status == 404 and (await error_of(resp))["param"] == "model"
+
+
+async def test_unknown_models_add_no_metric_series(agent: Agent) -> None:  # noqa: F811
+    def series() -> set[tuple]:
+        text = generate_latest(agent.registry).decode()
+        return {labels for (name, labels) in parse_metrics(text)
+                if name == "mlxfleet_agent_requests_total"}
+
+    for path in (CHAT, COMPLETIONS):
+        await agent.client.post(path, json={"model": "warm-up", "prompt": "x",
+                                            "messages": msgs()})
+    await agent.client.post(CHAT, data=b"{bad json", headers={"Content-Type": "application/json"})
+    before = series()
+    for i in range(40):
+        resp = await agent.client.post(COMPLETIONS if i % 2 else CHAT, json={
+            "model": uuid.uuid4().hex * 4, "prompt": "x", "messages": msgs()})
+        assert resp.status == 404
+    after = series()
+    assert after == before
+    models = {dict(labels)["model"] for labels in after}
+    assert models <= {MODEL_ID, "unknown"} and "" not in models
 
 
 async def test_wrong_method_and_path(agent: Agent) -> None:  # noqa: F811
