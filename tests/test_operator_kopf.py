@@ -245,3 +245,54 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
     with pytest.raises(kopf.TemporaryError):
         await handlers.sync(body, logging.getLogger("test"))
     await asyncio.wait_for(wake.wait(), 10)
+
+
+async def test_supervisor_restarts_a_failing_follower_with_backoff(caplog):
+    """A follower that raises is logged, marked dead while backing off (liveness fails), and
+    restarted with growing delays; cancellation still stops it."""
+    from mlx_fleet_operator.supervise import TaskHealth, dead, supervise
+
+    health = TaskHealth("etcd follower: nodes")
+    runs = 0
+    delays: list[float] = []
+    dead_while_sleeping: list[bool] = []
+    running = asyncio.Event()
+
+    async def follower():
+        nonlocal runs
+        runs += 1
+        if runs <= 3:
+            raise ConnectionError(f"etcd went away #{runs}")
+        running.set()
+        await asyncio.Event().wait()  # healthy: runs until cancelled
+
+    async def fake_sleep(delay: float) -> None:
+        delays.append(delay)
+        dead_while_sleeping.append(bool(dead({health.name: health})))
+
+    task = asyncio.create_task(supervise(health, follower, base=0.5, cap=1.5, sleep=fake_sleep,
+                                         clock=lambda: 0.0))
+    await asyncio.wait_for(running.wait(), TIMEOUT)
+    assert delays == [0.5, 1.0, 1.5] and dead_while_sleeping == [True, True, True]
+    assert health.alive and health.restarts == 3 and "etcd went away #3" in health.last_error
+    assert sum("etcd follower: nodes failed" in r.getMessage() and r.exc_info is not None
+               for r in caplog.records) == 3
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not health.alive
+
+
+async def test_liveness_probe_fails_while_a_follower_is_dead(monkeypatch):
+    import kopf
+
+    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator.supervise import TaskHealth
+
+    rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
+    monkeypatch.setattr(handlers, "RUNTIME", rt)
+    rt.followers = {"a": TaskHealth("a", alive=True), "b": TaskHealth("b", alive=True)}
+    assert await handlers.probe_followers() == {"a": 0, "b": 0}
+    rt.followers["b"] = TaskHealth("b", alive=False, restarts=2, last_error="boom")
+    with pytest.raises(kopf.PermanentError, match="b.*boom"):
+        await handlers.probe_followers()

@@ -5,7 +5,9 @@ this module only moves data between the Kubernetes API, etcd and them.
 
 * ``on.startup``: kopf settings, the etcd store, two etcd followers (``nodes/`` and
   ``reports/``, via :func:`mlx_fleet.store.follow_prefix`) that keep an in-memory view and wake
-  the affected deployments, the Kubernetes client for status patches, the metrics server.
+  the affected deployments — supervised (:mod:`.supervise`: logged, restarted with backoff,
+  liveness fails while one is down) — the Kubernetes client for status patches, the metrics
+  server.
 * ``on.create`` / ``on.update`` / ``on.resume``: :func:`sync` — parse the spec, reconcile
   (placement → one fenced etcd transaction), compute and patch ``status``, post events.
   An invalid spec becomes a permanent error plus a Warning event and ``InvalidSpec``
@@ -44,6 +46,7 @@ from .placement import PlacementRequest
 from .reconcile import DEFAULT_WRITER, ConflictError, reconcile, remove_deployment
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
+from .supervise import TaskHealth, dead, supervise
 
 GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
@@ -90,6 +93,7 @@ class Runtime:
         self.locks: dict[DeploymentKey, asyncio.Lock] = {}
         self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
         self.tasks: list[asyncio.Task] = []
+        self.followers: dict[str, TaskHealth] = {}
         self.nodes_synced = asyncio.Event()
         self.reports_synced = asyncio.Event()
         self.custom_api: Any = None
@@ -199,12 +203,19 @@ class Runtime:
             self.wakeups[key].set()
 
     def start_followers(self) -> None:
-        self.tasks.append(asyncio.create_task(follow_prefix(
-            self.store, self.keys.nodes_prefix, self.on_nodes_snapshot, self.on_nodes_event),
-            name="etcd follower: nodes"))
-        self.tasks.append(asyncio.create_task(follow_prefix(
-            self.store, self.keys.reports_prefix, self.on_reports_snapshot, self.on_reports_event),
-            name="etcd follower: reports"))
+        """Start the two etcd followers, each under :func:`~.supervise.supervise` (logged and
+        restarted with backoff if it fails; :func:`probe_followers` fails meanwhile)."""
+        for name, prefix, on_snapshot, on_event in (
+                ("etcd follower: nodes", self.keys.nodes_prefix, self.on_nodes_snapshot,
+                 self.on_nodes_event),
+                ("etcd follower: reports", self.keys.reports_prefix, self.on_reports_snapshot,
+                 self.on_reports_event)):
+            health = self.followers[name] = TaskHealth(name)
+
+            def run(prefix=prefix, on_snapshot=on_snapshot, on_event=on_event):
+                return follow_prefix(self.store, prefix, on_snapshot, on_event)
+
+            self.tasks.append(asyncio.create_task(supervise(health, run), name=name))
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -292,6 +303,17 @@ async def cleanup(logger: logging.Logger, **_: Any) -> None:
 async def probe_nodes(**_: Any) -> int:
     """Liveness probe payload: the number of node records seen in etcd."""
     return len(runtime().nodes)
+
+
+@kopf.on.probe(id="etcd_followers")
+async def probe_followers(**_: Any) -> dict[str, int]:
+    """Liveness: follower → restarts so far. Raises (the liveness endpoint then answers 500)
+    while a follower is dead and backing off; a permanent error so kopf does not retry it."""
+    down = dead(runtime().followers)
+    if down:
+        raise kopf.PermanentError("etcd follower(s) down: " + "; ".join(
+            f"{h.name} ({h.last_error}, {h.restarts} restarts)" for h in down))
+    return {name: h.restarts for name, h in runtime().followers.items()}
 
 
 # ---------------------------------------------------------------------------------------------
