@@ -310,7 +310,9 @@ class ServingCore:
         then on get the new ``max_context_tokens``, and at most the new
         ``max_concurrent_sequences`` sequences run (running ones are never aborted; when the
         limit shrinks, new sequences start only once the batch has drained below it). A
-        different revision or path replaces the model (its running requests are aborted).
+        different revision or path replaces the model: the old one is aborted (its running
+        requests fail with :class:`GenerationAborted`) and unloaded *before* the new one loads,
+        so if that load fails the id is no longer loaded at all.
         Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
         ``config.json``, ``LoadFailed`` for any error while loading, ``NotStarted``).
         """
@@ -342,8 +344,16 @@ class ServingCore:
                          max_context_tokens)
         try:
             await self._call(self._t_load, info)
-        except GenerationAborted as e:  # the thread failed or the core closed meanwhile
-            raise ModelLoadError("CoreFailed" if self._failure else "NotStarted", str(e)) from e
+        except BaseException as e:
+            # _t_load drops the previous model before loading (so that both never need memory
+            # at once): after a failure nothing of this id is loaded any more
+            if existing is not None and self._infos.get(model_id) is existing:
+                del self._infos[model_id]
+                self.metrics.model_loaded.labels(model_id, existing.revision).set(0)
+            if isinstance(e, GenerationAborted):  # the thread failed or the core closed
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     str(e)) from e
+            raise
         if existing is not None and existing.revision != revision:
             self.metrics.model_loaded.labels(model_id, existing.revision).set(0)
         self._infos[model_id] = info

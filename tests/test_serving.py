@@ -381,3 +381,30 @@ async def test_reload_with_new_limits_applies_them(tiny_model_path: Path) -> Non
         assert again is info                          # same limits: a no-op
     finally:
         await c.close()
+
+
+async def test_failed_replacement_leaves_no_stale_model(tiny_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
+    registry = CollectorRegistry()
+    c = ServingCore(registry=registry)
+    await c.start()
+    try:
+        await c.load_model("m", tiny_model_path, revision="r1")
+        await c.load_model("keep", tiny_model_path, revision="r1")
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        with pytest.raises(ModelLoadError) as exc:
+            await c.load_model("m", broken, revision="r2")
+        assert exc.value.reason == "LoadFailed"
+        # the old revision was dropped to make room; nothing may still claim it is served
+        assert not c.is_loaded("m") and [m.model_id for m in c.models()] == ["keep"]
+        for rev in ("r1", "r2"):
+            assert registry.get_sample_value("mlxfleet_agent_model_loaded",
+                                             {"model": "m", "revision": rev}) in (None, 0)
+        with pytest.raises(ModelNotLoaded):
+            await c.generate("m", prompt="x", max_tokens=1)
+        await collect(await c.generate("keep", prompt="x", max_tokens=2))
+        await c.load_model("m", tiny_model_path, revision="r3")  # and it can be loaded again
+        assert c.is_loaded("m")
+    finally:
+        await c.close()
