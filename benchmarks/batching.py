@@ -20,6 +20,7 @@ import asyncio
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,8 +49,15 @@ def machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "python": platform.python_version(),
-            "mlx_device": str(mx.default_device())}
+    accelerator = "none"
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        accelerator = gpus.replace("\n", ", ") or accelerator
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "accelerator": accelerator,
+            "python": platform.python_version(), "mlx_device": str(mx.default_device())}
 
 
 async def one_request(http: aiohttp.ClientSession, prompt: str, max_tokens: int) -> tuple[int, float]:
