@@ -76,7 +76,7 @@ CASES = [
 def test_compute_status(inp, ready, want_conds, states):
     status, _ = compute_status(inp, None, T0)
     assert status["observedGeneration"] == inp.generation
-    assert status["replicas"] == inp.replicas and status["readyReplicas"] == ready
+    assert status["replicas"] == len(inp.assignments) and status["readyReplicas"] == ready
     got = conds(status)
     for k, v in want_conds.items():
         assert got[k] == v, k
@@ -198,3 +198,35 @@ def test_changed_model_rewrites_every_assignment():
                                              memory_bytes=1), new)
     assert p.desired == {"a": new} and [op.key for op in p.ops] == [key]
     assert not rc.same_for_node(asg(1), new) and rc.same_for_node(asg(1), asg(7))
+
+
+def _crd_condition_required() -> list[str]:
+    import pathlib
+
+    import yaml
+
+    crd = yaml.safe_load((pathlib.Path(__file__).parents[1] / "crds"
+                          / "mlx-fleet.io_modeldeployments.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    return status["properties"]["conditions"]["items"]["required"]
+
+
+def test_conditions_carry_every_field_the_crd_requires():
+    """Like metav1.Condition: type, status, lastTransitionTime, reason, message — always."""
+    required = _crd_condition_required()
+    assert set(required) >= {"type", "status", "lastTransitionTime", "reason", "message"}
+    inputs = [c[1] for c in CASES] + [StatusInput(generation=1, replicas=1, unplaced=1,
+                                                  placement_message="")]
+    for inp in inputs:
+        status, _ = compute_status(inp, None, T0)
+        for c in status["conditions"]:
+            assert all(isinstance(c.get(k), str) for k in required), c
+            assert c["reason"] and len(c["message"]) <= 32768
+
+
+def test_replicas_is_observed_not_desired():
+    """status.replicas counts placed replicas (assignments); spec.replicas stays the desired."""
+    status, _ = compute_status(StatusInput(generation=1, replicas=3, assignments={"a": asg()},
+                                           unplaced=2, placement_message="1/1 nodes fit"), None, T0)
+    assert status["replicas"] == 1 and status["readyReplicas"] == 0
+    assert "0/3 replicas ready" in {c["type"]: c for c in status["conditions"]}["Ready"]["message"]

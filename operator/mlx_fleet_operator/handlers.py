@@ -342,13 +342,13 @@ def _post(body: Mapping[str, Any], events: list[Event]) -> None:
 
 
 async def _publish(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
-                   status: dict[str, Any], events: list[Event]) -> None:
+                   status: dict[str, Any], events: list[Event], desired: int) -> None:
     previous = rt.last_status.get(key) or body.get("status") or {}
     if status_changed(previous, status):
         await _patch_status(rt, key[0], key[1], status)
         rt.last_status[key] = status
     _post(body, events)
-    metrics.set_replicas(key[0], key[1], status["replicas"], status["readyReplicas"])
+    metrics.set_replicas(key[0], key[1], desired, status["readyReplicas"])
 
 
 async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
@@ -373,10 +373,10 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         except SpecError as e:
             metrics.RECONCILE_TOTAL.labels(result="invalid").inc()
             replicas = spec_dict.get("replicas")
+            replicas = replicas if isinstance(replicas, int) else 0
             status, events = compute_status(StatusInput(
-                generation=generation, replicas=replicas if isinstance(replicas, int) else 0,
-                spec_error=str(e)), previous)
-            await _publish(rt, body, key, status, events)
+                generation=generation, replicas=replicas, spec_error=str(e)), previous)
+            await _publish(rt, body, key, status, events, replicas)
             raise kopf.PermanentError(str(e)) from None
 
         request = PlacementRequest(
@@ -406,7 +406,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             generation=generation, replicas=spec.replicas, assignments=result.assignments,
             reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
             placement_message=result.decision.message), previous)
-        await _publish(rt, body, key, status, events)
+        await _publish(rt, body, key, status, events, spec.replicas)
         metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
 

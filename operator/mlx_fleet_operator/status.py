@@ -4,9 +4,12 @@
 the placement decision, the assignments it wrote, the agents' reports and node records, and the
 previous status) into the new ``status`` dict (docs/modeldeployment-api.md) and the list of events
 that mark transitions since the previous status. Conditions follow the Kubernetes API
-conventions: ``type``, ``status`` ("True"/"False"/"Unknown"), CamelCase ``reason``, ``message``,
-``lastTransitionTime`` (kept unchanged while ``status`` does not change) and
-``observedGeneration``.
+conventions (metav1.Condition): ``type``, ``status`` ("True"/"False"/"Unknown"), CamelCase
+``reason``, ``message``, ``lastTransitionTime`` (kept unchanged while ``status`` does not change)
+— all five always set, the CRD requires them — and ``observedGeneration``.
+
+``status.replicas`` is *observed*: the replicas placed on a Mac (assignments that exist), in
+any state; the desired count stays ``spec.replicas``.
 
 Conditions
 ----------
@@ -86,6 +89,10 @@ def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
 
 def _condition(ctype: str, status: str, reason: str, message: str, generation: int,
                previous: Mapping[str, Mapping[str, Any]], now: str) -> dict[str, Any]:
+    """One condition with every field metav1.Condition (and the CRD) requires: ``type``,
+    ``status``, ``lastTransitionTime``, a non-empty ``reason`` and a ``message`` (a string,
+    at most 32768 characters)."""
+    message = (message or "")[:32768]
     prev = previous.get(ctype)
     changed = prev is None or prev.get("status") != status
     return {"type": ctype, "status": status, "reason": reason, "message": message,
@@ -177,7 +184,7 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
 
     status: dict[str, Any] = {
         "observedGeneration": gen,
-        "replicas": desired,
+        "replicas": len(entries),  # observed: placed replicas (spec.replicas is the desired)
         "readyReplicas": n_ready,
         "nodes": entries,
         "endpoints": sorted({e["endpoint"] for e in ready if e["endpoint"]}),
