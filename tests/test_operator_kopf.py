@@ -306,3 +306,26 @@ async def test_liveness_probe_fails_while_a_follower_is_dead(monkeypatch):
     rt.followers["b"] = TaskHealth("b", alive=False, restarts=2, last_error="boom")
     with pytest.raises(kopf.PermanentError, match="b.*boom"):
         await handlers.probe_followers()
+
+
+async def test_orphan_gc_uses_the_live_index_and_watched_namespaces(store, keys, monkeypatch):
+    """collect_orphans deletes assignments of objects missing from kopf's index, only in
+    watched namespaces, and does nothing before the index is known."""
+    from mlx_fleet.contract import Assignment, ModelSource
+    from mlx_fleet_operator import handlers
+
+    def a(ns: str, name: str, uid: str) -> bytes:
+        return Assignment(namespace=ns, name=name, uid=uid, served_model_name=name,
+                          source=ModelSource(uri="/m", revision="v1"), memory_bytes=GiB).to_json()
+
+    await store.put(keys.assignment("mac-a", "watched", "live"), a("watched", "live", "u1"))
+    await store.put(keys.assignment("mac-a", "watched", "gone"), a("watched", "gone", "u2"))
+    await store.put(keys.assignment("mac-a", "elsewhere", "x"), a("elsewhere", "x", "u3"))
+    cfg = handlers.OperatorConfig(namespaces=("watch*",))
+    rt = handlers.Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope)
+    assert await handlers.collect_orphans(rt) == []  # index not populated yet: hands off
+    rt.live_index = {("watched", "live"): ["u1"]}
+    assert await handlers.collect_orphans(rt) == [keys.assignment("mac-a", "watched", "gone")]
+    left = sorted(kv.key for kv in (await store.list(keys.assignments_prefix)).items)
+    assert left == sorted([keys.assignment("mac-a", "elsewhere", "x"),
+                           keys.assignment("mac-a", "watched", "live")])

@@ -261,3 +261,50 @@ def test_backoff_delays_grow_jittered_and_capped():
         delays = [rc.backoff_delay(attempt, rng) for _ in range(50)]
         assert all(0 <= d <= cap for d in delays) and len(set(delays)) > 1  # jittered
     assert rc.BACKOFF_BASE_SECONDS == 0.02 and rc.BACKOFF_MAX_SECONDS == 0.5
+
+
+def _stored(keys, node_, ns, name, uid="u1"):
+    from mlx_fleet.store import KV
+
+    a = assignment(name).model_copy(update={"namespace": ns, "uid": uid})
+    key = keys.assignment(node_, ns, name)
+    return rc.StoredAssignment(key, KV(key, a.to_json(), 5), a)
+
+
+ORPHAN_CASES = [
+    # id, stored (node, ns, name, uid), live {(ns, name): uids}, watched namespaces, orphans
+    ("live object kept", [("a", "ns", "llm", "u1")], {("ns", "llm"): {"u1"}}, None, []),
+    ("object gone", [("a", "ns", "llm", "u1")], {}, None, [("a", "ns", "llm")]),
+    ("re-created object (new uid)", [("a", "ns", "llm", "u1")], {("ns", "llm"): {"u2"}}, None,
+     [("a", "ns", "llm")]),
+    ("legacy assignment without uid kept", [("a", "ns", "llm", "")], {("ns", "llm"): {"u2"}},
+     None, []),
+    ("unwatched namespace never touched", [("a", "other", "llm", "u1")], {}, {"ns"}, []),
+    ("every replica of a gone object", [("a", "ns", "x", "u"), ("b", "ns", "x", "u"),
+                                        ("b", "ns", "llm", "u1")], {("ns", "llm"): {"u1"}},
+     {"ns"}, [("a", "ns", "x"), ("b", "ns", "x")]),
+]
+
+
+@pytest.mark.parametrize("stored_, live, watched, want", [c[1:] for c in ORPHAN_CASES],
+                         ids=[c[0] for c in ORPHAN_CASES])
+def test_find_orphans(stored_, live, watched, want):
+    keys = Keys("/t")
+    view = rc.FleetView(nodes={}, assignments={}, epoch=None, revision=5)
+    for n, ns, name, uid in stored_:
+        view.assignments.setdefault(n, []).append(_stored(keys, n, ns, name, uid))
+    got = rc.find_orphans(view, keys, live, lambda ns: watched is None or ns in watched)
+    assert [keys.parse_assignment(s.key) for s in got] == want
+
+
+async def test_collect_garbage_deletes_orphans_fenced(store, keys):
+    await put_nodes(store, keys, node("a"), node("b"))
+    await rc.reconcile(store, keys, request("keep"), assignment("keep"))
+    await rc.reconcile(store, keys, request("gone", replicas=2), assignment("gone"))
+    live = {("ns", "keep"): {""}}
+    deleted = await rc.collect_garbage(store, keys, live, lambda ns: True)
+    assert sorted(keys.parse_assignment(k)[2] for k in deleted) == ["gone", "gone"]
+    assert [a.name for a in (await stored(store, keys)).values()] == ["keep"]
+    before = await revision(store)
+    assert await rc.collect_garbage(store, keys, live, lambda ns: True) == []
+    assert await revision(store) == before

@@ -29,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fnmatch
 import logging
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -43,7 +44,8 @@ from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_
 
 from . import metrics
 from .placement import PlacementRequest
-from .reconcile import DEFAULT_WRITER, ConflictError, reconcile, remove_deployment
+from .reconcile import (DEFAULT_WRITER, ConflictError, collect_garbage, reconcile,
+                        remove_deployment)
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
 from .supervise import TaskHealth, dead, supervise
@@ -52,6 +54,8 @@ GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
 #: Seconds between unconditional re-syncs of a deployment (a safety net under the watches).
 RESYNC_SECONDS = 30.0
+#: Seconds between garbage collections of orphaned assignments (see :func:`collect_orphans`).
+GC_SECONDS = 60.0
 #: After a reconcile gave up on etcd conflicts, its daemon is woken again after a delay
 #: uniform in [0.5, 1.5] × this (jittered, so the losers do not collide again in lockstep).
 CONFLICT_RETRY_SECONDS = 1.0
@@ -69,6 +73,12 @@ class OperatorConfig:
     etcd_prefix: str = ROOT
     metrics_port: int = 8080  # 0 = do not serve metrics
     writer: str = DEFAULT_WRITER
+    namespaces: tuple[str, ...] = ()  # watched namespaces (globs); empty = cluster-wide
+
+    def in_scope(self, namespace: str) -> bool:
+        """Whether this operator watches ``namespace`` (garbage collection stays inside)."""
+        return not self.namespaces or any(fnmatch.fnmatchcase(namespace, p)
+                                          for p in self.namespaces)
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -83,8 +93,11 @@ CONFIG: OperatorConfig | None = None
 class Runtime:
     """The operator's in-memory state: etcd store, followed views, wake-ups, locks."""
 
-    def __init__(self, store: EtcdStore, keys: Keys, writer: str) -> None:
+    def __init__(self, store: EtcdStore, keys: Keys, writer: str,
+                 in_scope: Callable[[str], bool] = lambda ns: True) -> None:
         self.store = store
+        self.in_scope = in_scope
+        self.live_index: Mapping[Any, Any] | None = None  # kopf index, once populated
         self.keys = keys
         self.writer = writer
         self.nodes: dict[str, NodeRecord] = {}
@@ -217,6 +230,21 @@ class Runtime:
 
             self.tasks.append(asyncio.create_task(supervise(health, run), name=name))
 
+    # -- garbage collection ----------------------------------------------------------------
+    def start_gc(self, index: Mapping[Any, Any]) -> None:
+        """Start the orphan collector (once), given kopf's populated ModelDeployment index."""
+        if self.live_index is not None:
+            return
+        self.live_index = index
+        health = self.followers["assignment gc"] = TaskHealth("assignment gc")
+        self.tasks.append(asyncio.create_task(supervise(health, self._gc_loop),
+                                              name="assignment gc"))
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await collect_orphans(self)
+            await asyncio.sleep(GC_SECONDS)
+
     async def close(self) -> None:
         for t in self.tasks:
             t.cancel()
@@ -227,6 +255,21 @@ class Runtime:
 
 
 RUNTIME: Runtime | None = None
+
+
+async def collect_orphans(rt: Runtime) -> list[str]:
+    """Delete assignments whose ModelDeployment is gone (finalizer removed by hand, operator
+    down during a delete ...), in watched namespaces only, judged against kopf's index of the
+    live objects (populated from the initial listing before any handler runs). The object is
+    gone, so there is nothing to post an event on: the deletion is only logged."""
+    if rt.live_index is None:
+        return []
+    live = {key: set(uids) for key, uids in rt.live_index.items()}
+    try:
+        return await collect_garbage(rt.store, rt.keys, live, rt.in_scope, writer=rt.writer)
+    except StoreError as e:
+        log.warning("garbage collection skipped: etcd: %s", e)
+        return []
 
 
 def runtime() -> Runtime:
@@ -273,7 +316,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
 
     store = EtcdStore(cfg.etcd_endpoint)
     await store.connect()
-    rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer)
+    rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope)
     rt.custom_api = await asyncio.to_thread(_kubernetes_api)
     rt.start_followers()
     try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
@@ -414,11 +457,19 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
 
 
+@kopf.index(**_RESOURCE)
+async def deployments_index(namespace: str, name: str, uid: str, **_: Any) -> dict:
+    """(namespace, name) → uid of every live ModelDeployment (for garbage collection)."""
+    return {(namespace, name): uid}
+
+
 @kopf.on.resume(**_RESOURCE)
 @kopf.on.create(**_RESOURCE)
 @kopf.on.update(**_RESOURCE)
 async def reconcile_handler(body: kopf.Body, logger: logging.Logger, namespace: str, name: str,
-                            **_: Any) -> None:
+                            deployments_index: kopf.Index, **_: Any) -> None:
+    # kopf calls handlers only once its indices are populated: the GC may start now.
+    runtime().start_gc(deployments_index)
     try:
         await sync(body, logger)
     except kopf.PermanentError as e:

@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
                                               etcd_prefix=args.etcd_prefix,
-                                              metrics_port=args.metrics_port)
+                                              metrics_port=args.metrics_port,
+                                              namespaces=tuple(args.namespace))
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)

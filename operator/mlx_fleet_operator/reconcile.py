@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import random
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from pydantic import ValidationError
 
@@ -266,3 +266,50 @@ async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str,
 def assignments_of(view: FleetView, namespace: str, name: str) -> Mapping[str, Assignment]:
     """node → this deployment's parseable stored assignment."""
     return {n: s.assignment for n, s in view.of(namespace, name).items() if s.assignment}
+
+
+def find_orphans(view: FleetView, keys: Keys, live: Mapping[tuple[str, str], Collection[str]],
+                 in_scope: Callable[[str], bool]) -> list[StoredAssignment]:
+    """Stored assignments whose ModelDeployment no longer exists. Pure.
+
+    ``live``: (namespace, name) → the uids of the ModelDeployments that exist (complete: the
+    caller's initial listing must be done). ``in_scope(namespace)``: whether this operator
+    watches that namespace — assignments elsewhere are never touched. An assignment is an
+    orphan when no live object has its (namespace, name), or when it records a uid and no
+    live object of that name has it (the object was deleted and re-created). Malformed values
+    count by their key's (namespace, name)."""
+    out = []
+    for node in sorted(view.assignments):
+        for s in view.assignments[node]:
+            parsed = keys.parse_assignment(s.key)
+            if parsed is None or not in_scope(parsed[1]):
+                continue
+            uids = live.get((parsed[1], parsed[2]))
+            uid = s.assignment.uid if s.assignment is not None else ""
+            if not uids or (uid and uid not in uids):
+                out.append(s)
+    return out
+
+
+async def collect_garbage(store: Store, keys: Keys, live: Mapping[tuple[str, str], Collection[str]],
+                          in_scope: Callable[[str], bool], *,
+                          writer: str = DEFAULT_WRITER) -> list[str]:
+    """Delete the :func:`find_orphans` assignments in one fenced transaction (epoch and every
+    deleted key compared, epoch bumped). Returns the deleted keys; ``[]`` when there were none
+    or the transaction lost a race (the next round retries)."""
+    view = await read_fleet(store, keys)
+    orphans = find_orphans(view, keys, live, in_scope)
+    if not orphans:
+        return []
+    compares = [Compare(keys.placement_epoch, "mod", "==",
+                        view.epoch.mod_revision if view.epoch else 0)]
+    compares += [Compare(s.key, "mod", "==", s.kv.mod_revision) for s in orphans]
+    p = Plan(decision=PlacementDecision(nodes=()), ops=tuple(Delete(s.key) for s in orphans),
+             compares=tuple(compares), epoch=view.epoch, desired={})
+    if not await apply_plan(store, keys, p, writer=writer):
+        log.info("garbage collection lost a race; retrying next round")
+        return []
+    deleted = [s.key for s in orphans]
+    log.info("removed %d orphaned assignment(s) (their ModelDeployment is gone): %s",
+             len(deleted), deleted)
+    return deleted
