@@ -11,6 +11,11 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 4
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
 mid-request or the serving core has failed (``ServingCore.failure``).
 
+``seed`` is honoured best-effort: a seeded request samples from its own seed-derived random keys
+(not MLX's global random state, so other requests in the batch are unaffected); the same seed,
+prompt and parameters repeat the same tokens unless batching with other sequences changes the
+logits in their last bits.
+
 Run the app with ``handler_cancellation=True`` (as ``aiohttp.test_utils.TestServer`` does) so a
 client disconnect cancels the handler; the handler additionally notices a closed transport
 between tokens. Either way the generation leaves the batch.

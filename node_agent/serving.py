@@ -8,7 +8,10 @@ Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per
 a request admitted while others decode is inserted into the running generator and joins the
 batch at its next step. Prompt prefixes are reused through mlx-lm's
 :class:`mlx_lm.models.cache.LRUPromptCache` (one per model). Sampling per request is mlx-lm's
-``make_sampler`` (temperature, top_p).
+``make_sampler`` (temperature, top_p); samplers are shared between requests with equal
+parameters (an LRU of the last 64), because mlx-lm samples a batch in one call only when all its
+sequences hold the same sampler object. Seeded requests get their own sampler (see
+:meth:`ServingCore.generate`).
 
 Admission: at most ``max_concurrent_sequences`` sequences of a model are inside its
 BatchGenerator; further requests wait in the core (FIFO). When the waiting requests of all models
@@ -52,6 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PROMPT_CACHE_ENTRIES = 16
+_SAMPLER_CACHE_ENTRIES = 64
 _STOP = object()
 
 
@@ -256,6 +260,8 @@ class ServingCore:
         self._active_count: dict[str, int] = {}
         self._queued_count: dict[str, int] = {}
         self._peak_active: dict[str, int] = {}
+        self._samplers: collections.OrderedDict[tuple[float, float], Any] = (
+            collections.OrderedDict())
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -422,6 +428,14 @@ class ServingCore:
         the rest of the context). ``temperature`` 0 is greedy; ``top_p`` in (0, 1] (1 = off).
         ``stop``: up to 4 strings; generation ends before the first occurrence in the decoded
         text (finish_reason ``"stop"``), as it does on the tokenizer's EOS.
+
+        ``seed`` (any int; ignored when ``temperature`` is 0): the request samples from its own
+        random keys derived from ``seed`` and the token position, never from MLX's global random
+        state, so it neither perturbs nor is perturbed by other requests' sampling. The same
+        seed, prompt and parameters give the same tokens as long as the model's logits are
+        bit-identical; they can differ in the last bits when the request shares the batch with
+        different other sequences, so reproducibility is best-effort (as with OpenAI's ``seed``).
+        A seeded request is sampled on its own rather than in the batch's shared sampler call.
 
         Raises :class:`ModelNotLoaded`, :class:`Overloaded`, :class:`ContextLengthExceeded`,
         :class:`InvalidPrompt`, ``ValueError`` for bad arguments, :class:`GenerationAborted`
@@ -788,9 +802,25 @@ class ServingCore:
         self.metrics.batch_occupancy.labels(*labels).set(n_active)
         self.metrics.queue_depth.labels(*labels).set(n_queued)
 
-    def _t_insert(self, loaded: _Loaded, req: _Request) -> None:
+    def _t_sampler(self, temperature: float, top_p: float, seed: int | None) -> Any:
+        """The sampler for these parameters: shared per (temperature, top_p) when unseeded."""
         from mlx_lm.sample_utils import make_sampler
 
+        top_p = top_p if 0.0 < top_p < 1.0 else 1.0
+        if temperature > 0 and seed is not None:
+            return _seeded_sampler(temperature, top_p, seed)
+        key = (temperature, top_p) if temperature > 0 else (0.0, 1.0)  # greedy ignores top_p
+        sampler = self._samplers.get(key)
+        if sampler is None:
+            sampler = make_sampler(key[0], top_p=key[1] if key[1] < 1.0 else 0.0)
+            self._samplers[key] = sampler
+            if len(self._samplers) > _SAMPLER_CACHE_ENTRIES:
+                self._samplers.popitem(last=False)
+        else:
+            self._samplers.move_to_end(key)
+        return sampler
+
+    def _t_insert(self, loaded: _Loaded, req: _Request) -> None:
         prompt = req.tokens
         cache, cached = None, 0
         if len(prompt) >= 2:
@@ -799,9 +829,7 @@ class ServingCore:
             cached = len(prompt) - 1 - len(rest)
             if cache is None or cached <= 0:
                 cache, cached = None, 0
-        sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0)
-        if req.seed is not None and req.temperature > 0:
-            sampler = _seeded(sampler, req.seed)
+        sampler = self._t_sampler(req.temperature, req.top_p, req.seed)
         (uid,) = loaded.generator.insert(
             [prompt[cached:]],
             max_tokens=[req.max_tokens],
@@ -951,15 +979,20 @@ def _worker_thread(job: Callable[[], None]) -> threading.Thread | None:
     return None
 
 
-def _seeded(sampler: Callable[[Any], Any], seed: int) -> Callable[[Any], Any]:
-    """Wrap ``sampler`` so that its n-th call draws from ``seed``-derived random state."""
+def _seeded_sampler(temperature: float, top_p: float, seed: int) -> Callable[[Any], Any]:
+    """A sampler like ``make_sampler(temperature, top_p)`` whose n-th call draws with the random
+    key ``key(hash(seed, n))`` instead of MLX's global random state. Takes log-probabilities of
+    shape ``(rows, vocab)``, returns token ids of shape ``(rows,)``."""
     import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_p
 
     step = itertools.count()
+    inv_temp = 1.0 / temperature
 
     def sample(logprobs: Any) -> Any:
-        mx.random.seed((seed * 1_000_003 + next(step)) % (2**32))
-        return sampler(logprobs)
+        key = mx.random.key((seed * 1_000_003 + next(step)) % (2**63))
+        if top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * inv_temp, key=key)
 
     return sample
-

@@ -276,7 +276,8 @@ async def test_saturated_agent_answers_429(tiny_model_path: Path) -> None:  # no
     a = await make_agent(tiny_model_path, max_queued_requests=0, max_concurrent_sequences=1)
     try:
         running = await a.client.post(COMPLETIONS, json={
-            "model": MODEL_ID, "prompt": "Hello", "max_tokens": LONG, "stream": True})
+            "model": MODEL_ID, "prompt": "Hello", "max_tokens": LONG, "stream": True,
+            "temperature": 0})  # greedy: sampling could draw EOS and end it early
         try:
             await running.content.readuntil(b"\n\n")
             resp = await a.client.post(CHAT, json={"model": MODEL_ID, "messages": msgs(),

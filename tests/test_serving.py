@@ -408,3 +408,34 @@ async def test_failed_replacement_leaves_no_stale_model(tiny_model_path: Path, t
         assert c.is_loaded("m")
     finally:
         await c.close()
+
+
+async def test_unseeded_requests_share_one_sampler(core: ServingCore, monkeypatch) -> None:
+    import mlx_lm.sample_utils as su
+
+    made: list[tuple] = []
+    real = su.make_sampler
+
+    def counting(*args, **kwargs):
+        made.append((args, kwargs))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(su, "make_sampler", counting)
+    gens = [await core.generate("m", prompt=f"Shared {i}", max_tokens=3, temperature=0.55,
+                                top_p=0.85) for i in range(3)]
+    await asyncio.gather(*[collect(g) for g in gens])
+    # one sampler object for equal (temperature, top_p): mlx-lm samples such a batch in one call
+    assert len(made) <= 1
+
+
+async def test_seed_does_not_touch_the_global_rng(core: ServingCore) -> None:
+    import mlx.core as mx
+
+    def reseed_and_draw() -> float:
+        mx.random.seed(7)
+        return mx.random.uniform().item()
+    expected = await core._call(reseed_and_draw)
+    await core._call(mx.random.seed, 7)
+    # a seeded request alone in the batch: nothing else draws from the global RNG meanwhile
+    await collect(await core.generate("m", prompt="Seeded", max_tokens=4, temperature=1.0,
+                                      seed=99))
+    assert await core._call(lambda: mx.random.uniform().item()) == expected
