@@ -7,7 +7,10 @@ Routes:
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
-``code`` ``context_length_exceeded``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
+``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; options this
+server does not implement, with ``code`` ``unsupported_parameter``: ``n`` > 1, non-empty
+``tools``/``functions``, ``tool_choice``/``function_call`` other than ``"none"``,
+``response_format`` other than ``{"type": "text"}``, ``logprobs``/``top_logprobs``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
 mid-request or the serving core has failed (``ServingCore.failure``).
 
@@ -18,7 +21,8 @@ logits in their last bits.
 
 Run the app with ``handler_cancellation=True`` (as ``aiohttp.test_utils.TestServer`` does) so a
 client disconnect cancels the handler; the handler additionally notices a closed transport
-between tokens. Either way the generation leaves the batch.
+between tokens. Either way the generation leaves the batch, and the request is counted with code
+``499`` and logged as one INFO line (no traceback).
 """
 
 from __future__ import annotations
@@ -93,8 +97,17 @@ class _Sampling(_Base):
     stream: Annotated[bool, Field(strict=True)] = False
     stream_options: StreamOptions | None = None
     seed: StrictInt | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: Annotated[StrictInt, Field(ge=1)] = 1
     user: str | None = None
+    # Accepted only in their "off" spelling (see _unsupported): rejecting them is more honest
+    # than silently ignoring what the client asked for.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -141,6 +154,29 @@ def _validation_error(e: ValidationError) -> web.Response:
         msg = "the request body must be a JSON object"
     return _error(400, f"{param + ': ' if param else ''}{msg}", param=param,
                   code="invalid_value")
+
+
+def _unsupported(req: _Sampling) -> web.Response | None:
+    """400 for options this server cannot honour, naming the first such parameter."""
+    if req.stream_options is not None and not req.stream:
+        return _error(400, "stream_options: only allowed when stream is true",
+                      param="stream_options", code="invalid_value")
+    off = {
+        "n": req.n == 1,
+        "tools": not req.tools,
+        "tool_choice": req.tool_choice in (None, "none"),
+        "functions": not req.functions,
+        "function_call": req.function_call in (None, "none"),
+        "response_format": req.response_format in (None, {"type": "text"}),
+        "logprobs": req.logprobs in (None, False, 0),
+        "top_logprobs": req.top_logprobs in (None, 0),
+    }
+    for param, ok in off.items():
+        if not ok:
+            what = "n > 1" if param == "n" else param
+            return _error(400, f"{param}: {what} is not supported by this server",
+                          param=param, code="unsupported_parameter")
+    return None
 
 
 def _is_type_tag(part: object) -> bool:
@@ -198,7 +234,12 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                     413: "request_too_large"}.get(e.status)
             return _error(e.status, e.reason or "error", type_=type_, code=code,
                           headers=headers)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except ConnectionResetError:
+            # the client hung up before the response: not a server error, so no traceback
+            status = 499
+            log.info("client disconnected during %s %s", request.method, request.path)
+            return web.Response(status=499)  # aiohttp drops it: the transport is closing
+        except asyncio.CancelledError:
             status = 499
             raise
         except Exception:  # noqa: BLE001 - never let a request take the server down
@@ -219,9 +260,10 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     async def parse(request: web.Request, cls: type[_Sampling]) -> _Sampling | web.Response:
         body = await request.read()
         try:
-            return cls.model_validate_json(body)
+            req = cls.model_validate_json(body)
         except ValidationError as e:
             return _validation_error(e)
+        return _unsupported(req) or req
 
     async def chat(request: web.Request) -> web.StreamResponse:
         req = await parse(request, ChatCompletionRequest)

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node_agent.openai_api import build_app
 from serving_fixtures import (MODEL_ID, REVISION, Agent, agent, close_agent,  # noqa: F401
                               make_agent, tiny_model_path, wait_for)
 
@@ -216,6 +220,68 @@ async def test_invalid_field_is_400_naming_it(agent: Agent, body: dict, param: s
     assert resp.status == 400
     err = await error_of(resp)
     assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (COMPLETIONS, {"stream": False, "stream_options": {"include_usage": False}},
+     "stream_options"),
+    (CHAT, {"n": 2}, "n"),
+    (COMPLETIONS, {"n": 3}, "n"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"logprobs": 2}, "logprobs"),
+])
+async def test_unsupported_options_are_400_naming_them(agent: Agent, path: str, body: dict,  # noqa: F811
+                                                       param: str) -> None:
+    base = {"model": MODEL_ID, "max_tokens": 1, "messages": msgs(), "prompt": "x"}
+    resp = await agent.client.post(path, json={**base, **body})
+    assert resp.status == 400
+    err = await error_of(resp)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert param in err["message"]
+    if param != "stream_options":
+        assert "not supported" in err["message"]
+
+
+async def test_supported_spellings_of_those_options_pass(agent: Agent) -> None:  # noqa: F811
+    resp = await agent.client.post(CHAT, json={
+        "model": MODEL_ID, "messages": msgs(), "max_tokens": 1, "n": 1, "tools": [],
+        "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    await resp.read()
+
+
+async def test_non_streaming_hangup_logs_no_error(agent: Agent, caplog) -> None:  # noqa: F811
+    # Without handler cancellation, the handler notices the closed transport between tokens.
+    app = build_app(agent.core, health=lambda: (True, {}), registry=agent.registry)
+    runner = web.AppRunner(app, handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    labels = {"model": MODEL_ID, "revision": REVISION, "endpoint": CHAT, "code": "499"}
+    before = agent.registry.get_sample_value("mlxfleet_agent_requests_total", labels) or 0
+    try:
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(session.post(
+                f"http://127.0.0.1:{port}{CHAT}",
+                json={"model": MODEL_ID, "messages": msgs(), "max_tokens": LONG,
+                      "temperature": 0}))
+            await wait_for(lambda: agent.core.active_sequences(MODEL_ID) == 1)
+            task.cancel()                              # the client hangs up
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        # counted when the handler ends; aiohttp would log its traceback in the same step
+        await wait_for(lambda: (agent.registry.get_sample_value(
+            "mlxfleet_agent_requests_total", labels) or 0) == before + 1)
+        await wait_for(lambda: agent.core.inflight_requests() == 0)
+    finally:
+        await runner.cleanup()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_unknown_fields_are_ignored(agent: Agent) -> None:  # noqa: F811
