@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
-from .registration import Registration
+from .registration import Registration, Supervised
 from .serving import ModelLoadError, ServingCore
 from .sources import SourceError, resolve_source
 
@@ -114,27 +114,31 @@ class Controller:
         self._failed: dict[str, tuple[_Spec, str, str]] = {}  # key → (spec, reason, message)
         self._reported: set[str] = set()            # assignment keys with a report written
         self._changed = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        # Both run under supervision: a bug (e.g. in a watch callback) is logged and the task
+        # restarts after a back-off; a restarted follower re-lists, so nothing is missed.
+        self._tasks = [
+            Supervised("controller:follow", lambda: follow_prefix(
+                self._store, self.prefix, self._on_snapshot, self._on_event)),
+            Supervised("controller:converge", self._worker),
+        ]
         #: Number of snapshots (initial list + re-lists after compaction) applied.
         self.snapshots = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Start following assignments and the converge worker (returns at once)."""
-        self._tasks = [
-            asyncio.create_task(follow_prefix(self._store, self.prefix, self._on_snapshot,
-                                              self._on_event), name="controller:follow"),
-            asyncio.create_task(self._worker(), name="controller:converge"),
-        ]
+        for t in self._tasks:
+            t.start()
 
     async def stop(self) -> None:
         """Stop following and converging. Loaded models stay loaded (the core owns them)."""
         for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
+            await t.stop()
+
+    @property
+    def tasks(self) -> list[Supervised]:
+        """The supervised background tasks (follower and converge worker), for ``/health``."""
+        return list(self._tasks)
 
     def states(self) -> dict[str, dict]:
         """Per-assignment state for ``/health``: ``{"ns/name": {model, revision, state,
@@ -205,17 +209,13 @@ class Controller:
 
     # -- converging --------------------------------------------------------------------------
     async def _worker(self) -> None:
+        """Converge whenever the desired state changes. A pass that raises is a bug: it ends
+        this run, and the supervisor restarts it (with a back-off), which converges again."""
+        self._changed.set()  # (re)started: a pass may have been cut short
         while True:
             await self._changed.wait()
             self._changed.clear()
-            try:
-                await self._converge()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug: log, and try again a little later
-                log.exception("converging assignments of %s failed; retrying", self.node_name)
-                await asyncio.sleep(2.0)
-                self._changed.set()
+            await self._converge()
 
     def _report_key(self, key: str) -> str:
         parsed = self._keys.parse_assignment(key)

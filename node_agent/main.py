@@ -176,16 +176,39 @@ class Agent:
         self._site: web.TCPSite | None = None
 
     def health(self) -> tuple[bool, dict]:
-        """``(healthy, details)`` for ``GET /health``: healthy while the lease is alive and
-        etcd reachable; details list the registration and every assignment's state."""
-        reg = self.registration
-        ok = reg is not None and reg.healthy
+        """``(healthy, details)`` for ``GET /health``.
+
+        Healthy when the lease is alive and etcd answered within the last TTL, the serving core
+        is healthy, and no supervised background task (heartbeat, assignment follower, converge
+        worker) is waiting to restart after a failure. ``details["reasons"]`` says what is
+        wrong; the details also list the registration, the tasks, every assignment's state and
+        the loaded models."""
+        reg, ctl, core = self.registration, self.controller, self.core
+        reasons: list[str] = []
+        if reg is None:
+            reasons.append("not registered in etcd yet")
+        elif not reg.healthy:
+            st = reg.status()
+            reasons.append("etcd unreachable" if not st["etcd_reachable"] else
+                           "lease not alive" if not st["lease_alive"] else
+                           "no answer from etcd within the lease TTL")
+        # TODO: plain core.healthy / core.failure once ServingCore has them (being added).
+        if not getattr(core, "healthy", True):
+            reasons.append("serving core failed: "
+                           f"{getattr(core, 'failure', None) or 'unknown failure'}")
+        tasks = [*(reg.tasks if reg is not None else []), *(ctl.tasks if ctl is not None else [])]
+        for t in tasks:
+            if t.backing_off:
+                reasons.append(f"task {t.name} failed ({t.last_error}); restarting")
+        ok = not reasons
         return ok, {
             "status": "ok" if ok else "unhealthy",
+            "reasons": reasons,
             "node": self.config.node_name,
             "registration": reg.status() if reg is not None else None,
-            "assignments": self.controller.states() if self.controller is not None else {},
-            "models": [{"id": m.model_id, "revision": m.revision} for m in self.core.models()],
+            "tasks": [t.status() for t in tasks],
+            "assignments": ctl.states() if ctl is not None else {},
+            "models": [{"id": m.model_id, "revision": m.revision} for m in core.models()],
         }
 
     async def start(self) -> None:

@@ -20,6 +20,10 @@ lease and re-puts the node record and every current report in one transaction, s
 partitioned or stalled agent comes back by itself. :meth:`stop` revokes the lease, so the record
 and reports vanish at once rather than after the TTL.
 
+The heartbeat runs under :class:`Supervised` (defined here, and used by the controller for its
+tasks too): a bug that escapes it is logged with its traceback and the task restarts after a
+capped back-off instead of ending silently; while it waits, the agent's ``/health`` says 503.
+
 Only asyncio is used; the store's calls are coroutines and nothing blocks the loop.
 """
 
@@ -29,7 +33,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from mlx_fleet.contract import AssignmentReport, Keys, NodeCapacity, NodeHealth, NodeRecord
 from mlx_fleet.store import Put, Store, StoreError
@@ -38,13 +43,93 @@ from .capacity import materially_different
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Registration", "DEFAULT_LEASE_TTL"]
+__all__ = ["Registration", "Supervised", "DEFAULT_LEASE_TTL"]
 
 #: Default lease TTL in seconds: a dead Mac disappears from placement within ~15 s.
 DEFAULT_LEASE_TTL = 15
 
 #: etcd's default ``--max-txn-ops``; re-registration splits its puts into chunks of this size.
 _MAX_TXN_OPS = 128
+
+
+#: First restart delay of a failed :class:`Supervised` task (seconds); doubles per failure.
+SUPERVISOR_INITIAL_BACKOFF = 0.5
+#: Cap of that delay: a task that keeps failing is retried at least this often.
+SUPERVISOR_MAX_BACKOFF = 30.0
+
+
+class Supervised:
+    """A long-running background coroutine that is restarted when it fails.
+
+    ``factory`` makes a fresh coroutine for every run. When a run raises (anything but
+    cancellation), the exception is logged with its traceback, the supervisor waits a back-off
+    (``initial_backoff`` doubling to ``max_backoff``; it starts over after a run that lasted
+    longer than ``max_backoff``, i.e. a run that had worked) and starts a new run. While it
+    waits, :attr:`backing_off` is True and :attr:`last_error` says why (the agent's ``/health``
+    answers 503 meanwhile). A run that returns normally ends supervision.
+    """
+
+    def __init__(self, name: str, factory: Callable[[], Coroutine[Any, Any, None]], *,
+                 initial_backoff: float | None = None,
+                 max_backoff: float | None = None) -> None:
+        self.name = name
+        self._factory = factory
+        self._initial = SUPERVISOR_INITIAL_BACKOFF if initial_backoff is None else initial_backoff
+        self._max = SUPERVISOR_MAX_BACKOFF if max_backoff is None else max_backoff
+        self._initial = min(self._initial, self._max)
+        self._task: asyncio.Task | None = None
+        self._backing_off = False
+        #: Number of restarts after a failure.
+        self.restarts = 0
+        #: ``"ExceptionType: message"`` of the latest failure, or None.
+        self.last_error: str | None = None
+
+    @property
+    def backing_off(self) -> bool:
+        """True while waiting to restart after a failure."""
+        return self._backing_off
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._supervise(), name=self.name)
+
+    async def stop(self) -> None:
+        """Cancel the current run (or back-off) and wait for it to end."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._backing_off = False
+
+    def status(self) -> dict:
+        """A JSON-able summary for ``/health``."""
+        return {"name": self.name, "restarts": self.restarts, "backing_off": self._backing_off,
+                "last_error": self.last_error}
+
+    async def _supervise(self) -> None:
+        delay = self._initial
+        while True:
+            started = time.monotonic()
+            try:
+                await self._factory()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.last_error = f"{type(e).__name__}: {e}"[:500]
+                if time.monotonic() - started > self._max:
+                    delay = self._initial
+                log.exception("background task %s failed; restarting in %.1fs", self.name, delay)
+            else:
+                return
+            self._backing_off = True
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self._backing_off = False
+            delay = min(delay * 2, self._max)
+            self.restarts += 1
+            log.info("restarting background task %s (restart %d)", self.name, self.restarts)
 
 
 def _same_report(a: AssignmentReport | None, b: AssignmentReport) -> bool:
@@ -99,7 +184,11 @@ class Registration:
         self._lease_alive = False
         self._lock = asyncio.Lock()                 # serializes every lease-bound write
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        # A bug in a beat restarts the loop soon: within one keep-alive interval.
+        self._heartbeat_task = Supervised(f"registration:{node_name}", self._heartbeat,
+                                          initial_backoff=min(SUPERVISOR_INITIAL_BACKOFF,
+                                                              ttl / 3),
+                                          max_backoff=ttl / 3)
         self._stopping = False
         #: Incremented whenever a new lease is granted (tests and logs use it).
         self.registrations = 0
@@ -128,6 +217,11 @@ class Registration:
                 "health": self._health.value}
 
     @property
+    def tasks(self) -> list[Supervised]:
+        """The supervised background tasks (the heartbeat), for ``/health``."""
+        return [self._heartbeat_task]
+
+    @property
     def interval(self) -> float:
         """Keep-alive period in seconds: ``ttl / 3`` (etcd's recommendation, see module doc)."""
         return self.ttl / 3
@@ -139,17 +233,13 @@ class Registration:
         Raises :class:`StoreError` if etcd can't be reached for the first registration."""
         self._capacity = await self._capacity_fn()
         await self._register()
-        self._task = asyncio.create_task(self._heartbeat(), name=f"registration:{self.node_name}")
+        self._heartbeat_task.start()
 
     async def stop(self, *, revoke: bool = True) -> None:
         """Stop heart-beating; with ``revoke`` (default) revoke the lease so the node record and
         every report disappear at once. Never raises for etcd trouble (logs it)."""
         self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._heartbeat_task.stop()
         if revoke and self._lease_id is not None:
             try:
                 async with self._lock:
@@ -311,6 +401,8 @@ class Registration:
             await self._flush_reports()
 
     async def _heartbeat(self) -> None:
+        """Beat until :meth:`stop`. etcd trouble is handled here; anything else is a bug and
+        ends the run, which :class:`Supervised` logs and restarts."""
         while not self._stopping:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
@@ -321,7 +413,3 @@ class Registration:
                 self._etcd_ok = False
                 log.warning("registration of node %s: %s; retrying in %.1fs", self.node_name, e,
                             self.interval)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug must not end the node's presence silently
-                log.exception("registration heartbeat of node %s failed", self.node_name)

@@ -16,6 +16,7 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, K
 from mlx_fleet.store import EtcdStore, StoreError, WatchEvent
 from node_agent.controller import Controller
 from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
+from node_agent import registration as registration_module
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
@@ -311,6 +312,43 @@ async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core
     assert [m.model_id for m in core.models()] == ["b"]
 
 
+async def test_callback_bug_restarts_the_follower_which_converges(
+        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        test_model_dir: Path) -> None:
+    ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
+                     advertise_url=ADVERTISED)
+    listed = asyncio.Event()
+    real_snapshot, real_event = ctl._on_snapshot, ctl._on_event
+    bugs = 0
+
+    async def on_snapshot(snap):
+        await real_snapshot(snap)
+        listed.set()
+
+    async def on_event(ev):  # a bug in the watch callback, once
+        nonlocal bugs
+        if bugs == 0:
+            bugs += 1
+            raise RuntimeError("injected callback bug")
+        await real_event(ev)
+
+    ctl._on_snapshot, ctl._on_event = on_snapshot, on_event  # type: ignore[method-assign]
+    await ctl.start()
+    try:
+        await asyncio.wait_for(listed.wait(), TIMEOUT)
+        await put(store, keys, assignment("x", test_model_dir))  # arrives as a watch event
+        r = await wait_report(store, keys.report(NODE, "default", "x"), settled)
+        assert r is not None and r.state == AssignmentState.READY
+        follow = ctl.tasks[0]
+        assert bugs == 1 and follow.restarts == 1
+        assert follow.last_error == "RuntimeError: injected callback bug"
+        assert ctl.snapshots == 2  # the restarted follower re-listed
+    finally:
+        await ctl.stop()
+        for m in core.models():
+            await core.unload_model(m.model_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent process (main.py wiring)
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +374,10 @@ def test_cli_parses_every_flag() -> None:
 
 
 async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
-                                test_model_dir: Path) -> None:
+                                test_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a supervised task that fails stays in its restart back-off for the rest of the test
+    monkeypatch.setattr(registration_module, "SUPERVISOR_INITIAL_BACKOFF", 3600.0)
+    monkeypatch.setattr(registration_module, "SUPERVISOR_MAX_BACKOFF", 3600.0)
     agent = Agent(AgentConfig(node_name="e2e", etcd_endpoint=etcd_server.client_url,
                               etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
                               lease_ttl=5, simulated_memory_bytes=64 * 2**30))
@@ -364,6 +405,36 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                 assert resp.status == 200, await resp.text()
                 out = await resp.json()
                 assert out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "assistant"
+
+            # the serving core fails: /health says so
+            with monkeypatch.context() as m:
+                m.setattr(ServingCore, "healthy", property(lambda self: False), raising=False)
+                m.setattr(ServingCore, "failure", property(lambda self: "MLX thread died"),
+                          raising=False)
+                async with http.get(f"{agent.url}/health") as resp:
+                    body = await resp.json()
+                    assert resp.status == 503, body
+                    assert body["reasons"] == ["serving core failed: MLX thread died"]
+            async with http.get(f"{agent.url}/health") as resp:
+                assert resp.status == 200, await resp.text()
+
+            # a bug in the converge worker: the task restarts after a back-off; until then 503
+            crashed = asyncio.Event()
+
+            async def converge_bug() -> None:
+                crashed.set()
+                raise RuntimeError("injected converge bug")
+
+            monkeypatch.setattr(agent.controller, "_converge", converge_bug)
+            await store.put(keys.assignment("e2e", "default", "chat"),
+                            a.model_copy(update={"generation": 2}).to_json())
+            await asyncio.wait_for(crashed.wait(), TIMEOUT)
+            async with http.get(f"{agent.url}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 503, body
+                assert body["reasons"] == ["task controller:converge failed "
+                                           "(RuntimeError: injected converge bug); restarting"]
+                assert body["assignments"]["default/chat"]["state"] == "Ready"
     finally:
         await agent.stop()
     # graceful stop revoked the lease: record and report are gone at once

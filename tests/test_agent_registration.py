@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from mlx_fleet.contract import (AssignmentReport, AssignmentState, Keys, NodeCapacity, NodeHealth,
                                 NodeRecord)
 from mlx_fleet.store import EtcdStore, WatchEvent
-from node_agent.registration import Registration
+from node_agent.registration import Registration, Supervised
 
 GiB = 2**30
 
@@ -143,3 +144,31 @@ async def test_delete_report_and_revoke_on_stop(store: EtcdStore, keys: Keys,
 def test_ttl_must_be_positive(keys: Keys) -> None:
     with pytest.raises(ValueError, match="TTL"):
         Registration(None, keys, node_name="x", address="", capacity=Capacity(), ttl=0)  # type: ignore[arg-type]
+
+
+async def test_supervised_task_logs_a_bug_and_restarts(caplog: pytest.LogCaptureFixture) -> None:
+    runs = 0
+    failed, rerun = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            failed.set()
+            raise RuntimeError("injected bug")
+        rerun.set()
+        await asyncio.Event().wait()  # runs until stopped
+
+    task = Supervised("test:work", work, initial_backoff=0.05, max_backoff=0.1)
+    with caplog.at_level(logging.ERROR, logger="node_agent.registration"):
+        task.start()
+        try:
+            await asyncio.wait_for(failed.wait(), 30)
+            # the failure is visible (for /health) while the restart waits
+            assert task.backing_off and task.last_error == "RuntimeError: injected bug"
+            await asyncio.wait_for(rerun.wait(), 30)
+            assert not task.backing_off and task.restarts == 1 and runs == 2
+        finally:
+            await task.stop()
+    logged = [r for r in caplog.records if "test:work" in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # with its traceback
