@@ -55,6 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PROMPT_CACHE_ENTRIES = 16
+_UNSET = object()
 _SAMPLER_CACHE_ENTRIES = 64
 _STOP = object()
 
@@ -260,6 +261,9 @@ class ServingCore:
         self._active_count: dict[str, int] = {}
         self._queued_count: dict[str, int] = {}
         self._peak_active: dict[str, int] = {}
+        # The wired-memory limit from before the first BatchGenerator raised it (see
+        # _t_new_generator); _UNSET while no generator holds it.
+        self._wired_saved: Any = _UNSET
         self._samplers: collections.OrderedDict[tuple[float, float], Any] = (
             collections.OrderedDict())
 
@@ -635,13 +639,37 @@ class ServingCore:
     def _t_new_generator(self, model: Any, tokenizer: Any, info: ModelInfo) -> Any:
         from mlx_lm.generate import BatchGenerator
 
-        return BatchGenerator(
+        generator = BatchGenerator(
             model,
             stop_tokens=[[t] for t in tokenizer.eos_token_ids],
             completion_batch_size=info.max_concurrent_sequences,
             prefill_batch_size=min(8, info.max_concurrent_sequences),
             stream=self._stream,
         )
+        # mlx-lm (0.32) raises the process-wide wired limit to the recommended size in
+        # BatchGenerator.__init__ and puts back the value *it* saw in close()/__del__. With one
+        # generator per model that is wrong: closing A's generator would drop the limit while B
+        # still runs (and the last one closed may leave it raised). So the core owns it: keep
+        # the value from before the first generator, restore it when the last model goes.
+        saved = getattr(generator, "_old_wired_limit", None)
+        if hasattr(generator, "_old_wired_limit"):
+            generator._old_wired_limit = None
+        if self._wired_saved is _UNSET:
+            self._wired_saved = saved
+        return generator
+
+    def _t_restore_wired_limit(self) -> None:
+        """Once no model is loaded: put back the wired limit from before the first generator."""
+        import mlx.core as mx
+
+        saved, self._wired_saved = self._wired_saved, _UNSET
+        if saved is _UNSET or saved is None:
+            return
+        try:
+            mx.synchronize()
+            mx.set_wired_limit(saved)
+        except Exception:  # noqa: BLE001
+            log.exception("restoring the wired memory limit failed")
 
     def _t_reset(self, loaded: _Loaded, reason: str) -> None:
         """After an error in ``loaded``'s generator: abort its running sequences with
@@ -741,6 +769,8 @@ class ServingCore:
             mx.clear_cache()
         except Exception:  # noqa: BLE001 - memory is returned later at worst
             log.exception("returning the memory of %s failed", model_id)
+        if not self._models:
+            self._t_restore_wired_limit()
 
     def _t_submit(self, req: _Request) -> tuple[int, int]:
         loaded = self._models.get(req.model_id)

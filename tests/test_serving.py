@@ -439,3 +439,39 @@ async def test_seed_does_not_touch_the_global_rng(core: ServingCore) -> None:
     await collect(await core.generate("m", prompt="Seeded", max_tokens=4, temperature=1.0,
                                       seed=99))
     assert await core._call(lambda: mx.random.uniform().item()) == expected
+
+
+async def test_unloading_one_model_keeps_the_wired_limit_of_the_others(
+        tiny_model_path: Path, monkeypatch) -> None:  # noqa: F811
+    # This host reports no recommended working set (no Metal), so emulate one: mlx-lm's
+    # BatchGenerator raises the wired limit to it on creation and restores what it saw in close().
+    import mlx.core as mx
+    import importlib
+
+    mg = importlib.import_module("mlx_lm.generate")  # the module, not mlx_lm.generate()
+
+    state = {"limit": "original"}
+
+    def set_wired_limit(value):
+        old, state["limit"] = state["limit"], value
+        return old
+    monkeypatch.setattr(mg, "maybe_set_recommended_wired_limit",
+                        lambda: set_wired_limit("recommended"))
+    monkeypatch.setattr(mx, "set_wired_limit", set_wired_limit)
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    try:
+        await c.load_model("a", tiny_model_path, revision="r1")
+        await c.load_model("b", tiny_model_path, revision="r1")
+        assert state["limit"] == "recommended"
+        await c.unload_model("a")
+        assert state["limit"] == "recommended"        # b is still loaded
+        await c.load_model("b", tiny_model_path, revision="r2")   # replace: still wired
+        assert state["limit"] == "recommended"
+        await c.unload_model("b")
+        assert state["limit"] == "original"           # nothing loaded: restored
+        await c.load_model("a", tiny_model_path, revision="r1")
+        assert state["limit"] == "recommended"
+    finally:
+        await c.close()
+    assert state["limit"] == "original"
