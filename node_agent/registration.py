@@ -5,7 +5,11 @@
 alive every ``ttl / 3`` seconds. The one-third interval is etcd's own guidance: the etcd client
 (``clientv3``'s ``KeepAlive``) sends a keep-alive every ``TTL/3`` so that two consecutive lost
 requests still leave the lease alive (etcd docs, "Interacting with etcd → Lease keep-alives";
-``clientv3/lease.go``: ``nextKeepAlive = now + TTL/3``).
+``clientv3/lease.go``: ``nextKeepAlive = now + TTL/3``). Two details keep that guarantee: each
+keep-alive is bounded to ``ttl / 3`` (the store's 10 s RPC deadline could otherwise eat the whole
+lease; a keep-alive that times out counts as a failed one), and beats follow a fixed monotonic
+cadence (:func:`next_deadline`: the previous deadline plus ``ttl / 3``, not "sleep after the
+work"), so the period does not drift by the time each beat takes.
 
 Every key the agent writes is written here, under the current lease:
 
@@ -43,7 +47,7 @@ from .capacity import materially_different
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Registration", "Supervised", "DEFAULT_LEASE_TTL"]
+__all__ = ["Registration", "Supervised", "DEFAULT_LEASE_TTL", "next_deadline"]
 
 #: Default lease TTL in seconds: a dead Mac disappears from placement within ~15 s.
 DEFAULT_LEASE_TTL = 15
@@ -130,6 +134,17 @@ class Supervised:
             delay = min(delay * 2, self._max)
             self.restarts += 1
             log.info("restarting background task %s (restart %d)", self.name, self.restarts)
+
+
+def next_deadline(previous: float, period: float, now: float) -> float:
+    """When the next periodic beat is due (monotonic seconds), given the ``previous`` deadline.
+
+    Fixed cadence: ``previous + period``, however long the beat took. When that moment has
+    already passed (a beat overran a whole period, or the loop stalled), the beat is due ``now``
+    and the cadence restarts from there: one late beat, never a burst of catch-up beats.
+    """
+    due = previous + period
+    return due if due > now else now
 
 
 def _same_report(a: AssignmentReport | None, b: AssignmentReport) -> bool:
@@ -377,8 +392,13 @@ class Registration:
             await self._register()
             return
         try:
-            remaining = await self._store.keepalive(self._lease_id)
-        except StoreError as e:
+            # Bounded by the keep-alive period: a late answer is as good as none, and the next
+            # keep-alive must go out on time (see the module doc).
+            remaining = await asyncio.wait_for(self._store.keepalive(self._lease_id),
+                                               timeout=self.interval)
+        except (StoreError, asyncio.TimeoutError) as e:
+            if isinstance(e, asyncio.TimeoutError):
+                e = StoreError(f"no keep-alive answer within {self.interval:.1f}s")
             self._etcd_ok = False
             down_for = time.monotonic() - self._last_ok
             if down_for > self.ttl:
@@ -403,13 +423,24 @@ class Registration:
     async def _heartbeat(self) -> None:
         """Beat until :meth:`stop`. etcd trouble is handled here; anything else is a bug and
         ends the run, which :class:`Supervised` logs and restarts."""
+        deadline = time.monotonic() + self.interval
         while not self._stopping:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+            # Sleep until the next scheduled beat; set_health() wakes it early for a record
+            # write (an extra beat that leaves the cadence alone).
+            scheduled = True
+            wait = deadline - time.monotonic()
+            if wait > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                    scheduled = False
+                except asyncio.TimeoutError:
+                    pass
             self._wake.clear()
             try:
                 await self._beat()
             except StoreError as e:
                 self._etcd_ok = False
-                log.warning("registration of node %s: %s; retrying in %.1fs", self.node_name, e,
-                            self.interval)
+                log.warning("registration of node %s: %s; retrying on the next beat",
+                            self.node_name, e)
+            if scheduled:
+                deadline = next_deadline(deadline, self.interval, time.monotonic())

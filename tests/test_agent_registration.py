@@ -11,7 +11,7 @@ import pytest
 from mlx_fleet.contract import (AssignmentReport, AssignmentState, Keys, NodeCapacity, NodeHealth,
                                 NodeRecord)
 from mlx_fleet.store import EtcdStore, WatchEvent
-from node_agent.registration import Registration, Supervised
+from node_agent.registration import Registration, Supervised, next_deadline
 
 GiB = 2**30
 
@@ -172,3 +172,60 @@ async def test_supervised_task_logs_a_bug_and_restarts(caplog: pytest.LogCapture
             await task.stop()
     logged = [r for r in caplog.records if "test:work" in r.getMessage()]
     assert logged and logged[0].exc_info is not None  # with its traceback
+
+
+@pytest.mark.parametrize("previous, now, due", [
+    (10.0, 10.5, 15.0),   # a quick beat: the next one a period after the previous deadline
+    (10.0, 13.0, 15.0),   # a slow beat doesn't shift the cadence
+    (10.0, 15.0, 15.0),   # due right now
+    (10.0, 17.0, 17.0),   # overran a period: due at once, no burst of catch-up beats
+])
+def test_next_deadline_keeps_a_fixed_cadence(previous: float, now: float, due: float) -> None:
+    assert next_deadline(previous, 5.0, now) == due
+
+
+class UnansweredKeepalive:
+    """The real store, except that the first keep-alive never gets an answer."""
+
+    def __init__(self, inner: EtcdStore) -> None:
+        self._inner = inner
+        self.calls = 0
+        self.second_call = asyncio.Event()
+        self.second_answered = asyncio.Event()
+        self.reachable_at_second_call: bool | None = None
+        self.reg: Registration | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    async def keepalive(self, lease_id: int) -> int:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.Event().wait()  # hangs (until cancelled)
+        if self.calls == 2:
+            assert self.reg is not None
+            self.reachable_at_second_call = self.reg.status()["etcd_reachable"]
+            self.second_call.set()
+        ttl = await self._inner.keepalive(lease_id)
+        if self.calls == 2:
+            self.second_answered.set()
+        return ttl
+
+
+async def test_unanswered_keepalive_times_out_within_the_period(store: EtcdStore,
+                                                                keys: Keys) -> None:
+    flaky = UnansweredKeepalive(store)
+    reg = Registration(flaky, keys, node_name="mac-3", address="http://h:1",  # type: ignore[arg-type]
+                       capacity=Capacity(), ttl=4)
+    flaky.reg = reg
+    try:
+        await reg.start()
+        # The hung keep-alive is abandoned after ttl/3 and counted as a failure; the next one
+        # still goes out, so the lease (three periods long) survives.
+        await asyncio.wait_for(flaky.second_answered.wait(), 30)
+        assert flaky.reachable_at_second_call is False
+        assert reg.healthy and reg.registrations == 1
+        kv = await store.get(keys.node("mac-3"))
+        assert kv is not None and kv.lease == reg.lease_id
+    finally:
+        await reg.stop()
