@@ -20,8 +20,15 @@ written through :class:`~node_agent.registration.Registration`, bound to its lea
 the weight files, an estimate of the memory MLX maps) or ``Failed`` (``reason``/``message`` from
 :class:`~node_agent.serving.ModelLoadError` or :class:`~node_agent.sources.SourceError`). The
 report is deleted when the assignment goes away. A malformed assignment value is logged and
-reported ``Failed``/``InvalidAssignment``; it never stops the controller. A failed load is not
-retried until the assignment's spec changes (retry with back-off arrives with the lifecycle work).
+reported ``Failed``/``InvalidAssignment``; it never stops the controller.
+
+A failed load is retried with a capped exponential back-off (:data:`RETRY_INITIAL_BACKOFF`
+doubling to :data:`RETRY_MAX_BACKOFF`), because the cause is often transient: a model disk not
+mounted yet (``ModelNotFound``), memory still held by another process (``LoadFailed``). While it
+retries the report stays ``Failed`` (no ``Loading`` flicker); its message carries the attempt
+count and the next delay, and a successful retry reports ``Ready``. Failures no retry can fix
+(:data:`PERMANENT_REASONS`: the URI or the assignment itself is wrong) wait for a spec change,
+which is always tried at once.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +53,17 @@ from .sources import SourceError, resolve_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller"]
+__all__ = ["Controller", "RETRY_INITIAL_BACKOFF", "RETRY_MAX_BACKOFF", "PERMANENT_REASONS"]
+
+#: Delay before the first retry of a failed load, in seconds; it doubles with every failure.
+#: Short, so a replica whose disk was a moment late comes up quickly.
+RETRY_INITIAL_BACKOFF = 2.0
+#: Cap of the retry delay (5 minutes): a load that keeps failing (each attempt reads config and
+#: maybe gigabytes of weights) must not hammer the disk or the logs, yet recovers within minutes
+#: of the cause going away, without anyone touching the assignment.
+RETRY_MAX_BACKOFF = 300.0
+#: Failure reasons that only a change of the assignment can fix: not retried.
+PERMANENT_REASONS = frozenset({"InvalidSource", "UnsupportedSource", "InvalidAssignment"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +92,17 @@ class _Invalid:
     message: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """The latest failed load of an assignment's spec."""
+
+    spec: _Spec
+    reason: str
+    message: str           # the report's message (with attempt count and next retry)
+    attempts: int
+    retry_at: float | None  # monotonic time of the next attempt; None: not retried
+
+
 @dataclasses.dataclass
 class _Loaded:
     spec: _Spec
@@ -96,11 +125,15 @@ class Controller:
     ``store``/``keys``: the etcd store and contract layout; ``registration``: writes the reports
     under the node's lease; ``advertise_url``: the ``endpoint`` put into Ready reports;
     ``resolve``: source URI → local path (default :func:`~node_agent.sources.resolve_source`).
+    ``retry_backoff``: ``(initial, maximum)`` delay in seconds between retries of a failed load
+    (default :data:`RETRY_INITIAL_BACKOFF`, :data:`RETRY_MAX_BACKOFF`).
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
                  registration: Registration, advertise_url: str,
-                 resolve: Callable[[str], Path] = resolve_source) -> None:
+                 resolve: Callable[[str], Path] = resolve_source,
+                 retry_backoff: tuple[float, float] = (RETRY_INITIAL_BACKOFF,
+                                                       RETRY_MAX_BACKOFF)) -> None:
         self._store = store
         self._keys = keys
         self.node_name = node_name
@@ -109,9 +142,10 @@ class Controller:
         self._reg = registration
         self.advertise_url = advertise_url
         self._resolve = resolve
+        self._retry_initial, self._retry_max = retry_backoff
         self._desired: dict[str, Assignment | _Invalid] = {}
         self._loaded: dict[str, _Loaded] = {}
-        self._failed: dict[str, tuple[_Spec, str, str]] = {}  # key → (spec, reason, message)
+        self._failed: dict[str, _Failure] = {}
         self._reported: set[str] = set()            # assignment keys with a report written
         self._changed = asyncio.Event()
         # Both run under supervision: a bug (e.g. in a watch callback) is logged and the task
@@ -213,9 +247,22 @@ class Controller:
         this run, and the supervisor restarts it (with a back-off), which converges again."""
         self._changed.set()  # (re)started: a pass may have been cut short
         while True:
-            await self._changed.wait()
+            retry_in = self._next_retry()
+            if retry_in is None:
+                await self._changed.wait()
+            elif retry_in > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=retry_in)
             self._changed.clear()
             await self._converge()
+
+    def _next_retry(self) -> float | None:
+        """Seconds until the earliest retry of a failed load that is still assigned as it
+        failed (≤ 0: due now), or None when none is pending."""
+        times = [f.retry_at for key, f in self._failed.items()
+                 if f.retry_at is not None and isinstance(d := self._desired.get(key), Assignment)
+                 and _Spec.of(d) == f.spec]
+        return min(times) - time.monotonic() if times else None
 
     def _report_key(self, key: str) -> str:
         parsed = self._keys.parse_assignment(key)
@@ -256,6 +303,7 @@ class Controller:
                 return  # the worker runs again at once with the latest desired set
             self._reported.add(key)
             if isinstance(d, _Invalid):
+                self._failed.pop(key, None)
                 await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
                                    name=d.name, generation=d.generation,
                                    reason="InvalidAssignment", message=d.message)
@@ -266,22 +314,26 @@ class Controller:
                 await self._ready(key, d, loaded)  # no-op unless e.g. the generation moved
                 continue
             failed = self._failed.get(key)
-            if failed is not None and failed[0] == spec:
-                # not retried until the spec changes; the report follows the generation
+            if failed is not None and failed.spec != spec:
+                failed = None  # a new spec: load it at once, attempts start over
+            if failed is not None and (failed.retry_at is None
+                                       or time.monotonic() < failed.retry_at):
+                # waiting to retry (or not retried); the report follows the generation
                 await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
                                    name=d.name, generation=d.generation, revision=spec.revision,
-                                   reason=failed[1], message=failed[2])
+                                   reason=failed.reason, message=failed.message)
                 continue
             owner = next((k for k, v in self._loaded.items()
                           if k != key and v.spec.model_id == spec.model_id), None)
             if owner is not None:
+                self._failed.pop(key, None)  # re-evaluated on every pass instead
                 await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
                                    name=d.name, generation=d.generation,
                                    revision=spec.revision, reason="ModelNameConflict",
                                    message=f"model name {spec.model_id!r} is already served "
                                            f"for assignment {owner}")
                 continue
-            await self._load(key, d, spec)
+            await self._load(key, d, spec, retry=failed)
 
     async def _ready(self, key: str, a: Assignment, loaded: _Loaded) -> None:
         await self._report(key, AssignmentState.READY, namespace=a.namespace, name=a.name,
@@ -290,13 +342,20 @@ class Controller:
                            message=f"serving {loaded.spec.model_id} from {loaded.spec.uri}",
                            resident_bytes=loaded.resident_bytes)
 
-    async def _load(self, key: str, a: Assignment, spec: _Spec) -> None:
+    async def _load(self, key: str, a: Assignment, spec: _Spec, *,
+                    retry: _Failure | None = None) -> None:
+        """Load ``spec`` for ``key``; ``retry``: the failure this attempt retries (the report
+        then stays Failed until the load succeeds)."""
         common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
                       revision=spec.revision)
-        await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
-                           message=f"loading {spec.model_id} from {spec.uri}", **common)
-        log.info("loading %s revision %s from %s (assignment %s)", spec.model_id, spec.revision,
-                 spec.uri, key)
+        if retry is None:
+            await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
+                               message=f"loading {spec.model_id} from {spec.uri}", **common)
+            log.info("loading %s revision %s from %s (assignment %s)", spec.model_id,
+                     spec.revision, spec.uri, key)
+        else:
+            log.info("retrying load of %s revision %s from %s (assignment %s, attempt %d)",
+                     spec.model_id, spec.revision, spec.uri, key, retry.attempts + 1)
         try:
             path = await asyncio.to_thread(self._resolve, spec.uri)
             await self._core.load_model(
@@ -320,10 +379,19 @@ class Controller:
         await self._ready(key, a, loaded)
 
     async def _fail(self, key: str, spec: _Spec, reason: str, message: str, common: dict) -> None:
-        log.error("assignment %s failed: %s: %s", key, reason, message)
         previous = self._loaded.pop(key, None)
         if previous is not None or self._core.is_loaded(spec.model_id):
             # what is served must be what is assigned: don't keep an older revision around
             await self._core.unload_model(spec.model_id)
-        self._failed[key] = (spec, reason, message)
-        await self._report(key, AssignmentState.FAILED, reason=reason, message=message, **common)
+        before = self._failed.get(key)
+        attempts = before.attempts + 1 if before is not None and before.spec == spec else 1
+        if reason in PERMANENT_REASONS:
+            retry_at = None
+            shown = message
+        else:
+            delay = min(self._retry_initial * 2 ** (attempts - 1), self._retry_max)
+            retry_at = time.monotonic() + delay
+            shown = f"{message} (attempt {attempts}; retrying in {delay:g}s)"
+        log.error("assignment %s failed: %s: %s", key, reason, shown)
+        self._failed[key] = _Failure(spec, reason, shown, attempts, retry_at)
+        await self._report(key, AssignmentState.FAILED, reason=reason, message=shown, **common)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -279,8 +280,13 @@ async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
     partial = await wait_report(store, keys.report(NODE, "default", "partial"), settled)
     assert partial is not None and partial.generation == 3
     assert core.models() == []
+    # a wrong URI is not retried; a missing model (maybe a disk not mounted yet) is
+    hub = await wait_report(store, keys.report(NODE, "default", "hub"), settled)
+    assert hub is not None and "attempt" not in hub.message
+    missing = await wait_report(store, keys.report(NODE, "default", "missing"), settled)
+    assert missing is not None and "(attempt 1; retrying in 2s)" in missing.message
 
-    # a new generation of a failed assignment with the same spec: not retried, report follows
+    # a new generation of a failed assignment with the same spec: the report follows
     await put(store, keys, assignment("missing", str(tmp_path / "nope"), generation=2))
     r = await wait_report(store, keys.report(NODE, "default", "missing"),
                           lambda r: r is not None and r.generation == 2)
@@ -290,6 +296,42 @@ async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
     await store.delete(keys.assignment(NODE, "default", "garbage"))
     assert await wait_report(store, keys.report(NODE, "default", "garbage"),
                              lambda r: r is None) is None
+
+
+async def test_failed_load_is_retried_until_the_model_appears(
+        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        test_model_dir: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "disk" / "model"  # not there yet: a disk that isn't mounted
+    ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
+                     advertise_url=ADVERTISED, retry_backoff=(0.05, 0.2))
+    rkey = keys.report(NODE, "default", "late")
+    await ctl.start()
+    try:
+        start = (await store.list(keys.root + "/")).revision + 1
+        await put(store, keys, assignment("late", model_dir))
+        seen = await report_events(store, rkey, start,
+                                   lambda r: r is not None and "attempt 2;" in r.message)
+        assert [r.state for r in seen if r] == [AssignmentState.LOADING, AssignmentState.FAILED,
+                                                AssignmentState.FAILED]
+        assert all(r is not None and r.reason == "ModelNotFound" for r in seen[1:])
+
+        # the disk appears (atomically: a rename of a complete copy)
+        shutil.copytree(test_model_dir, tmp_path / "staging")
+        model_dir.parent.mkdir()
+        (tmp_path / "staging").rename(model_dir)
+        more = await report_events(store, rkey, start, settled_ready)
+        assert more[-1] is not None and more[-1].endpoint == ADVERTISED
+        # retries never flicker through Loading: Failed (attempt n) ... → Ready
+        assert [r.state for r in more if r][1:-1] == [AssignmentState.FAILED] * (len(more) - 2)
+        assert core.is_loaded("late")
+    finally:
+        await ctl.stop()
+        for m in core.models():
+            await core.unload_model(m.model_id)
+
+
+def settled_ready(r: AssignmentReport | None) -> bool:
+    return r is not None and r.state == AssignmentState.READY
 
 
 async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core: ServingCore,
