@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -416,7 +417,8 @@ def test_cli_parses_every_flag() -> None:
 
 
 async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
-                                test_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                test_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                caplog: pytest.LogCaptureFixture) -> None:
     # a supervised task that fails stays in its restart back-off for the rest of the test
     monkeypatch.setattr(registration_module, "SUPERVISOR_INITIAL_BACKOFF", 3600.0)
     monkeypatch.setattr(registration_module, "SUPERVISOR_MAX_BACKOFF", 3600.0)
@@ -424,12 +426,17 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                               etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
                               lease_ttl=5, simulated_memory_bytes=64 * 2**30))
     try:
-        await agent.start()
+        with caplog.at_level(logging.WARNING, logger="node_agent"):
+            await agent.start()
+        # a simulated node says so loudly at start, and in its record
+        assert any(r.levelno == logging.WARNING and "capacity is SIMULATED" in r.getMessage()
+                   for r in caplog.records)
         assert agent.url and agent.url.startswith("http://127.0.0.1:")
         kv = await store.get(keys.node("e2e"))
         assert kv is not None
         rec = NodeRecord.from_json(kv.value)
         assert rec.address == agent.url and rec.capacity.simulated and rec.labels == {"rack": "a"}
+        assert rec.capacity.memory_total_bytes == 64 * 2**30
 
         a = assignment("chat", test_model_dir, model="tiny")
         await store.put(keys.assignment("e2e", "default", "chat"), a.to_json())

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from mlx_fleet.contract import NodeCapacity
+import node_agent.capacity as capacity_module
 from node_agent.capacity import (CapacityConfig, CapacityProbe, chip_generation,
                                  materially_different, parse_quantity)
 
@@ -84,3 +85,16 @@ async def test_defaults_are_simulated_off_macos() -> None:
     assert cap.simulated is (sys.platform != "darwin")
     if cap.simulated:
         assert cap.chip == "Apple M3 Max" and cap.chip_generation == 3
+
+
+async def test_flags_force_simulation_on_macos(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_sysctl(name: str) -> str | None:
+        raise AssertionError(f"a simulated node must not read sysctl {name}")
+
+    monkeypatch.setattr(capacity_module.sys, "platform", "darwin")
+    monkeypatch.setattr(capacity_module, "_sysctl", no_sysctl)
+    assert CapacityProbe().simulated is False  # a real Mac by default
+    for config in (CapacityConfig(simulated_chip="Apple M2 Ultra"),
+                   CapacityConfig(simulated_memory_bytes=32 * 2**30)):
+        cap = await CapacityProbe(config).read()
+        assert cap.simulated is True and cap.wired_limit_bytes == 0
