@@ -192,10 +192,9 @@ class Agent:
             reasons.append("etcd unreachable" if not st["etcd_reachable"] else
                            "lease not alive" if not st["lease_alive"] else
                            "no answer from etcd within the lease TTL")
-        # TODO: plain core.healthy / core.failure once ServingCore has them (being added).
-        if not getattr(core, "healthy", True):
-            reasons.append("serving core failed: "
-                           f"{getattr(core, 'failure', None) or 'unknown failure'}")
+        if not core.healthy:
+            reasons.append(f"serving core failed: {core.failure}" if core.failure
+                           else "serving core is not running")
         tasks = [*(reg.tasks if reg is not None else []), *(ctl.tasks if ctl is not None else [])]
         for t in tasks:
             if t.backing_off:

@@ -455,18 +455,6 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                 out = await resp.json()
                 assert out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "assistant"
 
-            # the serving core fails: /health says so
-            with monkeypatch.context() as m:
-                m.setattr(ServingCore, "healthy", property(lambda self: False), raising=False)
-                m.setattr(ServingCore, "failure", property(lambda self: "MLX thread died"),
-                          raising=False)
-                async with http.get(f"{agent.url}/health") as resp:
-                    body = await resp.json()
-                    assert resp.status == 503, body
-                    assert body["reasons"] == ["serving core failed: MLX thread died"]
-            async with http.get(f"{agent.url}/health") as resp:
-                assert resp.status == 200, await resp.text()
-
             # a bug in the converge worker: the task restarts after a back-off; until then 503
             crashed = asyncio.Event()
 
@@ -484,6 +472,13 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                 assert body["reasons"] == ["task controller:converge failed "
                                            "(RuntimeError: injected converge bug); restarting"]
                 assert body["assignments"]["default/chat"]["state"] == "Ready"
+
+            # the serving core stops: /health says so too
+            await agent.core.close()
+            async with http.get(f"{agent.url}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 503, body
+                assert "serving core is not running" in body["reasons"]
     finally:
         await agent.stop()
     # graceful stop revoked the lease: record and report are gone at once
