@@ -47,7 +47,9 @@ from pydantic import ValidationError
 from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
-from .registration import Registration, Supervised
+from mlx_fleet.supervise import Supervised
+
+from .registration import Registration
 from .serving import ModelLoadError, ServingCore
 from .sources import SourceError, resolve_source
 

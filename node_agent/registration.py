@@ -24,8 +24,8 @@ lease and re-puts the node record and every current report in one transaction, s
 partitioned or stalled agent comes back by itself. :meth:`stop` revokes the lease, so the record
 and reports vanish at once rather than after the TTL.
 
-The heartbeat runs under :class:`Supervised` (defined here, and used by the controller for its
-tasks too): a bug that escapes it is logged with its traceback and the task restarts after a
+The heartbeat runs under :class:`mlx_fleet.supervise.Supervised`, as do the controller's
+tasks: a bug that escapes it is logged with its traceback and the task restarts after a
 capped back-off instead of ending silently; while it waits, the agent's ``/health`` says 503.
 
 Only asyncio is used; the store's calls are coroutines and nothing blocks the loop.
@@ -42,98 +42,19 @@ from typing import Any
 
 from mlx_fleet.contract import AssignmentReport, Keys, NodeCapacity, NodeHealth, NodeRecord
 from mlx_fleet.store import Put, Store, StoreError
+from mlx_fleet.supervise import SUPERVISOR_INITIAL_BACKOFF, Supervised
 
 from .capacity import materially_different
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Registration", "Supervised", "DEFAULT_LEASE_TTL", "next_deadline"]
+__all__ = ["Registration", "DEFAULT_LEASE_TTL", "next_deadline"]
 
 #: Default lease TTL in seconds: a dead Mac disappears from placement within ~15 s.
 DEFAULT_LEASE_TTL = 15
 
 #: etcd's default ``--max-txn-ops``; re-registration splits its puts into chunks of this size.
 _MAX_TXN_OPS = 128
-
-
-#: First restart delay of a failed :class:`Supervised` task (seconds); doubles per failure.
-SUPERVISOR_INITIAL_BACKOFF = 0.5
-#: Cap of that delay: a task that keeps failing is retried at least this often.
-SUPERVISOR_MAX_BACKOFF = 30.0
-
-
-class Supervised:
-    """A long-running background coroutine that is restarted when it fails.
-
-    ``factory`` makes a fresh coroutine for every run. When a run raises (anything but
-    cancellation), the exception is logged with its traceback, the supervisor waits a back-off
-    (``initial_backoff`` doubling to ``max_backoff``; it starts over after a run that lasted
-    longer than ``max_backoff``, i.e. a run that had worked) and starts a new run. While it
-    waits, :attr:`backing_off` is True and :attr:`last_error` says why (the agent's ``/health``
-    answers 503 meanwhile). A run that returns normally ends supervision.
-    """
-
-    def __init__(self, name: str, factory: Callable[[], Coroutine[Any, Any, None]], *,
-                 initial_backoff: float | None = None,
-                 max_backoff: float | None = None) -> None:
-        self.name = name
-        self._factory = factory
-        self._initial = SUPERVISOR_INITIAL_BACKOFF if initial_backoff is None else initial_backoff
-        self._max = SUPERVISOR_MAX_BACKOFF if max_backoff is None else max_backoff
-        self._initial = min(self._initial, self._max)
-        self._task: asyncio.Task | None = None
-        self._backing_off = False
-        #: Number of restarts after a failure.
-        self.restarts = 0
-        #: ``"ExceptionType: message"`` of the latest failure, or None.
-        self.last_error: str | None = None
-
-    @property
-    def backing_off(self) -> bool:
-        """True while waiting to restart after a failure."""
-        return self._backing_off
-
-    def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._supervise(), name=self.name)
-
-    async def stop(self) -> None:
-        """Cancel the current run (or back-off) and wait for it to end."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._backing_off = False
-
-    def status(self) -> dict:
-        """A JSON-able summary for ``/health``."""
-        return {"name": self.name, "restarts": self.restarts, "backing_off": self._backing_off,
-                "last_error": self.last_error}
-
-    async def _supervise(self) -> None:
-        delay = self._initial
-        while True:
-            started = time.monotonic()
-            try:
-                await self._factory()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.last_error = f"{type(e).__name__}: {e}"[:500]
-                if time.monotonic() - started > self._max:
-                    delay = self._initial
-                log.exception("background task %s failed; restarting in %.1fs", self.name, delay)
-            else:
-                return
-            self._backing_off = True
-            try:
-                await asyncio.sleep(delay)
-            finally:
-                self._backing_off = False
-            delay = min(delay * 2, self._max)
-            self.restarts += 1
-            log.info("restarting background task %s (restart %d)", self.name, self.restarts)
 
 
 def next_deadline(previous: float, period: float, now: float) -> float:

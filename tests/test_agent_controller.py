@@ -15,10 +15,10 @@ import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
                                 NodeCapacity, NodeRecord)
+from mlx_fleet import supervise as supervise_module
 from mlx_fleet.store import EtcdStore, StoreError, WatchEvent
 from node_agent.controller import Controller
 from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
-from node_agent import registration as registration_module
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
@@ -420,8 +420,8 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                                 test_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                 caplog: pytest.LogCaptureFixture) -> None:
     # a supervised task that fails stays in its restart back-off for the rest of the test
-    monkeypatch.setattr(registration_module, "SUPERVISOR_INITIAL_BACKOFF", 3600.0)
-    monkeypatch.setattr(registration_module, "SUPERVISOR_MAX_BACKOFF", 3600.0)
+    monkeypatch.setattr(supervise_module, "SUPERVISOR_INITIAL_BACKOFF", 3600.0)
+    monkeypatch.setattr(supervise_module, "SUPERVISOR_MAX_BACKOFF", 3600.0)
     agent = Agent(AgentConfig(node_name="e2e", etcd_endpoint=etcd_server.client_url,
                               etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
                               lease_ttl=5, simulated_memory_bytes=64 * 2**30))

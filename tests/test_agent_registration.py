@@ -11,7 +11,8 @@ import pytest
 from mlx_fleet.contract import (AssignmentReport, AssignmentState, Keys, NodeCapacity, NodeHealth,
                                 NodeRecord)
 from mlx_fleet.store import EtcdStore, WatchEvent
-from node_agent.registration import Registration, Supervised, next_deadline
+from mlx_fleet.supervise import Supervised
+from node_agent.registration import Registration, next_deadline
 
 GiB = 2**30
 
@@ -196,7 +197,7 @@ async def test_supervised_task_logs_a_bug_and_restarts(caplog: pytest.LogCapture
         await asyncio.Event().wait()  # runs until stopped
 
     task = Supervised("test:work", work, initial_backoff=0.05, max_backoff=0.1)
-    with caplog.at_level(logging.ERROR, logger="node_agent.registration"):
+    with caplog.at_level(logging.ERROR, logger="mlx_fleet.supervise"):
         task.start()
         try:
             await asyncio.wait_for(failed.wait(), 30)

@@ -260,7 +260,7 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
 async def test_supervisor_restarts_a_failing_follower_with_backoff(caplog):
     """A follower that raises is logged, marked dead while backing off (liveness fails), and
     restarted with growing delays; cancellation still stops it."""
-    from mlx_fleet_operator.supervise import TaskHealth, dead, supervise
+    from mlx_fleet.supervise import TaskHealth, dead, supervise
 
     health = TaskHealth("etcd follower: nodes")
     runs = 0
@@ -278,7 +278,7 @@ async def test_supervisor_restarts_a_failing_follower_with_backoff(caplog):
 
     async def fake_sleep(delay: float) -> None:
         delays.append(delay)
-        dead_while_sleeping.append(bool(dead({health.name: health})))
+        dead_while_sleeping.append(bool(dead([health])))
 
     task = asyncio.create_task(supervise(health, follower, base=0.5, cap=1.5, sleep=fake_sleep,
                                          clock=lambda: 0.0))
@@ -297,7 +297,7 @@ async def test_liveness_probe_fails_while_a_follower_is_dead(monkeypatch):
     import kopf
 
     from mlx_fleet_operator import handlers
-    from mlx_fleet_operator.supervise import TaskHealth
+    from mlx_fleet.supervise import TaskHealth
 
     rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
     monkeypatch.setattr(handlers, "RUNTIME", rt)

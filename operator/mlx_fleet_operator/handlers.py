@@ -5,7 +5,7 @@ this module only moves data between the Kubernetes API, etcd and them.
 
 * ``on.startup``: kopf settings, the etcd store, two etcd followers (``nodes/`` and
   ``reports/``, via :func:`mlx_fleet.store.follow_prefix`) that keep an in-memory view and wake
-  the affected deployments — supervised (:mod:`.supervise`: logged, restarted with backoff,
+  the affected deployments — supervised (:mod:`mlx_fleet.supervise`: logged, restarted with backoff,
   liveness fails while one is down) — the Kubernetes client for status patches, the metrics
   server.
 * ``on.create`` / ``on.update`` / ``on.resume``: :func:`sync` — parse the spec, reconcile
@@ -41,6 +41,7 @@ import kopf
 
 from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord
 from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
+from mlx_fleet.supervise import TaskHealth, dead, supervise
 
 from . import metrics
 from .placement import PlacementRequest
@@ -48,7 +49,6 @@ from .reconcile import (DEFAULT_WRITER, ConflictError, collect_garbage, reconcil
                         remove_deployment)
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
-from .supervise import TaskHealth, dead, supervise
 
 GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
@@ -216,7 +216,7 @@ class Runtime:
             self.wakeups[key].set()
 
     def start_followers(self) -> None:
-        """Start the two etcd followers, each under :func:`~.supervise.supervise` (logged and
+        """Start the two etcd followers, each under :func:`mlx_fleet.supervise.supervise` (logged and
         restarted with backoff if it fails; :func:`probe_followers` fails meanwhile)."""
         for name, prefix, on_snapshot, on_event in (
                 ("etcd follower: nodes", self.keys.nodes_prefix, self.on_nodes_snapshot,
@@ -352,7 +352,7 @@ async def probe_nodes(**_: Any) -> int:
 async def probe_followers(**_: Any) -> dict[str, int]:
     """Liveness: follower → restarts so far. Raises (the liveness endpoint then answers 500)
     while a follower is dead and backing off; a permanent error so kopf does not retry it."""
-    down = dead(runtime().followers)
+    down = dead(runtime().followers.values())
     if down:
         raise kopf.PermanentError("etcd follower(s) down: " + "; ".join(
             f"{h.name} ({h.last_error}, {h.restarts} restarts)" for h in down))
