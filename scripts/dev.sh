@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # mlx-fleet developer entry point: idempotent set-up, then one of
 #   demo       bring up a local fleet (etcd, kube-apiserver, operator, two agents), stream a completion
-#   test       run the test suite (unit + integration on the real local control plane)
-#   provision  only build/cache the control-plane binaries (etcd, kube-apiserver, kubectl)
+#   test       run the test suite (unit + integration on the real local control plane); args go to pytest
+#   provision  only build/cache the control-plane binaries (etcd, kube-apiserver, kubectl, helm)
 #   shell      a shell with the virtualenv activated and the cached binaries on PATH
 # Everything installed is cached outside the repository, under $MLX_FLEET_CACHE
 # (default ~/.cache/mlx-fleet): the virtualenv, the Go-built binaries, generated test models.
 set -euo pipefail
+
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+cmd=${1:-}
+case "$cmd" in
+  demo|test|provision|shell) shift ;;
+  -h|--help|help) usage; exit 0 ;;
+  *) usage >&2; [ -n "$cmd" ] && echo "unknown command: $cmd" >&2; exit 2 ;;
+esac
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${MLX_FLEET_CACHE:-$HOME/.cache/mlx-fleet}
 export MLX_FLEET_CACHE=$cache
 mkdir -p "$cache"
 
-log() { printf '\033[1;34m[mlx-fleet]\033[0m %s\n' "$*" >&2; }
-die() { printf '\033[1;31m[mlx-fleet] error:\033[0m %s\n' "$*" >&2; exit 1; }
+if [ -t 2 ]; then bold=$'\033[1;34m' red=$'\033[1;31m' off=$'\033[0m'; else bold="" red="" off=""; fi
+log() { printf '%s[mlx-fleet]%s %s\n' "$bold" "$off" "$*" >&2; }
+die() { printf '%s[mlx-fleet] error:%s %s\n' "$red" "$off" "$*" >&2; exit 1; }
 
 # --- Python: 3.11+ ----------------------------------------------------------------------------
 py=""
@@ -26,19 +35,38 @@ for cand in python3.13 python3.12 python3.11 python3; do
 done
 [ -n "$py" ] || die "Python >= 3.11 is required (none found on PATH)"
 
+# --- Go >= 1.21 (it fetches the newer toolchain the builds ask for from the Go module proxy) ---
+command -v go >/dev/null 2>&1 ||
+  die "Go >= 1.21 is required to build etcd and kube-apiserver (https://go.dev/doc/install; on Debian bookworm: apt-get install -t bookworm-backports golang-go)"
+gover=$(go env GOVERSION 2>/dev/null || true)
+"$py" - "$gover" <<'PY' || die "Go >= 1.21 is required (found ${gover:-an unknown version}); it fetches newer toolchains by itself"
+import re, sys
+m = re.match(r"go(\d+)\.(\d+)", sys.argv[1])
+sys.exit(0 if m and (int(m[1]), int(m[2])) >= (1, 21) else 1)
+PY
+export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
+
 # --- Virtualenv, keyed on the interpreter and the dependency list --------------------------------
-key=$( { "$py" -c 'import sys; print(sys.version)'; cat "$repo/pyproject.toml"; } | sha256sum | cut -c1-16)
+key=$("$py" -c 'import hashlib, sys; print(hashlib.sha256((sys.version + "\n").encode() + open(sys.argv[1], "rb").read()).hexdigest()[:16])' \
+      "$repo/pyproject.toml")
 venv="$cache/venv/$key"
 stamp="$venv/.mlx-fleet-installed"
-if [ ! -x "$venv/bin/python" ]; then
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  # Absent, or half-made by an earlier failed attempt: start over.
+  rm -rf "$venv"
   log "creating virtualenv $venv"
-  "$py" -m venv "$venv" || die "could not create a virtualenv (on Debian: apt-get install python3-venv)"
+  "$py" -m venv "$venv" && "$venv/bin/python" -m pip --version >/dev/null 2>&1 ||
+    { rm -rf "$venv"; die "could not create a virtualenv with pip (on Debian: apt-get install python3-venv)"; }
 fi
 if [ ! -f "$stamp" ]; then
   log "installing mlx-fleet and its dependencies from PyPI (first run only)"
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q --upgrade pip || die "pip could not upgrade itself"
   "$venv/bin/python" -m pip install --progress-bar on -e "$repo[test]" || die "pip install failed"
   echo "$repo" > "$stamp"
+  # Virtualenvs of earlier dependency lists are dead weight (~600 MB each).
+  for old in "$cache"/venv/*/; do
+    [ "${old%/}" = "$venv" ] || rm -rf "$old"
+  done
 elif [ "$(cat "$stamp")" != "$repo" ]; then
   # Same dependencies, different checkout (e.g. a fresh CI clone): re-point the editable install.
   log "re-pointing the editable install at $repo"
@@ -48,21 +76,11 @@ fi
 export PATH="$venv/bin:$PATH"
 export VIRTUAL_ENV=$venv
 
-# --- Go toolchain for building etcd / kube-apiserver / kubectl ----------------------------------
-# Go >= 1.21 fetches a newer toolchain itself from the Go module proxy when a module needs one.
-if ! command -v go >/dev/null 2>&1; then
-  log "installing Go from Debian's packages"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go; } >/dev/null ||
-    die "Go is required to build the control-plane binaries; install Go >= 1.21"
-fi
-export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
-
-cmd=${1:-help}; shift || true
 cd "$repo"
 case "$cmd" in
   demo)      python -m mlx_fleet.cli provision && exec python -m mlx_fleet.cli demo "$@" ;;
   test)      python -m mlx_fleet.cli provision && exec python -m pytest "$@" ;;
   provision) exec python -m mlx_fleet.cli provision "$@" ;;
-  shell)     export PATH="$(python -m mlx_fleet.cli provision --print-bin-dir):$PATH"; exec "${SHELL:-bash}" ;;
-  *) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  shell)     bins=$(python -m mlx_fleet.cli provision --print-bin-dir) || die "provisioning failed"
+             export PATH="$bins:$PATH"; exec "${SHELL:-bash}" ;;
 esac
