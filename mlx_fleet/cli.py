@@ -1,4 +1,4 @@
-"""``mlx-fleet``: the developer and operator-facing command line.
+"""mlx-fleet: the command line for developers and operators.
 
 Commands:
   provision         build (once) and cache etcd, kube-apiserver, kubectl and helm from the Go module proxy
@@ -95,18 +95,29 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.controlplane import start_control_plane
     from mlx_fleet.devcluster.fleet import start_agent, start_operator
 
+    from mlx_fleet.devcluster.binaries import BuildError
+    from mlx_fleet.devcluster.processes import ProcessFailed
+
     console = make_console(stderr=True)
-    binaries = progress_builder(console, ensure_all)
-    with console.status("starting etcd ×2 and kube-apiserver"):
-        cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
-                                 keep_workdir=args.keep)
     try:
-        if args.operator:
-            with console.status("starting the operator"):
-                start_operator(cp)
-        for i in range(args.agents):
-            with console.status(f"starting agent mac-{i}"):
-                start_agent(cp, f"mac-{i}")
+        binaries = progress_builder(console, ensure_all)
+        with console.status("starting etcd ×2 and kube-apiserver"):
+            cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
+                                     keep_workdir=args.keep)
+    except (BuildError, ProcessFailed) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    try:
+        try:
+            if args.operator:
+                with console.status("starting the operator"):
+                    start_operator(cp)
+            for i in range(args.agents):
+                with console.status(f"starting agent mac-{i}"):
+                    start_agent(cp, f"mac-{i}")
+        except ProcessFailed as e:
+            console.print(f"[red]error:[/] {e}")
+            return 1
         state = {"pid": os.getpid(), "workdir": str(cp.workdir), "kubeconfig": str(cp.kubeconfig),
                  "etcd": cp.etcd_url, "apiserver": cp.apiserver_url}
         _state_file().parent.mkdir(parents=True, exist_ok=True)
@@ -137,12 +148,17 @@ def _cmd_dev_down(args: argparse.Namespace) -> int:
     if not path.exists():
         print("no local control plane is running (no state file)", file=sys.stderr)
         return 1
+    import psutil
+
     pid = json.loads(path.read_text())["pid"]
     try:
+        # The state file outlives a SIGKILLed `dev up` or a reboot; never signal a stranger.
+        if "mlx_fleet" not in " ".join(psutil.Process(pid).cmdline()):
+            raise psutil.NoSuchProcess(pid)
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
+    except (psutil.NoSuchProcess, ProcessLookupError):
         path.unlink(missing_ok=True)
-        print(f"stale state file: process {pid} is gone", file=sys.stderr)
+        print(f"stale state file: process {pid} is gone (removed {path})", file=sys.stderr)
         return 1
     print(f"asked `mlx-fleet dev up` (pid {pid}) to stop", file=sys.stderr)
     return 0
@@ -169,6 +185,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,8 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Bring up the local control plane, the operator and two agents, "
                                    "apply examples/modeldeployment.yaml, wait until Ready, stream a "
                                    "chat completion, print the fleet, tear down.")
-    d.add_argument("--prompt", default="Write one sentence about Apple silicon.")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--prompt", default="Write one sentence about Apple silicon.",
+                   help="the user message sent to the model (default: %(default)r)")
+    d.add_argument("--max-tokens", type=_positive_int, default=48,
+                   help="completion tokens to stream, at least 1 (default: %(default)s)")
     d.add_argument("--keep", action="store_true", help="keep the logs directory after success")
     d.set_defaults(func=_cmd_demo)
 
@@ -214,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     testmodel.add_arguments(m)
     m.set_defaults(func=testmodel.run)
 
-    st = sub.add_parser("status", help="print nodes, assignments and reports from etcd")
+    st = sub.add_parser("status", help="print nodes, assignments and reports from etcd",
+                        description="Read the node records, assignments and agent reports from "
+                                    "the assignments etcd and print one row per node and model.")
     st.add_argument("--etcd-endpoint", default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
                     help="etcd client URL (env MLX_FLEET_ETCD_ENDPOINT)")
     st.add_argument("--etcd-prefix", default=ROOT, help=f"key root (default {ROOT})")

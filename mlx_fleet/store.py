@@ -127,6 +127,24 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``http://host:port`` (or ``host:port``) → ``(host, port)`` for a gRPC target; an IPv6
+    host keeps its brackets. Port defaults to 2379. Raises ``ValueError`` for other schemes:
+    ``https://`` would need TLS, which arrives with the security work — refusing it beats
+    silently speaking plaintext to a TLS port."""
+    url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    if url.scheme != "http":
+        raise ValueError(f"unsupported etcd endpoint {endpoint!r}: only http://host:port (no TLS yet)")
+    if not url.hostname:
+        raise ValueError(f"etcd endpoint {endpoint!r} has no host")
+    try:
+        port = url.port or 2379
+    except ValueError as e:
+        raise ValueError(f"etcd endpoint {endpoint!r}: {e}") from e
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    return host, port
+
+
 class EtcdStore:
     """:class:`Store` over an ``aetcd.Client``.
 
@@ -143,11 +161,11 @@ class EtcdStore:
     def __init__(self, endpoint: str, *, timeout: float = 10.0, keepalive_seconds: float = 10.0) -> None:
         import aetcd  # imported here so the contract stays importable without grpc
 
-        url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
         self._aetcd = aetcd
         self._client = aetcd.Client(
-            host=url.hostname or "127.0.0.1", port=url.port or 2379, timeout=timeout,
+            host=host, port=port, timeout=timeout,
             options={"grpc.keepalive_time_ms": int(keepalive_seconds * 1000),
                      "grpc.keepalive_timeout_ms": 5000,
                      # etcd refuses pings on a connection without streams (PermitWithoutStream

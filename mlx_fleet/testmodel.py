@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -269,8 +270,11 @@ def run(args: argparse.Namespace) -> int:
                                num_layers=args.num_layers, vocab_size=args.vocab_size,
                                seed=args.seed, force=args.force)
     except ValueError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. DIR is an existing file, or not writable
+        print(f"error: cannot write the model to {args.dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 

@@ -58,6 +58,12 @@ class Binaries:
         return sorted({self.etcd.parent, self.kube_apiserver.parent, self.kubectl.parent})
 
 
+#: Go's built-in default proxy setting. Its ``direct`` fallback fetches from version-control
+#: hosts when the proxy lacks a module; these builds must only use the module proxy, so that
+#: default is narrowed. A proxy the user configured (environment or ``go env -w``) is kept.
+_GO_DEFAULT_PROXY = "https://proxy.golang.org,direct"
+
+
 def _go_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -66,8 +72,18 @@ def _go_env(work: Path) -> dict[str, str]:
         GOTOOLCHAIN=env.get("GOTOOLCHAIN", "auto"),
         GOWORK="off",
     )
-    env.pop("GOPATH_OVERRIDE", None)
+    if _configured_goproxy() == _GO_DEFAULT_PROXY:
+        env["GOPROXY"] = "https://proxy.golang.org"
     return env
+
+
+def _configured_goproxy() -> str:
+    try:
+        return subprocess.run(["go", "env", "GOPROXY"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except FileNotFoundError as e:
+        raise BuildError("`go` is not on PATH: Go >= 1.21 is needed to build the control-plane "
+                         "binaries (https://go.dev/doc/install)") from e
 
 
 def go_run(cmd: list[str], cwd: Path, log: Path, step: str) -> str:
