@@ -295,10 +295,11 @@ async def test_client_disconnect_stops_generation(control_plane: ControlPlane, f
         request = asyncio.create_task(hang_up_later())
         occupancy = 0.0
 
+        # /metrics is the only view from outside the process: poll it, gently.
         async def running() -> None:
             nonlocal occupancy
-            while occupancy < 1:
-                occupancy = await metric("mlxfleet_agent_batch_occupancy")
+            while (occupancy := await metric("mlxfleet_agent_batch_occupancy")) < 1:
+                await asyncio.sleep(0.02)
 
         await asyncio.wait_for(running(), 30)
         request.cancel()  # closes the connection mid-generation
@@ -307,8 +308,8 @@ async def test_client_disconnect_stops_generation(control_plane: ControlPlane, f
 
         async def drained() -> None:
             nonlocal occupancy
-            while occupancy > 0:
-                occupancy = await metric("mlxfleet_agent_batch_occupancy")
+            while (occupancy := await metric("mlxfleet_agent_batch_occupancy")) > 0:
+                await asyncio.sleep(0.02)
 
         await asyncio.wait_for(drained(), 60)
         generated = await metric("mlxfleet_agent_generated_tokens_total")
