@@ -5,27 +5,36 @@
 alive every ``ttl / 3`` seconds. The one-third interval is etcd's own guidance: the etcd client
 (``clientv3``'s ``KeepAlive``) sends a keep-alive every ``TTL/3`` so that two consecutive lost
 requests still leave the lease alive (etcd docs, "Interacting with etcd → Lease keep-alives";
-``clientv3/lease.go``: ``nextKeepAlive = now + TTL/3``). Two details keep that guarantee: each
-keep-alive is bounded to ``ttl / 3`` (the store's 10 s RPC deadline could otherwise eat the whole
-lease; a keep-alive that times out counts as a failed one), and beats follow a fixed monotonic
-cadence (:func:`next_deadline`: the previous deadline plus ``ttl / 3``, not "sleep after the
-work"), so the period does not drift by the time each beat takes.
+``clientv3/lease.go``: ``nextKeepAlive = now + TTL/3``). Three details keep that guarantee:
+
+* keep-alives are sent by a task of their own that does nothing else (no record or report
+  write, no lock), so a slow or hung write can never delay them; the writes run in a second
+  task (the *sync* task) and in :meth:`put_report` / :meth:`delete_report`;
+* each keep-alive is bounded to ``ttl / 3`` (the store's 10 s RPC deadline could otherwise eat
+  the whole lease; a keep-alive that times out counts as a failed one), and so is every
+  individual write (:attr:`Registration.write_timeout`; a write that times out counts as failed
+  and is retried), so the write lock is never held for long;
+* keep-alives follow a fixed monotonic cadence (:func:`next_deadline`: the previous deadline
+  plus ``ttl / 3``, not "sleep after the work"), so the period does not drift by the time each
+  one takes.
 
 Every key the agent writes is written here, under the current lease:
 
 * the node record, rewritten only when it *materially* changes (health, or capacity per
   :func:`~node_agent.capacity.materially_different`), never on a mere heartbeat;
 * assignment reports (:meth:`put_report` / :meth:`delete_report`): the latest report per key is
-  remembered so it can be re-written; a write that fails is retried on the next heartbeat.
+  remembered so it can be re-written; a write that fails is retried by the sync task within
+  ``ttl / 3``.
 
 Recovery: if a keep-alive says the lease is gone (TTL ≤ 0: expired, or revoked behind the
 agent's back) or etcd stayed unreachable for longer than the TTL, the agent grants a *new*
-lease and re-puts the node record and every current report in one transaction, so a
+lease (in the sync task; the keep-alive task only notices and wakes it) and re-puts the node
+record and every current report in one transaction, so a
 partitioned or stalled agent comes back by itself. :meth:`stop` revokes the lease, so the record
 and reports vanish at once rather than after the TTL.
 
-The heartbeat runs under :class:`mlx_fleet.supervise.Supervised`, as do the controller's
-tasks: a bug that escapes it is logged with its traceback and the task restarts after a
+Both tasks (keep-alive and sync) run under :class:`mlx_fleet.supervise.Supervised`, as do the
+controller's tasks: a bug that escapes one is logged with its traceback and the task restarts after a
 capped back-off instead of ending silently; while it waits, the agent's ``/health`` says 503.
 
 Only asyncio is used; the store's calls are coroutines and nothing blocks the loop.
@@ -119,12 +128,16 @@ class Registration:
         self._etcd_ok = False
         self._lease_alive = False
         self._lock = asyncio.Lock()                 # serializes every lease-bound write
-        self._wake = asyncio.Event()
-        # A bug in a beat restarts the loop soon: within one keep-alive interval.
-        self._heartbeat_task = Supervised(f"registration:{node_name}", self._heartbeat,
-                                          initial_backoff=min(SUPERVISOR_INITIAL_BACKOFF,
-                                                              ttl / 3),
-                                          max_backoff=ttl / 3)
+        self._wake = asyncio.Event()                # wakes the sync task early
+        # A bug in either loop restarts it soon: within one keep-alive interval.
+        backoff = dict(initial_backoff=min(SUPERVISOR_INITIAL_BACKOFF, ttl / 3),
+                       max_backoff=ttl / 3)
+        # Keep-alives only, on a fixed cadence: nothing else may delay them (module doc).
+        self._keepalive_task = Supervised(f"registration:{node_name}:keepalive",
+                                          self._keepalive_loop, **backoff)
+        # (Re-)registration, record rewrites and report retries.
+        self._sync_task = Supervised(f"registration:{node_name}:sync", self._sync_loop,
+                                     **backoff)
         self._stopping = False
         #: Incremented whenever a new lease is granted (tests and logs use it).
         self.registrations = 0
@@ -154,12 +167,18 @@ class Registration:
 
     @property
     def tasks(self) -> list[Supervised]:
-        """The supervised background tasks (the heartbeat), for ``/health``."""
-        return [self._heartbeat_task]
+        """The supervised background tasks (keep-alive and sync), for ``/health``."""
+        return [self._keepalive_task, self._sync_task]
 
     @property
     def interval(self) -> float:
         """Keep-alive period in seconds: ``ttl / 3`` (etcd's recommendation, see module doc)."""
+        return self.ttl / 3
+
+    @property
+    def write_timeout(self) -> float:
+        """The most any single etcd write (or lease grant/revoke) may take: ``ttl / 3``. One that
+        takes longer counts as failed (and is retried), so no write holds the lock for long."""
         return self.ttl / 3
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -169,17 +188,19 @@ class Registration:
         Raises :class:`StoreError` if etcd can't be reached for the first registration."""
         self._capacity = await self._capacity_fn()
         await self._register()
-        self._heartbeat_task.start()
+        self._keepalive_task.start()
+        self._sync_task.start()
 
     async def stop(self, *, revoke: bool = True) -> None:
         """Stop heart-beating; with ``revoke`` (default) revoke the lease so the node record and
         every report disappear at once. Never raises for etcd trouble (logs it)."""
         self._stopping = True
-        await self._heartbeat_task.stop()
+        await self._keepalive_task.stop()
+        await self._sync_task.stop()
         if revoke and self._lease_id is not None:
             try:
                 async with self._lock:
-                    await self._store.revoke_lease(self._lease_id)
+                    await self._bounded(self._store.revoke_lease(self._lease_id), "revoke")
                 log.info("revoked lease %x of node %s", self._lease_id, self.node_name)
             except StoreError as e:
                 log.warning("could not revoke lease %x (its keys expire after %ss): %s",
@@ -187,7 +208,7 @@ class Registration:
         self._lease_alive = False
 
     def set_health(self, health: NodeHealth) -> None:
-        """Change the node's reported health; the record is rewritten on the next beat (soon)."""
+        """Change the node's reported health; the sync task rewrites the record at once."""
         if health != self._health:
             self._health = health
             self._record_dirty = True
@@ -197,8 +218,9 @@ class Registration:
     async def put_report(self, key: str, report: AssignmentReport) -> None:
         """Record ``report`` as the state of ``key`` and write it under the lease.
 
-        Identical reports (ignoring ``updated_unix``) are not rewritten. If the write fails it
-        is retried on the next heartbeat; this method never raises for etcd trouble."""
+        Identical reports (ignoring ``updated_unix``) are not rewritten. Each write is bounded
+        by :attr:`write_timeout`; if it fails or times out it is retried by the sync task; this
+        method never raises for etcd trouble."""
         if _same_report(self._reports.get(key), report) and key not in self._dirty_reports:
             return
         self._reports[key] = report
@@ -225,22 +247,31 @@ class Registration:
             # to write), so a flag is cleared only if nothing newer arrived during the write.
             try:
                 for key in list(self._pending_deletes):
-                    await self._store.delete(key)
+                    await self._bounded(self._store.delete(key), f"delete {key}")
                     if key not in self._reports:
                         self._pending_deletes.discard(key)
                 for key in list(self._dirty_reports):
                     report = self._reports.get(key)
                     if report is not None:
-                        await self._store.put(key, report.to_json(), lease=self._lease_id)
+                        await self._bounded(self._store.put(key, report.to_json(),
+                                                            lease=self._lease_id), f"put {key}")
                     if self._reports.get(key) is report:
                         self._dirty_reports.discard(key)
                 self._ok()
             except StoreError as e:
                 self._etcd_ok = False
-                log.warning("writing reports of node %s failed (retrying on the next beat): %s",
-                            self.node_name, e)
+                log.warning("writing reports of node %s failed (retrying in %.1fs): %s",
+                            self.node_name, self.interval, e)
 
     # -- internals ---------------------------------------------------------------------------
+    async def _bounded(self, call: Coroutine[Any, Any, Any], what: str) -> Any:
+        """Await one store call, at most :attr:`write_timeout`; a timeout is a StoreError."""
+        try:
+            return await asyncio.wait_for(call, timeout=self.write_timeout)
+        except asyncio.TimeoutError:
+            raise StoreError(f"{what}: no answer from etcd within "
+                             f"{self.write_timeout:.1f}s") from None
+
     def _ok(self) -> None:
         self._etcd_ok = True
         self._last_ok = time.monotonic()
@@ -255,7 +286,7 @@ class Registration:
         """Grant a new lease and (re)write the record and every report under it, atomically."""
         async with self._lock:
             old = self._lease_id
-            lease = await self._store.grant_lease(self.ttl)
+            lease = await self._bounded(self._store.grant_lease(self.ttl), "grant lease")
             record = self._record()
             reports = dict(self._reports)
             deletes = set(self._pending_deletes)
@@ -263,12 +294,13 @@ class Registration:
             ops += [Put(k, r.to_json(), lease=lease) for k, r in reports.items()]
             try:
                 for i in range(0, len(ops), _MAX_TXN_OPS):
-                    await self._store.txn([], ops[i:i + _MAX_TXN_OPS])
+                    await self._bounded(self._store.txn([], ops[i:i + _MAX_TXN_OPS]),
+                                        "register")
                 for key in deletes:
-                    await self._store.delete(key)
+                    await self._bounded(self._store.delete(key), f"delete {key}")
             except StoreError:
                 with contextlib.suppress(StoreError):
-                    await self._store.revoke_lease(lease)
+                    await self._bounded(self._store.revoke_lease(lease), "revoke")
                 raise
             # Reports changed while we were writing stay dirty for the next flush.
             self._pending_deletes -= {k for k in deletes if k not in self._reports}
@@ -287,7 +319,7 @@ class Registration:
             # The old lease may still be alive (a partition shorter than etcd noticed); it
             # holds no keys any more, so revoking it only tidies up.
             with contextlib.suppress(StoreError):
-                await self._store.revoke_lease(old)
+                await self._bounded(self._store.revoke_lease(old), "revoke")
         if flush_again:
             await self._flush_reports()
 
@@ -299,55 +331,83 @@ class Registration:
         if not self._record_dirty:
             return
         async with self._lock:
+            if self._lease_id is None or not self._lease_alive:
+                return  # re-registration writes it
             record = self._record()
-            await self._store.put(self.key, record.to_json(), lease=self._lease_id)
+            await self._bounded(self._store.put(self.key, record.to_json(), lease=self._lease_id),
+                                "put node record")
             self._written = record
             self._record_dirty = (record.health, record.capacity) != (self._health, self._capacity)
             self._ok()
         log.info("updated node record of %s (health %s, available %d bytes)", self.node_name,
                  record.health.value, record.capacity.memory_available_bytes)
 
-    async def _beat(self) -> None:
-        """One heartbeat: keep-alive, then record/report writes; re-register when needed."""
-        if not self._lease_alive or self._lease_id is None:
-            await self._register()
-            return
+    # -- the keep-alive task: keep-alives and nothing else -------------------------------------
+    async def _keepalive(self) -> None:
+        """Send one keep-alive (bounded to ``ttl / 3``) and judge the lease by its answer. Never
+        writes and never takes the lock; re-registration is left to the sync task."""
+        lease = self._lease_id
+        if lease is None or not self._lease_alive:
+            return  # the sync task is re-registering
         try:
             # Bounded by the keep-alive period: a late answer is as good as none, and the next
             # keep-alive must go out on time (see the module doc).
-            remaining = await asyncio.wait_for(self._store.keepalive(self._lease_id),
+            remaining = await asyncio.wait_for(self._store.keepalive(lease),
                                                timeout=self.interval)
         except (StoreError, asyncio.TimeoutError) as e:
             if isinstance(e, asyncio.TimeoutError):
                 e = StoreError(f"no keep-alive answer within {self.interval:.1f}s")
+            if lease != self._lease_id:
+                return  # re-registered meanwhile: this answer is about the old lease
             self._etcd_ok = False
             down_for = time.monotonic() - self._last_ok
             if down_for > self.ttl:
                 self._lease_alive = False
+                self._wake.set()
                 log.warning("etcd unreachable for %.1fs (> ttl %ss): lease %x presumed lost; "
                             "re-registering when etcd answers (%s)", down_for, self.ttl,
-                            self._lease_id, e)
+                            lease, e)
             else:
-                log.warning("keep-alive of lease %x failed (%s); retrying", self._lease_id, e)
+                log.warning("keep-alive of lease %x failed (%s); retrying", lease, e)
+            return
+        if lease != self._lease_id:
             return
         self._ok()
         if remaining <= 0:
             log.warning("lease %x of node %s expired or was revoked; re-registering",
-                        self._lease_id, self.node_name)
+                        lease, self.node_name)
             self._lease_alive = False
+            self._wake.set()
+
+    async def _keepalive_loop(self) -> None:
+        """A keep-alive every ``ttl / 3`` on a fixed cadence until :meth:`stop`. etcd trouble is
+        handled in :meth:`_keepalive`; anything else is a bug and ends the run, which
+        :class:`Supervised` logs and restarts."""
+        deadline = time.monotonic() + self.interval
+        while not self._stopping:
+            wait = deadline - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self._keepalive()
+            deadline = next_deadline(deadline, self.interval, time.monotonic())
+
+    # -- the sync task: (re-)registration, record and report writes ----------------------------
+    async def _sync(self) -> None:
+        """Re-register when the lease is gone; else rewrite the record if it changed and retry
+        report writes that failed."""
+        if not self._lease_alive or self._lease_id is None:
             await self._register()
             return
         await self._write_record_if_changed()
         if self._dirty_reports or self._pending_deletes:
             await self._flush_reports()
 
-    async def _heartbeat(self) -> None:
-        """Beat until :meth:`stop`. etcd trouble is handled here; anything else is a bug and
-        ends the run, which :class:`Supervised` logs and restarts."""
+    async def _sync_loop(self) -> None:
+        """Sync every ``ttl / 3``, and at once when woken (health change, lost lease), until
+        :meth:`stop`. Its writes are bounded, and it never delays a keep-alive."""
         deadline = time.monotonic() + self.interval
         while not self._stopping:
-            # Sleep until the next scheduled beat; set_health() wakes it early for a record
-            # write (an extra beat that leaves the cadence alone).
+            # An early wake leaves the cadence alone.
             scheduled = True
             wait = deadline - time.monotonic()
             if wait > 0:
@@ -358,10 +418,10 @@ class Registration:
                     pass
             self._wake.clear()
             try:
-                await self._beat()
+                await self._sync()
             except StoreError as e:
                 self._etcd_ok = False
-                log.warning("registration of node %s: %s; retrying on the next beat",
-                            self.node_name, e)
+                log.warning("registration of node %s: %s; retrying in %.1fs",
+                            self.node_name, e, self.interval)
             if scheduled:
                 deadline = next_deadline(deadline, self.interval, time.monotonic())

@@ -266,3 +266,95 @@ async def test_unanswered_keepalive_times_out_within_the_period(store: EtcdStore
         assert kv is not None and kv.lease == reg.lease_id
     finally:
         await reg.stop()
+
+
+class HangingPuts:
+    """The real store, counting answered keep-alives; once ``hang`` is set, puts and
+    transactions never answer (until ``release`` is set, when they go through)."""
+
+    def __init__(self, inner: EtcdStore) -> None:
+        self._inner = inner
+        self.hang = False
+        self.release = asyncio.Event()
+        self.hung_writes = 0
+        self.keepalives = 0
+        self.remaining: list[int] = []
+        self._changed = asyncio.Condition()
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    async def _maybe_hang(self) -> None:
+        if self.hang:
+            async with self._changed:
+                self.hung_writes += 1
+                self._changed.notify_all()
+            await self.release.wait()
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        await self._maybe_hang()
+        return await self._inner.put(key, value, lease=lease)
+
+    async def txn(self, *args, **kwargs) -> bool:
+        await self._maybe_hang()
+        return await self._inner.txn(*args, **kwargs)
+
+    async def keepalive(self, lease_id: int) -> int:
+        ttl = await self._inner.keepalive(lease_id)
+        async with self._changed:
+            self.keepalives += 1
+            self.remaining.append(ttl)
+            self._changed.notify_all()
+        return ttl
+
+    async def until(self, predicate) -> None:
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+
+async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdStore,
+                                                                    keys: Keys) -> None:
+    wrapped = HangingPuts(store)
+    cap = Capacity()
+    reg = Registration(wrapped, keys, node_name="mac-4", address="http://h:1",  # type: ignore[arg-type]
+                       capacity=cap, ttl=3)
+    rkey = keys.report("mac-4", "default", "llama")
+    report = AssignmentReport(node="mac-4", namespace="default", name="llama",
+                              state=AssignmentState.LOADING)
+    try:
+        await reg.start()
+        lease = reg.lease_id
+        # A model load: the record (health, available memory) and a report change at once,
+        # and etcd stops answering writes (but not keep-alives).
+        wrapped.hang = True
+        cap.value = cap.value.model_copy(update={"memory_available_bytes": 8 * GiB})
+        reg.set_health(NodeHealth.DEGRADED)
+        # put_report is bounded too: it returns (the write is retried later) instead of hanging.
+        await asyncio.wait_for(reg.put_report(rkey, report), 30)
+        await asyncio.wait_for(wrapped.until(lambda: wrapped.hung_writes >= 2), 30)
+        start = wrapped.keepalives
+        # Four more keep-alives while writes hang: more than a TTL's worth of them (each at
+        # least TTL/3 after the previous one), so the lease survived only because they went out.
+        await asyncio.wait_for(wrapped.until(lambda: wrapped.keepalives >= start + 4), 60)
+        assert all(ttl > 0 for ttl in wrapped.remaining)
+        info = await store._client.get_lease_info(lease)
+        assert info.TTL > 0 and reg.lease_id == lease and reg.registrations == 1
+        kv = await store.get(keys.node("mac-4"))
+        assert kv is not None and kv.lease == lease
+        assert NodeRecord.from_json(kv.value).health == NodeHealth.HEALTHY  # not written yet
+        assert await store.get(rkey) is None
+
+        # etcd answers writes again: the pending record and report are written, same lease.
+        wrapped.hang = False
+        wrapped.release.set()
+        (ev,) = await events(store, rkey, kv.mod_revision + 1, 1, timeout=30)
+        assert ev.kv.lease == lease
+        rec_kv = await store.get(keys.node("mac-4"))
+        while rec_kv is not None and NodeRecord.from_json(rec_kv.value).health != NodeHealth.DEGRADED:
+            (ev,) = await events(store, keys.node("mac-4"), rec_kv.mod_revision + 1, 1, timeout=30)
+            rec_kv = ev.kv
+        assert rec_kv is not None and rec_kv.lease == lease
+        assert NodeRecord.from_json(rec_kv.value).capacity.memory_available_bytes == 8 * GiB
+    finally:
+        wrapped.release.set()
+        await reg.stop()
