@@ -66,6 +66,17 @@ def parse_label(text: str) -> tuple[str, str]:
     return k.strip(), v.strip()
 
 
+def positive_int(text: str) -> int:
+    """A whole number ≥ 1 (``--lease-ttl``, ``--max-queued-requests``); raises ``ValueError``."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {n}")
+    return n
+
+
 def _argtype(fn):
     def wrapped(text: str):
         try:
@@ -117,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", action="append", default=[], type=_argtype(parse_label),
                    metavar="KEY=VALUE",
                    help="node label matched by deployments' node selectors (repeatable)")
-    p.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL, metavar="SECONDS",
+    p.add_argument("--lease-ttl", type=_argtype(positive_int), default=DEFAULT_LEASE_TTL,
+                   metavar="SECONDS",
                    help="etcd lease TTL: a node that stops heart-beating disappears after this "
-                        "long; keep-alives are sent every TTL/3 (default: %(default)s)")
+                        "long (at least 1); keep-alives are sent every TTL/3 "
+                        "(default: %(default)s)")
     p.add_argument("--simulated-chip", default=None, metavar="BRAND",
                    help="pretend to be this chip, e.g. 'Apple M3 Max' (forces simulated "
                         "capacity; off macOS capacity is always simulated, default "
@@ -128,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="QUANTITY",
                    help="pretend to have this much unified memory, e.g. 64Gi (forces simulated "
                         "capacity; default off macOS: the host's physical memory)")
-    p.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
+    p.add_argument("--max-queued-requests", type=_argtype(positive_int), default=64,
+                   metavar="N",
                    help="requests waiting for a batch slot, across all models, before the API "
-                        "answers 429 with Retry-After (default: %(default)s)")
+                        "answers 429 with Retry-After (at least 1; default: %(default)s)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")

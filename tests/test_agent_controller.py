@@ -416,6 +416,19 @@ def test_cli_parses_every_flag() -> None:
             build_parser().parse_args(bad)
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--max-queued-requests", "-1"), ("--max-queued-requests", "0"),
+    ("--lease-ttl", "0"), ("--lease-ttl", "-5"),
+])
+def test_cli_rejects_non_positive_counts(flag: str, value: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be at least 1, got {value}" in err
+
+
 async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                                 test_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                 caplog: pytest.LogCaptureFixture) -> None:
