@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -29,7 +30,7 @@ from .registration import DEFAULT_LEASE_TTL, Registration
 
 log = logging.getLogger("node_agent")
 
-__all__ = ["AgentConfig", "Agent", "build_parser", "main"]
+__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main"]
 
 ENV_ETCD_ENDPOINT = "MLX_FLEET_ETCD_ENDPOINT"
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
@@ -85,6 +86,11 @@ def _argtype(fn):
             raise argparse.ArgumentTypeError(str(e)) from None
     wrapped.__name__ = fn.__name__
     return wrapped
+
+
+class StartupError(Exception):
+    """The agent cannot start for a reason the operator of the Mac must fix (e.g. its
+    ``--listen`` address is taken); :func:`main` prints it as one line and exits 2."""
 
 
 @dataclasses.dataclass
@@ -242,11 +248,19 @@ class Agent:
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
-        await self._site.start()
-        port = self._bound_port()
         host = self.config.listen_host
         shown = f"[{host}]" if ":" in host else host
+        site = web.TCPSite(self._runner, host, self.config.listen_port)
+        try:
+            await site.start()
+        except OSError as e:  # address in use, not permitted, unknown host, …
+            reason = (e.strerror or str(e)).rstrip(".")
+            if e.errno == errno.EADDRINUSE:
+                reason = "address already in use"
+            raise StartupError(f"cannot listen on {shown}:{self.config.listen_port} "
+                               f"(--listen): {reason}") from None
+        self._site = site
+        port = self._bound_port()
         log.info("serving on http://%s:%d", shown, port)
         if self.config.advertise_url:
             self.url = self.config.advertise_url.rstrip("/")
@@ -336,7 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    except StartupError as e:
+        print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

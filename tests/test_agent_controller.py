@@ -497,3 +497,25 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
     # graceful stop revoked the lease: record and report are gone at once
     assert (await store.list(keys.root + "/nodes/")).items == []
     assert (await store.list(keys.root + "/reports/")).items == []
+
+
+def test_listen_address_in_use_is_one_readable_line(etcd_server, keys: Keys) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "node_agent", "--node-name", "busy",
+             "--etcd-endpoint", etcd_server.client_url, "--etcd-prefix", keys.root,
+             "--listen", f"127.0.0.1:{port}", "--simulated-memory", "8Gi"],
+            capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("mlx-fleet-agent: error: ")
+    assert f"127.0.0.1:{port}" in errors[0] and "in use" in errors[0]
