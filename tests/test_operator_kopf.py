@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
+import subprocess
 import sys
 import urllib.request
 import uuid
@@ -329,3 +332,62 @@ async def test_orphan_gc_uses_the_live_index_and_watched_namespaces(store, keys,
     left = sorted(kv.key for kv in (await store.list(keys.assignments_prefix)).items)
     assert left == sorted([keys.assignment("mac-a", "elsewhere", "x"),
                            keys.assignment("mac-a", "watched", "live")])
+
+
+# --- start-up failures exit instead of retrying forever -------------------------------------------
+
+def run_operator_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m mlx_fleet_operator`` to completion (it must exit on its own)."""
+    return subprocess.run([sys.executable, "-m", "mlx_fleet_operator", *args], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_unloadable_kubeconfig_exits_2_with_one_line():
+    # KUBERNETES_SERVICE_HOST empty: not in a pod, so only the kubeconfig is tried.
+    r = run_operator_cli({"KUBECONFIG": "/nonexistent", "KUBERNETES_SERVICE_HOST": ""},
+                         "--metrics-port", "0", "--liveness-port", "0")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "kubeconfig" in lines[0] and "/nonexistent" in lines[0]
+
+
+def test_metrics_port_in_use_exits_2_naming_the_port(control_plane):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_operator_cli(control_plane.env(), "--metrics-port", str(port), "--liveness-port", "0")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"port {port}" in lines[0] and "--metrics-port" in lines[0]
+
+
+async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server, monkeypatch):
+    """A start-up handler failure after the followers started: kopf.PermanentError (kopf then
+    stops the operator instead of retrying every 60 s) and no follower task or store is left."""
+    import kopf
+
+    from mlx_fleet_operator import handlers, metrics
+
+    def port_taken(port: int) -> None:
+        raise OSError(98, "Address already in use")
+
+    closed = []
+    original_close = EtcdStore.close
+
+    async def close(self) -> None:
+        closed.append(self)
+        await original_close(self)
+
+    monkeypatch.setattr(handlers, "CONFIG", handlers.OperatorConfig(
+        etcd_endpoint=etcd_server.client_url, etcd_prefix=f"/t-{uuid.uuid4().hex[:8]}", metrics_port=1))
+    monkeypatch.setattr(handlers, "RUNTIME", None)
+    monkeypatch.setattr(handlers, "_kubernetes_api", lambda: object())
+    monkeypatch.setattr(metrics, "serve", port_taken)
+    monkeypatch.setattr(EtcdStore, "close", close)
+    with pytest.raises(kopf.PermanentError, match="Address already in use"):
+        await handlers.startup(settings=kopf.OperatorSettings(), logger=logging.getLogger("test"))
+    assert handlers.RUNTIME is None and len(closed) == 1
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]

@@ -314,20 +314,30 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="mlx-fleet.io", key="last-handled-configuration")
 
+    # A failure here is permanent: kopf would otherwise retry this handler every 60 s forever
+    # (the process never exits). Whatever was started is stopped first, so nothing leaks.
     store = EtcdStore(cfg.etcd_endpoint)
-    await store.connect()
-    rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope)
-    rt.custom_api = await asyncio.to_thread(_kubernetes_api)
-    rt.start_followers()
-    try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
-        await asyncio.wait_for(asyncio.gather(rt.nodes_synced.wait(), rt.reports_synced.wait()),
-                               timeout=30)
-    except asyncio.TimeoutError:
-        logger.warning("etcd views not loaded after 30s; continuing, watches will catch up")
-    if cfg.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(cfg.metrics_port)
+    rt: Runtime | None = None
+    try:
+        await store.connect()
+        rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope)
+        rt.custom_api = await asyncio.to_thread(_kubernetes_api)
+        rt.start_followers()
+        try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
+            await asyncio.wait_for(asyncio.gather(rt.nodes_synced.wait(),
+                                                  rt.reports_synced.wait()), timeout=30)
+        except asyncio.TimeoutError:
+            logger.warning("etcd views not loaded after 30s; continuing, watches will catch up")
+        metrics.serve(cfg.metrics_port)  # already bound by main()'s pre-flight check
+    except BaseException as e:  # also on cancellation (SIGTERM during start-up)
+        with contextlib.suppress(Exception):
+            if rt is not None:
+                await rt.close()  # stops the followers, closes the store
+            else:
+                await store.close()
+        if not isinstance(e, Exception):
+            raise
+        raise kopf.PermanentError(f"start-up failed: {type(e).__name__}: {e}") from e
     RUNTIME = rt
     logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s",
                 cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off")

@@ -14,8 +14,15 @@ DESCRIPTION = """\
 Run the mlx-fleet operator: turn ModelDeployment resources (mlx-fleet.io/v1alpha1) into
 per-Mac assignments in etcd, and the node agents' reports back into status and events.
 Kubernetes access: $KUBECONFIG (or ~/.kube/config), or the in-cluster service account.
-Stops cleanly on SIGTERM or SIGINT.
+Stops cleanly on SIGTERM or SIGINT. Exits 2 with one line on stderr when the Kubernetes
+configuration cannot be loaded or the metrics port cannot be bound (checked before anything
+else starts), and non-zero when the start-up handler fails (etcd unreachable, ...).
 """
+
+#: Exit status of a failed pre-flight check (bad configuration: retrying will not help).
+EXIT_PREFLIGHT = 2
+#: Exit status when the operator stopped on an error after it started (start-up handler failed).
+EXIT_FAILED = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,11 +57,60 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class PreflightError(Exception):
+    """A start-up check failed; the message is the one line printed."""
+
+
+def load_kubernetes_config() -> None:
+    """Load the Kubernetes client configuration the way the operator does at start-up: the
+    in-cluster service account when running in a pod, else ``$KUBECONFIG`` / ``~/.kube/config``.
+    Raises :class:`PreflightError` naming what was tried."""
+    import kubernetes
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            kubernetes.config.load_incluster_config()
+            return
+        except Exception as e:  # fall back to a kubeconfig, like the handlers do
+            in_cluster = f"in-cluster service account: {e}; "
+    else:
+        in_cluster = ""
+    where = (f"KUBECONFIG={os.environ['KUBECONFIG']}" if os.environ.get("KUBECONFIG")
+             else "~/.kube/config")
+    try:
+        kubernetes.config.load_kube_config()
+    except Exception as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PreflightError(f"cannot load the Kubernetes configuration ({in_cluster}"
+                             f"kubeconfig {where}): {detail}") from None
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Checks that would otherwise fail inside kopf's start-up handler (where kopf logs a
+    traceback and retries forever): Kubernetes configuration, then the metrics port (bound
+    here and kept: this is the metrics server). Raises :class:`PreflightError`."""
+    load_kubernetes_config()
+    if args.metrics_port:
+        from . import metrics
+
+        try:
+            metrics.serve(args.metrics_port)
+        except OSError as e:
+            raise PreflightError(f"cannot serve metrics on port {args.metrics_port} "
+                                 f"(--metrics-port): {e.strerror or e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the operator until signalled.
     Returns the process exit code."""
     args = build_parser().parse_args(argv)
+    try:
+        preflight(args)
+    except PreflightError as e:
+        print(f"mlx-fleet-operator: error: {e}", file=sys.stderr)
+        return EXIT_PREFLIGHT
     import kopf
+    from kopf._core.engines.activities import ActivityError  # not re-exported by kopf 1.45
 
     from . import handlers
 
@@ -65,12 +121,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
-    kopf.run(
-        standalone=args.standalone,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=liveness,
-    )
+    try:
+        kopf.run(
+            standalone=args.standalone,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
+        )
+    except ActivityError as e:  # the start-up handler failed permanently (already logged)
+        causes = "; ".join(str(o.exception) for o in e.outcomes.values() if o.exception)
+        print(f"mlx-fleet-operator: error: start-up failed: {causes or e}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -57,3 +57,18 @@ def forget_deployment(namespace: str, name: str) -> None:
             DEPLOYMENT_REPLICAS.remove(namespace, name, state)
         except KeyError:
             pass
+
+
+_SERVED_PORT: int | None = None
+
+
+def serve(port: int) -> None:
+    """Serve ``/metrics`` on ``0.0.0.0:port`` (once per process; a second call is a no-op).
+    Raises ``OSError`` when the port cannot be bound (in use, no permission)."""
+    global _SERVED_PORT
+    if not port or _SERVED_PORT is not None:
+        return
+    from prometheus_client import start_http_server
+
+    start_http_server(port)
+    _SERVED_PORT = port
