@@ -19,10 +19,12 @@ mid-request or the serving core has failed (``ServingCore.failure``).
 prompt and parameters repeat the same tokens unless batching with other sequences changes the
 logits in their last bits.
 
-Run the app with ``handler_cancellation=True`` (as ``aiohttp.test_utils.TestServer`` does) so a
-client disconnect cancels the handler; the handler additionally notices a closed transport
-between tokens. Either way the generation leaves the batch, and the request is counted with code
-``499`` and logged as one INFO line (no traceback).
+Run the app with ``handler_cancellation=True`` (as ``node_agent.main`` and
+``aiohttp.test_utils.TestServer`` do) so a client disconnect cancels the handler; the handler
+additionally notices a closed transport between tokens (a failed write while streaming, a
+closing transport otherwise), whichever comes first. Either way the generation leaves the batch,
+and the request is counted with code ``499`` (also a stream whose ``200`` header was already
+sent) and logged as one INFO line ``client disconnected during POST <path>`` (no traceback).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ CORE_KEY = web.AppKey("mlxfleet_core", ServingCore)
 _RequestKey = getattr(web, "RequestKey", None)
 _MODEL: Any = _RequestKey("mlxfleet_model", str) if _RequestKey else "mlxfleet_model"
 _REVISION: Any = _RequestKey("mlxfleet_revision", str) if _RequestKey else "mlxfleet_revision"
+# Set by a streaming handler that saw the client hang up after the 200 header went out.
+_HUNG_UP: Any = _RequestKey("mlxfleet_hung_up", bool) if _RequestKey else "mlxfleet_hung_up"
 # The model/revision label of requests that name no loaded model (unknown model, malformed body,
 # other routes): a constant, so that clients cannot create metric series at will.
 UNKNOWN_LABEL = "unknown"
@@ -223,6 +227,11 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         try:
             resp = await handler(request)
             status = resp.status
+            if request.get(_HUNG_UP):
+                # a stream the client left mid-way: its 200 header is already out, but the
+                # request did not complete
+                status = 499
+                log.info("client disconnected during %s %s", request.method, request.path)
             return resp
         except web.HTTPException as e:
             status = e.status
@@ -240,7 +249,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             log.info("client disconnected during %s %s", request.method, request.path)
             return web.Response(status=499)  # aiohttp drops it: the transport is closing
         except asyncio.CancelledError:
+            # handler_cancellation: aiohttp cancels the handler when the client disconnects
             status = 499
+            log.info("client disconnected during %s %s", request.method, request.path)
             raise
         except Exception:  # noqa: BLE001 - never let a request take the server down
             log.exception("unexpected error serving %s %s", request.method, request.path)
@@ -388,8 +399,10 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             await resp.write_eof()
         except ConnectionResetError:
             # The client went away mid-stream: stop generating (the caller's `async with`
-            # cancels too) and end quietly; the status stays the 200 already sent.
+            # cancels too) and end quietly; the middleware counts it as 499 (not the 200
+            # already sent) and logs it.
             gen.cancel()
+            request[_HUNG_UP] = True
         return resp
 
     async def list_models(request: web.Request) -> web.Response:

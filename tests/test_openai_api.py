@@ -284,6 +284,61 @@ async def test_non_streaming_hangup_logs_no_error(agent: Agent, caplog) -> None:
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "non-streaming"])
+@pytest.mark.parametrize("cancellation", [True, False], ids=["cancel", "no-cancel"])
+async def test_hangup_counts_499_and_logs_one_info_line(agent: Agent, caplog,  # noqa: F811
+                                                        streaming: bool,
+                                                        cancellation: bool) -> None:
+    # handler_cancellation=True is the production setting (node_agent.main): a disconnect
+    # cancels the handler, unless the handler notices it first (a write to the closed stream).
+    # Without it the handler always notices it itself (ConnectionResetError). Either way: 499.
+    app = build_app(agent.core, health=lambda: (True, {}), registry=agent.registry)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancellation)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    path = COMPLETIONS if streaming else CHAT
+    labels = {"model": MODEL_ID, "revision": REVISION, "endpoint": path}
+
+    def count(code: str) -> float:
+        return agent.registry.get_sample_value("mlxfleet_agent_requests_total",
+                                               {**labels, "code": code}) or 0
+
+    before_499, before_200 = count("499"), count("200")
+    try:
+        with caplog.at_level(logging.INFO, logger="node_agent.openai_api"):
+            async with aiohttp.ClientSession() as session:
+                if streaming:
+                    resp = await session.post(f"http://127.0.0.1:{port}{path}", json={
+                        "model": MODEL_ID, "prompt": "Hello", "max_tokens": LONG,
+                        "temperature": 0, "stream": True})
+                    assert resp.status == 200
+                    for _ in range(3):
+                        await resp.content.readuntil(b"\n\n")   # decoding has started
+                    resp.close()                                # the client hangs up
+                else:
+                    task = asyncio.create_task(session.post(
+                        f"http://127.0.0.1:{port}{path}",
+                        json={"model": MODEL_ID, "messages": msgs(), "max_tokens": LONG,
+                              "temperature": 0}))
+                    await wait_for(lambda: agent.core.active_sequences(MODEL_ID) == 1)
+                    task.cancel()                               # the client hangs up
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+            # counted (and logged just before) when the handler ends
+            await wait_for(lambda: count("499") == before_499 + 1)
+            await wait_for(lambda: agent.core.inflight_requests() == 0)
+    finally:
+        await runner.cleanup()
+    assert count("200") == before_200
+    ours = [r for r in caplog.records if r.name == "node_agent.openai_api"]
+    assert [(r.levelno, r.getMessage()) for r in ours] == [
+        (logging.INFO, f"client disconnected during POST {path}")]
+    assert all(r.exc_info is None for r in ours)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 async def test_unknown_fields_are_ignored(agent: Agent) -> None:  # noqa: F811
     resp = await agent.client.post(COMPLETIONS, json={
         "model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "logit_bias": {}, "whatever": [1]})
