@@ -17,7 +17,11 @@ mid-request or the serving core has failed (``ServingCore.failure``).
 ``seed`` is honoured best-effort: a seeded request samples from its own seed-derived random keys
 (not MLX's global random state, so other requests in the batch are unaffected); the same seed,
 prompt and parameters repeat the same tokens unless batching with other sequences changes the
-logits in their last bits.
+logits in their last bits. Cost: mlx-lm (0.32) samples a batch in one call only while all its
+sequences share one sampler object; a seeded request (always its own sampler), like one with a
+different ``temperature``/``top_p`` (or a greedy one among sampling ones), makes mlx-lm sample
+*every* row of its model's batch separately for as long as it runs, slowing sampling for all
+requests in that batch (see :mod:`node_agent.serving`).
 
 Run the app with ``handler_cancellation=True`` (as ``node_agent.main`` and
 ``aiohttp.test_utils.TestServer`` do) so a client disconnect cancels the handler; the handler

@@ -9,9 +9,16 @@ a request admitted while others decode is inserted into the running generator an
 batch at its next step. Prompt prefixes are reused through mlx-lm's
 :class:`mlx_lm.models.cache.LRUPromptCache` (one per model). Sampling per request is mlx-lm's
 ``make_sampler`` (temperature, top_p); samplers are shared between requests with equal
-parameters (an LRU of the last 64), because mlx-lm samples a batch in one call only when all its
-sequences hold the same sampler object. Seeded requests get their own sampler (see
-:meth:`ServingCore.generate`).
+parameters (an LRU of the last 64; every greedy request shares one), because mlx-lm (0.32,
+``BatchGenerator``'s step in ``mlx_lm/generate.py``) samples the batch in one call only when
+*every* sequence in it holds the very same sampler object (an ``is`` check). As soon as one
+sequence differs (a seeded request, which always gets a sampler of its own, see
+:meth:`ServingCore.generate`; a request with a different temperature or top_p; a greedy request
+next to a sampling one) *every* row of the batch is sampled separately, one sampler call per
+sequence followed by a concatenate, at every decode step for as long as that sequence is in the
+batch. So one seeded or differently-parameterised request makes sampling slower for the whole
+batch (its cost grows with the batch size instead of staying one call), not just for itself;
+the forward pass is still batched.
 
 Admission: at most ``max_concurrent_sequences`` sequences of a model are inside its
 BatchGenerator; further requests wait in the core (FIFO). When the waiting requests of all models
@@ -439,7 +446,9 @@ class ServingCore:
         seed, prompt and parameters give the same tokens as long as the model's logits are
         bit-identical; they can differ in the last bits when the request shares the batch with
         different other sequences, so reproducibility is best-effort (as with OpenAI's ``seed``).
-        A seeded request is sampled on its own rather than in the batch's shared sampler call.
+        A seeded request has a sampler of its own, so while it is in the batch mlx-lm samples
+        *every* sequence of the batch separately (one call per row instead of one for the batch;
+        see the module doc): it slows sampling for the whole batch, not only for itself.
 
         Raises :class:`ModelNotLoaded`, :class:`Overloaded`, :class:`ContextLengthExceeded`,
         :class:`InvalidPrompt`, ``ValueError`` for bad arguments, :class:`GenerationAborted`
