@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from mlx_fleet.contract import ROOT, Keys
-from mlx_fleet.store import EtcdStore, StoreError
+from mlx_fleet.store import EtcdStore, StoreError, parse_endpoint
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
 from .registration import DEFAULT_LEASE_TTL, Registration
@@ -78,6 +78,12 @@ def positive_int(text: str) -> int:
     return n
 
 
+def etcd_endpoint(text: str) -> str:
+    """An etcd client URL the store accepts (``http://host:port``); raises ``ValueError``."""
+    parse_endpoint(text)
+    return text
+
+
 def _argtype(fn):
     def wrapped(text: str):
         try:
@@ -118,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "HTTP API and reports per-assignment state back to etcd.")
     p.add_argument("--node-name", default=socket.gethostname(),
                    help="name of this node in etcd (nodes/<name>); must not contain '/' (default: this host's name, %(default)s)")
-    p.add_argument("--etcd-endpoint",
+    p.add_argument("--etcd-endpoint", type=_argtype(etcd_endpoint),
                    default=os.environ.get(ENV_ETCD_ENDPOINT, DEFAULT_ETCD_ENDPOINT),
                    help=f"etcd client URL http://host:port (default: env {ENV_ETCD_ENDPOINT}, else "
                         f"{DEFAULT_ETCD_ENDPOINT})")

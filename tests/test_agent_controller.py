@@ -411,7 +411,8 @@ def test_cli_parses_every_flag() -> None:
     assert cfg.labels == {"rack": "a", "tier": "gold"} and cfg.lease_ttl == 9
     assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30
     assert cfg.max_queued_requests == 5
-    for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"]):
+    for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"],
+                ["--etcd-endpoint", "https://etcd:2379"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
 
