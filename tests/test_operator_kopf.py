@@ -8,6 +8,7 @@ watch; Kubernetes status with a short bounded poll of ``kubectl get -o json``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import sys
 import urllib.request
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -35,14 +37,16 @@ def fleet_keys() -> Keys:
     return Keys(f"/mlx-fleet-test/{uuid.uuid4().hex[:12]}")
 
 
-@pytest.fixture
-def operator(control_plane, fleet_keys, namespace, tmp_path):
+@contextlib.contextmanager
+def running_operator(control_plane, keys: Keys, namespace: str, log: Path, *extra: str):
+    """The operator as a subprocess watching ``namespace``, yielded once /healthz answers;
+    stopped with SIGTERM (and must exit 0) afterwards."""
     liveness, metrics_port = free_port(), free_port()
     proc = ManagedProcess("mlx-fleet-operator", [
         sys.executable, "-m", "mlx_fleet_operator", "--etcd-endpoint", control_plane.etcd_url,
-        "--etcd-prefix", fleet_keys.root, "--metrics-port", str(metrics_port),
-        "--liveness-port", str(liveness), "--namespace", namespace, "--verbose"],
-        tmp_path / "operator.log", env=control_plane.env())
+        "--etcd-prefix", keys.root, "--metrics-port", str(metrics_port),
+        "--liveness-port", str(liveness), "--namespace", namespace, "--verbose", *extra],
+        log, env=control_plane.env())
 
     def healthy() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2) as r:
@@ -56,6 +60,12 @@ def operator(control_plane, fleet_keys, namespace, tmp_path):
         code = proc.stop()
         print(proc.log_tail(60))
         assert code == 0, f"operator exited with {code} on SIGTERM"
+
+
+@pytest.fixture
+def operator(control_plane, fleet_keys, namespace, tmp_path):
+    with running_operator(control_plane, fleet_keys, namespace, tmp_path / "operator.log") as proc:
+        yield proc
 
 
 async def until_assignments(store: EtcdStore, keys: Keys,
@@ -311,27 +321,61 @@ async def test_liveness_probe_fails_while_a_follower_is_dead(monkeypatch):
         await handlers.probe_followers()
 
 
-async def test_orphan_gc_uses_the_live_index_and_watched_namespaces(store, keys, monkeypatch):
-    """collect_orphans deletes assignments of objects missing from kopf's index, only in
-    watched namespaces, and does nothing before the index is known."""
-    from mlx_fleet.contract import Assignment, ModelSource
+def stored_assignment(ns: str, name: str, uid: str) -> bytes:
+    from mlx_fleet.contract import ModelSource
+
+    return Assignment(namespace=ns, name=name, uid=uid, served_model_name=name,
+                      source=ModelSource(uri="/m", revision="v1"), memory_bytes=GiB).to_json()
+
+
+async def test_orphan_gc_uses_the_live_listing_and_watched_namespaces(store, keys):
+    """collect_orphans deletes assignments of objects missing from the API server's listing,
+    only in watched namespaces, and does nothing without a listing or when listing fails."""
     from mlx_fleet_operator import handlers
 
-    def a(ns: str, name: str, uid: str) -> bytes:
-        return Assignment(namespace=ns, name=name, uid=uid, served_model_name=name,
-                          source=ModelSource(uri="/m", revision="v1"), memory_bytes=GiB).to_json()
-
+    a = stored_assignment
     await store.put(keys.assignment("mac-a", "watched", "live"), a("watched", "live", "u1"))
     await store.put(keys.assignment("mac-a", "watched", "gone"), a("watched", "gone", "u2"))
     await store.put(keys.assignment("mac-a", "elsewhere", "x"), a("elsewhere", "x", "u3"))
     cfg = handlers.OperatorConfig(namespaces=("watch*",))
     rt = handlers.Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope)
-    assert await handlers.collect_orphans(rt) == []  # index not populated yet: hands off
-    rt.live_index = {("watched", "live"): ["u1"]}
+    assert await handlers.collect_orphans(rt) == []  # no listing: hands off
+
+    def listing_fails():
+        raise handlers.ListingError("ApiException: (503) Service Unavailable")
+
+    rt.list_live = listing_fails
+    assert await handlers.collect_orphans(rt) == []  # listing failed: hands off
+    assert len((await store.list(keys.assignments_prefix)).items) == 3
+    rt.list_live = lambda: {("watched", "live"): {"u1"}}
     assert await handlers.collect_orphans(rt) == [keys.assignment("mac-a", "watched", "gone")]
     left = sorted(kv.key for kv in (await store.list(keys.assignments_prefix)).items)
     assert left == sorted([keys.assignment("mac-a", "elsewhere", "x"),
                            keys.assignment("mac-a", "watched", "live")])
+
+
+async def test_orphans_are_collected_with_no_modeldeployment_at_all(control_plane, fleet_keys, tmp_path):
+    """The collector runs from start-up, not from the first handler call: in a namespace that
+    never had a ModelDeployment, an assignment for a non-existent one is deleted; one in a
+    namespace the operator does not watch stays."""
+    keys = fleet_keys
+    empty_ns = f"t-{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(control_plane.kubectl, "create", "namespace", empty_ns)
+    try:
+        with running_operator(control_plane, keys, empty_ns, tmp_path / "operator.log",
+                              "--gc-interval", "0.2"):
+            async with EtcdStore(control_plane.etcd_url) as store:
+                elsewhere = keys.assignment("mac-b", "not-watched", "x")  # node → one in the view
+                await store.put(elsewhere, stored_assignment("not-watched", "x", "u0"))
+                await store.put(keys.assignment("mac-a", empty_ns, "ghost"),
+                                stored_assignment(empty_ns, "ghost", "u1"))
+                left = await until_assignments(store, keys, lambda v: all(
+                    a.namespace != empty_ns for a in v.values()))
+                assert [(a.namespace, a.name) for a in left.values()] == [("not-watched", "x")]
+                assert (await store.get(elsewhere)) is not None
+    finally:
+        await asyncio.to_thread(control_plane.kubectl, "delete", "namespace", empty_ns,
+                                "--wait=false", check=False)
 
 
 # --- start-up failures exit instead of retrying forever -------------------------------------------

@@ -54,7 +54,8 @@ GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
 #: Seconds between unconditional re-syncs of a deployment (a safety net under the watches).
 RESYNC_SECONDS = 30.0
-#: Seconds between garbage collections of orphaned assignments (see :func:`collect_orphans`).
+#: Default seconds between garbage collections of orphaned assignments (``--gc-interval``;
+#: see :func:`collect_orphans`).
 GC_SECONDS = 60.0
 #: After a reconcile gave up on etcd conflicts, its daemon is woken again after a delay
 #: uniform in [0.5, 1.5] × this (jittered, so the losers do not collide again in lockstep).
@@ -74,6 +75,7 @@ class OperatorConfig:
     metrics_port: int = 8080  # 0 = do not serve metrics
     writer: str = DEFAULT_WRITER
     namespaces: tuple[str, ...] = ()  # watched namespaces (globs); empty = cluster-wide
+    gc_interval: float = GC_SECONDS  # seconds between orphan collections
 
     def in_scope(self, namespace: str) -> bool:
         """Whether this operator watches ``namespace`` (garbage collection stays inside)."""
@@ -94,10 +96,14 @@ class Runtime:
     """The operator's in-memory state: etcd store, followed views, wake-ups, locks."""
 
     def __init__(self, store: EtcdStore, keys: Keys, writer: str,
-                 in_scope: Callable[[str], bool] = lambda ns: True) -> None:
+                 in_scope: Callable[[str], bool] = lambda ns: True,
+                 gc_interval: float = GC_SECONDS) -> None:
         self.store = store
         self.in_scope = in_scope
-        self.live_index: Mapping[Any, Any] | None = None  # kopf index, once populated
+        #: Lists the live ModelDeployments ((namespace, name) → uids), blocking (run in a
+        #: thread); None: no garbage collection. Set at start-up (:func:`list_live_deployments`).
+        self.list_live: Callable[[], dict[DeploymentKey, set[str]]] | None = None
+        self.gc_interval = gc_interval
         self.keys = keys
         self.writer = writer
         self.nodes: dict[str, NodeRecord] = {}
@@ -231,11 +237,9 @@ class Runtime:
             self.tasks.append(asyncio.create_task(supervise(health, run), name=name))
 
     # -- garbage collection ----------------------------------------------------------------
-    def start_gc(self, index: Mapping[Any, Any]) -> None:
-        """Start the orphan collector (once), given kopf's populated ModelDeployment index."""
-        if self.live_index is not None:
-            return
-        self.live_index = index
+    def start_gc(self) -> None:
+        """Start the orphan collector (at start-up, whether or not any ModelDeployment exists):
+        every ``gc_interval`` seconds, :func:`collect_orphans`."""
         health = self.followers["assignment gc"] = TaskHealth("assignment gc")
         self.tasks.append(asyncio.create_task(supervise(health, self._gc_loop),
                                               name="assignment gc"))
@@ -243,7 +247,7 @@ class Runtime:
     async def _gc_loop(self) -> None:
         while True:
             await collect_orphans(self)
-            await asyncio.sleep(GC_SECONDS)
+            await asyncio.sleep(self.gc_interval)
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -257,19 +261,53 @@ class Runtime:
 RUNTIME: Runtime | None = None
 
 
+class ListingError(Exception):
+    """The live ModelDeployments could not be listed (so nothing may be collected)."""
+
+
+def list_live_deployments(api: Any, namespaces: tuple[str, ...]) -> dict[DeploymentKey, set[str]]:
+    """(namespace, name) → uids of the ModelDeployments that exist, straight from the API
+    server (a complete listing, unlike an index a watch is still filling). Exact namespace
+    names are listed one by one; with no ``--namespace`` or a glob pattern, cluster-wide (the
+    caller filters by scope). Blocking; raises :class:`ListingError`."""
+    exact = bool(namespaces) and not any(set(p) & set("*?[!,") for p in namespaces)
+    try:
+        if exact:
+            items = [o for ns in namespaces for o in api.list_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, _request_timeout=30)["items"]]
+        else:
+            items = api.list_cluster_custom_object(GROUP, VERSION, PLURAL,
+                                                   _request_timeout=30)["items"]
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise ListingError(f"{type(e).__name__}: {first_line}") from e
+    live: dict[DeploymentKey, set[str]] = {}
+    for o in items:
+        meta = o.get("metadata") or {}
+        live.setdefault((meta["namespace"], meta["name"]), set()).add(meta.get("uid", ""))
+    return live
+
+
 async def collect_orphans(rt: Runtime) -> list[str]:
     """Delete assignments whose ModelDeployment is gone (finalizer removed by hand, operator
-    down during a delete ...), in watched namespaces only, judged against kopf's index of the
-    live objects (populated from the initial listing before any handler runs). The object is
-    gone, so there is nothing to post an event on: the deletion is only logged."""
-    if rt.live_index is None:
+    down during a delete ...), in watched namespaces only, judged against a listing of the
+    live objects from the API server (taken after etcd is read; see
+    :func:`.reconcile.collect_garbage`). No listing, no collection. The object is gone, so
+    there is nothing to post an event on: the deletion is only logged."""
+    if rt.list_live is None:
         return []
-    live = {key: set(uids) for key, uids in rt.live_index.items()}
+    list_live = rt.list_live
+
+    async def live() -> dict[DeploymentKey, set[str]]:
+        return await asyncio.to_thread(list_live)
+
     try:
         return await collect_garbage(rt.store, rt.keys, live, rt.in_scope, writer=rt.writer)
     except StoreError as e:
         log.warning("garbage collection skipped: etcd: %s", e)
-        return []
+    except ListingError as e:
+        log.warning("garbage collection skipped: cannot list ModelDeployments: %s", e)
+    return []
 
 
 def runtime() -> Runtime:
@@ -320,9 +358,12 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     rt: Runtime | None = None
     try:
         await store.connect()
-        rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope)
-        rt.custom_api = await asyncio.to_thread(_kubernetes_api)
+        rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope,
+                     gc_interval=cfg.gc_interval)
+        rt.custom_api = api = await asyncio.to_thread(_kubernetes_api)
+        rt.list_live = lambda: list_live_deployments(api, cfg.namespaces)
         rt.start_followers()
+        rt.start_gc()
         try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
             await asyncio.wait_for(asyncio.gather(rt.nodes_synced.wait(),
                                                   rt.reports_synced.wait()), timeout=30)
@@ -467,19 +508,11 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
 
 
-@kopf.index(**_RESOURCE)
-async def deployments_index(namespace: str, name: str, uid: str, **_: Any) -> dict:
-    """(namespace, name) → uid of every live ModelDeployment (for garbage collection)."""
-    return {(namespace, name): uid}
-
-
 @kopf.on.resume(**_RESOURCE)
 @kopf.on.create(**_RESOURCE)
 @kopf.on.update(**_RESOURCE)
 async def reconcile_handler(body: kopf.Body, logger: logging.Logger, namespace: str, name: str,
-                            deployments_index: kopf.Index, **_: Any) -> None:
-    # kopf calls handlers only once its indices are populated: the GC may start now.
-    runtime().start_gc(deployments_index)
+                            **_: Any) -> None:
     try:
         await sync(body, logger)
     except kopf.PermanentError as e:

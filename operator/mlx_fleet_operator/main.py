@@ -25,6 +25,13 @@ EXIT_PREFLIGHT = 2
 EXIT_FAILED = 1
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-fleet-operator", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness-port", type=int, default=8081,
                    help="port of the liveness endpoint http://0.0.0.0:PORT/healthz; 0 disables "
                         "it (default %(default)s)")
+    p.add_argument("--gc-interval", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                   help="seconds between garbage collections of orphaned assignments (their "
+                        "ModelDeployment is gone); the first runs at start-up "
+                        "(default %(default)s)")
     peering = p.add_mutually_exclusive_group()
     peering.add_argument("--standalone", dest="standalone", action="store_true", default=True,
                          help="run without kopf peering (the default): safety against two "
@@ -117,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
                                               etcd_prefix=args.etcd_prefix,
                                               metrics_port=args.metrics_port,
-                                              namespaces=tuple(args.namespace))
+                                              namespaces=tuple(args.namespace),
+                                              gc_interval=args.gc_interval)
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import random
 import socket
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 
 from pydantic import ValidationError
 
@@ -291,13 +291,24 @@ def find_orphans(view: FleetView, keys: Keys, live: Mapping[tuple[str, str], Col
     return out
 
 
-async def collect_garbage(store: Store, keys: Keys, live: Mapping[tuple[str, str], Collection[str]],
+LiveObjects = Mapping[tuple[str, str], Collection[str]]
+
+
+async def collect_garbage(store: Store, keys: Keys,
+                          live: LiveObjects | Callable[[], Awaitable[LiveObjects]],
                           in_scope: Callable[[str], bool], *,
                           writer: str = DEFAULT_WRITER) -> list[str]:
     """Delete the :func:`find_orphans` assignments in one fenced transaction (epoch and every
     deleted key compared, epoch bumped). Returns the deleted keys; ``[]`` when there were none
-    or the transaction lost a race (the next round retries)."""
+    or the transaction lost a race (the next round retries).
+
+    ``live`` may be an async function listing the live objects: it is called *after* etcd is
+    read, so an assignment in that read was written before the listing started, and its
+    object, if it still exists, is in the listing (listing first could see a brand-new object's
+    assignment but not the object). An exception from it propagates: no listing, no collection."""
     view = await read_fleet(store, keys)
+    if callable(live):
+        live = await live()
     orphans = find_orphans(view, keys, live, in_scope)
     if not orphans:
         return []
