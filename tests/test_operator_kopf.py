@@ -435,3 +435,41 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
         await handlers.startup(settings=kopf.OperatorSettings(), logger=logging.getLogger("test"))
     assert handlers.RUNTIME is None and len(closed) == 1
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
+
+
+async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(store, keys, monkeypatch):
+    """A spec that becomes invalid: one InvalidSpec Warning (not one from status and another
+    from the handler), and status still shows the replica placed for the last valid spec —
+    its assignment stays in etcd and its agent keeps serving it."""
+    import kopf
+
+    from mlx_fleet_operator import handlers
+
+    rt = handlers.Runtime(store=store, keys=keys, writer="test")
+    monkeypatch.setattr(handlers, "RUNTIME", rt)
+    patched: list[dict] = []
+    posted: list[tuple[str, str]] = []
+
+    async def patch_status(rt_, namespace, name, status):
+        patched.append(dict(status))
+
+    monkeypatch.setattr(handlers, "_patch_status", patch_status)
+    monkeypatch.setattr(kopf, "event", lambda body, *, type, reason, message: posted.append((type, reason)))
+    monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message: posted.append(("Warning", reason)))
+    await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
+    await store.put(keys.assignment("mac-a", "ns", "llm"), stored_assignment("ns", "llm", "u"))
+    rt.reports[("ns", "llm")] = {"mac-a": AssignmentReport(
+        node="mac-a", namespace="ns", name="llm", generation=0, revision="v1",
+        state=AssignmentState.READY, endpoint="http://mac-a.local:8000")}
+    body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 2, "uid": "u"},
+            "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1,
+                     "resources": {"memory": "lots"}}}
+    with pytest.raises(kopf.PermanentError, match="invalid quantity"):
+        await handlers.reconcile_handler(body=body, logger=logging.getLogger("test"),
+                                         namespace="ns", name="llm")
+    assert [p for p in posted if p[1] == "InvalidSpec"] == [("Warning", "InvalidSpec")]
+    [status] = patched
+    assert status["replicas"] == 1 and status["readyReplicas"] == 1
+    assert [(n["name"], n["state"]) for n in status["nodes"]] == [("mac-a", "Ready")]
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "InvalidSpec"
+    assert (await store.get(keys.assignment("mac-a", "ns", "llm"))) is not None  # still served

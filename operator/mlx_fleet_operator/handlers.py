@@ -45,7 +45,7 @@ from mlx_fleet.supervise import TaskHealth, dead, supervise
 
 from . import metrics
 from .placement import PlacementRequest
-from .reconcile import (DEFAULT_WRITER, ConflictError, collect_garbage, reconcile,
+from .reconcile import (DEFAULT_WRITER, ConflictError, collect_garbage, read_fleet, reconcile,
                         remove_deployment)
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
@@ -468,8 +468,20 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             metrics.RECONCILE_TOTAL.labels(result="invalid").inc()
             replicas = spec_dict.get("replicas")
             replicas = replicas if isinstance(replicas, int) else 0
+            # Nothing is re-placed, but what was placed for the last valid spec stays in etcd
+            # and keeps being served: the status shows those replicas (and their reports).
+            try:
+                placed = {n: s.assignment for n, s in
+                          (await read_fleet(rt.store, rt.keys)).of(*key).items()
+                          if s.assignment is not None}
+            except StoreError as se:
+                metrics.RECONCILE_TOTAL.labels(result="error").inc()
+                raise kopf.TemporaryError(f"etcd: {se}", delay=5) from se
+            reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in placed}
             status, events = compute_status(StatusInput(
-                generation=generation, replicas=replicas, spec_error=str(e)), previous)
+                generation=generation, replicas=replicas, assignments=placed, reports=reports,
+                nodes=dict(rt.nodes), spec_error=str(e)), previous)
+            # The InvalidSpec Warning event is among ``events`` (posted on the transition only).
             await _publish(rt, body, key, status, events, replicas)
             raise kopf.PermanentError(str(e)) from None
 
@@ -513,11 +525,7 @@ _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
 @kopf.on.update(**_RESOURCE)
 async def reconcile_handler(body: kopf.Body, logger: logging.Logger, namespace: str, name: str,
                             **_: Any) -> None:
-    try:
-        await sync(body, logger)
-    except kopf.PermanentError as e:
-        kopf.warn(body, reason="InvalidSpec", message=str(e)[:1024])
-        raise
+    await sync(body, logger)  # an invalid spec: sync() posted the InvalidSpec event already
     runtime().wakeup((namespace, name))  # make sure the daemon's event exists
 
 

@@ -50,7 +50,8 @@ class StatusInput:
     ``assignments``: node → this deployment's stored assignment (after reconcile).
     ``reports``: node → the agent's report for this deployment. ``nodes``: node → record.
     ``unplaced`` / ``placement_message``: from the placement decision.
-    ``spec_error``: set when the spec is invalid (nothing is placed then).
+    ``spec_error``: set when the spec is invalid (nothing is re-placed then; ``assignments``
+    are those still stored from the last valid spec, still served, so still reported).
     """
 
     generation: int
