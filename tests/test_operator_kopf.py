@@ -473,3 +473,21 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
     assert [(n["name"], n["state"]) for n in status["nodes"]] == [("mac-a", "Ready")]
     assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "InvalidSpec"
     assert (await store.get(keys.assignment("mac-a", "ns", "llm"))) is not None  # still served
+
+
+def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():
+    """--peering passes a peering name (kopf: peering mandatory; without a name kopf only
+    auto-detects and runs standalone when the object is missing) and a per-process priority
+    (kopf pauses every operator that sees an equal one)."""
+    from mlx_fleet_operator.main import build_parser, kopf_run_kwargs
+
+    def kw(*argv: str) -> dict:
+        return kopf_run_kwargs(build_parser().parse_args(list(argv)))
+
+    assert kw() == {"standalone": True, "clusterwide": True, "namespaces": []}
+    peered = kw("--peering", "--namespace", "team-a")
+    assert peered["standalone"] is False and peered["peering_name"] == "mlx-fleet"
+    assert (peered["clusterwide"], peered["namespaces"]) == (False, ["team-a"])
+    assert len({kw("--peering")["priority"] for _ in range(5)}) > 1  # random per process
+    named = kw("--peering", "--peering-name", "fleet-a", "--peering-priority", "7")
+    assert (named["peering_name"], named["priority"]) == ("fleet-a", 7)

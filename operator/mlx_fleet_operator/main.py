@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import sys
 from collections.abc import Sequence
 
@@ -61,8 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
                               "operator replicas comes from the fenced etcd transactions, so "
                               "no KopfPeering CRD or its RBAC is needed")
     peering.add_argument("--peering", dest="standalone", action="store_false",
-                         help="use kopf peering (requires the KopfPeering CRDs installed) so "
-                              "only the highest-priority replica handles resources")
+                         help="use kopf peering, mandatory (the operator fails to start without "
+                              "kopf's peering CRDs and the peering object --peering-name): only "
+                              "the replica with the highest --peering-priority handles "
+                              "resources, the others pause until its record expires")
+    p.add_argument("--peering-name", default="mlx-fleet", metavar="NAME",
+                   help="with --peering: the ClusterKopfPeering (cluster-wide) or KopfPeering "
+                        "(in each watched namespace) object the replicas share "
+                        "(default %(default)s)")
+    p.add_argument("--peering-priority", type=int, default=None, metavar="N",
+                   help="with --peering: this replica's priority; default a random number "
+                        "per process, so replicas differ (kopf pauses ALL operators that see "
+                        "an equal priority)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="debug logging (kopf and mlx-fleet)")
     return p
@@ -111,6 +122,18 @@ def preflight(args: argparse.Namespace) -> None:
                                  f"(--metrics-port): {e.strerror or e}") from None
 
 
+def kopf_run_kwargs(args: argparse.Namespace) -> dict:
+    """``kopf.run`` arguments for scope and peering. ``--peering`` passes a peering name, which
+    makes kopf's peering *mandatory* (without one kopf merely auto-detects the "default"
+    object and, finding none, runs every replica standalone)."""
+    kw: dict = dict(clusterwide=not args.namespace, namespaces=args.namespace)
+    if args.standalone:
+        return {**kw, "standalone": True}
+    priority = (args.peering_priority if args.peering_priority is not None
+                else random.SystemRandom().randint(1, 2**31 - 1))
+    return {**kw, "standalone": False, "peering_name": args.peering_name, "priority": priority}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the operator until signalled.
     Returns the process exit code."""
@@ -134,12 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
     try:
-        kopf.run(
-            standalone=args.standalone,
-            clusterwide=not args.namespace,
-            namespaces=args.namespace,
-            liveness_endpoint=liveness,
-        )
+        kopf.run(**kopf_run_kwargs(args), liveness_endpoint=liveness)
     except ActivityError as e:  # the start-up handler failed permanently (already logged)
         causes = "; ".join(str(o.exception) for o in e.outcomes.values() if o.exception)
         print(f"mlx-fleet-operator: error: start-up failed: {causes or e}", file=sys.stderr)
