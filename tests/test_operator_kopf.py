@@ -1,8 +1,9 @@
 """The operator end to end on the real local control plane (etcd + kube-apiserver + CRDs).
 
 The test plays the node agents: it writes node records (under a lease) and reports into etcd,
-and watches the assignments the operator writes. No sleeps: etcd changes are awaited with a
-watch; Kubernetes status with a short bounded poll of ``kubectl get -o json``.
+and watches the assignments the operator writes. No sleeps or polls: etcd changes are awaited
+with an etcd watch, Kubernetes status with ``kubectl wait --for=condition=...``,
+``--for=jsonpath=...`` or ``--for=delete`` (a watch on the API server).
 """
 
 from __future__ import annotations
@@ -102,19 +103,21 @@ async def until_assignments(store: EtcdStore, keys: Keys,
     return dict(view)
 
 
-async def until_object(control_plane, namespace: str, name: str, predicate: Callable[[dict | None], bool]) -> dict | None:
-    """Bounded poll of ``kubectl get`` (nothing to watch from here); None once it is gone."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + TIMEOUT
-    last = None
-    while loop.time() < deadline:
-        r = await asyncio.to_thread(control_plane.kubectl, "get", "modeldeployment", name,
-                                    "-n", namespace, "-o", "json", check=False)
-        last = json.loads(r.stdout) if r.returncode == 0 else None
-        if predicate(last):
-            return last
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"condition not reached; last object: {json.dumps(last, indent=1)}")
+async def kubectl_wait(control_plane, namespace: str, name: str, condition: str) -> None:
+    """``kubectl wait --for=<condition>`` on the ModelDeployment (a watch on the API server, no
+    polling here): ``condition=Ready``, ``jsonpath={.status.x}=v`` or ``delete``."""
+    r = await asyncio.to_thread(control_plane.kubectl, "wait", f"modeldeployment/{name}", "-n", namespace,
+                                f"--for={condition}", f"--timeout={int(TIMEOUT)}s", check=False,
+                                timeout=TIMEOUT + 30)
+    if r.returncode != 0:
+        last = await asyncio.to_thread(control_plane.kubectl, "get", "modeldeployment", name, "-n",
+                                       namespace, "-o", "json", check=False)
+        raise AssertionError(f"kubectl wait --for={condition}: {r.stderr.strip()}; last object: {last.stdout}")
+
+
+async def get_object(control_plane, namespace: str, name: str) -> dict:
+    r = await asyncio.to_thread(control_plane.kubectl, "get", "modeldeployment", name, "-n", namespace, "-o", "json")
+    return json.loads(r.stdout)
 
 
 def node_record(name: str) -> NodeRecord:
@@ -167,8 +170,10 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
             node="mac-a", namespace=namespace, name=name, generation=asg.generation,
             revision="v1", state=AssignmentState.READY, reason="ModelLoaded",
             endpoint="http://mac-a.local:8000").to_json(), lease=lease)
-        obj = await until_object(control_plane, namespace, name, lambda o: bool(o) and (
-            o.get("status") or {}).get("readyReplicas") == 1 and ready_condition(o).get("status") == "True")
+        await kubectl_wait(control_plane, namespace, name, "condition=Ready")
+        await kubectl_wait(control_plane, namespace, name, "jsonpath={.status.readyReplicas}=1")
+        obj = await get_object(control_plane, namespace, name)
+        assert ready_condition(obj)["status"] == "True" and obj["status"]["readyReplicas"] == 1
         status = obj["status"]
         assert status["observedGeneration"] == obj["metadata"]["generation"] == asg.generation
         assert status["endpoints"] == ["http://mac-a.local:8000"]
@@ -181,8 +186,10 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
         await store.revoke_lease(lease)
         moved = await until_assignments(store, keys, lambda v: set(v) == {"mac-b"})
         assert moved["mac-b"].name == name
-        await until_object(control_plane, namespace, name, lambda o: bool(o) and [
-            n["name"] for n in o["status"]["nodes"]] == ["mac-b"] and o["status"]["readyReplicas"] == 0)
+        # nodes are sorted by name: mac-b first means mac-a is gone from this (atomic) status.
+        await kubectl_wait(control_plane, namespace, name, "jsonpath={.status.nodes[0].name}=mac-b")
+        obj = await get_object(control_plane, namespace, name)
+        assert [n["name"] for n in obj["status"]["nodes"]] == ["mac-b"] and obj["status"]["readyReplicas"] == 0
 
         events = await asyncio.to_thread(
             control_plane.kubectl, "get", "events", "-n", namespace, "--field-selector",
@@ -205,7 +212,7 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
         await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name, "-n", namespace,
                                 "--wait=true", "--timeout=60s")
         await until_assignments(store, keys, lambda v: not v)
-        assert await until_object(control_plane, namespace, name, lambda o: o is None) is None
+        await kubectl_wait(control_plane, namespace, name, "delete")
         await store.revoke_lease(lease_b)
 
 
