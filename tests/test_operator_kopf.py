@@ -498,3 +498,12 @@ def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():
     assert len({kw("--peering")["priority"] for _ in range(5)}) > 1  # random per process
     named = kw("--peering", "--peering-name", "fleet-a", "--peering-priority", "7")
     assert (named["peering_name"], named["priority"]) == ("fleet-a", 7)
+
+
+def test_unusable_etcd_endpoint_is_refused_by_the_parser(capsys):
+    from mlx_fleet_operator.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--etcd-endpoint", "https://etcd:2379"])
+    assert exit_info.value.code == 2
+    assert "--etcd-endpoint" in capsys.readouterr().err

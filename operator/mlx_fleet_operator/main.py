@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from mlx_fleet.contract import ROOT
+from mlx_fleet.store import parse_endpoint
 
 DESCRIPTION = """\
 Run the mlx-fleet operator: turn ModelDeployment resources (mlx-fleet.io/v1alpha1) into
@@ -33,10 +34,19 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _etcd_endpoint(text: str) -> str:
+    """argparse type: an etcd client URL the store accepts (``http://host:port``)."""
+    try:
+        parse_endpoint(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-fleet-operator", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--etcd-endpoint",
+    p.add_argument("--etcd-endpoint", type=_etcd_endpoint,
                    default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
                    help="etcd client URL (http://host:port) holding node records, assignments "
                         "and reports (env MLX_FLEET_ETCD_ENDPOINT; default %(default)s)")
