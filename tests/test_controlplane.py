@@ -86,3 +86,29 @@ replace (
 replace k8s.io/kubectl => ./staging/src/k8s.io/kubectl
 """
     assert _staging_modules(gomod) == ["k8s.io/api", "k8s.io/client-go", "k8s.io/kubectl"]
+
+
+def test_children_die_with_a_sigkilled_parent(tmp_path: Path) -> None:
+    """A run that is SIGKILLed (no cleanup code runs) still leaves no process behind."""
+    import select
+    import subprocess
+    import sys
+
+    code = (
+        "import signal\n"
+        "from pathlib import Path\n"
+        "from mlx_fleet.devcluster.processes import ManagedProcess\n"
+        f"p = ManagedProcess('sleeper', ['sleep', '300'], Path({str(tmp_path / 'log')!r}))\n"
+        "print(p.pid, flush=True)\n"
+        "signal.pause()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    pidfd = os.pidfd_open(child)  # readable once the process has exited
+    try:
+        assert select.select([pidfd], [], [], 0)[0] == []  # running
+        parent.kill()
+        parent.wait()
+        assert select.select([pidfd], [], [], 10)[0] == [pidfd], "child outlived its parent"
+    finally:
+        os.close(pidfd)

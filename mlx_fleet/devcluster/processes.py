@@ -1,16 +1,22 @@
 """Child processes that never outlive their parent, and readiness waits that never sleep blindly.
 
 Every process the local fleet starts (etcd, kube-apiserver, the operator, agents) goes through
-:class:`ManagedProcess`: its output goes to a log file, it is asked to exit with SIGTERM and
-killed after a grace period, and on Linux the kernel kills it if the parent dies
-(``PR_SET_PDEATHSIG``), so even a SIGKILLed test run leaves no process behind.
+:class:`ManagedProcess`: its output goes to a log file, it runs in its own process group (a
+terminal's Ctrl-C reaches only us, and we stop children in order), it is asked to exit with
+SIGTERM and killed after a grace period, and on Linux the kernel kills it if the parent dies
+(``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv --pdeathsig KILL`` which then execs the
+command), so even a SIGKILLed test run leaves no process behind.
+
+No Python code runs between fork and exec (no ``preexec_fn``): the parent has gRPC and MLX
+threads, and running the interpreter in a child forked from such a process is unsafe — it
+segfaulted in ``threading._after_fork`` about once in four test runs before this was changed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,11 +37,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    os.setpgrp()  # own process group: a terminal Ctrl-C reaches only us; we stop children in order
+def _die_with_parent_prefix() -> list[str]:
+    """``setpriv --pdeathsig KILL`` on Linux when util-linux provides it, else nothing (macOS:
+    children are still stopped by :meth:`ManagedProcess.stop`, just not on a SIGKILLed parent)."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
 class ManagedProcess:
@@ -53,9 +59,9 @@ class ManagedProcess:
         self._log = log_path.open("ab")
         full_env = dict(os.environ)
         full_env.update(env or {})
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=full_env, cwd=cwd,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen([*_die_with_parent_prefix(), *self.argv], stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=full_env, cwd=cwd, process_group=0)
 
     @property
     def pid(self) -> int:
