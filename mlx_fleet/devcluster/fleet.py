@@ -34,15 +34,17 @@ class AgentProcess:
 
 
 def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float = 120.0,
-                   extra_args: tuple[str, ...] = ()) -> ManagedProcess:
+                   extra_args: tuple[str, ...] = (),
+                   env: dict[str, str] | None = None) -> ManagedProcess:
     """Run ``python -m mlx_fleet_operator`` against ``cp``; returns once its liveness probe
-    answers (kopf is connected to the API server and its handlers are registered)."""
+    answers (kopf is connected to the API server and its handlers are registered). ``env`` is
+    merged over ``cp.env()`` (e.g. a ``KUBECONFIG`` with a ServiceAccount's token)."""
     metrics, liveness = free_port(), free_port()
     proc = ManagedProcess("operator", [
         sys.executable, "-m", "mlx_fleet_operator",
         "--etcd-endpoint", cp.etcd_url, "--etcd-prefix", etcd_prefix,
         "--metrics-port", str(metrics), "--liveness-port", str(liveness), *extra_args,
-    ], cp.logs_dir / "operator.log", env={**cp.env(), "PYTHONUNBUFFERED": "1"})
+    ], cp.logs_dir / "operator.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
     cp.extra.append(proc)
 
     def live() -> bool:

@@ -1,0 +1,261 @@
+"""The Helm chart's RBAC, in practice: the operator runs as the chart's ServiceAccount.
+
+The chart is rendered with ``helm template``; only its ServiceAccount, ClusterRole and
+ClusterRoleBinding are applied to the real local kube-apiserver. A token for that ServiceAccount
+(TokenRequest, ``kubectl create token``) goes into a kubeconfig of its own, and the operator runs
+with it through a whole ModelDeployment lifecycle: placement, status patched to Ready, an Event
+posted, and the finalizer removed on deletion. The operator must never have been refused (no
+403/Forbidden in its log), and the ServiceAccount must not be able to do what it need not do.
+
+The test plays the node agent (node record and report under a lease in etcd). No sleeps: etcd
+changes are awaited with an etcd watch, Kubernetes changes with ``kubectl wait`` (an API watch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeCapacity,
+                                NodeRecord)
+from mlx_fleet.devcluster.fleet import start_operator
+from mlx_fleet.devcluster.helm import ensure_helm
+from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent, follow_prefix
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "mlx-fleet"
+RELEASE = "mlx-fleet"
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+GiB = 1024**3
+TIMEOUT = 60.0
+NODE = "mac-rbac"
+
+
+def helm_env() -> dict[str, str]:
+    home = Path(tempfile.gettempdir()) / "mlx-fleet-helm"
+    return {**os.environ, **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+
+
+def render_rbac(namespace: str) -> list[dict[str, Any]]:
+    """``helm template`` the chart into ``namespace``; keep only its RBAC documents."""
+    proc = subprocess.run([str(ensure_helm()), "template", RELEASE, str(CHART), "--namespace", namespace],
+                          cwd=REPO, capture_output=True, text=True, env=helm_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") in RBAC_KINDS]
+    assert sorted(d["kind"] for d in docs) == sorted(RBAC_KINDS), docs
+    return docs
+
+
+@pytest.fixture(scope="module")
+def chart_rbac(control_plane, namespace):
+    """The chart's SA/ClusterRole/ClusterRoleBinding applied (rendered for the module namespace);
+    yields the ServiceAccount's name. The cluster-scoped objects are removed afterwards."""
+    docs = render_rbac(namespace)
+    # The ClusterRole/Binding are cluster-scoped: give them names unique to this module so a
+    # concurrent session or module applying the chart is never disturbed.
+    suffix = namespace
+    for d in docs:
+        if d["kind"] == "ClusterRole":
+            role = d["metadata"]["name"]
+            d["metadata"]["name"] = f"{role}-{suffix}"
+        elif d["kind"] == "ClusterRoleBinding":
+            d["metadata"]["name"] = f"{d['metadata']['name']}-{suffix}"
+    for d in docs:
+        if d["kind"] == "ClusterRoleBinding":
+            assert d["roleRef"]["name"] == role
+            d["roleRef"]["name"] = f"{role}-{suffix}"
+    [sa] = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert sa["metadata"]["namespace"] == namespace
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    yield sa["metadata"]["name"]
+    for d in docs:
+        if d["kind"] != "ServiceAccount":
+            control_plane.kubectl("delete", d["kind"].lower(), d["metadata"]["name"],
+                                  "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="module")
+def sa_kubeconfig(control_plane, namespace, chart_rbac, tmp_path_factory) -> Path:
+    """A kubeconfig authenticating as the chart's ServiceAccount (a TokenRequest token), with the
+    admin kubeconfig's cluster entry (server + CA)."""
+    token = control_plane.kubectl("create", "token", chart_rbac, "-n", namespace,
+                                  "--duration=1h").stdout.strip()
+    assert token
+    admin = json.loads(Path(control_plane.kubeconfig).read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    path = tmp_path_factory.mktemp("sa") / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": "operator-sa", "user": {"token": token}}],
+        "contexts": [{"name": "operator-sa", "context": {"cluster": cluster["name"], "user": "operator-sa",
+                                                           "namespace": namespace}}],
+        "current-context": "operator-sa",
+    }, indent=2))
+    path.chmod(0o600)
+    return path
+
+
+def kubectl_as(control_plane, kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(control_plane.binaries.kubectl), "--kubeconfig", str(kubeconfig), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def can_i(control_plane, kubeconfig: Path, *args: str) -> str:
+    r = kubectl_as(control_plane, kubeconfig, "auth", "can-i", *args)
+    answer = r.stdout.strip()
+    assert answer in ("yes", "no"), (r.stdout, r.stderr)
+    return answer
+
+
+def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconfig):
+    """What the operator needs: yes. What it must not have: no."""
+    ns = ("-n", namespace)
+    allowed = [
+        ("get", "modeldeployments.mlx-fleet.io"), ("list", "modeldeployments.mlx-fleet.io"),
+        ("watch", "modeldeployments.mlx-fleet.io"), ("patch", "modeldeployments.mlx-fleet.io"),
+        ("patch", "modeldeployments.mlx-fleet.io/status"), ("create", "events"),
+        ("create", "events.events.k8s.io"),
+    ]
+    denied = [
+        ("create", "pods"), ("get", "secrets"), ("list", "secrets"), ("create", "deployments.apps"),
+        ("create", "modeldeployments.mlx-fleet.io"), ("delete", "modeldeployments.mlx-fleet.io"),
+        ("delete", "events"), ("create", "serviceaccounts/token"),
+        ("create", "clusterroles.rbac.authorization.k8s.io"),
+        ("escalate", "clusterroles.rbac.authorization.k8s.io"),
+        ("impersonate", "serviceaccounts"),
+    ]
+    for verb, resource in allowed:
+        assert can_i(control_plane, sa_kubeconfig, verb, resource, *ns) == "yes", (verb, resource)
+    for verb, resource in denied:
+        assert can_i(control_plane, sa_kubeconfig, verb, resource, *ns) == "no", (verb, resource)
+    # Not a wildcard role.
+    assert can_i(control_plane, sa_kubeconfig, "*", "*", "--all-namespaces") == "no"
+    assert can_i(control_plane, sa_kubeconfig, "create", "namespaces") == "no"
+
+
+def node_record(name: str) -> NodeRecord:
+    return NodeRecord(name=name, address=f"http://{name}.local:8000",
+                      capacity=NodeCapacity(memory_total_bytes=64 * GiB, memory_available_bytes=60 * GiB,
+                                            chip="Apple M4 Max", chip_generation=4, simulated=True))
+
+
+def manifest(name: str, namespace: str) -> str:
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
+                 "replicas": 1, "resources": {"memory": "1Gi"}},
+    })
+
+
+async def until_assignments(store: EtcdStore, keys: Keys,
+                            predicate: Callable[[dict[str, Assignment]], bool]) -> dict[str, Assignment]:
+    """Follow ``assignments/`` (snapshot + watch) until ``predicate(node → assignment)`` holds."""
+    view: dict[str, Assignment] = {}
+    done = asyncio.Event()
+
+    async def on_snapshot(snap: Snapshot) -> None:
+        view.clear()
+        for kv in snap.items:
+            view[keys.parse_assignment(kv.key)[0]] = Assignment.from_json(kv.value)
+        if predicate(view):
+            done.set()
+
+    async def on_event(ev: WatchEvent) -> None:
+        node = keys.parse_assignment(ev.kv.key)[0]
+        if ev.type == "PUT":
+            view[node] = Assignment.from_json(ev.kv.value)
+        else:
+            view.pop(node, None)
+        if predicate(view):
+            done.set()
+
+    task = asyncio.create_task(follow_prefix(store, keys.assignments_prefix, on_snapshot, on_event))
+    try:
+        await asyncio.wait_for(done.wait(), TIMEOUT)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    return dict(view)
+
+
+async def admin(control_plane, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    r = await asyncio.to_thread(control_plane.kubectl, *args, input=input, check=False, timeout=TIMEOUT + 30)
+    assert r.returncode == 0, f"kubectl {' '.join(args)}: {r.stderr}"
+    return r
+
+
+async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, namespace, keys, sa_kubeconfig):
+    log_path = control_plane.logs_dir / "operator.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    proc = start_operator(control_plane, etcd_prefix=keys.root,
+                          extra_args=("--namespace", namespace, "--standalone", "--verbose"),
+                          env={"KUBECONFIG": str(sa_kubeconfig)})
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    try:
+        async with EtcdStore(control_plane.etcd_url) as store:
+            lease = await store.grant_lease(60)
+            try:
+                await store.put(keys.node(NODE), node_record(NODE).to_json(), lease=lease)
+                await admin(control_plane, "apply", "-f", "-", input=manifest(name, namespace))
+
+                placed = await until_assignments(store, keys, lambda v: NODE in v)
+                asg = placed[NODE]
+                assert (asg.namespace, asg.name) == (namespace, name)
+
+                await store.put(keys.report(NODE, namespace, name), AssignmentReport(
+                    node=NODE, namespace=namespace, name=name, generation=asg.generation,
+                    revision="v1", state=AssignmentState.READY, reason="ModelLoaded",
+                    endpoint=f"http://{NODE}.local:8000").to_json(), lease=lease)
+                # Status patched by the ServiceAccount's operator (status subresource).
+                await admin(control_plane, "wait", f"modeldeployment/{name}", "-n", namespace,
+                            "--for=condition=Ready", f"--timeout={int(TIMEOUT)}s")
+                obj = json.loads((await admin(control_plane, "get", "modeldeployment", name, "-n",
+                                              namespace, "-o", "json")).stdout)
+                assert obj["status"]["readyReplicas"] == 1
+                assert "mlx-fleet.io/finalizer" in obj["metadata"]["finalizers"]
+
+                # Events posted by the ServiceAccount.
+                events = json.loads((await admin(
+                    control_plane, "get", "events", "-n", namespace, "--field-selector",
+                    f"involvedObject.name={name}", "-o", "json")).stdout)["items"]
+                reasons = {e["reason"] for e in events}
+                assert {"Placed", "ReplicaReady"} <= reasons, reasons
+
+                # Deletion completes: the operator (as the SA) removed its finalizer.
+                await admin(control_plane, "delete", "modeldeployment", name, "-n", namespace,
+                            "--wait=true", f"--timeout={int(TIMEOUT)}s")
+                r = await asyncio.to_thread(control_plane.kubectl, "get", "modeldeployment", name,
+                                            "-n", namespace, check=False)
+                assert r.returncode != 0 and "NotFound" in r.stderr, (r.stdout, r.stderr)
+                await until_assignments(store, keys, lambda v: not v)
+            finally:
+                await store.revoke_lease(lease)
+    finally:
+        code = proc.stop()
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        log = f.read().decode(errors="replace")
+    assert code == 0, f"operator exited with {code} on SIGTERM\n{log[-4000:]}"
+    # Every API refusal carries reason "Forbidden" and HTTP status 403. A bare "403" is not
+    # enough: log timestamps end in milliseconds and verbose logs carry etcd revisions.
+    refusal = re.compile(r"forbidden|(?:status|code)\W{0,4}403\b|\b403,\s*message", re.IGNORECASE)
+    refused = [line for line in log.splitlines() if refusal.search(line)]
+    assert not refused, "operator was refused by the API server:\n" + "\n".join(refused)
+    assert name in log  # the log read is this operator's, and it handled the object
