@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from mlx_fleet.contract import ROOT, Keys
+from mlx_fleet.contract import ROOT, Keys, NodeHealth
 from mlx_fleet.store import EtcdStore, StoreError, parse_endpoint
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
@@ -201,6 +201,11 @@ class Agent:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
+    def _node_health(self) -> NodeHealth:
+        """What the node record says: Degraded while the serving core has failed or stopped,
+        so placement (which uses only Healthy nodes) moves replicas elsewhere."""
+        return NodeHealth.HEALTHY if self.core.healthy else NodeHealth.DEGRADED
+
     def health(self) -> tuple[bool, dict]:
         """``(healthy, details)`` for ``GET /health``.
 
@@ -276,7 +281,8 @@ class Agent:
 
         self.registration = Registration(
             self.store, self.keys, node_name=self.config.node_name, address=self.url,
-            capacity=self.probe.read, labels=self.config.labels, ttl=self.config.lease_ttl,
+            capacity=self.probe.read, health=self._node_health, labels=self.config.labels,
+            ttl=self.config.lease_ttl,
             agent_version=_agent_version())
         delay = 0.5
         while True:

@@ -90,6 +90,9 @@ class Registration:
     ``address``: the agent's advertised base URL (``NodeRecord.address``).
     ``capacity``: a coroutine function returning the current :class:`NodeCapacity`, called once
     per heartbeat (:meth:`node_agent.capacity.CapacityProbe.read`).
+    ``health``: returns the node's current :class:`NodeHealth`, read on every beat like
+    ``capacity`` (the agent reports Degraded while its serving core has failed, so the operator
+    places nothing new there); a change rewrites the record on that beat.
     ``ttl``: lease TTL in whole seconds (≥ 1; default :data:`DEFAULT_LEASE_TTL`).
     ``available_threshold_bytes``: how far available memory must move before the record is
     rewritten (default: see :func:`~node_agent.capacity.materially_different`).
@@ -100,6 +103,7 @@ class Registration:
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, address: str,
                  capacity: Callable[[], Awaitable[NodeCapacity]],
+                 health: Callable[[], NodeHealth] = lambda: NodeHealth.HEALTHY,
                  labels: dict[str, str] | None = None, ttl: int = DEFAULT_LEASE_TTL,
                  agent_version: str = "",
                  available_threshold_bytes: int | None = None) -> None:
@@ -114,12 +118,12 @@ class Registration:
         self.ttl = ttl
         self.agent_version = agent_version
         self._capacity_fn = capacity
+        self._health_fn = health
         self._threshold = available_threshold_bytes
 
         self._lease_id: int | None = None
         self._health = NodeHealth.HEALTHY
         self._capacity: NodeCapacity | None = None
-        self._written: NodeRecord | None = None     # the record as last written
         self._record_dirty = True
         self._reports: dict[str, AssignmentReport] = {}
         self._dirty_reports: set[str] = set()       # keys whose latest state isn't in etcd
@@ -187,6 +191,7 @@ class Registration:
 
         Raises :class:`StoreError` if etcd can't be reached for the first registration."""
         self._capacity = await self._capacity_fn()
+        self._health = self._health_fn()
         await self._register()
         self._keepalive_task.start()
         self._sync_task.start()
@@ -206,13 +211,6 @@ class Registration:
                 log.warning("could not revoke lease %x (its keys expire after %ss): %s",
                             self._lease_id, self.ttl, e)
         self._lease_alive = False
-
-    def set_health(self, health: NodeHealth) -> None:
-        """Change the node's reported health; the sync task rewrites the record at once."""
-        if health != self._health:
-            self._health = health
-            self._record_dirty = True
-            self._wake.set()
 
     # -- reports -----------------------------------------------------------------------------
     async def put_report(self, key: str, report: AssignmentReport) -> None:
@@ -307,7 +305,6 @@ class Registration:
             self._dirty_reports -= {k for k, r in reports.items() if self._reports.get(k) is r}
             self._lease_id = lease
             self._lease_alive = True
-            self._written = record
             self._record_dirty = (record.health, record.capacity) != (self._health, self._capacity)
             self.registrations += 1
             self._ok()
@@ -324,6 +321,10 @@ class Registration:
             await self._flush_reports()
 
     async def _write_record_if_changed(self) -> None:
+        health = self._health_fn()
+        if health != self._health:
+            self._health = health
+            self._record_dirty = True
         cap = await self._capacity_fn()
         if materially_different(self._capacity, cap, available_threshold_bytes=self._threshold):
             self._capacity = cap
@@ -336,7 +337,6 @@ class Registration:
             record = self._record()
             await self._bounded(self._store.put(self.key, record.to_json(), lease=self._lease_id),
                                 "put node record")
-            self._written = record
             self._record_dirty = (record.health, record.capacity) != (self._health, self._capacity)
             self._ok()
         log.info("updated node record of %s (health %s, available %d bytes)", self.node_name,

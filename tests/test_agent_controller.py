@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
-                                NodeCapacity, NodeRecord)
+                                NodeCapacity, NodeHealth, NodeRecord)
 from mlx_fleet import supervise as supervise_module
 from mlx_fleet.store import EtcdStore, StoreError, WatchEvent
 from node_agent.controller import Controller
@@ -493,6 +493,17 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                 body = await resp.json()
                 assert resp.status == 503, body
                 assert "serving core is not running" in body["reasons"]
+            # ... and so does the node record, so the operator places nothing new here
+            kv = await store.get(keys.node("e2e"))
+
+            async def degraded() -> None:
+                if NodeRecord.from_json(kv.value).health is NodeHealth.DEGRADED:
+                    return
+                async for ev in store.watch(keys.node("e2e"), kv.mod_revision + 1):
+                    if ev.type == "PUT" and NodeRecord.from_json(ev.kv.value).health is NodeHealth.DEGRADED:
+                        return
+
+            await asyncio.wait_for(degraded(), TIMEOUT)
     finally:
         await agent.stop()
     # graceful stop revoked the lease: record and report are gone at once

@@ -116,12 +116,14 @@ async def test_keepalive_holds_record_past_ttl_without_rewrites(store: EtcdStore
 
 async def test_record_rewritten_on_material_change(store: EtcdStore, keys: Keys) -> None:
     cap = Capacity()
-    reg = Registration(store, keys, node_name="mac-2", address="http://h:1", capacity=cap, ttl=3)
+    health = [NodeHealth.HEALTHY]
+    reg = Registration(store, keys, node_name="mac-2", address="http://h:1", capacity=cap,
+                       health=lambda: health[0], ttl=3)
     try:
         await reg.start()
         kv = await store.get(keys.node("mac-2"))
         assert kv is not None
-        reg.set_health(NodeHealth.DEGRADED)
+        health[0] = NodeHealth.DEGRADED  # read on the next beat
         (ev,) = await events(store, keys.node("mac-2"), kv.mod_revision + 1, 1, timeout=5)
         assert ev.type == "PUT" and NodeRecord.from_json(ev.kv.value).health == NodeHealth.DEGRADED
 
@@ -316,8 +318,9 @@ async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdS
                                                                     keys: Keys) -> None:
     wrapped = HangingPuts(store)
     cap = Capacity()
+    health = [NodeHealth.HEALTHY]
     reg = Registration(wrapped, keys, node_name="mac-4", address="http://h:1",  # type: ignore[arg-type]
-                       capacity=cap, ttl=3)
+                       capacity=cap, health=lambda: health[0], ttl=3)
     rkey = keys.report("mac-4", "default", "llama")
     report = AssignmentReport(node="mac-4", namespace="default", name="llama",
                               state=AssignmentState.LOADING)
@@ -328,7 +331,7 @@ async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdS
         # and etcd stops answering writes (but not keep-alives).
         wrapped.hang = True
         cap.value = cap.value.model_copy(update={"memory_available_bytes": 8 * GiB})
-        reg.set_health(NodeHealth.DEGRADED)
+        health[0] = NodeHealth.DEGRADED
         # put_report is bounded too: it returns (the write is retried later) instead of hanging.
         await asyncio.wait_for(reg.put_report(rkey, report), 30)
         await asyncio.wait_for(wrapped.until(lambda: wrapped.hung_writes >= 2), 30)

@@ -52,7 +52,6 @@ def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float 
             return r.status == 200
 
     proc.wait_until(live, timeout=timeout, what="live (/healthz)")
-    proc.metrics_url = f"http://127.0.0.1:{metrics}/metrics"  # type: ignore[attr-defined]
     return proc
 
 
