@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 
+from fleet_helpers import watch_until
 from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
@@ -87,24 +88,6 @@ def wait_ready(cp: ControlPlane, namespace: str, name: str, timeout: int = 180) 
     return get_md(cp, namespace, name)
 
 
-async def wait_for_key(store: EtcdStore, prefix: str, predicate, timeout: float = 60) -> dict[str, bytes]:
-    """Watch ``prefix`` until ``predicate(view)`` holds for the current key→value view."""
-    listing = await store.list(prefix)
-    view = {kv.key: kv.value for kv in listing.items}
-    if predicate(view):
-        return view
-
-    async def follow() -> dict[str, bytes]:
-        async for ev in store.watch(prefix, listing.revision + 1):
-            if ev.type == "PUT":
-                view[ev.kv.key] = ev.kv.value
-            else:
-                view.pop(ev.kv.key, None)
-            if predicate(view):
-                return view
-        raise AssertionError("watch ended")
-
-    return await asyncio.wait_for(follow(), timeout)
 
 
 async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
@@ -113,11 +96,11 @@ async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: 
     control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
     async with EtcdStore(control_plane.etcd_url) as store:
         # The operator's assignment reaches etcd ...
-        view = await wait_for_key(store, fleet_keys.assignments_prefix,
+        view = await watch_until(store, fleet_keys.assignments_prefix,
                                   lambda v: any(k.endswith(f"/{namespace}/{name}") for k in v))
         (node,) = [fleet_keys.parse_assignment(k)[0] for k in view if k.endswith(f"/{namespace}/{name}")]
         # ... the agent loads the model and reports Ready under its lease ...
-        reports = await wait_for_key(store, fleet_keys.report(node, namespace, name),
+        reports = await watch_until(store, fleet_keys.report(node, namespace, name),
                                      lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY
                                                    for b in v.values()))
         report = AssignmentReport.from_json(next(iter(reports.values())))
@@ -195,9 +178,9 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
         async with EtcdStore(control_plane.etcd_url) as store:
             victims[serving].process.kill()  # SIGKILL: no lease revocation, as a crashed Mac
             # The node record vanishes by itself when the lease expires ...
-            await wait_for_key(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
+            await watch_until(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
             # ... and the deployment is placed on the surviving node, which reports Ready.
-            await wait_for_key(
+            await watch_until(
                 store, fleet_keys.report(survivor, namespace, name),
                 lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY for b in v.values()),
                 timeout=120)
@@ -227,7 +210,7 @@ async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPl
         assert not [kv for kv in (await store.list(fleet_keys.assignments_prefix)).items
                     if kv.key.endswith(suffix)]
         # Agents unload it and withdraw their reports.
-        await wait_for_key(store, fleet_keys.reports_prefix,
+        await watch_until(store, fleet_keys.reports_prefix,
                            lambda v: not any(k.endswith(suffix) for k in v), timeout=60)
     for agent in fleet.values():
         async with aiohttp.ClientSession(base_url=agent.url) as http, http.get("/v1/models") as r:
@@ -244,14 +227,14 @@ async def test_operator_killed_mid_reconcile_converges_after_restart(
     async with EtcdStore(control_plane.etcd_url) as store:
         # The operator has written the assignment but (typically) not yet folded Ready into
         # status: kill it there, as a crashed pod, with no chance to clean up.
-        await wait_for_key(store, fleet_keys.assignments_prefix, lambda v: any(k.endswith(suffix) for k in v))
+        await watch_until(store, fleet_keys.assignments_prefix, lambda v: any(k.endswith(suffix) for k in v))
         operator["process"].kill()
         # While no operator runs, the user scales up.
         control_plane.kubectl("patch", "modeldeployment", name, "-n", namespace, "--type=merge",
                               "-p", '{"spec": {"replicas": 2}}')
         operator["process"] = start_operator(control_plane, etcd_prefix=fleet_keys.root,
                                              extra_args=("--namespace", namespace))
-        await wait_for_key(store, fleet_keys.reports_prefix,
+        await watch_until(store, fleet_keys.reports_prefix,
                            lambda v: sum(k.endswith(suffix) and AssignmentReport.from_json(b).state
                                          is AssignmentState.READY for k, b in v.items()) == 2, timeout=120)
         assigned = [kv.key for kv in (await store.list(fleet_keys.assignments_prefix)).items

@@ -18,15 +18,14 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeCapacity,
-                                NodeRecord)
+from fleet_helpers import node_record, until_assignments
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys
 from mlx_fleet.devcluster.processes import ManagedProcess, free_port
-from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent, follow_prefix
+from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent
 
 pytestmark = pytest.mark.integration
 GiB = 1024**3
@@ -69,38 +68,6 @@ def operator(control_plane, fleet_keys, namespace, tmp_path):
         yield proc
 
 
-async def until_assignments(store: EtcdStore, keys: Keys,
-                            predicate: Callable[[dict[str, Assignment]], bool]) -> dict[str, Assignment]:
-    """Follow ``assignments/`` until ``predicate(node → assignment)`` holds; return that view."""
-    view: dict[str, Assignment] = {}
-    done = asyncio.Event()
-
-    def check() -> None:
-        if predicate(view):
-            done.set()
-
-    async def on_snapshot(snap: Snapshot) -> None:
-        view.clear()
-        for kv in snap.items:
-            view[keys.parse_assignment(kv.key)[0]] = Assignment.from_json(kv.value)
-        check()
-
-    async def on_event(ev: WatchEvent) -> None:
-        node = keys.parse_assignment(ev.kv.key)[0]
-        if ev.type == "PUT":
-            view[node] = Assignment.from_json(ev.kv.value)
-        else:
-            view.pop(node, None)
-        check()
-
-    task = asyncio.create_task(follow_prefix(store, keys.assignments_prefix, on_snapshot, on_event))
-    try:
-        await asyncio.wait_for(done.wait(), TIMEOUT)
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    return dict(view)
 
 
 async def kubectl_wait(control_plane, namespace: str, name: str, condition: str) -> None:
@@ -120,11 +87,6 @@ async def get_object(control_plane, namespace: str, name: str) -> dict:
     return json.loads(r.stdout)
 
 
-def node_record(name: str) -> NodeRecord:
-    return NodeRecord(name=name, address=f"http://{name}.local:8000",
-                      capacity=NodeCapacity(memory_total_bytes=64 * GiB,
-                                            memory_available_bytes=60 * GiB,
-                                            chip="Apple M4 Max", chip_generation=4, simulated=True))
 
 
 def manifest(name: str, namespace: str) -> str:

@@ -20,18 +20,17 @@ import re
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeCapacity,
-                                NodeRecord)
+from fleet_helpers import node_record, until_assignments
+from mlx_fleet.contract import AssignmentReport, AssignmentState
 from mlx_fleet.devcluster.fleet import start_operator
 from mlx_fleet.devcluster.helm import ensure_helm
-from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent, follow_prefix
+from mlx_fleet.store import EtcdStore
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "mlx-fleet"
 RELEASE = "mlx-fleet"
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
-GiB = 1024**3
 TIMEOUT = 60.0
 NODE = "mac-rbac"
 
@@ -148,10 +146,6 @@ def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconf
     assert can_i(control_plane, sa_kubeconfig, "create", "namespaces") == "no"
 
 
-def node_record(name: str) -> NodeRecord:
-    return NodeRecord(name=name, address=f"http://{name}.local:8000",
-                      capacity=NodeCapacity(memory_total_bytes=64 * GiB, memory_available_bytes=60 * GiB,
-                                            chip="Apple M4 Max", chip_generation=4, simulated=True))
 
 
 def manifest(name: str, namespace: str) -> str:
@@ -163,36 +157,6 @@ def manifest(name: str, namespace: str) -> str:
     })
 
 
-async def until_assignments(store: EtcdStore, keys: Keys,
-                            predicate: Callable[[dict[str, Assignment]], bool]) -> dict[str, Assignment]:
-    """Follow ``assignments/`` (snapshot + watch) until ``predicate(node → assignment)`` holds."""
-    view: dict[str, Assignment] = {}
-    done = asyncio.Event()
-
-    async def on_snapshot(snap: Snapshot) -> None:
-        view.clear()
-        for kv in snap.items:
-            view[keys.parse_assignment(kv.key)[0]] = Assignment.from_json(kv.value)
-        if predicate(view):
-            done.set()
-
-    async def on_event(ev: WatchEvent) -> None:
-        node = keys.parse_assignment(ev.kv.key)[0]
-        if ev.type == "PUT":
-            view[node] = Assignment.from_json(ev.kv.value)
-        else:
-            view.pop(node, None)
-        if predicate(view):
-            done.set()
-
-    task = asyncio.create_task(follow_prefix(store, keys.assignments_prefix, on_snapshot, on_event))
-    try:
-        await asyncio.wait_for(done.wait(), TIMEOUT)
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    return dict(view)
 
 
 async def admin(control_plane, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
