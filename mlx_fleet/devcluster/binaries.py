@@ -19,6 +19,7 @@ first build takes many minutes on two cores and every later call returns at once
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -77,6 +78,7 @@ def _go_env(work: Path) -> dict[str, str]:
     return env
 
 
+@functools.cache
 def _configured_goproxy() -> str:
     try:
         return subprocess.run(["go", "env", "GOPROXY"], capture_output=True, text=True,
