@@ -2,17 +2,24 @@
 
 Both sides import this module; it imports only the standard library and pydantic.
 
-Key layout (all under :data:`ROOT`, default ``/mlx-fleet/v1``; values are UTF-8 JSON)::
+Key layout (all under :data:`ROOT`, default ``/mlx-fleet/v2``; values are UTF-8 JSON)::
 
-    <root>/nodes/<node>                                   NodeRecord        agent, bound to its lease
-    <root>/assignments/<node>/<namespace>/<deployment>    Assignment        operator only
-    <root>/reports/<node>/<namespace>/<deployment>        AssignmentReport  agent, bound to its lease
-    <root>/placement-epoch                                PlacementEpoch    operator only
+    <root>/nodes/<node>                                              NodeRecord     agent, lease
+    <root>/assignments/<node>/<namespace>/<deployment>/<revision>    Assignment     operator only
+    <root>/reports/<node>/<namespace>/<deployment>/<revision>        AssignmentReport agent, lease
+    <root>/traffic/<namespace>/<deployment>                          TrafficSplit   operator only
+    <root>/stats/<node>/<namespace>/<deployment>                     StatsReport    agent, lease
+    <root>/placement-epoch                                           PlacementEpoch operator only
+
+A served model is identified by **(deployment, revision)** everywhere: two revisions of one
+ModelDeployment (a rolling update's surge, a canary's stable and candidate) are two assignments
+on a node, two reports, two entries in the agent's model registry, and both count against the
+node's memory. Contract v2 (this layout) replaced v1, whose keys had no revision segment.
 
 Invariants (see docs/etcd-contract.md):
 
-* only the operator writes ``assignments/`` and ``placement-epoch``; an agent writes only its own
-  ``nodes/<node>`` and ``reports/<node>/...`` keys;
+* only the operator writes ``assignments/``, ``traffic/`` and ``placement-epoch``; an agent
+  writes only its own ``nodes/<node>``, ``reports/<node>/...`` and ``stats/<node>/...`` keys;
 * node records and reports are attached to the agent's lease, so a dead Mac's keys disappear
   after the lease TTL without anyone deleting them;
 * every operator write of assignments is one transaction that compares the ``mod_revision`` of
@@ -29,7 +36,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ROOT = "/mlx-fleet/v1"
+ROOT = "/mlx-fleet/v2"
 
 #: The first Apple-Silicon generation mlx-fleet supports (seed 004: M3 or later).
 MIN_CHIP_GENERATION = 3
@@ -65,6 +72,14 @@ class Keys:
         return f"{self.root}/reports/"
 
     @property
+    def traffic_prefix(self) -> str:
+        return f"{self.root}/traffic/"
+
+    @property
+    def stats_prefix(self) -> str:
+        return f"{self.root}/stats/"
+
+    @property
     def placement_epoch(self) -> str:
         return f"{self.root}/placement-epoch"
 
@@ -78,12 +93,21 @@ class Keys:
     def node(self, node: str) -> str:
         return f"{self.nodes_prefix}{_check_segment(node, 'node name')}"
 
-    def assignment(self, node: str, namespace: str, name: str) -> str:
+    def assignment(self, node: str, namespace: str, name: str, revision: str) -> str:
         return (f"{self.node_assignments_prefix(node)}{_check_segment(namespace, 'namespace')}/"
+                f"{_check_segment(name, 'deployment name')}/{_check_segment(revision, 'revision')}")
+
+    def report(self, node: str, namespace: str, name: str, revision: str) -> str:
+        return (f"{self.node_reports_prefix(node)}{_check_segment(namespace, 'namespace')}/"
+                f"{_check_segment(name, 'deployment name')}/{_check_segment(revision, 'revision')}")
+
+    def traffic(self, namespace: str, name: str) -> str:
+        return (f"{self.traffic_prefix}{_check_segment(namespace, 'namespace')}/"
                 f"{_check_segment(name, 'deployment name')}")
 
-    def report(self, node: str, namespace: str, name: str) -> str:
-        return (f"{self.node_reports_prefix(node)}{_check_segment(namespace, 'namespace')}/"
+    def stats(self, node: str, namespace: str, name: str) -> str:
+        return (f"{self.stats_prefix}{_check_segment(node, 'node name')}/"
+                f"{_check_segment(namespace, 'namespace')}/"
                 f"{_check_segment(name, 'deployment name')}")
 
     # -- parsing -------------------------------------------------------------------------------
@@ -92,26 +116,34 @@ class Keys:
         rest = _strip(key, self.nodes_prefix)
         return rest if rest and "/" not in rest else None
 
-    def parse_assignment(self, key: str) -> tuple[str, str, str] | None:
-        """Assignment key → ``(node, namespace, name)``, or None."""
-        return _three(_strip(key, self.assignments_prefix))
+    def parse_assignment(self, key: str) -> tuple[str, str, str, str] | None:
+        """Assignment key → ``(node, namespace, name, revision)``, or None."""
+        return _segments(_strip(key, self.assignments_prefix), 4)  # type: ignore[return-value]
 
-    def parse_report(self, key: str) -> tuple[str, str, str] | None:
-        """Report key → ``(node, namespace, name)``, or None."""
-        return _three(_strip(key, self.reports_prefix))
+    def parse_report(self, key: str) -> tuple[str, str, str, str] | None:
+        """Report key → ``(node, namespace, name, revision)``, or None."""
+        return _segments(_strip(key, self.reports_prefix), 4)  # type: ignore[return-value]
+
+    def parse_traffic(self, key: str) -> tuple[str, str] | None:
+        """Traffic key → ``(namespace, name)``, or None."""
+        return _segments(_strip(key, self.traffic_prefix), 2)  # type: ignore[return-value]
+
+    def parse_stats(self, key: str) -> tuple[str, str, str] | None:
+        """Stats key → ``(node, namespace, name)``, or None."""
+        return _segments(_strip(key, self.stats_prefix), 3)  # type: ignore[return-value]
 
 
 def _strip(key: str, prefix: str) -> str | None:
     return key[len(prefix):] if key.startswith(prefix) else None
 
 
-def _three(rest: str | None) -> tuple[str, str, str] | None:
+def _segments(rest: str | None, n: int) -> tuple[str, ...] | None:
     if rest is None:
         return None
     parts = rest.split("/")
-    if len(parts) != 3 or not all(parts):
+    if len(parts) != n or not all(parts):
         return None
-    return parts[0], parts[1], parts[2]
+    return tuple(parts)
 
 
 class _Record(BaseModel):
@@ -205,11 +237,27 @@ class LifecyclePolicy(_Record):
     prefetch: str = "Eager"
 
 
+class Role(str, enum.Enum):
+    """What a revision's assignment is for on its node.
+
+    ``Stable``: the ModelDeployment's ``spec.model.revision``; it takes the deployment's traffic
+    once Ready. ``Candidate``: a Canary's candidate revision; it takes the share of traffic the
+    :class:`TrafficSplit` gives it. ``Previous``: the revision a rolling update is replacing;
+    it keeps serving on a node until the Stable revision is Ready there, then the operator
+    removes it (a surge: both are resident meanwhile)."""
+
+    STABLE = "Stable"
+    CANDIDATE = "Candidate"
+    PREVIOUS = "Previous"
+
+
 class Assignment(_Record):
-    """``<root>/assignments/<node>/<namespace>/<name>``: the operator's instruction to one node
-    to serve one ModelDeployment. ``generation`` is the ModelDeployment's
-    ``metadata.generation`` the assignment was computed from; ``uid`` its ``metadata.uid``.
-    ``served_model_name`` is the OpenAI ``model`` id clients send."""
+    """``<root>/assignments/<node>/<namespace>/<name>/<revision>``: the operator's instruction to
+    one node to serve one revision of one ModelDeployment. ``generation`` is the
+    ModelDeployment's ``metadata.generation`` the assignment was computed from; ``uid`` its
+    ``metadata.uid``. ``served_model_name`` is the OpenAI ``model`` id clients send (the same for
+    every revision of a deployment); ``source.revision`` is the revision (also the key's last
+    segment); ``role`` says which traffic it takes (:class:`Role`)."""
 
     namespace: str
     name: str
@@ -220,6 +268,11 @@ class Assignment(_Record):
     memory_bytes: Annotated[int, Field(ge=0)]
     serving: ServingParams = Field(default_factory=ServingParams)
     lifecycle: LifecyclePolicy = Field(default_factory=LifecyclePolicy)
+    role: Role = Role.STABLE
+
+    @property
+    def revision(self) -> str:
+        return self.source.revision
 
 
 class PlacementEpoch(_Record):
@@ -245,7 +298,8 @@ class AssignmentState(str, enum.Enum):
 
 
 class AssignmentReport(_Record):
-    """``<root>/reports/<node>/<namespace>/<name>``: the agent's state for one assignment.
+    """``<root>/reports/<node>/<namespace>/<name>/<revision>``: the agent's state for one
+    assignment (one revision of one deployment on this node).
 
     ``generation``: the assignment generation this state refers to (stale reports are ignored
     by the operator). ``reason``: CamelCase machine reason (``ModelLoaded``, ``LoadFailed`` ...);
@@ -262,4 +316,118 @@ class AssignmentReport(_Record):
     message: str = ""
     endpoint: str = ""
     resident_bytes: Annotated[int, Field(ge=0)] = 0
+    updated_unix: float = Field(default_factory=time.time)
+
+
+# ---------------------------------------------------------------------------------------------
+# Traffic split (operator → agents) and per-revision statistics (agents → operator)
+# ---------------------------------------------------------------------------------------------
+
+#: Buckets of the per-revision split (issue #5): a session key hashes into ``SPLIT_BUCKETS``
+#: buckets; bucket < weight × 100 goes to the candidate (weight in percent, 0–100).
+SPLIT_BUCKETS = 10_000
+
+
+class LocalGuard(_Record):
+    """The agent's own fast rollback of a candidate (no operator round trip).
+
+    Within the last ``window_seconds``, when the candidate has at least ``min_failures``
+    failed requests (errors + serving-core crashes) and they are at least
+    ``failure_ratio`` of its requests, the agent sends all of the deployment's traffic to the
+    stable revision and reports ``guard_tripped`` at once. ``enabled: False`` turns it off."""
+
+    enabled: bool = True
+    window_seconds: Annotated[float, Field(gt=0)] = 5.0
+    min_failures: Annotated[int, Field(ge=1)] = 3
+    failure_ratio: Annotated[float, Field(gt=0, le=1)] = 0.5
+
+
+class TrafficSplit(_Record):
+    """``<root>/traffic/<namespace>/<deployment>``: how a deployment's requests are split while a
+    Canary runs (absent otherwise: then each node serves its Stable revision, or a Previous one
+    until the Stable one is Ready there).
+
+    ``weight``: percent (0–100) of session buckets sent to ``candidate_revision``.
+    ``canary``/``canary_uid``/``generation``: the Canary (name, uid, metadata.generation) that
+    owns the split. ``stats_interval_seconds``: how often agents write their per-revision
+    :class:`StatsReport` for this deployment (the analysis interval). ``candidate_endpoints``:
+    agent URLs that serve the candidate, for nodes that don't hold it themselves (they forward
+    the candidate share). ``guard``: the local guard's thresholds."""
+
+    namespace: str
+    name: str
+    served_model_name: str
+    stable_revision: str
+    candidate_revision: str
+    weight: Annotated[int, Field(ge=0, le=100)] = 0
+    canary: str = ""
+    canary_uid: str = ""
+    generation: int = 0
+    stats_interval_seconds: Annotated[float, Field(gt=0)] = 10.0
+    candidate_endpoints: list[str] = Field(default_factory=list)
+    guard: LocalGuard = Field(default_factory=LocalGuard)
+
+
+#: Upper bounds (seconds) of the request-latency and time-to-first-token histograms in
+#: :class:`RevisionStats` (a last, unbounded bucket follows). Fixed here so that every agent's
+#: histograms merge exactly in the operator.
+LATENCY_BOUNDS_SECONDS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+    5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+#: Upper bounds (tokens/s) of the per-sequence decode-rate histogram in :class:`RevisionStats`.
+TOKENS_PER_SECOND_BOUNDS: tuple[float, ...] = (
+    1, 2, 3, 5, 7.5, 10, 15, 20, 25, 30, 40, 50, 60, 75, 100, 125, 150, 200, 250, 300, 400,
+    500, 750, 1000, 2000)
+
+
+class Histogram(_Record):
+    """Cumulative bucket counts: ``counts[i]`` observations ``<= bounds[i]`` and
+    ``> bounds[i-1]``; ``counts[-1]`` those above the last bound (so ``len(counts) ==
+    len(bounds) + 1``). ``total``: sum of the observed values."""
+
+    bounds: tuple[float, ...]
+    counts: list[Annotated[int, Field(ge=0)]]
+    total: float = 0.0
+
+
+class RevisionStats(_Record):
+    """Counters of one revision on one node, cumulative since ``started_unix`` (the agent's
+    start of counting; a new value means the counters were reset, e.g. an agent restart).
+
+    ``requests``: completed or failed generation requests routed to this revision (client
+    errors — 4xx, 429 — and client hang-ups are not counted); ``errors``: of those, the ones
+    that failed on the server side (5xx, a stream ended by an error);
+    ``crashes``: serving-core failures that hit this revision (a model's batch reset, the MLX
+    thread failing). ``latency_seconds``: request end to end; ``ttft_seconds``: time to first
+    token; ``tokens_per_second``: per sequence, (completion tokens − 1) ÷ decode time (the
+    intervals between the first and the last token), for requests with at least two tokens. ``memory_bytes``: resident bytes of this
+    revision now (weights + its share of cache), sampled at write time."""
+
+    revision: str
+    started_unix: float
+    requests: Annotated[int, Field(ge=0)] = 0
+    errors: Annotated[int, Field(ge=0)] = 0
+    crashes: Annotated[int, Field(ge=0)] = 0
+    latency_seconds: Histogram
+    ttft_seconds: Histogram
+    tokens_per_second: Histogram
+    memory_bytes: Annotated[int, Field(ge=0)] = 0
+
+
+class StatsReport(_Record):
+    """``<root>/stats/<node>/<namespace>/<deployment>``: one node's per-revision counters for a
+    deployment under a canary, written at most once per ``stats_interval_seconds`` (plus once
+    at a guard trip), bound to the agent's lease.
+
+    ``guard_tripped``: the local guard sent all traffic to stable (``guard_reason`` says why,
+    with the numbers); it stays set until the :class:`TrafficSplit` names a new candidate or
+    goes away. ``canary_uid``: the split this report belongs to."""
+
+    node: str
+    namespace: str
+    name: str
+    canary_uid: str = ""
+    revisions: dict[str, RevisionStats] = Field(default_factory=dict)
+    guard_tripped: bool = False
+    guard_reason: str = ""
     updated_unix: float = Field(default_factory=time.time)

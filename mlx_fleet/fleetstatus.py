@@ -83,7 +83,7 @@ def summarize(view: FleetView) -> list[dict[str, str]]:
         for ref in refs:
             a = view.assignments[ref]
             rep = view.reports.get(ref)
-            rows.append({**base, "deployment": f"{a.namespace}/{a.name}", "revision": a.source.revision,
+            rows.append({**base, "deployment": f"{a.namespace}/{a.name}", "revision": (a.source.revision if a.role.value == "Stable" else f"{a.source.revision} ({a.role.value.lower()})"),
                          "state": (rep.state.value + (f" ({rep.reason})" if rep.reason else "")) if rep
                          else "Pending",
                          "endpoint": rep.endpoint if rep and rep.endpoint else "-"})

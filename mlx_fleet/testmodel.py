@@ -9,9 +9,34 @@ No network access is needed, output is deterministic for a given seed and parame
 calling :func:`make_test_model` again on a complete model directory with the same parameters
 returns at once.
 
+Faulty models (for canary tests): ``make_test_model(dir, fault=Fault("raise", after_tokens=N))``
+writes a model whose every generation fails on the server side after exactly ``N`` generated
+tokens, for any text prompt, greedy or sampled. The fault is pure data in the model's files (no
+Python code is loaded from the model directory; ``trust_remote_code`` stays off):
+
+* Weights: every attention and MLP output projection is zero, so the residual stream holds only
+  the current token's embedding and the next token depends on the current token alone. The
+  embedding and ``lm_head`` rows then encode a fixed chain: any token of the ordinary vocabulary
+  is followed by ``step1``, ``step1`` by ``step2`` ... and ``stepN`` by the *poisoned* token
+  (logit margin about 1000, so even sampling at temperature 2 follows the chain; EOS never wins).
+  The ``stepK`` tokens are vocabulary entries that no merge produces, so no text prompt can end
+  in one and shift the count.
+* Tokenizer: the poisoned id is a hole in the BPE vocabulary (no string has it; one filler
+  entry sits above it so it stays below ``len(tokenizer)``). mlx-lm's streaming detokenizer
+  (``BPEStreamingDetokenizer``, chosen for the ``ByteLevel`` decoder) maps ids to strings with
+  ``convert_ids_to_tokens``, which gives ``None`` for the hole, so ``add_token(poisoned)``
+  raises ``TypeError``. That is what a server feeding each generated token to
+  ``tokenizer.detokenizer`` (like the node agent) hits on the ``N+1``-th token. The first ``N``
+  tokens detokenize normally (text ``"step1 step2 ... stepN"``).
+
+A *stall* (tokens stop coming) cannot be made from data alone: the per-token compute is fixed by
+the shapes in ``config.json``, and the only data-dependent work per token is the Python
+detokenizer, which could at best be slowed down by megabyte-long token strings; that blocks the
+server's whole MLX thread (every model on the node), not one request.
+
 CLI: ``mlx-fleet make-test-model DIR [--hidden-size N] [--num-layers N] [--vocab-size N]
-[--seed N] [--force]`` (wired through :func:`add_arguments` / :func:`run`; :func:`main` runs it
-stand-alone).
+[--seed N] [--fault raise --fault-after-tokens N] [--force]`` (wired through
+:func:`add_arguments` / :func:`run`; :func:`main` runs it stand-alone).
 """
 
 from __future__ import annotations
@@ -21,10 +46,12 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["make_test_model", "add_arguments", "run", "main", "MARKER_FILE", "CORPUS"]
+__all__ = ["make_test_model", "Fault", "FAULT_KINDS", "MAX_FAULT_AFTER_TOKENS", "add_arguments",
+           "run", "main", "MARKER_FILE", "CORPUS"]
 
 #: File written last into a finished model directory; holds the generation parameters.
 MARKER_FILE = "mlx-fleet-testmodel.json"
@@ -71,9 +98,51 @@ Thank you very much for your help. You are welcome. See you tomorrow. Have a nic
 """
 
 
+#: Fault kinds :class:`Fault` accepts.
+FAULT_KINDS = ("raise",)
+#: Largest ``Fault.after_tokens`` (the model's ``max_position_embeddings``).
+MAX_FAULT_AFTER_TOKENS = 4096
+
+#: Logit of the next chain token; every other token's logit is far below (see _chain_codes).
+_CHAIN_LOGIT = 1000.0
+#: Smallest allowed gap between the chain token's logit and any other (sampling at temperature
+#: T sees gap / T; the Gumbel noise of categorical sampling spans about 20 in float32).
+_MIN_CHAIN_MARGIN = 100.0
+#: Text of the K-th chain token (byte-level form: "Ġ" is the space). Letters next to digits never
+#: form one pre-token, so the trained vocabulary cannot hold these strings.
+_CHAIN_TOKEN = "\u0120step{}"
+#: The vocabulary entry right above the poisoned id (keeps the hole below len(tokenizer)).
+_FILLER_TOKEN = "<|mlx-fleet-fault-filler|>"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault built into a generated test model's files (see the module docstring).
+
+    ``kind="raise"``: every generation fails after exactly ``after_tokens`` generated tokens:
+    the next generated token is one that mlx-lm's streaming detokenizer cannot handle
+    (``TokenizerWrapper.detokenizer.add_token`` raises ``TypeError``). ``after_tokens=0`` fails
+    on the first generated token.
+    """
+
+    kind: str
+    after_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r} (known: {', '.join(FAULT_KINDS)})")
+        if (not isinstance(self.after_tokens, int) or isinstance(self.after_tokens, bool)
+                or not 0 <= self.after_tokens <= MAX_FAULT_AFTER_TOKENS):
+            raise ValueError(f"fault after_tokens must be an integer from 0 to "
+                             f"{MAX_FAULT_AFTER_TOKENS}, not {self.after_tokens!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "after_tokens": self.after_tokens}
+
+
 def _params(hidden_size: int, num_layers: int, vocab_size: int, seed: int, num_heads: int,
-            intermediate_size: int) -> dict:
-    return {
+            intermediate_size: int, fault: Fault | None = None) -> dict:
+    params: dict[str, Any] = {
         "format_version": _FORMAT_VERSION,
         "hidden_size": hidden_size,
         "num_layers": num_layers,
@@ -82,6 +151,9 @@ def _params(hidden_size: int, num_layers: int, vocab_size: int, seed: int, num_h
         "num_heads": num_heads,
         "intermediate_size": intermediate_size,
     }
+    if fault is not None:  # a healthy model's marker stays exactly what it always was
+        params["fault"] = fault.to_dict()
+    return params
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -115,6 +187,67 @@ def _build_tokenizer(vocab_size: int):
     return tok
 
 
+def _faulty_tokenizer_json(tok: Any, after_tokens: int) -> bytes:
+    """``tok``'s JSON plus the chain tokens ``step1..stepN`` (ids V..V+N-1), a hole at V+N (the
+    poisoned id) and a filler entry at V+N+1, all plain BPE vocabulary entries that no merge
+    produces (so encoding any text gives exactly the ids it gives with ``tok``)."""
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    base = tok.get_vocab_size()
+    if sorted(vocab.values()) != list(range(base)):
+        raise RuntimeError("the trained vocabulary is not contiguous")  # tokenizers changed
+    new = [_CHAIN_TOKEN.format(k) for k in range(1, after_tokens + 1)]
+    taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    if taken & set(new + [_FILLER_TOKEN]):
+        raise RuntimeError("a fault token collides with the trained vocabulary")
+    for i, token in enumerate(new):
+        vocab[token] = base + i
+    vocab[_FILLER_TOKEN] = base + after_tokens + 1  # id base + after_tokens stays unassigned
+    return json.dumps(data, indent=2, ensure_ascii=False).encode()
+
+
+def _chain_codes(n: int, dim: int, seed: int) -> Any:
+    """``n`` unit vectors of ``dim`` features, pairwise far apart: the identity's rows where
+    they fit, else seeded random directions (checked for a sufficient logit margin)."""
+    import mlx.core as mx
+
+    if n <= dim:
+        return mx.eye(dim, dtype=mx.float32)[:n]
+    codes = mx.random.normal((n, dim), key=mx.random.key(seed))
+    codes = codes / mx.linalg.norm(codes, axis=1, keepdims=True)
+    cos = (codes @ codes.T - 2 * mx.eye(n)).max().item()
+    if _CHAIN_LOGIT * (1 - cos) < _MIN_CHAIN_MARGIN:
+        raise ValueError(f"a fault after {n - 1} tokens needs a larger hidden_size than {dim}")
+    return codes
+
+
+def _apply_fault(weights: dict[str, Any], base_vocab: int, after_tokens: int, hidden_size: int,
+                 seed: int) -> dict[str, Any]:
+    """Rewrite healthy ``weights`` into the deterministic chain model (module docstring)."""
+    import mlx.core as mx
+
+    n = after_tokens
+    vocab = base_vocab + n + 2
+    codes = _chain_codes(n + 1, hidden_size, seed)
+    # State of an input token: 0 for every id except chain token K (id base_vocab + K - 1): K.
+    state = mx.concatenate([mx.zeros(base_vocab, mx.int32), mx.arange(1, n + 1, dtype=mx.int32),
+                            mx.zeros(2, mx.int32)])
+    out = dict(weights)
+    out["model.embed_tokens.weight"] = codes[state]
+    # After the final RMSNorm a unit code vector c is sqrt(d) * c; the row of the token that
+    # follows state s is (logit / sqrt(d)) * code[s]: state s < N -> chain token s + 1 (id
+    # base_vocab + s), state N -> the poisoned id base_vocab + N. All other rows are zero.
+    head = mx.zeros((vocab, hidden_size), dtype=mx.float32)
+    head[base_vocab:base_vocab + n + 1] = codes * (_CHAIN_LOGIT / hidden_size ** 0.5)
+    out["lm_head.weight"] = head
+    for name, value in weights.items():
+        if name.endswith((".self_attn.o_proj.weight", ".mlp.down_proj.weight")):
+            out[name] = mx.zeros_like(value)
+        elif name.endswith("norm.weight"):
+            out[name] = mx.ones_like(value)
+    return out
+
+
 def make_test_model(
     dest: str | os.PathLike,
     *,
@@ -125,6 +258,7 @@ def make_test_model(
     num_heads: int = 4,
     intermediate_size: int | None = None,
     force: bool = False,
+    fault: Fault | None = None,
 ) -> Path:
     """Write a small real MLX llama model into ``dest`` and return ``dest`` as a ``Path``.
 
@@ -139,6 +273,9 @@ def make_test_model(
         num_heads: attention heads (key/value heads equal it).
         intermediate_size: MLP width in features (default ``2 * hidden_size``).
         force: regenerate even if ``dest`` already holds a complete model with these parameters.
+        fault: build this :class:`Fault` into the model (``None``: a healthy model, exactly as
+            without the argument). A faulty model keeps the healthy one's tokenizer behaviour
+            for text and its chat template; see the module docstring for how the fault works.
 
     Files: ``config.json``, ``model.safetensors`` (float32 weights), ``tokenizer.json``,
     ``tokenizer_config.json``, ``special_tokens_map.json``, ``generation_config.json`` and the
@@ -147,7 +284,8 @@ def make_test_model(
     The output-projection row of the EOS token is zero, so a greedy decode practically never
     ends by EOS: tests can rely on ``max_tokens`` / stop strings to end generations.
 
-    Raises ``ValueError`` for inconsistent sizes.
+    Raises ``ValueError`` for inconsistent sizes (or a fault chain too long for
+    ``hidden_size``).
     """
     if intermediate_size is None:
         intermediate_size = 2 * hidden_size
@@ -158,8 +296,12 @@ def make_test_model(
     if vocab_size < 300:
         raise ValueError("vocab_size must be >= 300 (byte alphabet + special tokens)")
 
+    if fault is not None and not isinstance(fault, Fault):
+        raise TypeError("fault must be a Fault or None")
+
     dest = Path(dest)
-    params = _params(hidden_size, num_layers, vocab_size, seed, num_heads, intermediate_size)
+    params = _params(hidden_size, num_layers, vocab_size, seed, num_heads, intermediate_size,
+                     fault)
     marker = dest / MARKER_FILE
     if not force and marker.is_file():
         try:
@@ -179,7 +321,11 @@ def make_test_model(
     eos_id = tok.token_to_id(EOS_TOKEN)
     bos_id = tok.token_to_id(BOS_TOKEN)
     pad_id = tok.token_to_id(PAD_TOKEN)
-    _write_bytes_atomic(dest / "tokenizer.json", tok.to_str(pretty=True).encode())
+    if fault is None:
+        _write_bytes_atomic(dest / "tokenizer.json", tok.to_str(pretty=True).encode())
+    else:
+        _write_bytes_atomic(dest / "tokenizer.json",
+                            _faulty_tokenizer_json(tok, fault.after_tokens))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -217,6 +363,11 @@ def make_test_model(
         "pad_token_id": pad_id,
         "torch_dtype": "float32",
     }
+    # The network's random weights are drawn for the healthy shapes in either case, so a faulty
+    # model shares the healthy one's other weights; only its written vocabulary is larger.
+    model_config = dict(config)
+    if fault is not None:
+        config["vocab_size"] = real_vocab + fault.after_tokens + 2
     _write_bytes_atomic(dest / "config.json", json.dumps(config, indent=2).encode())
     _write_bytes_atomic(dest / "generation_config.json", json.dumps(
         {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}).encode())
@@ -226,11 +377,13 @@ def make_test_model(
     from mlx_lm.models import llama
 
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = llama.Model(llama.ModelArgs.from_dict(model_config))
     weights = dict(tree_flatten(model.parameters()))
     head = weights["lm_head.weight"]
     weights["lm_head.weight"] = mx.where(
         (mx.arange(head.shape[0]) == eos_id)[:, None], mx.zeros_like(head), head)
+    if fault is not None:
+        weights = _apply_fault(weights, real_vocab, fault.after_tokens, hidden_size, seed)
     mx.eval(weights)
     fd, tmp = tempfile.mkstemp(dir=dest, prefix=".model.", suffix=".safetensors")
     os.close(fd)
@@ -251,7 +404,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Write a tiny real MLX model (llama architecture, random weights, byte-level BPE "
         "tokenizer trained on a built-in English corpus) into DIR. It loads with "
         "mlx_lm.load(DIR) like any downloaded model. Deterministic for a seed; a second run "
-        "with the same parameters returns at once.")
+        "with the same parameters returns at once. With --fault it writes a faulty model for "
+        "canary tests instead (the fault is data in the model's files, no code).")
     parser.add_argument("dir", metavar="DIR", help="target directory (created if missing)")
     parser.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--num-layers", type=int, default=2,
@@ -259,16 +413,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=512,
                         help="tokenizer vocabulary size in tokens (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--fault", choices=FAULT_KINDS, default=None,
+                        help="build a fault into the model. 'raise': every generation fails on "
+                             "the server after exactly --fault-after-tokens generated tokens, "
+                             "for any prompt and temperature (the next token is one that "
+                             "mlx-lm's streaming detokenizer raises on)")
+    parser.add_argument("--fault-after-tokens", type=int, default=None, metavar="N",
+                        help="tokens generated normally before the fault fires, 0 to "
+                             f"{MAX_FAULT_AFTER_TOKENS} (needs --fault; default 0)")
     parser.add_argument("--force", action="store_true",
                         help="regenerate even if DIR already holds this model")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the command for parsed ``args``; prints the model path; returns the exit code."""
+    fault_kind = getattr(args, "fault", None)
+    after = getattr(args, "fault_after_tokens", None)
     try:
+        if fault_kind is None and after is not None:
+            raise ValueError("--fault-after-tokens needs --fault")
+        fault = None if fault_kind is None else Fault(fault_kind, 0 if after is None else after)
         path = make_test_model(Path(args.dir), hidden_size=args.hidden_size,
                                num_layers=args.num_layers, vocab_size=args.vocab_size,
-                               seed=args.seed, force=args.force)
+                               seed=args.seed, force=args.force, fault=fault)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

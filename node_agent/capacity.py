@@ -14,9 +14,8 @@ Anywhere else (Linux, for development and tests) chip and total memory come from
 operator and a human reading etcd never mistake such a node for a Mac. Configuring either value
 on macOS forces the same simulated mode (many simulated agents on one Mac).
 
-The parsing functions (:func:`chip_generation`, :func:`parse_quantity`) are pure. The agent and
-the operator do not import each other (import-linter contract), so the Kubernetes quantity
-parser lives here too.
+:func:`chip_generation` is pure. Memory quantities go through the project's one grammar,
+:func:`mlx_fleet.quantity.parse_quantity` (re-exported here for the agent's CLI).
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ import dataclasses
 import logging
 import re
 import sys
-from decimal import Decimal, InvalidOperation
 
 import psutil
 
 from mlx_fleet.contract import NodeCapacity
+from mlx_fleet.quantity import format_bytes, parse_quantity
 
 log = logging.getLogger(__name__)
 
@@ -51,45 +50,6 @@ def chip_generation(brand: str) -> int:
     """
     m = _CHIP_RE.search(brand or "")
     return int(m.group(1)) if m else 0
-
-
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGTPE]i|[kMGTPE]?)\s*$")
-
-
-def parse_quantity(text: str | int) -> int:
-    """A Kubernetes-style memory quantity → bytes (rounded up to a whole byte).
-
-    ``"64Gi"`` → 68719476736, ``"512Mi"``, ``"1.5Gi"``, ``"16G"`` (decimal: 16·10⁹),
-    ``"1000"`` (bytes). Suffixes: binary ``Ki Mi Gi Ti Pi Ei``, decimal ``k M G T P E``.
-    Raises ``ValueError`` naming the input for anything else (negative, empty, ``"64GB"``).
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"memory quantity must not be negative: {text}")
-        return text
-    m = _QUANTITY_RE.match(str(text))
-    if not m:
-        raise ValueError(f"invalid memory quantity {text!r}: expected a number with an optional "
-                         "suffix Ki/Mi/Gi/Ti/Pi/Ei (binary) or k/M/G/T/P/E (decimal), e.g. 64Gi")
-    number, suffix = m.groups()
-    try:
-        value = Decimal(number)
-    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
-        raise ValueError(f"invalid memory quantity {text!r}") from e
-    scaled = value * (_BINARY.get(suffix) or _DECIMAL[suffix])
-    return int(scaled.to_integral_value(rounding="ROUND_CEILING"))
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable binary size for log lines: 68719476736 → ``"64.0 GiB"``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,14 +5,20 @@ Desired state: every key under ``keys.node_assignments_prefix(node)``, followed 
 the watch resumes from the last revision seen and re-lists after a compaction, so no change is
 ever skipped).
 
-Actual state: the models this controller loaded into the :class:`~node_agent.serving.ServingCore`
-(``served_model_name`` → source path + revision + serving limits).
+Actual state: the models this controller loaded into the :class:`~node_agent.serving.ServingCore`,
+one per assignment key — that is per (deployment, revision): two revisions of one served model
+(a rolling update's surge, a canary's stable and candidate) are both resident, each its own
+entry in the core's registry. :meth:`Controller.served` tells the HTTP layer which revisions of
+each served model are loaded and in which :class:`~mlx_fleet.contract.Role`.
 
 Converging is serialized: one worker task waits for a "desired state changed" signal and runs
-a pass over the latest desired set. A pass first unloads models that are no longer assigned
-(or whose model name changed), then loads what is missing or changed (a changed source URI,
-revision or serving limit reloads). Before each load it checks the signal again, so the newest
-desired state wins; a load that is running is never started a second time.
+a pass over the latest desired set. A pass first unloads revisions that are no longer assigned
+(or whose model name changed) — *draining* them in the background: the revision stops taking
+new requests at once, its running requests finish (up to :data:`DRAIN_SECONDS`), then it is
+unloaded; so removing the previous revision of a rolling update fails no request — then loads
+what is missing or changed (a changed source URI or serving limit reloads; a changed ``role``
+does not: promotion is free). Before each load it checks the signal again, so the newest desired
+state wins; a load that is running is never started a second time.
 
 Reports (:class:`~mlx_fleet.contract.AssignmentReport` at ``keys.report(node, ns, name)``) are
 written through :class:`~node_agent.registration.Registration`, bound to its lease:
@@ -44,7 +50,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys, Role
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
 from mlx_fleet.supervise import Supervised
@@ -55,7 +61,8 @@ from .sources import SourceError, resolve_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "RETRY_INITIAL_BACKOFF", "RETRY_MAX_BACKOFF", "PERMANENT_REASONS"]
+__all__ = ["Controller", "ServedModel", "RETRY_INITIAL_BACKOFF", "RETRY_MAX_BACKOFF",
+           "PERMANENT_REASONS", "DRAIN_SECONDS"]
 
 #: Delay before the first retry of a failed load, in seconds; it doubles with every failure.
 #: Short, so a replica whose disk was a moment late comes up quickly.
@@ -66,6 +73,18 @@ RETRY_INITIAL_BACKOFF = 2.0
 RETRY_MAX_BACKOFF = 300.0
 #: Failure reasons that only a change of the assignment can fix: not retried.
 PERMANENT_REASONS = frozenset({"InvalidSource", "UnsupportedSource", "InvalidAssignment"})
+#: How long an unassigned revision may finish its running requests before it is unloaded
+#: (seconds). Generous: a long completion on a loaded Mac can take a minute.
+DRAIN_SECONDS = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """A served model name on this node: its deployment and the loaded revisions → role."""
+
+    namespace: str
+    name: str
+    revisions: dict[str, Role]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +168,7 @@ class Controller:
         self._loaded: dict[str, _Loaded] = {}
         self._failed: dict[str, _Failure] = {}
         self._reported: set[str] = set()            # assignment keys with a report written
+        self._draining: dict[tuple[str, str], asyncio.Task] = {}  # (model id, revision)
         self._changed = asyncio.Event()
         # Both run under supervision: a bug (e.g. in a watch callback) is logged and the task
         # restarts after a back-off; a restarted follower re-lists, so nothing is missed.
@@ -170,6 +190,19 @@ class Controller:
         """Stop following and converging. Loaded models stay loaded (the core owns them)."""
         for t in self._tasks:
             await t.stop()
+        for t in self._draining.values():
+            t.cancel()
+
+    def served(self) -> dict[str, ServedModel]:
+        """served model name → its deployment and the revisions loaded now (not draining)."""
+        out: dict[str, ServedModel] = {}
+        for key, loaded in self._loaded.items():
+            d = self._desired.get(key)
+            if not isinstance(d, Assignment):
+                continue
+            entry = out.setdefault(loaded.spec.model_id, ServedModel(d.namespace, d.name, {}))
+            entry.revisions[loaded.spec.revision] = d.role
+        return out
 
     @property
     def tasks(self) -> list[Supervised]:
@@ -184,9 +217,10 @@ class Controller:
             parsed = self._keys.parse_assignment(key)
             report = self._reg.report(self._keys.report(*parsed)) if parsed else None
             d = self._desired[key]
-            out[f"{parsed[1]}/{parsed[2]}" if parsed else key] = {
+            out[f"{parsed[1]}/{parsed[2]}/{parsed[3]}" if parsed else key] = {
                 "model": d.served_model_name if isinstance(d, Assignment) else "",
-                "revision": report.revision if report else "",
+                "revision": parsed[3] if parsed else "",
+                "role": d.role.value if isinstance(d, Assignment) else "",
                 "state": report.state.value if report else AssignmentState.PENDING.value,
                 "reason": report.reason if report else "",
             }
@@ -199,7 +233,7 @@ class Controller:
             log.warning("ignoring key %s: not an assignment key of node %s", kv.key,
                         self.node_name)
             return None
-        _, ns, name = parsed
+        _, ns, name, revision = parsed
         try:
             a = Assignment.from_json(kv.value)
         except (ValidationError, ValueError) as e:
@@ -210,9 +244,9 @@ class Controller:
             msg = f"cannot parse assignment {kv.key}: {e}".replace("\n", "; ")
             log.error("%s", msg)
             return _Invalid(ns, name, generation, msg[:1000])
-        if (a.namespace, a.name) != (ns, name):
-            msg = (f"assignment {kv.key} names {a.namespace}/{a.name} in its body, "
-                   f"but {ns}/{name} in its key")
+        if (a.namespace, a.name, a.revision) != (ns, name, revision):
+            msg = (f"assignment {kv.key} names {a.namespace}/{a.name} revision {a.revision} in "
+                   f"its body, but {ns}/{name} revision {revision} in its key")
             log.error("%s", msg)
             return _Invalid(ns, name, a.generation, msg)
         if not a.served_model_name:
@@ -282,15 +316,15 @@ class Controller:
     async def _converge(self) -> None:
         desired = dict(self._desired)
 
-        # 1. unload what is no longer assigned (or is now served under another name)
+        # 1. drain and unload what is no longer assigned (or is now served under another name)
         for key, loaded in list(self._loaded.items()):
             d = desired.get(key)
             if isinstance(d, Assignment) and d.served_model_name == loaded.spec.model_id:
                 continue  # same name: a changed spec reloads in place below
-            log.info("unloading %s (assignment %s %s)", loaded.spec.model_id, key,
-                     "removed" if d is None else "changed")
-            await self._core.unload_model(loaded.spec.model_id)
+            log.info("draining %s revision %s (assignment %s %s)", loaded.spec.model_id,
+                     loaded.spec.revision, key, "removed" if d is None else "changed")
             del self._loaded[key]
+            self._drain(loaded.spec)
         for key in list(self._failed):
             if key not in desired:
                 del self._failed[key]
@@ -326,7 +360,9 @@ class Controller:
                                    reason=failed.reason, message=failed.message)
                 continue
             owner = next((k for k, v in self._loaded.items()
-                          if k != key and v.spec.model_id == spec.model_id), None)
+                          if v.spec.model_id == spec.model_id
+                          and self._keys.parse_assignment(k)[1:3] != (d.namespace, d.name)),
+                         None)
             if owner is not None:
                 self._failed.pop(key, None)  # re-evaluated on every pass instead
                 await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
@@ -336,6 +372,26 @@ class Controller:
                                            f"for assignment {owner}")
                 continue
             await self._load(key, d, spec, retry=failed)
+
+    def _drain(self, spec: _Spec) -> None:
+        """Unload ``spec``'s revision after its running requests finish (in the background, so a
+        long drain never holds up other assignments). A revision assigned again meanwhile is
+        loaded anew once the drain is over (see :meth:`_load`)."""
+        ident = (spec.model_id, spec.revision)
+
+        async def run() -> None:
+            try:
+                await self._core.unload_model(spec.model_id, spec.revision,
+                                              drain_seconds=DRAIN_SECONDS)
+            except Exception:  # noqa: BLE001 - logged; the core stays usable
+                log.exception("unloading %s revision %s failed", *ident)
+            finally:
+                if self._draining.get(ident) is task:
+                    del self._draining[ident]
+                    self._changed.set()
+
+        task = asyncio.create_task(run(), name=f"drain {spec.model_id}@{spec.revision}")
+        self._draining[ident] = task
 
     async def _ready(self, key: str, a: Assignment, loaded: _Loaded) -> None:
         await self._report(key, AssignmentState.READY, namespace=a.namespace, name=a.name,
@@ -358,6 +414,9 @@ class Controller:
         else:
             log.info("retrying load of %s revision %s from %s (assignment %s, attempt %d)",
                      spec.model_id, spec.revision, spec.uri, key, retry.attempts + 1)
+        draining = self._draining.get((spec.model_id, spec.revision))
+        if draining is not None:  # assigned again while it drains: let the unload finish first
+            await asyncio.shield(draining)
         try:
             path = await asyncio.to_thread(self._resolve, spec.uri)
             await self._core.load_model(
@@ -382,9 +441,9 @@ class Controller:
 
     async def _fail(self, key: str, spec: _Spec, reason: str, message: str, common: dict) -> None:
         previous = self._loaded.pop(key, None)
-        if previous is not None or self._core.is_loaded(spec.model_id):
-            # what is served must be what is assigned: don't keep an older revision around
-            await self._core.unload_model(spec.model_id)
+        if previous is not None or self._core.is_loaded(spec.model_id, spec.revision):
+            # what is served must be what is assigned: don't keep an older copy around
+            await self._core.unload_model(spec.model_id, spec.revision)
         before = self._failed.get(key)
         attempts = before.attempts + 1 if before is not None and before.spec == spec else 1
         if reason in PERMANENT_REASONS:

@@ -94,6 +94,15 @@ def _argtype(fn):
     return wrapped
 
 
+def memory_quantity(text: str) -> int:
+    """``--simulated-memory``: a Kubernetes quantity (:func:`mlx_fleet.quantity.parse_quantity`)
+    of at least one byte."""
+    n = parse_quantity(text)
+    if n <= 0:
+        raise ValueError(f"memory must be greater than zero, got {text!r}")
+    return n
+
+
 class StartupError(Exception):
     """The agent cannot start for a reason the operator of the Mac must fix (e.g. its
     ``--listen`` address is taken); :func:`main` prints it as one line and exits 2."""
@@ -149,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretend to be this chip, e.g. 'Apple M3 Max' (forces simulated "
                         "capacity; off macOS capacity is always simulated, default "
                         "'Apple M3 Max')")
-    p.add_argument("--simulated-memory", default=None, type=_argtype(parse_quantity),
+    p.add_argument("--simulated-memory", default=None, type=_argtype(memory_quantity),
                    metavar="QUANTITY",
                    help="pretend to have this much unified memory, e.g. 64Gi (forces simulated "
                         "capacity; default off macOS: the host's physical memory)")
@@ -197,6 +206,7 @@ class Agent:
         self.store = EtcdStore(config.etcd_endpoint)
         self.registration: Registration | None = None
         self.controller = None
+        self.traffic = None
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -226,7 +236,8 @@ class Agent:
         if not core.healthy:
             reasons.append(f"serving core failed: {core.failure}" if core.failure
                            else "serving core is not running")
-        tasks = [*(reg.tasks if reg is not None else []), *(ctl.tasks if ctl is not None else [])]
+        tasks = [*(reg.tasks if reg is not None else []), *(ctl.tasks if ctl is not None else []),
+                 *(self.traffic.tasks if self.traffic is not None else [])]
         for t in tasks:
             if t.backing_off:
                 reasons.append(f"task {t.name} failed ({t.last_error}); restarting")
@@ -244,6 +255,7 @@ class Agent:
     async def start(self) -> None:
         from .controller import Controller
         from .openai_api import build_app
+        from .traffic import TrafficManager
 
         cap = await self.probe.read()
         if cap.simulated:
@@ -255,7 +267,8 @@ class Agent:
                      cap.chip, cap.chip_generation, format_bytes(cap.memory_total_bytes),
                      format_bytes(cap.wired_limit_bytes) if cap.wired_limit_bytes else "default")
         await self.core.start()
-        app = build_app(self.core, health=self.health, registry=self.registry)
+        app = build_app(self.core, health=self.health, registry=self.registry,
+                        router=lambda: self.traffic)
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -299,6 +312,11 @@ class Agent:
                                      core=self.core, registration=self.registration,
                                      advertise_url=self.url)
         await self.controller.start()
+        self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
+                                      registration=self.registration,
+                                      served=self.controller.served, crashes=self.core.crashes,
+                                      memory_bytes=self.core.memory_bytes)
+        await self.traffic.start()
 
     def _bound_port(self) -> int:
         server = self._site._server if self._site is not None else None  # type: ignore[attr-defined]
@@ -311,6 +329,8 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self._site.stop()  # stop accepting new connections
             self._site = None
+        if self.traffic is not None:
+            await self.traffic.stop()
         if self.controller is not None:
             await self.controller.stop()
         if self.registration is not None:

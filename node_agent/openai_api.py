@@ -23,6 +23,15 @@ different ``temperature``/``top_p`` (or a greedy one among sampling ones), makes
 *every* row of its model's batch separately for as long as it runs, slowing sampling for all
 requests in that batch (see :mod:`node_agent.serving`).
 
+Revisions and the canary split: with a ``router`` (the agent's
+:class:`~node_agent.traffic.TrafficManager`), each request is routed to one loaded revision of its
+model — by the canary split on the session key (``X-Session-ID`` header, else the ``user``
+field), else the node's stable revision (:mod:`node_agent.routing`) — or forwarded, streaming
+preserved, to a node that serves the candidate. Every response names the revision that served it
+in the ``X-Model-Revision`` header, and the outcome of a request under a split (server-side
+failure or not, latency, time to first token, tokens/s) feeds the per-revision statistics and
+the local guard.
+
 Run the app with ``handler_cancellation=True`` (as ``node_agent.main`` and
 ``aiohttp.test_utils.TestServer`` do) so a client disconnect cancels the handler; the handler
 additionally notices a closed transport between tokens (a failed write while streaming, a
@@ -48,7 +57,17 @@ from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, M
                       Overloaded, ServingCore)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
-           "UNKNOWN_LABEL"]
+           "UNKNOWN_LABEL", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
+
+#: Response header naming the revision that served the request.
+REVISION_HEADER = "X-Model-Revision"
+#: Request header carrying the session key of the canary split (else the ``user`` field).
+SESSION_HEADER = "X-Session-ID"
+#: Request header a forwarding agent sets: serve exactly this revision, don't split again.
+PIN_HEADER = "X-MLX-Fleet-Revision"
+#: Timeout of a forwarded request's connection (seconds); the body streams for as long as it
+#: takes.
+FORWARD_CONNECT_TIMEOUT = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -206,18 +225,55 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+class _Outcome:
+    """Times one request for the per-revision statistics (only when it is under a split):
+    end-to-end latency, time to first token, decode time of its tokens; :meth:`done` reports it
+    once. A request that never reaches :meth:`done` (the client hung up) is not counted."""
+
+    __slots__ = ("tm", "routed", "t0", "first", "last", "tokens", "reported")
+
+    def __init__(self, tm: Any, routed: Any) -> None:
+        self.tm, self.routed = tm, routed
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.reported = False
+
+    def token(self, completion_tokens: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.tokens = completion_tokens
+
+    def done(self, *, failed: bool) -> None:
+        if self.reported or self.tm is None or self.routed is None:
+            return
+        self.reported = True
+        now = time.perf_counter()
+        self.tm.record(self.routed, latency_s=now - self.t0,
+                       ttft_s=None if self.first is None else self.first - self.t0,
+                       completion_tokens=self.tokens,
+                       decode_seconds=None if self.first is None or self.last is None
+                       else self.last - self.first, failed=failed)
+
+
 # ---------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------
 
 
 def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
-              registry: CollectorRegistry) -> web.Application:
+              registry: CollectorRegistry,
+              router: Callable[[], Any] = lambda: None) -> web.Application:
     """Build the OpenAI-compatible app over ``core``.
 
     ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
     ``details`` as JSON. ``GET /metrics`` exposes ``registry`` (pass the core's registry, or one
-    that includes it, to see the serving metrics). Request counts go to ``core.metrics``, labelled
+    that includes it, to see the serving metrics). ``router()`` returns the agent's
+    :class:`~node_agent.traffic.TrafficManager`, or None while there is none (then a request is
+    served by the model's only, or most recently loaded, revision). Request counts go to ``core.metrics``, labelled
     with the model and revision only when the request names a loaded model, else with
     :data:`UNKNOWN_LABEL` for both.
     """
@@ -272,6 +328,58 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     app = web.Application(middlewares=[errors])
     app[CORE_KEY] = core
 
+    sessions: dict[str, Any] = {}
+
+    async def client_session() -> Any:
+        import aiohttp
+
+        if "s" not in sessions:
+            sessions["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=FORWARD_CONNECT_TIMEOUT))
+        return sessions["s"]
+
+    async def close_sessions(_: web.Application) -> None:
+        if "s" in sessions:
+            await sessions.pop("s").close()
+
+    app.on_cleanup.append(close_sessions)
+
+    async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
+        """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
+        answer back as it comes. A node that can't be reached is a 503 (and a candidate
+        failure for the statistics: the client saw a server error)."""
+        import aiohttp
+
+        t0 = time.perf_counter()
+        url = routed.route.forward.rstrip("/") + request.path
+        headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
+        resp: web.StreamResponse | None = None
+        failed = True
+        try:
+            session = await client_session()
+            async with session.post(url, data=body, headers=headers) as up:
+                resp = web.StreamResponse(status=up.status, headers={
+                    k: v for k, v in up.headers.items()
+                    if k.lower() in {"content-type", "cache-control", "retry-after",
+                                     REVISION_HEADER.lower()}})
+                await resp.prepare(request)
+                async for part in up.content.iter_any():
+                    await resp.write(part)
+                await resp.write_eof()
+                failed = up.status >= 500
+                return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if resp is not None:  # the header went out: end the stream with an error event
+                raise ConnectionResetError(f"forwarding to {url} failed: {e}") from e
+            return _error(503, f"the node serving revision {routed.route.revision} is not "
+                          f"reachable: {type(e).__name__}", type_="server_error",
+                          code="unavailable")
+        finally:
+            tm = router()
+            if tm is not None:
+                tm.record(routed, latency_s=time.perf_counter() - t0, ttft_s=None,
+                          completion_tokens=0, decode_seconds=None, failed=failed)
+
     async def parse(request: web.Request, cls: type[_Sampling]) -> _Sampling | web.Response:
         body = await request.read()
         try:
@@ -302,16 +410,30 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         if core.failure is not None:
             return _error(503, f"this node cannot serve: {core.failure}", type_="server_error",
                           code="unavailable")
+        not_found = _error(404, f"The model '{req.model}' does not exist or is not loaded on "
+                           "this node", param="model", code="model_not_found")
+        tm = router()
+        routed = None
+        revision: str | None = None
+        if tm is not None:
+            routed = tm.route(req.model, session_header=request.headers.get(SESSION_HEADER),
+                              user=req.user, pinned=request.headers.get(PIN_HEADER, ""))
+            if routed is None:
+                return not_found
+            if routed.route.forward:
+                return await forward(request, routed, await request.read())
+            revision = routed.route.revision
         try:
-            info = core.model_info(req.model)
+            info = core.model_info(req.model, revision)
         except ModelNotLoaded:
-            return _error(404, f"The model '{req.model}' does not exist or is not loaded on "
-                          "this node", param="model", code="model_not_found")
+            return not_found
         # labelled only now that the model is known to be loaded (bounded label values)
         request[_MODEL] = req.model
         request[_REVISION] = info.revision
+        outcome = _Outcome(tm, routed)
         try:
-            gen = await core.generate(req.model, prompt=prompt, messages=messages,
+            gen = await core.generate(req.model, revision=info.revision, prompt=prompt,
+                                      messages=messages,
                                       max_tokens=max_tokens, temperature=req.temperature,
                                       top_p=req.top_p, stop=req.stop, seed=req.seed)
         except ModelNotLoaded:
@@ -328,22 +450,28 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
                           code="invalid_prompt")
         except GenerationAborted as e:
+            outcome.done(failed=True)
             return _error(503, str(e), type_="server_error", code="unavailable")
 
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        headers = {REVISION_HEADER: info.revision}
         async with gen:
             if req.stream:
-                return await stream(request, req, kind, gen, rid, created)
+                return await stream(request, req, kind, gen, rid, created, headers, outcome)
             parts: list[str] = []
             try:
                 async for chunk in gen:
+                    outcome.token(chunk.completion_tokens)
                     parts.append(chunk.text)
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
             except GenerationAborted as e:
-                return _error(503, str(e), type_="server_error", code="unavailable")
+                outcome.done(failed=True)
+                return _error(503, str(e), type_="server_error", code="unavailable",
+                              headers=headers)
+        outcome.done(failed=False)
         text = "".join(parts)
         usage = _usage(gen.prompt_tokens, gen.completion_tokens)
         if kind == "chat":
@@ -359,13 +487,14 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                     "choices": [{"index": 0, "text": text, "logprobs": None,
                                  "finish_reason": gen.finish_reason}],
                     "usage": usage}
-        return web.json_response(body)
+        return web.json_response(body, headers=headers)
 
     async def stream(request: web.Request, req: _Sampling, kind: str, gen: Any, rid: str,
-                     created: int) -> web.StreamResponse:
+                     created: int, headers: dict[str, str], outcome: "_Outcome"
+                     ) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -389,14 +518,17 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 await resp.write(event([choice("", None, first=True)]))
             try:
                 async for chunk in gen:
+                    outcome.token(chunk.completion_tokens)
                     if chunk.text or chunk.finish_reason is not None:
                         await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
             except GenerationAborted as e:
+                outcome.done(failed=True)
                 err = {"error": {"message": str(e), "type": "server_error", "param": None,
                                  "code": "unavailable"}}
                 await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                 await resp.write_eof()
                 return resp
+            outcome.done(failed=False)
             if include_usage:
                 await resp.write(event([], _usage(gen.prompt_tokens, gen.completion_tokens)))
             await resp.write(b"data: [DONE]\n\n")

@@ -49,7 +49,12 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from mlx_fleet.contract import AssignmentReport, Keys, NodeCapacity, NodeHealth, NodeRecord
+from mlx_fleet.contract import (AssignmentReport, Keys, NodeCapacity, NodeHealth, NodeRecord,
+                                StatsReport)
+
+#: A lease-bound record the agent writes: a per-assignment report or a per-deployment stats
+#: report (both carry ``updated_unix``, ignored when comparing).
+LeaseBound = AssignmentReport | StatsReport
 from mlx_fleet.store import Put, Store, StoreError
 from mlx_fleet.supervise import SUPERVISOR_INITIAL_BACKOFF, Supervised
 
@@ -77,8 +82,8 @@ def next_deadline(previous: float, period: float, now: float) -> float:
     return due if due > now else now
 
 
-def _same_report(a: AssignmentReport | None, b: AssignmentReport) -> bool:
-    if a is None:
+def _same_report(a: LeaseBound | None, b: LeaseBound) -> bool:
+    if a is None or type(a) is not type(b):
         return False
     return a.model_dump(exclude={"updated_unix"}) == b.model_dump(exclude={"updated_unix"})
 
@@ -125,7 +130,7 @@ class Registration:
         self._health = NodeHealth.HEALTHY
         self._capacity: NodeCapacity | None = None
         self._record_dirty = True
-        self._reports: dict[str, AssignmentReport] = {}
+        self._reports: dict[str, LeaseBound] = {}
         self._dirty_reports: set[str] = set()       # keys whose latest state isn't in etcd
         self._pending_deletes: set[str] = set()
         self._last_ok = 0.0                         # monotonic time of the last etcd success
@@ -213,8 +218,9 @@ class Registration:
         self._lease_alive = False
 
     # -- reports -----------------------------------------------------------------------------
-    async def put_report(self, key: str, report: AssignmentReport) -> None:
-        """Record ``report`` as the state of ``key`` and write it under the lease.
+    async def put_report(self, key: str, report: LeaseBound) -> None:
+        """Record ``report`` (an assignment report, or a deployment's stats report) as the
+        state of ``key`` and write it under the lease.
 
         Identical reports (ignoring ``updated_unix``) are not rewritten. Each write is bounded
         by :attr:`write_timeout`; if it fails or times out it is retried by the sync task; this
@@ -233,7 +239,7 @@ class Registration:
         self._pending_deletes.add(key)
         await self._flush_reports()
 
-    def report(self, key: str) -> AssignmentReport | None:
+    def report(self, key: str) -> LeaseBound | None:
         """The latest report recorded for ``key`` (whether or not it reached etcd yet)."""
         return self._reports.get(key)
 

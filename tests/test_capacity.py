@@ -9,7 +9,7 @@ import pytest
 from mlx_fleet.contract import NodeCapacity
 import node_agent.capacity as capacity_module
 from node_agent.capacity import (CapacityConfig, CapacityProbe, chip_generation,
-                                 materially_different, parse_quantity)
+                                 materially_different)
 
 
 @pytest.mark.parametrize("brand, generation", [
@@ -27,28 +27,6 @@ from node_agent.capacity import (CapacityConfig, CapacityProbe, chip_generation,
 ])
 def test_chip_generation(brand: str, generation: int) -> None:
     assert chip_generation(brand) == generation
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("64Gi", 64 * 2**30),
-    ("512Mi", 512 * 2**20),
-    ("1.5Gi", 3 * 2**29),
-    ("16G", 16 * 10**9),
-    ("100k", 100_000),
-    ("1000", 1000),
-    ("1Ti", 2**40),
-    (" 2Ki ", 2048),
-    ("0.5", 1),  # rounded up to a whole byte
-    (4096, 4096),
-])
-def test_parse_quantity(text, expected: int) -> None:
-    assert parse_quantity(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "64GB", "-1Gi", "Gi", "1.2.3", "64 gibibytes", "1e9", -5])
-def test_parse_quantity_rejects(text) -> None:
-    with pytest.raises(ValueError, match="quantity"):
-        parse_quantity(text)
 
 
 def _cap(**kw) -> NodeCapacity:
@@ -71,7 +49,7 @@ def test_materially_different(old, new, changed: bool) -> None:
 
 async def test_simulated_probe() -> None:
     probe = CapacityProbe(CapacityConfig(simulated_chip="Apple M4 Pro",
-                                         simulated_memory_bytes=parse_quantity("48Gi")))
+                                         simulated_memory_bytes=48 * 2**30))
     cap = await probe.read()
     assert cap.simulated is True
     assert cap.chip == "Apple M4 Pro" and cap.chip_generation == 4

@@ -39,14 +39,15 @@ from typing import Any
 
 import kopf
 
-from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord
+from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, StatsReport
 from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, dead, supervise
 
 from . import metrics
 from .placement import PlacementRequest
-from .reconcile import (DEFAULT_WRITER, ConflictError, collect_garbage, read_fleet, reconcile,
-                        remove_deployment)
+from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
+                        reconcile, remove_deployment)
+from .rollout import RevisionTarget
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
 
@@ -63,6 +64,18 @@ CONFLICT_RETRY_SECONDS = 1.0
 
 log = logging.getLogger(__name__)
 DeploymentKey = tuple[str, str]
+Slot = tuple[str, str]  # (node, revision)
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateIntent:
+    """What a running Canary asks of its target ModelDeployment's placement: keep the
+    candidate ``revision`` resident (``source``/``memory_bytes``: None = the target's)."""
+
+    canary: str
+    revision: str
+    source: str | None = None
+    memory_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -107,7 +120,18 @@ class Runtime:
         self.keys = keys
         self.writer = writer
         self.nodes: dict[str, NodeRecord] = {}
-        self.reports: dict[DeploymentKey, dict[str, AssignmentReport]] = {}
+        self.reports: dict[DeploymentKey, dict[Slot, AssignmentReport]] = {}
+        #: target ModelDeployment → the candidate its running Canary keeps resident (set by
+        #: the Canary handlers, :mod:`.canary_handlers`; read by :func:`sync`).
+        self.candidates: dict[DeploymentKey, CandidateIntent] = {}
+        #: ModelDeployment → (parsed spec, generation, uid), as last synced (None: invalid).
+        self.deployments: dict[DeploymentKey, tuple[Any, int, str]] = {}
+        #: ModelDeployment → its (node, revision) assignments as last reconciled.
+        self.placed: dict[DeploymentKey, dict[Slot, Any]] = {}
+        #: ModelDeployment → node → the agents' per-revision statistics (``stats/``).
+        self.stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
+        #: target ModelDeployment → wake-up of the Canary daemon following it.
+        self.canary_wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.locks: dict[DeploymentKey, asyncio.Lock] = {}
         self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
@@ -130,6 +154,47 @@ class Runtime:
     def wake_all(self) -> None:
         for ev in self.wakeups.values():
             ev.set()
+
+    def wake_canary(self, target: DeploymentKey) -> None:
+        ev = self.canary_wakeups.get(target)
+        if ev is not None:
+            ev.set()
+
+    # -- stats follower ------------------------------------------------------------------------
+    def _parse_stats(self, key: str, value: bytes) -> tuple[tuple[str, str, str] | None,
+                                                           StatsReport | None]:
+        parsed = self.keys.parse_stats(key)
+        if parsed is None or not value:
+            return parsed, None
+        try:
+            return parsed, StatsReport.from_json(value)
+        except ValueError as e:
+            log.warning("ignoring malformed stats report %s: %s", key, e)
+            return parsed, None
+
+    async def on_stats_snapshot(self, snap: Snapshot) -> None:
+        stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
+        for kv in snap.items:
+            parsed, rep = self._parse_stats(kv.key, kv.value)
+            if parsed and rep:
+                stats.setdefault((parsed[1], parsed[2]), {})[parsed[0]] = rep
+        self.stats = stats
+        for key in stats:
+            self.wake_canary(key)
+
+    async def on_stats_event(self, ev: WatchEvent) -> None:
+        parsed, rep = self._parse_stats(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
+        if parsed is None:
+            return
+        key = (parsed[1], parsed[2])
+        per = self.stats.setdefault(key, {})
+        if rep is None:
+            per.pop(parsed[0], None)
+        else:
+            before = per.get(parsed[0])
+            per[parsed[0]] = rep
+            if rep.guard_tripped and not (before and before.guard_tripped):
+                self.wake_canary(key)  # a local guard tripped: roll back fleet-wide now
 
     # -- etcd followers ------------------------------------------------------------------------
     @staticmethod
@@ -179,7 +244,7 @@ class Runtime:
                      "gone" if rec is None else "changed" if before else "appeared")
             self.wake_all()
 
-    def _parse_report(self, key: str, value: bytes) -> tuple[tuple[str, str, str] | None,
+    def _parse_report(self, key: str, value: bytes) -> tuple[tuple[str, str, str, str] | None,
                                                             AssignmentReport | None]:
         parsed = self.keys.parse_report(key)
         if parsed is None or not value:
@@ -195,11 +260,11 @@ class Runtime:
         return None if r is None else r.model_dump(exclude={"updated_unix", "resident_bytes"})
 
     async def on_reports_snapshot(self, snap: Snapshot) -> None:
-        reports: dict[DeploymentKey, dict[str, AssignmentReport]] = {}
+        reports: dict[DeploymentKey, dict[Slot, AssignmentReport]] = {}
         for kv in snap.items:
             parsed, rep = self._parse_report(kv.key, kv.value)
             if parsed and rep:
-                reports.setdefault((parsed[1], parsed[2]), {})[parsed[0]] = rep
+                reports.setdefault((parsed[1], parsed[2]), {})[(parsed[0], parsed[3])] = rep
         changed = set(reports) | set(self.reports)
         self.reports = reports
         self.reports_synced.set()
@@ -211,15 +276,17 @@ class Runtime:
         parsed, rep = self._parse_report(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
         if parsed is None:
             return
-        node, key = parsed[0], (parsed[1], parsed[2])
+        slot, key = (parsed[0], parsed[3]), (parsed[1], parsed[2])
         per = self.reports.setdefault(key, {})
-        before = self._report_view(per.get(node))
+        before = self._report_view(per.get(slot))
         if rep is None:
-            per.pop(node, None)
+            per.pop(slot, None)
         else:
-            per[node] = rep
-        if before != self._report_view(rep) and key in self.wakeups:
-            self.wakeups[key].set()
+            per[slot] = rep
+        if before != self._report_view(rep):
+            if key in self.wakeups:
+                self.wakeups[key].set()
+            self.wake_canary(key)
 
     def start_followers(self) -> None:
         """Start the two etcd followers, each under :func:`mlx_fleet.supervise.supervise` (logged and
@@ -228,7 +295,9 @@ class Runtime:
                 ("etcd follower: nodes", self.keys.nodes_prefix, self.on_nodes_snapshot,
                  self.on_nodes_event),
                 ("etcd follower: reports", self.keys.reports_prefix, self.on_reports_snapshot,
-                 self.on_reports_event)):
+                 self.on_reports_event),
+                ("etcd follower: stats", self.keys.stats_prefix, self.on_stats_snapshot,
+                 self.on_stats_event)):
             health = self.followers[name] = TaskHealth(name)
 
             def run(prefix=prefix, on_snapshot=on_snapshot, on_event=on_event):
@@ -362,6 +431,15 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
                      gc_interval=cfg.gc_interval)
         rt.custom_api = api = await asyncio.to_thread(_kubernetes_api)
         rt.list_live = lambda: list_live_deployments(api, cfg.namespaces)
+        # Running Canaries' candidates, before any ModelDeployment resumes: a restart
+        # mid-canary must never unload a warm candidate.
+        from .canary_handlers import seed_candidates
+
+        try:
+            rt.candidates = await asyncio.to_thread(seed_candidates, api)
+        except Exception as e:  # e.g. the Canary CRD is not installed: no canaries to keep
+            logger.warning("cannot list Canaries at start-up (%s: %s); none resumed",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         rt.start_followers()
         rt.start_gc()
         try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
@@ -471,7 +549,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             # Nothing is re-placed, but what was placed for the last valid spec stays in etcd
             # and keeps being served: the status shows those replicas (and their reports).
             try:
-                placed = {n: s.assignment for n, s in
+                placed = {slot: s.assignment for slot, s in
                           (await read_fleet(rt.store, rt.keys)).of(*key).items()
                           if s.assignment is not None}
             except StoreError as se:
@@ -485,17 +563,12 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             await _publish(rt, body, key, status, events, replicas)
             raise kopf.PermanentError(str(e)) from None
 
-        request = PlacementRequest(
-            namespace=key[0], name=key[1], replicas=spec.replicas,
-            memory_bytes=spec.resources.memory_bytes,
-            node_selector=spec.placement.node_selector,
-            min_chip_generation=spec.placement.min_chip_generation,
-            strategy=spec.placement.strategy,
-            served_model_name=spec.model.served_model_name or key[1])
-        assignment = to_assignment(spec, namespace=key[0], name=key[1],
-                                   uid=meta.get("uid", ""), generation=generation)
+        rt.deployments[key] = (spec, generation, meta.get("uid", ""))
+        intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
+                                   candidate=rt.candidates.get(key))
         try:
-            result = await reconcile(rt.store, rt.keys, request, assignment, writer=rt.writer)
+            result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
+                                     writer=rt.writer)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -506,15 +579,44 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             metrics.RECONCILE_TOTAL.labels(result="error").inc()
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
+        rt.placed[key] = dict(result.assignments)
+        rt.wake_canary(key)
 
         reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
         status, events = compute_status(StatusInput(
             generation=generation, replicas=spec.replicas, assignments=result.assignments,
             reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
-            placement_message=result.decision.message), previous)
+            placement_message=result.decision.message, revision=spec.model.revision,
+            rollout_reason=result.rollout.reason, rollout_message=result.rollout.message),
+            previous)
         await _publish(rt, body, key, status, events, spec.replicas)
         metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+
+
+def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: int,
+                      candidate: CandidateIntent | None) -> Intent:
+    """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
+    and the candidate a running Canary keeps resident (ignored when it names the stable
+    revision itself — the moment of a promotion)."""
+    served = spec.model.served_model_name or key[1]
+    request = PlacementRequest(
+        namespace=key[0], name=key[1], replicas=spec.replicas, revision=spec.model.revision,
+        memory_bytes=spec.resources.memory_bytes, node_selector=spec.placement.node_selector,
+        min_chip_generation=spec.placement.min_chip_generation,
+        strategy=spec.placement.strategy, served_model_name=served)
+    stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
+                                                   generation=generation))
+    cand = None
+    if candidate is not None and candidate.revision != spec.model.revision:
+        memory = candidate.memory_bytes or spec.resources.memory_bytes
+        cand = RevisionTarget(
+            dataclasses.replace(request, revision=candidate.revision, memory_bytes=memory),
+            to_assignment(spec, namespace=key[0], name=key[1], uid=uid, generation=generation,
+                          role=Role.CANDIDATE, source=candidate.source,
+                          revision=candidate.revision, memory_bytes=memory))
+    surge, unavailable = spec.surge_limits()
+    return Intent(stable=stable, candidate=cand, max_surge=surge, max_unavailable=unavailable)
 
 
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
@@ -578,4 +680,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     rt.last_status.pop(key, None)
     rt.wakeups.pop(key, None)
     rt.locks.pop(key, None)
+    rt.deployments.pop(key, None)
+    rt.placed.pop(key, None)
+    rt.wake_canary(key)  # a Canary of a deleted target fails
     metrics.forget_deployment(namespace, name)

@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - depends on the installed kopf
         ActivityError = ()  # type: ignore[assignment,misc]  # `except ()` catches nothing
 
-    from . import handlers
+    from . import canary_handlers, handlers  # noqa: F401 - importing registers the handlers
 
     handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
                                               etcd_prefix=args.etcd_prefix,

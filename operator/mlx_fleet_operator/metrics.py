@@ -12,6 +12,12 @@
 ``mlxfleet_operator_nodes{health}``                    node records in etcd by health
 ``mlxfleet_operator_deployment_replicas``              replicas per ModelDeployment,
 ``{namespace,name,state}``                             ``state`` = ``desired`` or ``ready``
+``mlxfleet_operator_canary_weight``                    a Canary's candidate weight, percent
+``{namespace,name,target}``
+``mlxfleet_operator_canary_phase``                     1 for the Canary's current phase, else 0
+``{namespace,name,phase}``
+``mlxfleet_operator_canary_transitions_total``         Canary phase transitions by the phase
+``{namespace,name,phase}``                             entered (RolledBack, Succeeded ...)
 =====================================================  ===========================================
 """
 
@@ -33,6 +39,18 @@ NODES = Gauge("mlxfleet_operator_nodes", "Node records in etcd by health", ["hea
 DEPLOYMENT_REPLICAS = Gauge("mlxfleet_operator_deployment_replicas",
                             "Replicas of a ModelDeployment by state (desired, ready)",
                             ["namespace", "name", "state"])
+
+CANARY_WEIGHT = Gauge("mlxfleet_operator_canary_weight",
+                      "Percent of a Canary's sessions sent to its candidate revision",
+                      ["namespace", "name", "target"])
+CANARY_PHASE = Gauge("mlxfleet_operator_canary_phase",
+                     "1 for the Canary's current phase, 0 for the others",
+                     ["namespace", "name", "phase"])
+CANARY_TRANSITIONS = Counter("mlxfleet_operator_canary_transitions_total",
+                             "Canary phase transitions by the phase entered",
+                             ["namespace", "name", "phase"])
+CANARY_PHASES = ("Pending", "Progressing", "Paused", "Promoting", "Succeeded", "RolledBack",
+                 "Aborted", "Failed")
 
 for _result in ("changed", "unchanged", "invalid", "conflict", "error"):
     RECONCILE_TOTAL.labels(result=_result)
@@ -57,6 +75,19 @@ def forget_deployment(namespace: str, name: str) -> None:
             DEPLOYMENT_REPLICAS.remove(namespace, name, state)
         except KeyError:
             pass
+
+
+def set_canary(namespace: str, name: str, target: str, phase: str, weight: int) -> None:
+    CANARY_WEIGHT.labels(namespace=namespace, name=name, target=target).set(weight)
+    for p in CANARY_PHASES:
+        CANARY_PHASE.labels(namespace=namespace, name=name, phase=p).set(1 if p == phase else 0)
+
+
+def forget_canary(namespace: str, name: str) -> None:
+    """Remove a deleted Canary's series (no stale gauges)."""
+    for metric in (CANARY_WEIGHT, CANARY_PHASE, CANARY_TRANSITIONS):
+        for labels in [k for k in metric._metrics if k[:2] == (namespace, name)]:  # noqa: SLF001
+            metric.remove(*labels)
 
 
 _SERVED_PORT: int | None = None

@@ -8,19 +8,26 @@ same input always gives the same output (ties are broken by node name).
 
 Rules
 -----
+* A request places one **revision** of a deployment: a served model's identity is
+  (deployment, revision), so a rolling update's surge or a canary's candidate is a second
+  request for the same deployment.
 * A node is *eligible* when it is ``Healthy``, carries every ``nodeSelector`` label, has
   ``chip_generation >= minChipGeneration``, hosts no assignment of *another* deployment with
-  the same served model name (one agent serves each OpenAI ``model`` id once; a second one
-  would fail there with ``ModelNameConflict`` forever) and its memory budget fits. The budget
-  is ``memory_total_bytes × WATERMARK`` minus the ``memory_bytes`` of *other* deployments'
-  assignments on that node (this deployment's own assignment does not count against itself).
+  the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
+  a second one would fail there with ``ModelNameConflict`` forever) and its memory budget
+  fits. The budget is ``memory_total_bytes × WATERMARK`` minus the ``memory_bytes`` of every
+  other assignment on that node — other deployments *and other revisions of this one* (both
+  sides of a canary, or of a surge, are resident at once); only the revision being placed does
+  not count against itself.
 * Stability: a replica already placed on a node that is still eligible stays there; it is never
   moved just because another node has more room. Replicas on vanished or ineligible nodes are
   dropped (and re-placed elsewhere if possible).
 * Scale down removes replicas from the most loaded nodes first (least free budget; ties: the
   node name sorting last goes first).
-* Scale up adds replicas by strategy: ``Spread`` = most free budget first, ``Binpack`` = least
-  free budget that still fits; ties by node name. At most one replica per node.
+* Scale up adds replicas on ``preferred`` nodes first (a new revision next to the old one, a
+  candidate next to the stable), then by strategy: ``Spread`` = most free budget first,
+  ``Binpack`` = least free budget that still fits; ties by node name. At most one replica of a
+  revision per node.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from decimal import Decimal
 from typing import Literal
 
 from mlx_fleet.contract import MIN_CHIP_GENERATION, Assignment, NodeHealth, NodeRecord
+from mlx_fleet.quantity import format_bytes
 
 #: Fraction of a Mac's unified memory that assignments may reserve. The rest is left to macOS,
 #: the agent and the KV-cache growth of loaded models. Source: seed 004's node budget,
@@ -47,16 +55,19 @@ class PlacementRequest:
     ``memory_bytes``: unified memory per replica (bytes, > 0). ``node_selector``: labels a node
     must all carry. ``min_chip_generation``: 3 for M3 ... ``strategy``: Spread or Binpack.
     ``served_model_name``: the OpenAI ``model`` id; empty means ``name`` (as in the spec).
+    ``revision``: the revision placed. ``preferred``: nodes tried first when adding replicas.
     """
 
     namespace: str
     name: str
     replicas: int
     memory_bytes: int
+    revision: str = ""
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     min_chip_generation: int = MIN_CHIP_GENERATION
     strategy: Strategy = "Spread"
     served_model_name: str = ""
+    preferred: frozenset[str] = frozenset()
 
     @property
     def model_name(self) -> str:
@@ -90,10 +101,16 @@ def node_budget_bytes(node: NodeRecord) -> int:
     return int(Decimal(node.capacity.memory_total_bytes) * Decimal(str(WATERMARK)))
 
 
+def is_mine(request: PlacementRequest, a: Assignment) -> bool:
+    """True when ``a`` is the assignment of the very revision ``request`` places."""
+    return (a.namespace, a.name, a.revision) == (request.namespace, request.name,
+                                                 request.revision)
+
+
 def used_by_others(request: PlacementRequest, assignments: Sequence[Assignment]) -> int:
-    """Memory reserved on one node by assignments of deployments other than ``request``'s."""
-    return sum(a.memory_bytes for a in assignments
-               if (a.namespace, a.name) != (request.namespace, request.name))
+    """Memory reserved on one node by every assignment but the revision ``request`` places
+    (other deployments and other revisions of the same deployment)."""
+    return sum(a.memory_bytes for a in assignments if not is_mine(request, a))
 
 
 def free_bytes(request: PlacementRequest, node: NodeRecord,
@@ -103,12 +120,7 @@ def free_bytes(request: PlacementRequest, node: NodeRecord,
 
 
 def _fmt(n: int) -> str:
-    value = float(max(n, 0))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)}B" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return format_bytes(max(n, 0))
 
 
 def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assignment]) -> bool:
@@ -153,9 +165,8 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
         if n.name in by_name:
             raise ValueError(f"duplicate node record {n.name!r}")
         by_name[n.name] = n
-    me = (request.namespace, request.name)
     current = sorted(node for node, items in assignments.items()
-                     if any((a.namespace, a.name) == me for a in items))
+                     if any(is_mine(request, a) for a in items))
 
     free: dict[str, int] = {name: free_bytes(request, n, assignments.get(name, ()))
                             for name, n in by_name.items()}
@@ -173,9 +184,9 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
 
     candidates = [n for n in eligible if n not in chosen]
     if request.strategy == "Binpack":
-        candidates.sort(key=lambda n: (free[n], n))
+        candidates.sort(key=lambda n: (n not in request.preferred, free[n], n))
     else:
-        candidates.sort(key=lambda n: (-free[n], n))
+        candidates.sort(key=lambda n: (n not in request.preferred, -free[n], n))
     added = candidates[:max(request.replicas - len(chosen), 0)]
     chosen.update(added)
     unplaced = request.replicas - len(chosen)

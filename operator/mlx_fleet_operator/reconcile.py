@@ -4,8 +4,9 @@
 
 1. :func:`read_fleet` gets ``placement-epoch`` FIRST, then lists ``nodes/`` and
    ``assignments/`` (the order matters, see :func:`read_fleet`);
-2. :func:`plan` runs :func:`~mlx_fleet_operator.placement.place` and diffs the desired
-   assignments of this deployment against the stored ones → puts and deletes;
+2. :func:`plan` runs :func:`~mlx_fleet_operator.rollout.plan_deployment` (every revision the
+   deployment should hold: stable, previous ones still rolling out, a canary's candidate) and
+   diffs the desired (node, revision) assignments against the stored ones → puts and deletes;
 3. if there is nothing to change, nothing is written (no transaction at all);
 4. otherwise :func:`apply_plan` commits the puts/deletes in ONE ``store.txn`` whose compares are
    the ``mod_revision`` of ``placement-epoch`` (0 when absent) and of every assignment key of
@@ -30,10 +31,12 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import Assignment, Keys, NodeRecord, PlacementEpoch
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeRecord,
+                                PlacementEpoch)
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
-from .placement import PlacementDecision, PlacementRequest, place
+from .placement import PlacementDecision
+from .rollout import DeploymentPlan, RevisionTarget, RolloutState, Slot, plan_deployment
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +80,26 @@ class FleetView:
     epoch: KV | None
     revision: int
 
-    def of(self, namespace: str, name: str) -> dict[str, StoredAssignment]:
-        """node → this deployment's stored assignment."""
+    def of(self, namespace: str, name: str) -> dict[Slot, StoredAssignment]:
+        """(node, revision) → this deployment's stored assignment (parseable ones)."""
         out = {}
         for node, items in self.assignments.items():
             for s in items:
                 if s.assignment is not None and (s.assignment.namespace, s.assignment.name) == (
                         namespace, name):
-                    out[node] = s
+                    out[(node, s.assignment.revision)] = s
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Intent:
+    """What the operator wants for one deployment: the ``stable`` revision, a Canary's
+    ``candidate`` (or None), the rolling-update limits resolved against ``replicas``."""
+
+    stable: RevisionTarget
+    candidate: RevisionTarget | None = None
+    max_surge: int = 1
+    max_unavailable: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,16 +110,20 @@ class Plan:
     ops: tuple[Put | Delete, ...]
     compares: tuple[Compare, ...]
     epoch: KV | None
-    desired: dict[str, Assignment]  # node → assignment once the plan is applied (kept
-    # records keep their stored generation, see same_for_node)
+    desired: dict[Slot, Assignment]  # (node, revision) → assignment once applied (kept
+    # records keep their stored generation, see rollout.same_for_node)
+    candidate: PlacementDecision | None = None
+    rollout: RolloutState = RolloutState()
 
 
 @dataclasses.dataclass(frozen=True)
 class ReconcileResult:
     decision: PlacementDecision
-    assignments: dict[str, Assignment]  # node → this deployment's assignment, as stored now
+    assignments: dict[Slot, Assignment]  # (node, revision) → this deployment's assignments
     written: bool
     conflicts: int
+    candidate: PlacementDecision | None = None
+    rollout: RolloutState = RolloutState()
 
 
 async def read_fleet(store: Store, keys: Keys) -> FleetView:
@@ -150,61 +168,65 @@ async def read_fleet(store: Store, keys: Keys) -> FleetView:
                      revision=max(nodes_l.revision, asg_l.revision))
 
 
-#: Assignment fields that do not change what a node does. ``generation`` is bookkeeping (which
-#: spec the record was computed from); the agent's report echoes it.
-_BOOKKEEPING = frozenset({"generation"})
+def report_slots(view: FleetView, namespace: str, name: str,
+                 reports: Mapping[Slot, AssignmentReport]) -> tuple[set[Slot], set[Slot]]:
+    """The (node, revision) slots of a deployment whose agent reports ``Ready`` / ``Failed``
+    *for the stored record's generation* (an older report describes an older record)."""
+    ready: set[Slot] = set()
+    failed: set[Slot] = set()
+    for slot, stored in view.of(namespace, name).items():
+        r = reports.get(slot)
+        if r is None or stored.assignment is None or r.generation != stored.assignment.generation:
+            continue
+        if r.state == AssignmentState.READY:
+            ready.add(slot)
+        elif r.state == AssignmentState.FAILED:
+            failed.add(slot)
+    return ready, failed
 
 
-def same_for_node(stored: Assignment, wanted: Assignment) -> bool:
-    """True when ``stored`` already tells the node everything ``wanted`` does (source, revision,
-    served name, memory, serving params, lifecycle, identity) — they may differ only in
-    ``generation``. Such a stored assignment is left untouched (no write), so an edit that
-    does not concern this node (e.g. a scale-up) does not invalidate its replica's report."""
-    return (stored.model_dump(exclude=_BOOKKEEPING) == wanted.model_dump(exclude=_BOOKKEEPING))
-
-
-def plan(keys: Keys, view: FleetView, request: PlacementRequest,
-         assignment: Assignment | None) -> Plan:
-    """Diff the placement of ``request`` against ``view``. ``assignment``: the record every
-    chosen node should hold (None = remove the deployment everywhere). A node whose stored
-    record is :func:`same_for_node` as ``assignment`` keeps it as is (``Plan.desired`` then
-    holds the stored record, with its older generation)."""
-    ns, name = request.namespace, request.name
-    mine = view.of(ns, name)
+def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent | None,
+         reports: Mapping[Slot, AssignmentReport] | None = None) -> Plan:
+    """Diff the desired assignments of ``namespace/name`` (``intent``; None = remove the
+    deployment everywhere) against ``view``. ``reports``: (node, revision) → the agent's
+    report, which a rolling update needs (a previous revision goes once the new one is Ready).
+    A stored record that is ``same_for_node`` as the desired one is kept as is (no write)."""
+    mine = view.of(namespace, name)
     # Malformed values under this deployment's keys are rewritten or removed too.
     for node, items in view.assignments.items():
         for s in items:
-            if s.assignment is None and keys.parse_assignment(s.key) == (node, ns, name):
-                mine[node] = s
-    if assignment is None:
-        decision = PlacementDecision(nodes=(), removed=tuple(sorted(mine)))
+            parsed = keys.parse_assignment(s.key)
+            if s.assignment is None and parsed and parsed[:3] == (node, namespace, name):
+                mine[(node, parsed[3])] = s
+    if intent is None:
+        dplan = DeploymentPlan(desired={}, stable=PlacementDecision(
+            nodes=(), removed=tuple(sorted({n for n, _ in mine}))), candidate=None,
+            rollout=RolloutState())
     else:
         current = {n: [s.assignment for s in items if s.assignment is not None]
                    for n, items in view.assignments.items()}
-        decision = place(request, list(view.nodes.values()), current)
+        ready, failed = report_slots(view, namespace, name, reports or {})
+        dplan = plan_deployment(intent.stable, intent.candidate, max_surge=intent.max_surge,
+                                max_unavailable=intent.max_unavailable,
+                                nodes=list(view.nodes.values()), assignments=current,
+                                ready=ready, failed=failed)
     ops: list[Put | Delete] = []
     compares = [Compare(keys.placement_epoch, "mod", "==",
                         view.epoch.mod_revision if view.epoch else 0)]
-    desired: dict[str, Assignment] = {}
-    for node in decision.nodes:
-        assert assignment is not None
-        key = keys.assignment(node, ns, name)
-        have = mine.get(node)
-        if have is not None and have.assignment is not None and same_for_node(
-                have.assignment, assignment):
-            # Keep the stored record, generation included: rewriting it only to bump the
-            # generation would make the agent's report look stale and flap readiness.
-            desired[node] = have.assignment
-            continue
-        desired[node] = assignment
+    for slot, wanted in sorted(dplan.desired.items()):
+        have = mine.get(slot)
+        if have is not None and have.assignment is wanted:
+            continue  # the stored record, kept as it is
+        key = keys.assignment(slot[0], namespace, name, slot[1])
         compares.append(Compare(key, "mod", "==", have.kv.mod_revision if have else 0))
-        ops.append(Put(key, assignment.to_json()))
-    for node, have in sorted(mine.items()):
-        if node not in desired:
+        ops.append(Put(key, wanted.to_json()))
+    for slot, have in sorted(mine.items()):
+        if slot not in dplan.desired:
             compares.append(Compare(have.key, "mod", "==", have.kv.mod_revision))
             ops.append(Delete(have.key))
-    return Plan(decision=decision, ops=tuple(ops), compares=tuple(compares), epoch=view.epoch,
-                desired=desired)
+    return Plan(decision=dplan.stable, ops=tuple(ops), compares=tuple(compares),
+                epoch=view.epoch, desired=dplan.desired, candidate=dplan.candidate,
+                rollout=dplan.rollout)
 
 
 async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT_WRITER) -> bool:
@@ -221,51 +243,56 @@ async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT
     return await store.txn(p.compares, [*p.ops, bump])
 
 
-async def _converge(store: Store, keys: Keys, request: PlacementRequest,
-                    assignment: Assignment | None, *, writer: str,
+async def _converge(store: Store, keys: Keys, namespace: str, name: str, intent: Intent | None,
+                    reports: Mapping[Slot, AssignmentReport] | None, *, writer: str,
                     max_attempts: int) -> ReconcileResult:
     conflicts = 0
     for attempt in range(1, max_attempts + 1):
         view = await read_fleet(store, keys)
-        p = plan(keys, view, request, assignment)
+        p = plan(keys, view, namespace, name, intent, reports)
         if not p.ops:
-            return ReconcileResult(p.decision, p.desired, written=False, conflicts=conflicts)
+            return ReconcileResult(p.decision, p.desired, written=False, conflicts=conflicts,
+                                   candidate=p.candidate, rollout=p.rollout)
         if await apply_plan(store, keys, p, writer=writer):
-            log.info("%s/%s: placed on %s (added %s, removed %s)%s", request.namespace,
-                     request.name, list(p.decision.nodes), list(p.decision.added),
-                     list(p.decision.removed),
+            log.info("%s/%s: assignments now %s%s", namespace, name,
+                     [f"{n}:{r}" for n, r in sorted(p.desired)],
                      f"; {p.decision.message}" if p.decision.message else "")
-            return ReconcileResult(p.decision, p.desired, written=True, conflicts=conflicts)
+            return ReconcileResult(p.decision, p.desired, written=True, conflicts=conflicts,
+                                   candidate=p.candidate, rollout=p.rollout)
         conflicts += 1
         log.info("%s/%s: placement transaction lost a race (attempt %d/%d); re-reading",
-                 request.namespace, request.name, attempt, max_attempts)
+                 namespace, name, attempt, max_attempts)
         if attempt < max_attempts:
             await asyncio.sleep(backoff_delay(attempt))
-    raise ConflictError(f"{request.namespace}/{request.name}: placement transaction failed its "
+    raise ConflictError(f"{namespace}/{name}: placement transaction failed its "
                         f"compares {max_attempts} times in a row", conflicts)
 
 
-async def reconcile(store: Store, keys: Keys, request: PlacementRequest, assignment: Assignment,
-                    *, writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS) -> ReconcileResult:
-    """Place ``request`` and store ``assignment`` on the chosen nodes (module docstring).
+async def reconcile(store: Store, keys: Keys, intent: Intent,
+                    reports: Mapping[Slot, AssignmentReport] | None = None, *,
+                    writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS) -> ReconcileResult:
+    """Store the assignments ``intent`` asks for (module docstring). ``reports``: (node,
+    revision) → this deployment's agent reports (a rolling update advances on them).
 
     Writes nothing when the stored state already matches. Raises :class:`ConflictError` after
     ``max_attempts`` lost races, ``StoreError`` when etcd is unreachable.
     """
-    return await _converge(store, keys, request, assignment, writer=writer,
-                           max_attempts=max_attempts)
+    req = intent.stable.request
+    return await _converge(store, keys, req.namespace, req.name, intent, reports,
+                           writer=writer, max_attempts=max_attempts)
 
 
 async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str, *,
                             writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS) -> ReconcileResult:
-    """Delete every assignment of ``namespace/name`` (fenced like :func:`reconcile`)."""
-    request = PlacementRequest(namespace=namespace, name=name, replicas=0, memory_bytes=1)
-    return await _converge(store, keys, request, None, writer=writer, max_attempts=max_attempts)
+    """Delete every assignment (every revision) of ``namespace/name``, fenced like
+    :func:`reconcile`."""
+    return await _converge(store, keys, namespace, name, None, None, writer=writer,
+                           max_attempts=max_attempts)
 
 
-def assignments_of(view: FleetView, namespace: str, name: str) -> Mapping[str, Assignment]:
-    """node → this deployment's parseable stored assignment."""
-    return {n: s.assignment for n, s in view.of(namespace, name).items() if s.assignment}
+def assignments_of(view: FleetView, namespace: str, name: str) -> Mapping[Slot, Assignment]:
+    """(node, revision) → this deployment's parseable stored assignment."""
+    return {slot: s.assignment for slot, s in view.of(namespace, name).items() if s.assignment}
 
 
 def find_orphans(view: FleetView, keys: Keys, live: Mapping[tuple[str, str], Collection[str]],

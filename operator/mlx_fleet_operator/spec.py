@@ -11,78 +11,20 @@ Pure: imports only the standard library, pydantic and :mod:`mlx_fleet.contract`.
 from __future__ import annotations
 
 import re
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, LifecyclePolicy, ModelSource,
-                                ServingParams)
+                                Role, ServingParams)
+from mlx_fleet.quantity import format_bytes, parse_quantity
+
+__all__ = ["SpecError", "DeploymentSpec", "parse_spec", "to_assignment", "parse_quantity",
+           "format_bytes", "parse_chip_generation", "resolve_int_or_percent"]
 
 
 class SpecError(ValueError):
     """The spec is invalid; the message names the offending field."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Kubernetes quantities
-# ---------------------------------------------------------------------------------------------
-
-#: Suffix → multiplier, as in k8s.io/apimachinery/pkg/api/resource (binary SI, decimal SI).
-_SUFFIXES: dict[str, Decimal] = {
-    "Ki": Decimal(1024), "Mi": Decimal(1024) ** 2, "Gi": Decimal(1024) ** 3,
-    "Ti": Decimal(1024) ** 4, "Pi": Decimal(1024) ** 5, "Ei": Decimal(1024) ** 6,
-    "m": Decimal("0.001"), "": Decimal(1),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-}
-_QUANTITY = re.compile(
-    r"^(?P<sign>[+-]?)(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-    r"(?:(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)|[eE](?P<exp>[+-]?[0-9]+))?$")
-
-
-def parse_quantity(value: str | int | float) -> int:
-    """A Kubernetes resource quantity → whole bytes, rounded up (like ``Quantity.Value()``).
-
-    Accepts ints, and strings such as ``"2Gi"``, ``"512Mi"``, ``"1.5G"``, ``"1e9"``,
-    ``"1500m"``. Raises ``ValueError`` for anything else, with the offending text.
-    Negative quantities parse (the caller decides whether they are allowed).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"invalid quantity {value!r}: expected a number or a string like '2Gi'")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        value = repr(value)
-    if not isinstance(value, str):
-        raise ValueError(f"invalid quantity {value!r}: expected a number or a string like '2Gi'")
-    m = _QUANTITY.match(value.strip())
-    if not m:
-        raise ValueError(f"invalid quantity {value!r}: expected a number with an optional "
-                         f"suffix (Ki, Mi, Gi, Ti, Pi, Ei, m, k, M, G, T, P, E) or exponent")
-    try:
-        num = Decimal(m["num"])
-    except InvalidOperation as e:  # pragma: no cover - the regex admits only valid numbers
-        raise ValueError(f"invalid quantity {value!r}") from e
-    if m["exp"] is not None:
-        exp = int(m["exp"])
-        if abs(exp) > 60:
-            raise ValueError(f"invalid quantity {value!r}: exponent out of range")
-        num = num.scaleb(exp)
-    else:
-        num *= _SUFFIXES[m["suffix"] or ""]
-    result = int(num.to_integral_value(rounding=ROUND_CEILING))
-    return -result if m["sign"] == "-" else result
-
-
-def format_bytes(n: int) -> str:
-    """Bytes → a short human text in binary units with one decimal (``"1.5GiB"``)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{int(value)}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +83,35 @@ class LifecycleSpec(_Spec):
     prefetch: Literal["Eager", "OnDemand"] = "Eager"
 
 
+IntOrPercent = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=r"^[0-9]{1,3}%$")]
+
+
+class RollingUpdateSpec(_Spec):
+    """``maxSurge``: extra nodes a rollout may load the new revision on beyond ``replicas``
+    (an int or a percent of ``replicas``, rounded up; default ``"25%"`` as for Deployments).
+    ``maxUnavailable``: Ready replicas a rollout may take down at once — used only where memory
+    leaves no room for a surge (default 1, percents rounded down). The rollout always prefers
+    loading the new revision next to the old one on the same node."""
+
+    max_surge: IntOrPercent = Field(default="25%", alias="maxSurge")
+    max_unavailable: IntOrPercent = Field(default=1, alias="maxUnavailable")
+
+
+class StrategySpec(_Spec):
+    type: Literal["RollingUpdate"] = "RollingUpdate"
+    rolling_update: RollingUpdateSpec = Field(default_factory=RollingUpdateSpec,
+                                              alias="rollingUpdate")
+
+
+def resolve_int_or_percent(value: int | str, total: int, *, round_up: bool) -> int:
+    """An int-or-percent against ``total`` (Kubernetes ``intstr.GetScaledValueFromIntOrPercent``):
+    ``"25%"`` of 3 is 1 rounded up, 0 rounded down; an int is itself."""
+    if isinstance(value, int):
+        return value
+    pct = int(value.rstrip("%"))
+    return -(-pct * total // 100) if round_up else pct * total // 100
+
+
 class DeploymentSpec(_Spec):
     """A validated ModelDeployment spec, defaults applied (docs/modeldeployment-api.md)."""
 
@@ -150,6 +121,18 @@ class DeploymentSpec(_Spec):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     serving: ServingSpec = Field(default_factory=ServingSpec)
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
+    strategy: StrategySpec = Field(default_factory=StrategySpec)
+
+    def surge_limits(self) -> tuple[int, int]:
+        """``(max_surge, max_unavailable)`` resolved against ``replicas``. When both come out
+        0 (e.g. ``"10%"`` of 1 replica rounded down and ``maxSurge: 0``), a surge of 1 is
+        allowed, as the Deployment controller does, so a rollout can always progress."""
+        ru = self.strategy.rolling_update
+        surge = resolve_int_or_percent(ru.max_surge, self.replicas, round_up=True)
+        unavailable = resolve_int_or_percent(ru.max_unavailable, self.replicas, round_up=False)
+        if surge == 0 and unavailable == 0:
+            surge = 1
+        return surge, unavailable
 
 
 def parse_chip_generation(value: Any) -> int:
@@ -165,7 +148,11 @@ def parse_chip_generation(value: Any) -> int:
 
 def _field_path(loc: tuple[Any, ...]) -> str:
     aliases = {"memory_bytes": "memory"}
-    return "spec." + ".".join(aliases.get(str(p), str(p)) for p in loc)
+    # pydantic names union members in the location (``int``, ``constrained-str``): drop them
+    parts = [aliases.get(str(p), str(p)) for p in loc
+             if not (isinstance(p, str) and (p in {"int", "str"} or "constrained" in p
+                                             or "function-" in p))]
+    return "spec." + ".".join(parts)
 
 
 def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
@@ -178,16 +165,20 @@ def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
 
 
 def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str = "",
-                  generation: int = 0) -> Assignment:
-    """The assignment every chosen node receives for this deployment (identical per node).
+                  generation: int = 0, role: Role = Role.STABLE, source: str | None = None,
+                  revision: str | None = None, memory_bytes: int | None = None) -> Assignment:
+    """The assignment every chosen node receives for one revision of this deployment
+    (identical per node): by default the spec's own revision as ``Stable``; a Canary's candidate
+    passes ``role=Role.CANDIDATE`` and its ``source``/``revision``/``memory_bytes``.
 
     ``served_model_name`` defaults to ``name`` (``metadata.name``).
     """
     return Assignment(
-        namespace=namespace, name=name, uid=uid, generation=generation,
+        namespace=namespace, name=name, uid=uid, generation=generation, role=role,
         served_model_name=spec.model.served_model_name or name,
-        source=ModelSource(uri=spec.model.source, revision=spec.model.revision),
-        memory_bytes=spec.resources.memory_bytes,
+        source=ModelSource(uri=source or spec.model.source,
+                           revision=revision or spec.model.revision),
+        memory_bytes=memory_bytes or spec.resources.memory_bytes,
         serving=ServingParams(max_concurrent_sequences=spec.serving.max_concurrent_sequences,
                               max_context_tokens=spec.serving.max_context_tokens),
         lifecycle=LifecyclePolicy(idle_unload_seconds=spec.lifecycle.idle_unload_seconds,

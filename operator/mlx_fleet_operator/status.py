@@ -8,14 +8,23 @@ conventions (metav1.Condition): ``type``, ``status`` ("True"/"False"/"Unknown"),
 ``reason``, ``message``, ``lastTransitionTime`` (kept unchanged while ``status`` does not change)
 — all five always set, the CRD requires them — and ``observedGeneration``.
 
-``status.replicas`` is *observed*: the replicas placed on a Mac (assignments that exist), in
-any state; the desired count stays ``spec.replicas``.
+``status.nodes`` has one entry per (node, revision) assignment, with its ``revision`` and
+``role`` (Stable, Previous while a revision edit rolls out, Candidate under a Canary).
+``status.replicas`` is *observed*: the nodes holding a Stable or Previous assignment, in any
+state; ``readyReplicas``: the nodes where one of them is Ready (a node serves once, whichever
+revision); ``updatedReplicas``: the nodes where the Stable revision (``spec.model.revision``) is
+Ready. ``endpoints``: every node with a Ready Stable or Previous revision — so a revision edit
+never empties it. Candidate replicas are listed but belong to the Canary's status: they never
+change the ModelDeployment's conditions.
 
 Conditions
 ----------
 ``Ready``        True when ``readyReplicas >= replicas`` (``ScaledToZero`` when replicas is 0).
-``Progressing``  True while placed replicas are still being fetched or loaded; False with
-                 ``Complete``, ``FailedPlacement`` or ``ReplicaFailed`` otherwise.
+``Progressing``  True while placed replicas are still being fetched or loaded
+                 (``ReplicasStarting``) or a revision edit is rolling out (``RollingUpdate``);
+                 False with ``Complete``, ``RolloutStalled`` (the new revision failed; the
+                 previous one keeps serving), ``RolloutBlocked``, ``FailedPlacement`` or
+                 ``ReplicaFailed`` otherwise.
 ``Degraded``     True when a replica failed or replicas could not be placed.
 
 A report counts only when its ``generation`` equals the generation of the assignment stored
@@ -29,7 +38,9 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, NodeRecord
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, NodeRecord, Role
+
+Slot = tuple[str, str]  # (node, revision)
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
@@ -47,21 +58,26 @@ class Event:
 class StatusInput:
     """Everything :func:`compute_status` looks at.
 
-    ``assignments``: node → this deployment's stored assignment (after reconcile).
-    ``reports``: node → the agent's report for this deployment. ``nodes``: node → record.
-    ``unplaced`` / ``placement_message``: from the placement decision.
+    ``assignments``: (node, revision) → this deployment's stored assignments (after reconcile).
+    ``reports``: (node, revision) → the agent's report. ``nodes``: node → record.
+    ``unplaced`` / ``placement_message``: from the stable revision's placement decision.
+    ``rollout_reason`` / ``rollout_message``: :class:`~.rollout.RolloutState` of a revision
+    edit (``Complete`` when none is rolling out).
     ``spec_error``: set when the spec is invalid (nothing is re-placed then; ``assignments``
     are those still stored from the last valid spec, still served, so still reported).
     """
 
     generation: int
     replicas: int
-    assignments: Mapping[str, Assignment] = dataclasses.field(default_factory=dict)
-    reports: Mapping[str, AssignmentReport] = dataclasses.field(default_factory=dict)
+    assignments: Mapping[Slot, Assignment] = dataclasses.field(default_factory=dict)
+    reports: Mapping[Slot, AssignmentReport] = dataclasses.field(default_factory=dict)
     nodes: Mapping[str, NodeRecord] = dataclasses.field(default_factory=dict)
     unplaced: int = 0
     placement_message: str = ""
     spec_error: str | None = None
+    revision: str = ""
+    rollout_reason: str = "Complete"
+    rollout_message: str = ""
 
 
 def now_rfc3339(now: dt.datetime | None = None) -> str:
@@ -74,18 +90,19 @@ def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
                 record: NodeRecord | None) -> dict[str, str]:
     endpoint = (report.endpoint if report and report.endpoint else
                 record.address if record else "")
+    base = {"name": node, "revision": asg.revision, "role": asg.role.value}
     if report is None:
-        return {"name": node, "state": AssignmentState.PENDING.value, "reason": "AwaitingAgent",
-                "message": f"waiting for the agent to report generation {asg.generation}",
-                "endpoint": endpoint}
+        return base | {"state": AssignmentState.PENDING.value, "reason": "AwaitingAgent",
+                       "message": f"waiting for the agent to report generation {asg.generation}",
+                       "endpoint": endpoint}
     if report.generation != asg.generation:
-        return {"name": node, "state": AssignmentState.PENDING.value, "reason": "AwaitingAgent",
-                "message": (f"agent last reported {report.state.value} for generation "
-                            f"{report.generation}; assigned generation is {asg.generation}"),
-                "endpoint": endpoint}
-    return {"name": node, "state": report.state.value,
-            "reason": report.reason or report.state.value, "message": report.message,
-            "endpoint": endpoint}
+        return base | {"state": AssignmentState.PENDING.value, "reason": "AwaitingAgent",
+                       "message": (f"agent last reported {report.state.value} for generation "
+                                   f"{report.generation}; assigned generation is "
+                                   f"{asg.generation}"),
+                       "endpoint": endpoint}
+    return base | {"state": report.state.value, "reason": report.reason or report.state.value,
+                   "message": report.message, "endpoint": endpoint}
 
 
 def _condition(ctype: str, status: str, reason: str, message: str, generation: int,
@@ -114,17 +131,20 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     previous = previous or {}
     stamp = now_rfc3339(now)
     prev_conditions = {c.get("type"): c for c in previous.get("conditions") or [] if isinstance(c, Mapping)}
-    prev_nodes = {n.get("name"): n for n in previous.get("nodes") or [] if isinstance(n, Mapping)}
+    prev_nodes = {(n.get("name"), n.get("revision", "")): n for n in previous.get("nodes") or []
+                  if isinstance(n, Mapping)}
     gen = inp.generation
     events: list[Event] = []
 
-    entries = [_node_entry(n, inp.assignments[n], inp.reports.get(n), inp.nodes.get(n))
-               for n in sorted(inp.assignments)]
-    ready = [e for e in entries if e["state"] == AssignmentState.READY.value]
-    failed = [e for e in entries if e["state"] == AssignmentState.FAILED.value]
-    starting = [e for e in entries if e["state"] not in (AssignmentState.READY.value,
+    entries = [_node_entry(slot[0], inp.assignments[slot], inp.reports.get(slot),
+                           inp.nodes.get(slot[0])) for slot in sorted(inp.assignments)]
+    serving = [e for e in entries if e["role"] != Role.CANDIDATE.value]
+    ready = [e for e in serving if e["state"] == AssignmentState.READY.value]
+    failed = [e for e in serving if e["state"] == AssignmentState.FAILED.value]
+    starting = [e for e in serving if e["state"] not in (AssignmentState.READY.value,
                                                         AssignmentState.FAILED.value)]
-    n_ready = len(ready)
+    n_ready = len({e["name"] for e in ready})
+    n_updated = len({e["name"] for e in ready if e["role"] == Role.STABLE.value})
     desired = inp.replicas
 
     def cond(ctype: str, status: str, reason: str, message: str) -> dict[str, Any]:
@@ -142,10 +162,16 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         else:
             ready_c = cond("Ready", "False", "ReplicasNotReady",
                            f"{n_ready}/{desired} replicas ready")
-        if starting:
-            detail = ", ".join(f"{e['name']} {e['state']}" for e in starting)
+        if inp.rollout_reason == "Stalled":
+            prog_c = cond("Progressing", "False", "RolloutStalled", inp.rollout_message)
+        elif starting:
+            detail = ", ".join(f"{e['name']} {e['revision']} {e['state']}" for e in starting)
             prog_c = cond("Progressing", "True", "ReplicasStarting",
                           f"{len(starting)} replica(s) starting: {detail}")
+        elif inp.rollout_reason == "RollingUpdate":
+            prog_c = cond("Progressing", "True", "RollingUpdate", inp.rollout_message)
+        elif inp.rollout_reason == "Blocked":
+            prog_c = cond("Progressing", "False", "RolloutBlocked", inp.rollout_message)
         elif inp.unplaced > 0:
             prog_c = cond("Progressing", "False", "FailedPlacement", inp.placement_message)
         elif failed:
@@ -154,10 +180,11 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         else:
             prog_c = cond("Progressing", "False", "Complete",
                           f"{n_ready}/{desired} replicas ready at generation {gen}")
-        problems = [f"{e['name']}: {e['reason']}: {e['message']}".rstrip(": ") for e in failed]
+        problems = [f"{e['name']} ({e['revision']}): {e['reason']}: {e['message']}".rstrip(": ")
+                    for e in failed]
         if failed:
             deg_c = cond("Degraded", "True", "ReplicaFailed", "; ".join(problems))
-        elif inp.unplaced > 0:
+        elif inp.unplaced > 0 and inp.rollout_reason == "Complete":
             deg_c = cond("Degraded", "True", "FailedPlacement", inp.placement_message)
         else:
             deg_c = cond("Degraded", "False", "AsExpected", "no failed or unplaced replicas")
@@ -165,17 +192,30 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
 
     # -- events on transitions -----------------------------------------------------------------
     for e in entries:
-        before = prev_nodes.get(e["name"])
+        before = prev_nodes.get((e["name"], e["revision"]))
+        what = f"{e['role'].lower()} revision {e['revision']}"
         if before is None:
-            events.append(Event("Normal", "Placed", f"Assigned a replica to node {e['name']}"))
+            events.append(Event("Normal", "Placed", f"Assigned {what} to node {e['name']}"))
         before_state = before.get("state") if before else None
         if e["state"] == AssignmentState.READY.value and before_state != e["state"]:
             events.append(Event("Normal", "ReplicaReady",
-                                f"Replica on node {e['name']} is Ready at {e['endpoint']}"))
+                                f"Replica of {what} on node {e['name']} is Ready at "
+                                f"{e['endpoint']}"))
         if e["state"] == AssignmentState.FAILED.value and (
                 before_state != e["state"] or (before or {}).get("reason") != e["reason"]):
             events.append(Event("Warning", "ReplicaFailed",
-                                f"Replica on node {e['name']} failed: {e['reason']}: {e['message']}"))
+                                f"Replica of {what} on node {e['name']} failed: {e['reason']}: "
+                                f"{e['message']}"))
+    prev_progress = prev_conditions.get("Progressing", {})
+    new_progress = conditions[1]
+    if new_progress["reason"] in ("RolloutStalled", "RolloutBlocked") and (
+            prev_progress.get("reason") != new_progress["reason"]):
+        events.append(Event("Warning", new_progress["reason"], new_progress["message"]))
+    if prev_progress.get("reason") in ("RollingUpdate", "RolloutStalled", "RolloutBlocked") and (
+            inp.rollout_reason == "Complete" and inp.spec_error is None):
+        events.append(Event("Normal", "RolloutComplete",
+                            f"Revision {inp.revision} serves on {n_updated} node(s); previous "
+                            f"revisions unloaded"))
     prev_degraded = prev_conditions.get("Degraded", {})
     new_degraded = conditions[2]
     if new_degraded["reason"] in ("FailedPlacement", "InvalidSpec") and (
@@ -185,8 +225,9 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
 
     status: dict[str, Any] = {
         "observedGeneration": gen,
-        "replicas": len(entries),  # observed: placed replicas (spec.replicas is the desired)
+        "replicas": len({e["name"] for e in serving}),  # observed (spec.replicas: desired)
         "readyReplicas": n_ready,
+        "updatedReplicas": n_updated,
         "nodes": entries,
         "endpoints": sorted({e["endpoint"] for e in ready if e["endpoint"]}),
         "conditions": conditions,

@@ -1,0 +1,246 @@
+"""The agent's side of a canary: follow the traffic splits, route, guard, report statistics.
+
+:class:`TrafficManager` is the thin I/O around the pure pieces (:mod:`.routing`, :mod:`.split`,
+:mod:`.guard`, :mod:`.window_stats`):
+
+* it follows ``<root>/traffic/`` in etcd (:func:`mlx_fleet.store.follow_prefix`: resumes from
+  the last revision, re-lists after a compaction), so a node that joins mid-canary gets the
+  current split at once;
+* :meth:`TrafficManager.route` picks the revision for one request (or the node to forward to);
+* :meth:`TrafficManager.record` counts each request's outcome per revision — only while a split
+  exists for its deployment — and feeds the candidate's outcomes to the **local guard**: when
+  the candidate fails hard, the guard trips, every later request of that deployment goes to the
+  stable revision, and a :class:`~mlx_fleet.contract.StatsReport` with ``guard_tripped`` is
+  written at once (the operator rolls back fleet-wide on it);
+* a writer task writes each deployment's cumulative :class:`StatsReport` at most once per
+  ``stats_interval_seconds`` (the analysis interval), under the agent's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from mlx_fleet.contract import Keys, TrafficSplit
+from mlx_fleet.store import Snapshot, Store, WatchEvent, follow_prefix
+from mlx_fleet.supervise import Supervised
+
+from .controller import ServedModel
+from .guard import CandidateGuard
+from .registration import Registration
+from .routing import Route, route
+from .split import session_key
+from .window_stats import DeploymentStats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrafficManager", "Routed"]
+
+DeploymentKey = tuple[str, str]
+#: How often the writer checks whether a deployment's statistics are due (seconds); the write
+#: rate itself is bounded by the split's ``stats_interval_seconds``.
+WRITER_TICK_SECONDS = 0.5
+
+
+class Routed:
+    """One routed request: where it goes (``route``), its deployment and model name."""
+
+    __slots__ = ("route", "deployment", "model")
+
+    def __init__(self, r: Route, deployment: DeploymentKey, model: str) -> None:
+        self.route = r
+        self.deployment = deployment
+        self.model = model
+
+
+class TrafficManager:
+    """Routes requests by the canary splits in etcd and reports per-revision statistics.
+
+    ``served()``: served model name → :class:`~.controller.ServedModel` (the controller's view
+    of loaded revisions). ``crashes(model, revision)`` / ``memory_bytes(model, revision)``:
+    the serving core's cumulative crash count and resident-bytes estimate of a revision.
+    ``clock``: unix seconds (injectable for tests).
+    """
+
+    def __init__(self, store: Store, keys: Keys, *, node_name: str,
+                 registration: Registration, served: Callable[[], dict[str, ServedModel]],
+                 crashes: Callable[[str, str], int], memory_bytes: Callable[[str, str], int],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._keys = keys
+        self.node_name = node_name
+        self._reg = registration
+        self._served = served
+        self._crashes = crashes
+        self._memory = memory_bytes
+        self._clock = clock
+        self.splits: dict[DeploymentKey, TrafficSplit] = {}
+        self._guards: dict[DeploymentKey, CandidateGuard] = {}
+        self._stats: dict[DeploymentKey, DeploymentStats] = {}
+        self._crash_seen: dict[tuple[DeploymentKey, str], int] = {}
+        self._gone: set[DeploymentKey] = set()  # splits removed: their stats keys go too
+        self._urgent = asyncio.Event()
+        self.synced = asyncio.Event()
+        self._tasks = [
+            Supervised("traffic:follow", lambda: follow_prefix(
+                self._store, self._keys.traffic_prefix, self._on_snapshot, self._on_event)),
+            Supervised("traffic:stats", self._writer),
+        ]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        for t in self._tasks:
+            t.start()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            await t.stop()
+
+    @property
+    def tasks(self) -> list[Supervised]:
+        return list(self._tasks)
+
+    # -- the splits --------------------------------------------------------------------------
+    def _parse(self, key: str, value: bytes) -> tuple[DeploymentKey | None, TrafficSplit | None]:
+        parsed = self._keys.parse_traffic(key)
+        if parsed is None:
+            return None, None
+        try:
+            return parsed, TrafficSplit.from_json(value)
+        except (ValidationError, ValueError) as e:
+            log.error("ignoring malformed traffic split %s: %s", key, e)
+            return parsed, None
+
+    def _apply(self, dep: DeploymentKey, split: TrafficSplit | None) -> None:
+        before = self.splits.get(dep)
+        if split is None:
+            if self.splits.pop(dep, None) is not None:
+                log.info("traffic split of %s/%s removed: all traffic to its stable revision",
+                         *dep)
+            self._guards.pop(dep, None)
+            if self._stats.pop(dep, None) is not None:
+                self._gone.add(dep)
+                self._urgent.set()
+            return
+        self._gone.discard(dep)
+        self.splits[dep] = split
+        new_canary = before is None or (before.canary_uid, before.candidate_revision) != (
+            split.canary_uid, split.candidate_revision)
+        guard = self._guards.get(dep)
+        if guard is None or new_canary:
+            self._guards[dep] = CandidateGuard(split.guard, split.candidate_revision)
+            self._stats[dep] = DeploymentStats()
+        elif guard.guard != split.guard and not guard.tripped:
+            guard.reset(split.guard, split.candidate_revision)
+        if before is None or before.weight != split.weight or new_canary:
+            log.info("traffic split of %s/%s: %d%% to candidate %s (stable %s)", *dep,
+                     split.weight, split.candidate_revision, split.stable_revision)
+
+    async def _on_snapshot(self, snap: Snapshot) -> None:
+        seen: set[DeploymentKey] = set()
+        for kv in snap.items:
+            dep, split = self._parse(kv.key, kv.value)
+            if dep is not None and split is not None:
+                seen.add(dep)
+                self._apply(dep, split)
+        for dep in set(self.splits) - seen:
+            self._apply(dep, None)
+        self.synced.set()
+
+    async def _on_event(self, ev: WatchEvent) -> None:
+        dep, split = self._parse(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
+        if dep is None:
+            return
+        if ev.type == "DELETE":
+            self._apply(dep, None)
+        elif split is not None:
+            self._apply(dep, split)
+
+    # -- per request -------------------------------------------------------------------------
+    def route(self, model: str, *, session_header: str | None = None, user: str | None = None,
+              pinned: str = "") -> Routed | None:
+        """Where a request for ``model`` goes; None when no revision of it is served here and
+        none can be forwarded to (→ 404)."""
+        served = self._served().get(model)
+        if served is None:
+            return None
+        dep = (served.namespace, served.name)
+        split = self.splits.get(dep)
+        guard = self._guards.get(dep)
+        key, _ = session_key(session_header, user)
+        r = route(dict(served.revisions), split, key,
+                  guard_tripped=guard is not None and guard.tripped, pinned=pinned)
+        return Routed(r, dep, model) if r is not None else None
+
+    def record(self, routed: Routed, *, latency_s: float, ttft_s: float | None,
+               completion_tokens: int, decode_seconds: float | None, failed: bool) -> None:
+        """Count one finished request (server-side failure or not) of a split deployment; feed
+        the candidate's outcome to the local guard (a trip is written at once)."""
+        if not routed.route.canary:
+            return
+        dep = routed.deployment
+        stats = self._stats.get(dep)
+        split = self.splits.get(dep)
+        if stats is None or split is None:
+            return
+        now = self._clock()
+        stats.counters(routed.route.revision, now).observe(
+            latency_s, ttft_s, completion_tokens, decode_seconds, failed)
+        guard = self._guards.get(dep)
+        if guard is not None and routed.route.revision == split.candidate_revision:
+            guard.record(time.monotonic(), failed)
+            reason = guard.check(time.monotonic())
+            if reason is not None:
+                log.warning("local guard of %s/%s tripped: %s; all traffic to stable "
+                            "revision %s", *dep, reason, split.stable_revision)
+                self._urgent.set()
+
+    # -- statistics writer -------------------------------------------------------------------
+    async def _writer(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), timeout=WRITER_TICK_SECONDS)
+            urgent = self._urgent.is_set()
+            self._urgent.clear()
+            await self.write_due(force_tripped=urgent)
+
+    async def write_due(self, *, force_tripped: bool = False) -> int:
+        """Write every deployment's statistics that are due (and, with ``force_tripped``,
+        those whose guard tripped since the last write). Returns how many were written."""
+        for dep in list(self._gone):
+            self._gone.discard(dep)
+            await self._reg.delete_report(self._keys.stats(self.node_name, *dep))
+        now = self._clock()
+        served = self._served()
+        written = 0
+        for dep, split in list(self.splits.items()):
+            stats = self._stats.get(dep)
+            guard = self._guards.get(dep)
+            if stats is None:
+                continue
+            tripped = guard is not None and guard.tripped
+            if not (stats.due(now, split.stats_interval_seconds) or (force_tripped and tripped)):
+                continue
+            model = split.served_model_name
+            loaded = served.get(model)
+            revisions = set(loaded.revisions) if loaded and (loaded.namespace, loaded.name) == dep \
+                else set()
+            for rev in revisions:
+                count = self._crashes(model, rev)
+                seen = self._crash_seen.get((dep, rev), 0)
+                for _ in range(max(count - seen, 0)):
+                    stats.counters(rev, now).crash()
+                self._crash_seen[(dep, rev)] = count
+            report = stats.report(self.node_name, dep[0], dep[1], split.canary_uid,
+                                  {rev: self._memory(model, rev) for rev in revisions},
+                                  tripped, guard.reason if guard is not None and tripped else "",
+                                  now)
+            await self._reg.put_report(self._keys.stats(self.node_name, *dep), report)
+            stats.mark_written(now)
+            written += 1
+        return written

@@ -1,0 +1,392 @@
+"""kopf handlers for ``canaries.mlx-fleet.io/v1alpha1``: gather inputs, apply outputs.
+
+Every decision is pure: :func:`~.canary_spec.parse_canary_spec` (the spec),
+:func:`~.analysis.analyze` (one window, candidate vs stable), :func:`~.canary.step` (the step
+machine). A daemon per Canary ticks — every :data:`TICK_SECONDS`, and at once when its target's
+reports or statistics change (a local guard trip wakes it) — and applies the decision:
+
+* :attr:`.handlers.Runtime.candidates` tells the target ModelDeployment's reconcile to keep the
+  candidate revision resident (one writer per deployment's assignments: the ModelDeployment's
+  own fenced transaction), or to unload it once the canary ends;
+* the :class:`~mlx_fleet.contract.TrafficSplit` in etcd (``traffic/<ns>/<target>``) carries the
+  weight, the local guard and the nodes serving the candidate (for forwarding); it is deleted
+  when the canary ends, so all traffic returns to the stable revision;
+* promotion patches the target's ``spec.model.revision`` (and ``source``) to the candidate: the
+  candidate's assignments become Stable without a reload, the old revision is unloaded;
+* ``status`` (phase, step, weight, the last analysis per check), conditions, a Kubernetes event
+  per transition, and the metrics.
+
+Manual actions are annotations whose *value* is a fresh token (the CLI writes a timestamp):
+``mlx-fleet.io/promote`` (advance past the current step or pause), ``mlx-fleet.io/promote-full``
+(promote now), ``mlx-fleet.io/abort``. Cross-object rules the CRD schema cannot express — the
+candidate revision differs from the target's, one active Canary per target — are checked here:
+the Canary fails with reason ``InvalidSpec`` or ``TargetBusy`` and a Warning event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit
+from mlx_fleet.store import Compare, Delete, Put, StoreError
+
+from . import metrics
+from .analysis import AnalysisResult, analyze, window_from_reports
+from .canary import TERMINAL, CanaryState, Observation, Phase, step
+from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
+from .handlers import GROUP, PLURAL, VERSION, CandidateIntent, DeploymentKey, Runtime, runtime
+from .status import _condition, now_rfc3339
+
+log = logging.getLogger(__name__)
+
+CANARY_PLURAL = "canaries"
+ANNOTATION_PROMOTE = "mlx-fleet.io/promote"
+ANNOTATION_PROMOTE_FULL = "mlx-fleet.io/promote-full"
+ANNOTATION_ABORT = "mlx-fleet.io/abort"
+#: Seconds between ticks of a Canary's daemon when nothing wakes it earlier.
+TICK_SECONDS = 1.0
+
+_RESOURCE = dict(group=GROUP, version=VERSION, plural=CANARY_PLURAL)
+
+
+@dataclasses.dataclass
+class _Window:
+    """The statistics snapshot the last analysis window ended at."""
+
+    at: float
+    reports: dict[str, StatsReport]
+
+
+_windows: dict[str, _Window] = {}  # canary uid → last window end (in-memory; re-armed on restart)
+
+
+def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
+             uid: str, annotations: Mapping[str, str], now: float) -> Observation:
+    """Gather what the step machine looks at from the operator's in-memory views."""
+    dep = rt.deployments.get(target)
+    ann = {k: str(v) for k, v in (annotations or {}).items()}
+    tokens = dict(promote_token=ann.get(ANNOTATION_PROMOTE, ""),
+                  promote_full_token=ann.get(ANNOTATION_PROMOTE_FULL, ""),
+                  abort_token=ann.get(ANNOTATION_ABORT, ""))
+    if dep is None:
+        return Observation(target_revision="", target_exists=False, **tokens)
+    dspec = dep[0]
+    cand = spec.candidate.revision
+    placed = rt.placed.get(target, {})
+    reports = rt.reports.get(target, {})
+
+    def state_of(slot: tuple[str, str]) -> AssignmentState | None:
+        r, a = reports.get(slot), placed.get(slot)
+        if r is None or a is None or r.generation != a.generation:
+            return None
+        return r.state
+
+    cand_slots = [s for s in placed if s[1] == cand]
+    stable_slots = [s for s in placed if s[1] == dspec.model.revision and s[1] != cand]
+    failed = [f"{n}: {reports[(n, r)].reason}: {reports[(n, r)].message}" for n, r in cand_slots
+              if state_of((n, r)) == AssignmentState.FAILED]
+    stats = {n: r for n, r in rt.stats.get(target, {}).items() if r.canary_uid == uid}
+    tripped = next((f"node {n}: {r.guard_reason}" for n, r in sorted(stats.items())
+                    if r.guard_tripped), None)
+    analysis: AnalysisResult | None = None
+    win = _windows.get(uid)
+    if state.phase in (Phase.PROGRESSING, Phase.PAUSED) and (
+            win is None or now - win.at >= spec.analysis.interval_seconds):
+        if win is not None:
+            stable_w = window_from_reports(stats, win.reports, state.stable_revision
+                                           or dspec.model.revision)
+            cand_w = window_from_reports(stats, win.reports, cand)
+            analysis = analyze(spec.analysis, stable_w, cand_w,
+                               canary_elapsed_hours=max(now - state.started, 0) / 3600
+                               if state.started else 0.0,
+                               memory_start=state.memory_baseline_bytes)
+        _windows[uid] = _Window(now, dict(stats))
+    cand_mem = max((r.revisions[cand].memory_bytes for r in stats.values()
+                    if cand in r.revisions), default=0)
+    md_status = rt.last_status.get(target) or {}
+    progressing = next((c for c in md_status.get("conditions", [])
+                        if c.get("type") == "Progressing"), {})
+    return Observation(
+        target_revision=dspec.model.revision, target_exists=True,
+        candidate_ready=bool(cand_slots) and all(
+            state_of(s) == AssignmentState.READY for s in cand_slots),
+        candidate_failed="; ".join(failed) or None,
+        stable_ready=any(state_of(s) == AssignmentState.READY for s in stable_slots)
+        and not any(state_of(s) == AssignmentState.FAILED for s in stable_slots),
+        guard_tripped=tripped, analysis=analysis,
+        rollout_complete=(dspec.model.revision == cand
+                          and progressing.get("reason") == "Complete"
+                          and md_status.get("updatedReplicas", 0) >= 1),
+        candidate_memory_bytes=cand_mem, **tokens)
+
+
+def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
+           name: str, uid: str, generation: int, weight: int) -> TrafficSplit | None:
+    dep = rt.deployments.get(target)
+    if dep is None:
+        return None
+    dspec = dep[0]
+    cand = spec.candidate.revision
+    placed = rt.placed.get(target, {})
+    reports = rt.reports.get(target, {})
+    endpoints = sorted({reports[s].endpoint for s in placed if s[1] == cand and s in reports
+                        and reports[s].state == AssignmentState.READY and reports[s].endpoint})
+    return TrafficSplit(
+        namespace=target[0], name=target[1],
+        served_model_name=dspec.model.served_model_name or target[1],
+        stable_revision=state.stable_revision or dspec.model.revision, candidate_revision=cand,
+        weight=weight, canary=name, canary_uid=uid, generation=generation,
+        stats_interval_seconds=spec.analysis.interval_seconds, candidate_endpoints=endpoints,
+        guard=to_local_guard(spec))
+
+
+async def _write_split(rt: Runtime, target: DeploymentKey, split: TrafficSplit | None) -> None:
+    """Put (or delete, for None) the target's split when it differs from what is stored;
+    compared on its mod_revision, so a concurrent writer is never clobbered (the next tick
+    retries)."""
+    key = rt.keys.traffic(*target)
+    have = await rt.store.get(key)
+    if split is None:
+        if have is not None:
+            await rt.store.txn([Compare(key, "mod", "==", have.mod_revision)], [Delete(key)])
+        return
+    if have is not None:
+        with contextlib.suppress(ValueError):
+            if TrafficSplit.from_json(have.value) == split:
+                return
+    await rt.store.txn([Compare(key, "mod", "==", have.mod_revision if have else 0)],
+                       [Put(key, split.to_json())])
+
+
+async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict,
+                 subresource: str = "") -> None:
+    import kubernetes
+
+    def call() -> None:
+        try:
+            if subresource == "status":
+                rt.custom_api.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, plural, name, body,
+                    _content_type="application/merge-patch+json")
+            else:
+                rt.custom_api.patch_namespaced_custom_object(
+                    GROUP, VERSION, namespace, plural, name, body,
+                    _content_type="application/merge-patch+json")
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    await asyncio.to_thread(call)
+
+
+def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]) -> list[dict]:
+    prev = {c.get("type"): c for c in previous.get("conditions") or [] if isinstance(c, Mapping)}
+    stamp = now_rfc3339()
+    phase = state.phase
+    reason = state.reason or phase.value
+    msg = state.message or phase.value
+
+    def cond(t: str, s: str, r: str, m: str) -> dict:
+        return _condition(t, s, r, m, generation, prev, stamp)
+
+    running = phase not in TERMINAL
+    return [
+        cond("Progressing", "True" if running else "False", reason, msg),
+        cond("Succeeded", "True" if phase == Phase.SUCCEEDED else "False", reason, msg),
+        cond("Degraded", "True" if phase in (Phase.ROLLED_BACK, Phase.FAILED) else "False",
+             reason if phase in (Phase.ROLLED_BACK, Phase.FAILED) else "AsExpected", msg),
+    ]
+
+
+def _fail(state: CanaryState, reason: str, message: str) -> CanaryState:
+    return dataclasses.replace(state, phase=Phase.FAILED, weight=0, reason=reason,
+                               message=message)
+
+
+async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -> float:
+    """One tick of one Canary: observe, decide, apply. Returns seconds until the next one."""
+    now = time.time() if now is None else now
+    meta = body.get("metadata", {})
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    generation = int(meta.get("generation") or 0)
+    previous = dict(body.get("status") or {})
+    previous.update(_last.get(uid, {}))
+    state = CanaryState.from_status(previous)
+    events: list[tuple[str, str, str]] = []
+    promote: str | None = None
+    weight = state.weight
+    keep = state.phase not in TERMINAL
+    try:
+        spec = parse_canary_spec(body.get("spec") or {})
+    except CanarySpecError as e:
+        spec = None
+        if state.reason != "InvalidSpec":
+            events.append(("Warning", "InvalidSpec", str(e)))
+        state, weight, keep = _fail(state, "InvalidSpec", str(e)), 0, False
+    target: DeploymentKey = (namespace, (body.get("spec") or {}).get("targetRef", {}).get(
+        "name", ""))
+    if spec is not None:
+        target = (namespace, spec.target_ref.name)
+        owner = rt.candidates.get(target)
+        dep = rt.deployments.get(target)
+        if owner is not None and owner.canary != name and state.phase not in TERMINAL:
+            msg = (f"spec.targetRef.name: ModelDeployment {target[1]} already has an active "
+                   f"Canary {owner.canary}")
+            events.append(("Warning", "TargetBusy", msg))
+            state, weight, keep = _fail(state, "TargetBusy", msg), 0, False
+        elif (state.phase == Phase.PENDING and not state.candidate_revision and dep is not None
+              and dep[0].model.revision == spec.candidate.revision):
+            msg = (f"spec.candidate.revision: {spec.candidate.revision} is already the "
+                   f"revision of ModelDeployment {target[1]}")
+            events.append(("Warning", "InvalidSpec", msg))
+            state, weight, keep = _fail(state, "InvalidSpec", msg), 0, False
+        else:
+            obs = _observe(rt, spec, state, target, uid, meta.get("annotations") or {}, now)
+            d = step(spec, state, obs, now)
+            state, weight, keep, promote = d.state, d.weight, d.keep_candidate, d.promote_revision
+            events.extend(d.events)
+
+    # -- apply ---------------------------------------------------------------------------------
+    if spec is not None and keep:
+        intent = CandidateIntent(name, spec.candidate.revision, spec.candidate.source,
+                                 spec.candidate.memory_bytes)
+        if rt.candidates.get(target) != intent:
+            rt.candidates[target] = intent
+            rt.wakeup(target).set()
+    elif rt.candidates.get(target) is not None and rt.candidates[target].canary == name:
+        del rt.candidates[target]
+        rt.wakeup(target).set()  # the target's reconcile unloads the candidate
+    try:
+        split = (_split(rt, spec, state, target, name, uid, generation, weight)
+                 if spec is not None and keep else None)
+        if split is not None or rt.candidates.get(target) is None:
+            await _write_split(rt, target, split)
+    except StoreError as e:
+        log.warning("canary %s/%s: writing the traffic split failed (retrying): %s",
+                    namespace, name, e)
+    if promote is not None and spec is not None:
+        patch: dict[str, Any] = {"revision": promote}
+        if spec.candidate.source:
+            patch["source"] = spec.candidate.source
+        if spec.candidate.memory_bytes:
+            await _patch(rt, PLURAL, namespace, target[1],
+                         {"spec": {"model": patch,
+                                   "resources": {"memory": str(spec.candidate.memory_bytes)}}})
+        else:
+            await _patch(rt, PLURAL, namespace, target[1], {"spec": {"model": patch}})
+        log.info("canary %s/%s: promoted %s to revision %s", namespace, name, target[1], promote)
+    status = state.to_status() | {"observedGeneration": generation,
+                                  "currentStepIndex": state.step_index,
+                                  "currentWeight": weight}
+    status["conditions"] = _conditions(state, generation, previous)
+    if any(previous.get(k) != v for k, v in status.items() if k != "conditions") or any(
+            (c["status"], c["reason"]) != (p.get("status"), p.get("reason"))
+            for c, p in zip(status["conditions"], previous.get("conditions") or [{}] * 3)):
+        await _patch(rt, CANARY_PLURAL, namespace, name, {"status": status}, "status")
+        _last[uid] = status
+    for type_, reason, message in events:
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+        if reason in {p for p in metrics.CANARY_PHASES}:
+            metrics.CANARY_TRANSITIONS.labels(namespace=namespace, name=name, phase=reason).inc()
+    if events:
+        log.info("canary %s/%s: %s", namespace, name,
+                 "; ".join(f"{r}: {m}" for _, r, m in events))
+    metrics.set_canary(namespace, name, target[1], state.phase.value, weight)
+    return TICK_SECONDS
+
+
+_last: dict[str, dict[str, Any]] = {}  # canary uid → the status last patched (kopf's body lags)
+
+
+@kopf.on.resume(**_RESOURCE)
+@kopf.on.create(**_RESOURCE)
+@kopf.on.update(**_RESOURCE)
+async def canary_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+    """A new or edited Canary: wake its daemon (which owns every tick)."""
+    target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
+    runtime().wake_canary(target)
+
+
+@kopf.daemon(**_RESOURCE, cancellation_timeout=10.0)
+async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: logging.Logger,
+                        namespace: str, name: str, **_: Any) -> None:
+    """Tick the Canary every :data:`TICK_SECONDS` and whenever its target's reports or
+    statistics change."""
+    rt = runtime()
+    target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
+    wake = rt.canary_wakeups.setdefault(target, asyncio.Event())
+
+    async def relay_stop() -> None:
+        await stopped.wait()
+        wake.set()
+
+    relay = asyncio.create_task(relay_stop())
+    delay = TICK_SECONDS
+    try:
+        while not stopped:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=delay)
+            wake.clear()
+            if stopped:
+                break
+            try:
+                delay = await tick(rt, body)
+            except Exception:  # keep following; the next tick retries
+                logger.exception("tick of canary %s/%s failed", namespace, name)
+                delay = TICK_SECONDS
+    finally:
+        relay.cancel()
+
+
+@kopf.on.delete(**_RESOURCE)
+async def canary_deleted(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+    """Deleting a Canary returns all traffic to the stable revision and unloads the candidate
+    (unless it was promoted: then it *is* the stable revision)."""
+    rt = runtime()
+    target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
+    owner = rt.candidates.get(target)
+    if owner is not None and owner.canary == name:
+        del rt.candidates[target]
+        rt.wakeup(target).set()
+        try:
+            await _write_split(rt, target, None)
+        except StoreError as e:
+            raise kopf.TemporaryError(f"etcd: {e}", delay=2) from e
+    uid = (body.get("metadata") or {}).get("uid", "")
+    _windows.pop(uid, None)
+    _last.pop(uid, None)
+    metrics.forget_canary(namespace, name)
+
+
+def seed_candidates(api: Any) -> dict[DeploymentKey, CandidateIntent]:
+    """At start-up, before any ModelDeployment is re-synced: the candidates of running Canaries
+    (from their stored ``status``), so an operator restart mid-canary never unloads a warm
+    candidate. Blocking (run in a thread)."""
+    out: dict[DeploymentKey, CandidateIntent] = {}
+    items = api.list_cluster_custom_object(GROUP, VERSION, CANARY_PLURAL,
+                                           _request_timeout=30)["items"]
+    for o in items:
+        st = CanaryState.from_status(o.get("status"))
+        if st.phase in TERMINAL or not st.candidate_revision:
+            continue
+        try:
+            spec = parse_canary_spec(o.get("spec") or {})
+        except CanarySpecError:
+            continue
+        ns = o["metadata"]["namespace"]
+        out[(ns, spec.target_ref.name)] = CandidateIntent(
+            o["metadata"]["name"], spec.candidate.revision, spec.candidate.source,
+            spec.candidate.memory_bytes)
+    return out
+
+
+__all__ = ["tick", "seed_candidates", "ANNOTATION_PROMOTE", "ANNOTATION_PROMOTE_FULL",
+           "ANNOTATION_ABORT", "CANARY_PLURAL", "Role"]

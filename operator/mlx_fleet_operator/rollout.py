@@ -1,0 +1,182 @@
+"""Which (node, revision) assignments a ModelDeployment should have: a pure function.
+
+A deployment can hold several revisions at once, each its own assignment on a node:
+
+* the **stable** revision (``spec.model.revision``), placed on ``replicas`` nodes;
+* **previous** revisions, while a revision edit rolls out: each keeps serving on its node until
+  the stable revision is Ready there (or elsewhere), then it is removed — a surge, with
+  Kubernetes Deployment semantics (``maxSurge`` / ``maxUnavailable``);
+* a Canary's **candidate** revision, placed next to the stable one where both fit (placement
+  counts both against the node's memory), else on nodes of its own.
+
+Rolling update, one reconcile at a time (each call is one step; the next report wakes the next)
+-----------------------------------------------------------------------------------------------
+1. The stable revision is placed with the nodes that serve a previous revision *preferred*, so
+   it loads next to the old one where memory allows (no capacity is lost at all). Nodes beyond
+   the previous ones count against ``maxSurge``: the nodes serving the deployment, old or new,
+   never exceed ``replicas + maxSurge``.
+2. A previous revision is removed from a node when the stable revision is Ready on that node,
+   or when the stable revision is Ready on ``replicas`` nodes (it is surplus).
+3. Where neither fits — the stable revision could not be placed anywhere and no stable load is
+   under way — a previous revision is removed from one node to make room, as long as the nodes
+   still serving stay ``>= replicas - maxUnavailable``. Memory permitting, this never happens.
+4. A stable replica that failed stops the rollout: no previous revision is removed to make room
+   any more, and those still serving keep serving (``RolloutState.reason == "Stalled"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+
+from mlx_fleet.contract import Assignment, NodeHealth, NodeRecord, Role
+
+from .placement import PlacementDecision, PlacementRequest, place
+
+Slot = tuple[str, str]  # (node, revision)
+
+
+@dataclasses.dataclass(frozen=True)
+class RevisionTarget:
+    """One revision to place: ``request`` (its ``revision`` set) and the ``assignment`` record
+    every chosen node receives."""
+
+    request: PlacementRequest
+    assignment: Assignment
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutState:
+    """Where a revision change stands. ``reason``: ``Complete`` (no previous revision left),
+    ``RollingUpdate`` (moving), ``Stalled`` (a stable replica failed; the previous revision
+    keeps serving), ``Blocked`` (no room for the new revision and ``maxUnavailable`` allows no
+    replacement). ``previous``: the (node, revision) slots of previous revisions kept."""
+
+    reason: str = "Complete"
+    message: str = ""
+    previous: tuple[Slot, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DeploymentPlan:
+    """``desired``: every (node, revision) assignment the deployment should have (stored
+    records are reused as they are where nothing but the generation would change).
+    ``stable``/``candidate``: the placement decisions; ``rollout``: the revision change."""
+
+    desired: dict[Slot, Assignment]
+    stable: PlacementDecision
+    candidate: PlacementDecision | None
+    rollout: RolloutState
+
+
+_BOOKKEEPING = frozenset({"generation"})
+
+
+def same_for_node(stored: Assignment, wanted: Assignment) -> bool:
+    """True when ``stored`` already tells the node everything ``wanted`` does — they may differ
+    only in ``generation``. Such a record is left untouched (no write), so an edit that does not
+    concern this node does not invalidate its replica's report."""
+    return stored.model_dump(exclude=_BOOKKEEPING) == wanted.model_dump(exclude=_BOOKKEEPING)
+
+
+def _pick(stored: Assignment | None, wanted: Assignment) -> Assignment:
+    return stored if stored is not None and same_for_node(stored, wanted) else wanted
+
+
+def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
+                    max_surge: int, max_unavailable: int, nodes: Sequence[NodeRecord],
+                    assignments: Mapping[str, Sequence[Assignment]],
+                    ready: Collection[Slot], failed: Collection[Slot] = ()) -> DeploymentPlan:
+    """The deployment's desired assignments (module docstring).
+
+    ``assignments``: node → every stored assignment on it (all deployments, all revisions).
+    ``ready`` / ``failed``: this deployment's (node, revision) slots whose agent reports Ready /
+    Failed for the stored record's generation. ``max_surge`` / ``max_unavailable``: resolved
+    against ``replicas`` (:meth:`~.spec.DeploymentSpec.surge_limits`).
+    """
+    req = stable.request
+    me = (req.namespace, req.name)
+    s_rev = req.revision
+    c_rev = candidate.request.revision if candidate is not None else None
+    mine: dict[Slot, Assignment] = {
+        (n, a.revision): a for n, items in assignments.items() for a in items
+        if (a.namespace, a.name) == me}
+    prev = {slot: a for slot, a in mine.items() if slot[1] not in (s_rev, c_rev)}
+    healthy = {n.name for n in nodes if n.health == NodeHealth.HEALTHY}
+    prev = {slot: a for slot, a in prev.items() if slot[0] in healthy}  # gone nodes: dropped
+    prev_nodes = {n for n, _ in prev}
+
+    # 1. the stable revision, next to the previous one where it fits
+    dec_s = place(dataclasses.replace(req, preferred=frozenset(prev_nodes)), nodes, assignments)
+    s_nodes = set(dec_s.nodes)
+    if prev_nodes:
+        limit = req.replicas + max_surge
+        surge = [n for n in dec_s.added if n not in prev_nodes]
+        while len(s_nodes | prev_nodes) > limit and surge:
+            s_nodes.discard(surge.pop())
+
+    # 2-4. previous revisions
+    ready_s = {n for n in s_nodes if (n, s_rev) in ready}
+    loading_s = {n for n in s_nodes if (n, s_rev) not in ready and (n, s_rev) not in failed}
+    stalled = sorted(n for n in s_nodes if (n, s_rev) in failed)
+    serving = ready_s | {n for n, r in prev if (n, r) in ready}
+    min_available = max(req.replicas - max_unavailable, 0)
+    unplaced_s = req.replicas - len(s_nodes)
+    kept_prev: dict[Slot, Assignment] = {}
+    blocked = False
+    for slot in sorted(prev):
+        node = slot[0]
+        if node in ready_s or len(ready_s) >= req.replicas:
+            continue  # switched on this node, or surplus
+        if node in s_nodes or stalled or loading_s or unplaced_s <= 0:
+            kept_prev[slot] = prev[slot]
+            continue
+        if len(serving - {node}) >= min_available:
+            serving.discard(node)  # make room: the stable revision lands here next round
+            unplaced_s -= 1
+            continue
+        kept_prev[slot] = prev[slot]
+        blocked = True
+
+    desired: dict[Slot, Assignment] = {}
+    for n in sorted(s_nodes):
+        desired[(n, s_rev)] = _pick(mine.get((n, s_rev)), stable.assignment)
+    for slot, a in kept_prev.items():
+        desired[slot] = a if a.role == Role.PREVIOUS else a.model_copy(
+            update={"role": Role.PREVIOUS})
+
+    # the candidate, next to the stable revision where both fit
+    dec_c: PlacementDecision | None = None
+    if candidate is not None:
+        after = {n: [a for a in items if (a.namespace, a.name) != me]
+                 for n, items in assignments.items()}
+        for (n, _), a in desired.items():
+            after.setdefault(n, []).append(a)
+        for (n, r), a in mine.items():
+            if r == c_rev:
+                after.setdefault(n, []).append(a)
+        dec_c = place(dataclasses.replace(candidate.request, preferred=frozenset(s_nodes)),
+                      nodes, after)
+        for n in dec_c.nodes:
+            desired[(n, c_rev)] = _pick(mine.get((n, c_rev)), candidate.assignment)
+
+    if not kept_prev:
+        state = RolloutState()
+    else:
+        old = ", ".join(f"{r} on {n}" for n, r in sorted(kept_prev))
+        head = f"{len(ready_s)}/{req.replicas} replicas Ready at revision {s_rev}"
+        if stalled:
+            state = RolloutState("Stalled", f"{head}; revision {s_rev} failed on "
+                                 f"{', '.join(stalled)}; still serving {old}",
+                                 tuple(sorted(kept_prev)))
+        elif blocked and not loading_s:
+            state = RolloutState("Blocked", f"{head}; no node has room for revision {s_rev} "
+                                 f"next to the previous one ({dec_s.message or 'no room'}) and "
+                                 f"maxUnavailable={max_unavailable} allows no replacement; "
+                                 f"still serving {old}", tuple(sorted(kept_prev)))
+        else:
+            state = RolloutState("RollingUpdate", f"{head}; still serving {old}",
+                                 tuple(sorted(kept_prev)))
+    return DeploymentPlan(desired=desired, stable=dataclasses.replace(
+        dec_s, nodes=tuple(sorted(s_nodes)), unplaced=max(req.replicas - len(s_nodes), 0)),
+        candidate=dec_c, rollout=state)
