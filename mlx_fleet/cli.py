@@ -6,6 +6,7 @@ Commands:
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
   status            print nodes, assignments and agent reports from etcd
+  canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
 """
 
 from __future__ import annotations
@@ -246,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="etcd client URL (env MLX_FLEET_ETCD_ENDPOINT)")
     st.add_argument("--etcd-prefix", default=ROOT, help=f"key root (default {ROOT})")
     st.set_defaults(func=_cmd_status)
+
+    from mlx_fleet import canarycli
+
+    c = sub.add_parser("canary", help="status / promote / abort a Canary",
+                       description=canarycli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    canarycli.add_arguments(c)
+    c.set_defaults(func=canarycli.run)
     return p
 
 

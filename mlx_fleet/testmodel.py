@@ -222,13 +222,13 @@ def _chain_codes(n: int, dim: int, seed: int) -> Any:
 
 
 def _apply_fault(weights: dict[str, Any], base_vocab: int, after_tokens: int, hidden_size: int,
-                 seed: int) -> dict[str, Any]:
-    """Rewrite healthy ``weights`` into the deterministic chain model (module docstring)."""
+                 codes: Any) -> dict[str, Any]:
+    """Rewrite healthy ``weights`` into the deterministic chain model (module docstring);
+    ``codes``: :func:`_chain_codes` for ``after_tokens + 1`` states."""
     import mlx.core as mx
 
     n = after_tokens
     vocab = base_vocab + n + 2
-    codes = _chain_codes(n + 1, hidden_size, seed)
     # State of an input token: 0 for every id except chain token K (id base_vocab + K - 1): K.
     state = mx.concatenate([mx.zeros(base_vocab, mx.int32), mx.arange(1, n + 1, dtype=mx.int32),
                             mx.zeros(2, mx.int32)])
@@ -298,6 +298,8 @@ def make_test_model(
 
     if fault is not None and not isinstance(fault, Fault):
         raise TypeError("fault must be a Fault or None")
+    # before any file is written: raises ValueError if the chain does not fit hidden_size
+    codes = None if fault is None else _chain_codes(fault.after_tokens + 1, hidden_size, seed)
 
     dest = Path(dest)
     params = _params(hidden_size, num_layers, vocab_size, seed, num_heads, intermediate_size,
@@ -383,7 +385,7 @@ def make_test_model(
     weights["lm_head.weight"] = mx.where(
         (mx.arange(head.shape[0]) == eos_id)[:, None], mx.zeros_like(head), head)
     if fault is not None:
-        weights = _apply_fault(weights, real_vocab, fault.after_tokens, hidden_size, seed)
+        weights = _apply_fault(weights, real_vocab, fault.after_tokens, hidden_size, codes)
     mx.eval(weights)
     fd, tmp = tempfile.mkstemp(dir=dest, prefix=".model.", suffix=".safetensors")
     os.close(fd)

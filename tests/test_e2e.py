@@ -96,15 +96,18 @@ async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: 
     control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
     async with EtcdStore(control_plane.etcd_url) as store:
         # The operator's assignment reaches etcd ...
+        def mine(k: str) -> bool:
+            return (fleet_keys.parse_assignment(k) or ("",) * 4)[1:3] == (namespace, name)
+
         view = await watch_until(store, fleet_keys.assignments_prefix,
-                                  lambda v: any(k.endswith(f"/{namespace}/{name}") for k in v))
-        (node,) = [fleet_keys.parse_assignment(k)[0] for k in view if k.endswith(f"/{namespace}/{name}")]
+                                  lambda v: any(mine(k) for k in v))
+        (node,) = [fleet_keys.parse_assignment(k)[0] for k in view if mine(k)]
         # ... the agent loads the model and reports Ready under its lease ...
-        reports = await watch_until(store, fleet_keys.report(node, namespace, name),
+        reports = await watch_until(store, fleet_keys.report(node, namespace, name, "v1"),
                                      lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY
                                                    for b in v.values()))
         report = AssignmentReport.from_json(next(iter(reports.values())))
-        report_kv = await store.get(fleet_keys.report(node, namespace, name))
+        report_kv = await store.get(fleet_keys.report(node, namespace, name, "v1"))
         assert report_kv is not None and report_kv.lease != 0
     # ... and the operator folds it into status.
     md = wait_ready(control_plane, namespace, name)
@@ -181,7 +184,7 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
             await watch_until(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
             # ... and the deployment is placed on the surviving node, which reports Ready.
             await watch_until(
-                store, fleet_keys.report(survivor, namespace, name),
+                store, fleet_keys.report(survivor, namespace, name, "v1"),
                 lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY for b in v.values()),
                 timeout=120)
             assert not (await store.list(fleet_keys.node_assignments_prefix(serving))).items
@@ -206,7 +209,7 @@ async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPl
     control_plane.kubectl("delete", "modeldeployment", name, "-n", namespace, "--wait=true", "--timeout=90s", timeout=100)
     assert control_plane.kubectl("get", "modeldeployment", name, "-n", namespace, check=False).returncode != 0
     async with EtcdStore(control_plane.etcd_url) as store:
-        suffix = f"/{namespace}/{name}"
+        suffix = f"/{namespace}/{name}/v1"
         assert not [kv for kv in (await store.list(fleet_keys.assignments_prefix)).items
                     if kv.key.endswith(suffix)]
         # Agents unload it and withdraw their reports.
@@ -223,7 +226,7 @@ async def test_operator_killed_mid_reconcile_converges_after_restart(
         test_model_dir: Path, namespace: str) -> None:
     name = "e2e-restart"
     control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
-    suffix = f"/{namespace}/{name}"
+    suffix = f"/{namespace}/{name}/v1"
     async with EtcdStore(control_plane.etcd_url) as store:
         # The operator has written the assignment but (typically) not yet folded Ready into
         # status: kill it there, as a crashed pod, with no chance to clean up.

@@ -200,6 +200,7 @@ def test_long_fault_chain_beyond_hidden_size(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="hidden_size"):
         make_test_model(tmp_path / "too-long", hidden_size=8, num_heads=2, num_layers=1,
                         fault=Fault("raise", after_tokens=1000))
+    assert not (tmp_path / "too-long").exists()  # refused before writing anything
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -272,7 +272,7 @@ class _Tick:
             self.run_steps()
 
     def run_promoting(self) -> None:
-        if self.obs.rollout_complete:
+        if self.obs.rollout_complete and self.obs.target_revision == self.s.candidate_revision:
             self.go(Phase.SUCCEEDED, "Succeeded", f"{self.s.candidate_revision} is the "
                     f"ModelDeployment's revision and Ready")
         elif self.obs.candidate_ready and self.s.weight < 100:
@@ -301,7 +301,7 @@ class _Tick:
             return
         why = self.rollback_reason()
         if why is not None:
-            if True:
+            if obs.stable_ready:
                 self.go(Phase.ROLLED_BACK, "RolledBack", f"rolled back to "
                         f"{s.stable_revision}: {why}", warning=True, weight=0)
             elif not held:

@@ -1,0 +1,135 @@
+"""A steady OpenAI-client load against a local fleet, recording every request's outcome.
+
+Used by the end-to-end tests and the benchmarks (the same code measures both): ``concurrency``
+workers, each with its own session key (``X-Session-ID``), send streamed chat completions in a
+loop to the agents' endpoints (round robin) until stopped. Every request ends in one
+:class:`Outcome`: the HTTP status, the revision that served it (``X-Model-Revision``), and
+whether it failed — a non-2xx answer, a connection error, or a stream that ended with an error
+event or without ``[DONE]``. Nothing is lost: a request in flight when the generator stops is
+awaited to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import aiohttp
+
+__all__ = ["Outcome", "LoadGenerator"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One request: ``started``/``ended`` (``time.monotonic()``), ``session``, ``endpoint``,
+    ``status`` (0 when no HTTP answer came), ``revision`` (``X-Model-Revision``, "" if none),
+    ``failed`` and ``error`` (why, "" when it succeeded)."""
+
+    started: float
+    ended: float
+    session: str
+    endpoint: str
+    status: int
+    revision: str
+    failed: bool
+    error: str = ""
+
+
+class LoadGenerator:
+    """``endpoints()``: the agent base URLs to send to now (re-read before every request, so
+    a test can follow ``status.endpoints``). ``sessions``: one session key per worker."""
+
+    def __init__(self, endpoints: Callable[[], Sequence[str]], model: str, *,
+                 sessions: Sequence[str], max_tokens: int = 8,
+                 timeout: float = 60.0) -> None:
+        self._endpoints = endpoints
+        self.model = model
+        self.sessions = list(sessions)
+        self.max_tokens = max_tokens
+        self.timeout = timeout
+        self.outcomes: list[Outcome] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._rr = itertools.count()
+        self._http: aiohttp.ClientSession | None = None
+        self.first_request = asyncio.Event()
+        self._ended = asyncio.Event()
+
+    async def __aenter__(self) -> LoadGenerator:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        self._tasks = [asyncio.create_task(self._worker(s)) for s in self.sessions]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Let every in-flight request finish, then stop."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def wait_for(self, n: int) -> None:
+        """Until at least ``n`` more requests have ended (an event per outcome, no polling)."""
+        target = len(self.outcomes) + n
+        while len(self.outcomes) < target:
+            await self._ended.wait()
+            self._ended.clear()
+
+    async def _worker(self, session: str) -> None:
+        while not self._stop.is_set():
+            eps = list(self._endpoints())
+            if not eps:
+                self._record(Outcome(time.monotonic(), time.monotonic(), session, "", 0, "",
+                                     True, "no endpoint"))
+                await asyncio.sleep(0.05)
+                continue
+            endpoint = eps[next(self._rr) % len(eps)]
+            self._record(await self.one(endpoint, session))
+
+    def _record(self, o: Outcome) -> None:
+        self.outcomes.append(o)
+        self.first_request.set()
+        self._ended.set()
+
+    async def one(self, endpoint: str, session: str) -> Outcome:
+        """Send one streamed chat completion and classify its end."""
+        assert self._http is not None
+        t0 = time.monotonic()
+        body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
+                "messages": [{"role": "user", "content": f"Hello from {session}"}]}
+        status, revision = 0, ""
+        try:
+            async with self._http.post(f"{endpoint}/v1/chat/completions", json=body,
+                                       headers={"X-Session-ID": session}) as r:
+                status, revision = r.status, r.headers.get("X-Model-Revision", "")
+                if r.status != 200:
+                    text = (await r.text())[:200]
+                    return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
+                                   True, f"HTTP {status}: {text}")
+                done = False
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    if b'"error"' in data and "error" in json.loads(data):
+                        return Outcome(t0, time.monotonic(), session, endpoint, status,
+                                       revision, True, json.loads(data)["error"]["message"])
+                if not done:
+                    return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
+                                   True, "stream ended without [DONE]")
+                return Outcome(t0, time.monotonic(), session, endpoint, status, revision, False)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return Outcome(t0, time.monotonic(), session, endpoint, status, revision, True,
+                           f"{type(e).__name__}: {e}")

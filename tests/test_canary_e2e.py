@@ -1,0 +1,222 @@
+"""Canaries and revision edits end to end, on real parts: kube-apiserver + etcd + the operator
+process + two agent processes serving generated MLX models, under a steady streamed load.
+
+* a plain revision edit is a surge rolling update: zero failed requests, ``status.endpoints``
+  never empty (every status the API server sends on a watch is checked);
+* a healthy candidate steps through its weights and is promoted with no reload;
+* a faulty candidate (its model raises after a few tokens — the fault is in the model's files)
+  is rolled back by itself, and no session hashed to the stable revision sees an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mlx_fleet.contract import Keys
+from mlx_fleet.devcluster.controlplane import ControlPlane
+from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
+from mlx_fleet.devcluster.loadgen import LoadGenerator
+from mlx_fleet.devcluster.processes import ManagedProcess
+from mlx_fleet.store import EtcdStore
+from node_agent.split import bucket
+
+pytestmark = pytest.mark.integration
+
+SESSIONS = [f"user-{i}" for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def canary_keys() -> Keys:
+    return Keys(f"/mlx-fleet-canary/{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="module")
+def canary_fleet(control_plane: ControlPlane, canary_keys: Keys,
+                 namespace: str) -> Iterator[dict[str, AgentProcess]]:
+    op: ManagedProcess = start_operator(control_plane, etcd_prefix=canary_keys.root,
+                                        extra_args=("--namespace", namespace))
+    agents = {n: start_agent(control_plane, n, etcd_prefix=canary_keys.root, memory="64Gi",
+                             lease_ttl=3) for n in ("mac-c1", "mac-c2")}
+    yield agents
+    control_plane.kubectl("delete", "canaries", "--all", "-n", namespace, "--wait=true",
+                          "--timeout=60s", check=False, timeout=70)
+    control_plane.kubectl("delete", "modeldeployments", "--all", "-n", namespace, "--wait=true",
+                          "--timeout=60s", check=False, timeout=70)
+    for a in agents.values():
+        a.process.stop()
+    op.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlx_fleet.testmodel import Fault, make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("models") / "faulty",
+                           fault=Fault("raise", after_tokens=2))
+
+
+def deployment(name: str, namespace: str, model_dir: Path, revision: str) -> str:
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"source": str(model_dir), "revision": revision},
+                 "replicas": 2, "resources": {"memory": "1Gi"}}})
+
+
+def canary(name: str, namespace: str, target: str, revision: str, source: Path | None,
+           steps: list[dict]) -> str:
+    candidate: dict = {"revision": revision}
+    if source is not None:
+        candidate["source"] = str(source)
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "Canary",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"targetRef": {"name": target}, "candidate": candidate, "steps": steps,
+                 "analysis": {"interval": "2s", "minRequests": 3}}})
+
+
+def get(cp: ControlPlane, kind: str, namespace: str, name: str) -> dict:
+    return json.loads(cp.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+
+
+def wait_for(cp: ControlPlane, kind: str, namespace: str, name: str, cond: str,
+             timeout: int = 120) -> dict:
+    cp.kubectl("wait", f"--for={cond}", f"{kind}/{name}", "-n", namespace,
+               f"--timeout={timeout}s", timeout=timeout + 10)
+    return get(cp, kind, namespace, name)
+
+
+class StatusWatch:
+    """Every status of one ModelDeployment the API server sends on a ``kubectl get -w``."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, name: str) -> None:
+        self.statuses: list[dict] = []
+        self._proc = subprocess.Popen(
+            [str(cp.binaries.kubectl), "get", "modeldeployment", name, "-n", namespace, "-w",
+             "-o", "json", "--output-watch-events"], env={**os.environ, **cp.env()},
+            stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        decoder, buf = json.JSONDecoder(), ""
+        for line in self._proc.stdout:
+            buf += line
+            try:
+                ev, end = decoder.raw_decode(buf.lstrip())
+            except json.JSONDecodeError:
+                continue
+            buf = buf.lstrip()[end:]
+            self.statuses.append(ev["object"].get("status") or {})
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(10)
+        self._thread.join(10)
+
+
+async def test_revision_edit_under_load_fails_no_request(
+        control_plane: ControlPlane, canary_fleet: dict, test_model_dir: Path,
+        namespace: str) -> None:
+    name = "edit-under-load"
+    control_plane.kubectl("apply", "-f", "-", input=deployment(name, namespace, test_model_dir, "v1"))
+    md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
+    endpoints = list(md["status"]["endpoints"])
+    assert len(endpoints) == 2
+    watch = StatusWatch(control_plane, namespace, name)
+    try:
+        async with LoadGenerator(lambda: endpoints, name, sessions=SESSIONS) as load:
+            await load.wait_for(10)
+            control_plane.kubectl("patch", "modeldeployment", name, "-n", namespace,
+                                  "--type=merge", "-p", '{"spec": {"model": {"revision": "v2"}}}')
+            wait_for(control_plane, "modeldeployment", namespace, name,
+                     "jsonpath={.status.updatedReplicas}=2")
+            wait_for(control_plane, "modeldeployment", namespace, name,
+                     "jsonpath={.status.conditions[?(@.type=='Progressing')].reason}=Complete")
+            await load.wait_for(10)
+        outcomes = load.outcomes
+    finally:
+        watch.stop()
+    failed = [o for o in outcomes if o.failed]
+    assert not failed, failed[:3]
+    served = {o.revision for o in outcomes}
+    assert served == {"v1", "v2"}, served  # both revisions answered, none failed
+    assert outcomes[-1].revision == "v2"
+    after_ready = [s for s in watch.statuses if s.get("readyReplicas")]
+    assert after_ready, "the watch saw no status"
+    assert all(s.get("endpoints") for s in after_ready), [s.get("endpoints") for s in after_ready]
+    md = get(control_plane, "modeldeployment", namespace, name)
+    assert {(n["name"], n["revision"], n["role"]) for n in md["status"]["nodes"]} == {
+        ("mac-c1", "v2", "Stable"), ("mac-c2", "v2", "Stable")}
+
+
+async def test_healthy_candidate_is_promoted_through_every_step(
+        control_plane: ControlPlane, canary_fleet: dict, canary_keys: Keys, test_model_dir: Path,
+        namespace: str) -> None:
+    name, can = "promote-me", "promote-me-v2"
+    control_plane.kubectl("apply", "-f", "-", input=deployment(name, namespace, test_model_dir, "v1"))
+    md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
+    endpoints = list(md["status"]["endpoints"])
+    async with LoadGenerator(lambda: endpoints, name, sessions=SESSIONS) as load:
+        await load.wait_for(6)
+        control_plane.kubectl("apply", "-f", "-", input=canary(
+            can, namespace, name, "v2", None, [{"setWeight": 50}, {"setWeight": 100}]))
+        obj = wait_for(control_plane, "canary", namespace, can, "jsonpath={.status.phase}=Succeeded",
+                       timeout=180)
+        await load.wait_for(6)
+    outcomes = load.outcomes
+    assert not [o for o in outcomes if o.failed], [o for o in outcomes if o.failed][:3]
+    assert {"v1", "v2"} <= {o.revision for o in outcomes}
+    assert obj["status"]["currentWeight"] == 100
+    md = get(control_plane, "modeldeployment", namespace, name)
+    assert md["spec"]["model"]["revision"] == "v2"
+    events = control_plane.kubectl("get", "events", "-n", namespace, "--field-selector",
+                                   f"involvedObject.name={can}", "-o", "json").stdout
+    reasons = [e["reason"] for e in json.loads(events)["items"]]
+    assert "Promoting" in reasons and "Succeeded" in reasons, reasons
+    table = control_plane.kubectl("get", "canaries", "-n", namespace).stdout
+    assert can in table and "Succeeded" in table and "100" in table
+    async with EtcdStore(control_plane.etcd_url) as store:
+        # the split is gone: everything is the (new) stable revision
+        assert await store.get(canary_keys.traffic(namespace, name)) is None
+
+
+async def test_faulty_candidate_is_rolled_back_and_stable_sessions_see_no_error(
+        control_plane: ControlPlane, canary_fleet: dict, test_model_dir: Path,
+        faulty_model_dir: Path, namespace: str) -> None:
+    name, can = "rollback-me", "rollback-me-bad"
+    control_plane.kubectl("apply", "-f", "-", input=deployment(name, namespace, test_model_dir, "v1"))
+    md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
+    endpoints = list(md["status"]["endpoints"])
+    weight = 50
+    sessions = [f"s-{i}" for i in range(40)]
+    to_candidate = {s for s in sessions if bucket(f"{namespace}/{name}", s) < weight * 100}
+    assert 0 < len(to_candidate) < len(sessions)
+    async with LoadGenerator(lambda: endpoints, name, sessions=sessions[:12]) as load:
+        await load.wait_for(6)
+        control_plane.kubectl("apply", "-f", "-", input=canary(
+            can, namespace, name, "bad", faulty_model_dir,
+            [{"setWeight": weight}, {"setWeight": 100}]))
+        obj = wait_for(control_plane, "canary", namespace, can,
+                       "jsonpath={.status.phase}=RolledBack", timeout=180)
+        await load.wait_for(6)
+    outcomes = load.outcomes
+    stable_failures = [o for o in outcomes if o.failed and o.session not in to_candidate]
+    assert not stable_failures, stable_failures[:3]
+    assert any(o.failed and o.revision == "bad" for o in outcomes)  # the fault did fire
+    assert obj["status"]["currentWeight"] == 0
+    assert get(control_plane, "modeldeployment", namespace, name)["spec"]["model"][
+        "revision"] == "v1"
+    # the candidate is unloaded everywhere
+    wait_for(control_plane, "modeldeployment", namespace, name,
+             "jsonpath={.status.replicas}=2")
+    md = get(control_plane, "modeldeployment", namespace, name)
+    assert {n["revision"] for n in md["status"]["nodes"]} == {"v1"}
