@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from common import machine
 from mlx_fleet.devcluster.binaries import cache_dir
 from mlx_fleet.testmodel import make_test_model
 from node_agent.openai_api import build_app
@@ -36,28 +35,6 @@ from node_agent.serving import ServingCore
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_ID = "bench"
-
-
-def machine() -> dict[str, str]:
-    import mlx.core as mx
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    accelerator = "none"
-    try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        accelerator = gpus.replace("\n", ", ") or accelerator
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "accelerator": accelerator,
-            "python": platform.python_version(), "mlx_device": str(mx.default_device())}
 
 
 async def one_request(http: aiohttp.ClientSession, prompt: str, max_tokens: int) -> tuple[int, float]:

@@ -33,7 +33,8 @@ def test_root_is_contract_v2() -> None:
     ("method", "args", "key"),
     [
         ("node", ("mac-a",), "/r/nodes/mac-a"),
-        ("assignment", ("mac-a", "default", "llama", "v1"), "/r/assignments/mac-a/default/llama/v1"),
+        ("assignment", ("mac-a", "default", "llama", "v1"),
+         "/r/assignments/mac-a/default/llama/v1"),
         ("report", ("mac-a", "ns", "m", "v2"), "/r/reports/mac-a/ns/m/v2"),
         ("traffic", ("ns", "m"), "/r/traffic/ns/m"),
         ("stats", ("mac-a", "ns", "m"), "/r/stats/mac-a/ns/m"),

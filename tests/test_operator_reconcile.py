@@ -6,11 +6,12 @@ import asyncio
 
 import pytest
 
-from mlx_fleet.contract import (Assignment, Keys, ModelSource, NodeCapacity, NodeRecord,
-                                PlacementEpoch)
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
+                                NodeCapacity, NodeRecord, PlacementEpoch, Role)
 from mlx_fleet.store import Put
 from mlx_fleet_operator import reconcile as rc
 from mlx_fleet_operator.placement import PlacementRequest
+from mlx_fleet_operator.rollout import RevisionTarget
 
 pytestmark = pytest.mark.integration
 GiB = 1024**3
@@ -23,14 +24,29 @@ def node(name: str, mem_gib: int = 16) -> NodeRecord:
                                             chip="Apple M3", chip_generation=3))
 
 
-def request(name: str = "llm", replicas: int = 1, mem_gib: int = 2) -> PlacementRequest:
-    return PlacementRequest(namespace="ns", name=name, replicas=replicas, memory_bytes=mem_gib * GiB)
+def request(name: str = "llm", replicas: int = 1, mem_gib: int = 2,
+            rev: str = "v1") -> PlacementRequest:
+    return PlacementRequest(namespace="ns", name=name, replicas=replicas,
+                            memory_bytes=mem_gib * GiB, revision=rev)
 
 
-def assignment(name: str = "llm", gen: int = 1, mem_gib: int = 2) -> Assignment:
+def assignment(name: str = "llm", gen: int = 1, mem_gib: int = 2, rev: str = "v1",
+               role: Role = Role.STABLE, uri: str = "/models/x") -> Assignment:
     return Assignment(namespace="ns", name=name, generation=gen, served_model_name=name,
-                      source=ModelSource(uri="/models/x", revision="v1"),
-                      memory_bytes=mem_gib * GiB)
+                      source=ModelSource(uri=uri, revision=rev), memory_bytes=mem_gib * GiB,
+                      role=role)
+
+
+def intent(name: str = "llm", replicas: int = 1, mem_gib: int = 2, gen: int = 1,
+           rev: str = "v1", uri: str = "/models/x", candidate: str | None = None,
+           surge: int = 1, unavailable: int = 1) -> rc.Intent:
+    """The operator's intent for one deployment: stable ``rev`` (+ a candidate revision)."""
+    stable = RevisionTarget(request(name, replicas, mem_gib, rev),
+                            assignment(name, gen, mem_gib, rev, uri=uri))
+    cand = None if candidate is None else RevisionTarget(
+        request(name, 1, mem_gib, candidate),
+        assignment(name, gen, mem_gib, candidate, Role.CANDIDATE))
+    return rc.Intent(stable=stable, candidate=cand, max_surge=surge, max_unavailable=unavailable)
 
 
 async def put_nodes(store, keys: Keys, *nodes: NodeRecord) -> None:
@@ -38,9 +54,27 @@ async def put_nodes(store, keys: Keys, *nodes: NodeRecord) -> None:
         await store.put(keys.node(n.name), n.to_json())
 
 
-async def stored(store, keys: Keys) -> dict[str, Assignment]:
+async def stored(store, keys: Keys) -> dict[tuple[str, str], Assignment]:
+    """(node, revision) → stored assignment (every deployment)."""
     listing = await store.list(keys.assignments_prefix)
-    return {keys.parse_assignment(kv.key)[0]: Assignment.from_json(kv.value) for kv in listing.items}
+    out = {}
+    for kv in listing.items:
+        node_, _, _, rev = keys.parse_assignment(kv.key)
+        a = Assignment.from_json(kv.value)
+        assert a.revision == rev  # the key's last segment is the record's revision
+        out[(node_, rev)] = a
+    return out
+
+
+async def roles(store, keys: Keys, name: str = "llm") -> set[tuple[str, str, Role]]:
+    return {(n, r, a.role) for (n, r), a in (await stored(store, keys)).items() if a.name == name}
+
+
+def ready(*slots: tuple[str, str], gen: int, name: str = "llm",
+          state: AssignmentState = AssignmentState.READY) -> dict[tuple[str, str], AssignmentReport]:
+    return {(n, r): AssignmentReport(node=n, namespace="ns", name=name, revision=r,
+                                     generation=gen, state=state, endpoint=f"http://{n}:8000")
+            for n, r in slots}
 
 
 async def revision(store) -> int:
@@ -49,37 +83,38 @@ async def revision(store) -> int:
 
 async def test_placement_written_and_idempotent(store, keys):
     await put_nodes(store, keys, node("a", 16), node("b", 32))
-    res = await rc.reconcile(store, keys, request(), assignment())
+    res = await rc.reconcile(store, keys, intent())
     assert res.written and res.decision.nodes == ("b",)  # Spread: most free
-    assert await stored(store, keys) == {"b": assignment()}
+    assert await stored(store, keys) == {("b", "v1"): assignment()}
     epoch = PlacementEpoch.from_json((await store.get(keys.placement_epoch)).value)
     assert epoch.counter == 1
 
     before = await revision(store)
-    again = await rc.reconcile(store, keys, request(), assignment())
+    again = await rc.reconcile(store, keys, intent())
     assert not again.written and again.decision.nodes == ("b",)
-    assert again.assignments == {"b": assignment()}
+    assert again.assignments == {("b", "v1"): assignment()}
     assert await revision(store) == before  # nothing written, not even a transaction
 
     # A new generation that changes nothing for the node leaves the stored record untouched.
-    res3 = await rc.reconcile(store, keys, request(), assignment(gen=2))
-    assert not res3.written and res3.assignments == {"b": assignment()}
+    res3 = await rc.reconcile(store, keys, intent(gen=2))
+    assert not res3.written and res3.assignments == {("b", "v1"): assignment()}
     assert await revision(store) == before
-    # A spec change the node must act on rewrites the assignment in place, no move.
-    v2 = assignment(gen=3).model_copy(update={"source": ModelSource(uri="/models/x", revision="v2")})
-    res4 = await rc.reconcile(store, keys, request(), v2)
-    assert res4.written and await stored(store, keys) == {"b": v2}
+    # A spec change the node must act on (same revision) rewrites the assignment in place.
+    res4 = await rc.reconcile(store, keys, intent(gen=3, uri="/models/y"))
+    assert res4.written and await stored(store, keys) == {
+        ("b", "v1"): assignment(gen=3, uri="/models/y")}
 
 
 async def test_stale_read_loses_and_retries(store, keys):
     await put_nodes(store, keys, node("a"), node("b"))
     view = await rc.read_fleet(store, keys)
-    stale = rc.plan(keys, view, request("llm"), assignment("llm"))
+    stale = rc.plan(keys, view, "ns", "llm", intent("llm"))
     # Another operator replica places a different deployment in between.
-    other = await rc.reconcile(store, keys, request("other"), assignment("other"))
+    other = await rc.reconcile(store, keys, intent("other"))
     assert other.written
     assert not await rc.apply_plan(store, keys, stale)  # the stale transaction fails its compares
-    assert set((await stored(store, keys))) == set(other.decision.nodes)  # nothing clobbered
+    # nothing clobbered
+    assert {n for n, _ in await stored(store, keys)} == set(other.decision.nodes)
 
     # The retry loop re-reads and succeeds; the conflict is counted.
     real_read = rc.read_fleet
@@ -96,7 +131,7 @@ async def test_stale_read_loses_and_retries(store, keys):
     rc_read = rc.read_fleet
     rc.read_fleet = read_then_race
     try:
-        res = await rc.reconcile(store, keys, request("llm"), assignment("llm"))
+        res = await rc.reconcile(store, keys, intent("llm"))
     finally:
         rc.read_fleet = rc_read
     assert res.written and res.conflicts == 1 and calls == 2
@@ -112,27 +147,28 @@ async def test_conflict_error_after_bounded_attempts(store, keys, monkeypatch):
 
     monkeypatch.setattr(rc, "apply_plan", always_lose)
     with pytest.raises(rc.ConflictError, match="3 times"):
-        await rc.reconcile(store, keys, request(), assignment(), max_attempts=3)
+        await rc.reconcile(store, keys, intent(), max_attempts=3)
 
 
 async def test_stale_assignment_compare(store, keys):
     """Overwriting an assignment someone else changed since our read fails too."""
     await put_nodes(store, keys, node("a"))
-    await rc.reconcile(store, keys, request(), assignment())
+    await rc.reconcile(store, keys, intent())
     view = await rc.read_fleet(store, keys)
-    v2 = assignment(gen=2).model_copy(update={"source": ModelSource(uri="/models/x", revision="v2")})
-    p = rc.plan(keys, view, request(), v2)
+    p = rc.plan(keys, view, "ns", "llm", intent(gen=2, uri="/models/y"))
     assert p.ops
-    await store.put(keys.assignment("a", "ns", "llm"), assignment(gen=3).to_json())
+    await store.put(keys.assignment("a", "ns", "llm", "v1"), assignment(gen=3).to_json())
     assert not await rc.apply_plan(store, keys, p)
-    assert (await stored(store, keys))["a"].generation == 3
+    assert (await stored(store, keys))[("a", "v1")].generation == 3
 
 
 async def test_delete_removes_all(store, keys):
     await put_nodes(store, keys, node("a"), node("b"), node("c"))
-    await rc.reconcile(store, keys, request("keep"), assignment("keep"))
-    await rc.reconcile(store, keys, request(replicas=3), assignment())
-    assert sorted(n for n, a in (await stored(store, keys)).items() if a.name == "llm") == ["a", "b", "c"]
+    await rc.reconcile(store, keys, intent("keep"))
+    await rc.reconcile(store, keys, intent(replicas=3))
+    await rc.reconcile(store, keys, intent(replicas=3, rev="v2", gen=2))  # a second revision
+    assert await roles(store, keys) == {(n, r, role) for n in "abc" for r, role in (
+        ("v1", Role.PREVIOUS), ("v2", Role.STABLE))}
     res = await rc.remove_deployment(store, keys, "ns", "llm")
     assert res.written and set(res.decision.removed) == {"a", "b", "c"}
     left = await store.list(keys.assignments_prefix)
@@ -144,18 +180,19 @@ async def test_delete_removes_all(store, keys):
 
 async def test_node_gone_moves_replica(store, keys):
     await put_nodes(store, keys, node("a", 32), node("b", 16))
-    res = await rc.reconcile(store, keys, request(), assignment())
+    res = await rc.reconcile(store, keys, intent())
     assert res.decision.nodes == ("a",)
     await store.delete(keys.node("a"))
-    res2 = await rc.reconcile(store, keys, request(), assignment())
+    res2 = await rc.reconcile(store, keys, intent())
     assert res2.written and res2.decision.nodes == ("b",) and res2.decision.removed == ("a",)
-    assert await stored(store, keys) == {"b": assignment()}
+    assert await stored(store, keys) == {("b", "v1"): assignment()}
 
 
 async def test_other_deployments_memory_from_etcd(store, keys):
     await put_nodes(store, keys, node("a", 10), node("b", 10))
-    await store.txn([], [Put(keys.assignment("a", "ns", "big"), assignment("big", mem_gib=7).to_json())])
-    res = await rc.reconcile(store, keys, request(mem_gib=2, replicas=2), assignment(mem_gib=2))
+    await store.txn([], [Put(keys.assignment("a", "ns", "big", "v1"),
+                             assignment("big", mem_gib=7).to_json())])
+    res = await rc.reconcile(store, keys, intent(mem_gib=2, replicas=2))
     assert res.decision.nodes == ("b",) and res.decision.unplaced == 1
     assert "1 insufficient memory (needs 2.0GiB, 1.0GiB free)" in res.decision.message
 
@@ -193,11 +230,10 @@ async def test_write_during_read_never_overcommits(store, keys, after_read):
     other_result = []
 
     async def other():
-        other_result.append(await rc.reconcile(store, keys, request("b", mem_gib=6),
-                                               assignment("b", mem_gib=6)))
+        other_result.append(await rc.reconcile(store, keys, intent("b", mem_gib=6)))
 
     racy = _RacyStore(store, after_read, other)
-    res = await rc.reconcile(racy, keys, request("a", mem_gib=6), assignment("a", mem_gib=6))
+    res = await rc.reconcile(racy, keys, intent("a", mem_gib=6))
     assert other_result and other_result[0].decision.nodes == ("a",)
     # Landing before a list, the write is simply seen; after the lists, our compare fails.
     assert res.conflicts == (1 if after_read == 3 else 0)
@@ -210,23 +246,20 @@ async def test_write_during_read_never_overcommits(store, keys, after_read):
 async def test_scale_up_leaves_existing_assignments_untouched(store, keys):
     """2 → 3 replicas: the two stored assignments keep their generation and mod_revision (no
     write), so the agents' reports for them still count and readiness does not flap."""
-    from mlx_fleet.contract import AssignmentReport, AssignmentState
     from mlx_fleet_operator.status import StatusInput, compute_status
 
     await put_nodes(store, keys, node("a"), node("b"), node("c"))
-    first = await rc.reconcile(store, keys, request(replicas=2), assignment(gen=1))
+    first = await rc.reconcile(store, keys, intent(replicas=2, gen=1))
     assert first.decision.nodes == ("a", "b")
     revs = {kv.key: kv.mod_revision for kv in (await store.list(keys.assignments_prefix)).items}
-    reports = {n: AssignmentReport(node=n, namespace="ns", name="llm", generation=1,
-                                   state=AssignmentState.READY, endpoint=f"http://{n}:8000")
-               for n in ("a", "b")}
+    reports = ready(("a", "v1"), ("b", "v1"), gen=1)
 
-    res = await rc.reconcile(store, keys, request(replicas=3), assignment(gen=2))
+    res = await rc.reconcile(store, keys, intent(replicas=3, gen=2), reports)
     assert res.written and res.decision.added == ("c",)
     after = {kv.key: kv.mod_revision for kv in (await store.list(keys.assignments_prefix)).items}
     assert {k: after[k] for k in revs} == revs
-    assert {n: a.generation for n, a in (await stored(store, keys)).items()} == {"a": 1, "b": 1,
-                                                                                 "c": 2}
+    assert {n: a.generation for (n, _), a in (await stored(store, keys)).items()} == {
+        "a": 1, "b": 1, "c": 2}
     status, _ = compute_status(StatusInput(generation=2, replicas=3, assignments=res.assignments,
                                            reports=reports))
     assert status["readyReplicas"] == 2 and status["observedGeneration"] == 2
@@ -239,12 +272,11 @@ async def test_concurrent_reconciles_after_node_death_all_converge(store, keys):
     await put_nodes(store, keys, node("a", 64))
     names = [f"d{i}" for i in range(12)]
     for n in names:
-        await rc.reconcile(store, keys, request(n, mem_gib=1), assignment(n, mem_gib=1))
+        await rc.reconcile(store, keys, intent(n, mem_gib=1))
     await put_nodes(store, keys, node("b", 64))
     await store.delete(keys.node("a"))
     results = await asyncio.gather(*[
-        rc.reconcile(store, keys, request(n, mem_gib=1), assignment(n, mem_gib=1))
-        for n in names], return_exceptions=True)
+        rc.reconcile(store, keys, intent(n, mem_gib=1)) for n in names], return_exceptions=True)
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert all(r.decision.nodes == ("b",) for r in results)
     listing = await store.list(keys.assignments_prefix)
@@ -263,26 +295,29 @@ def test_backoff_delays_grow_jittered_and_capped():
     assert rc.BACKOFF_BASE_SECONDS == 0.02 and rc.BACKOFF_MAX_SECONDS == 0.5
 
 
-def _stored(keys, node_, ns, name, uid="u1"):
+def _stored(keys, node_, ns, name, uid="u1", rev="v1"):
     from mlx_fleet.store import KV
 
-    a = assignment(name).model_copy(update={"namespace": ns, "uid": uid})
-    key = keys.assignment(node_, ns, name)
+    a = assignment(name, rev=rev).model_copy(update={"namespace": ns, "uid": uid})
+    key = keys.assignment(node_, ns, name, rev)
     return rc.StoredAssignment(key, KV(key, a.to_json(), 5), a)
 
 
 ORPHAN_CASES = [
     # id, stored (node, ns, name, uid), live {(ns, name): uids}, watched namespaces, orphans
     ("live object kept", [("a", "ns", "llm", "u1")], {("ns", "llm"): {"u1"}}, None, []),
-    ("object gone", [("a", "ns", "llm", "u1")], {}, None, [("a", "ns", "llm")]),
+    ("object gone", [("a", "ns", "llm", "u1")], {}, None, [("a", "ns", "llm", "v1")]),
     ("re-created object (new uid)", [("a", "ns", "llm", "u1")], {("ns", "llm"): {"u2"}}, None,
-     [("a", "ns", "llm")]),
+     [("a", "ns", "llm", "v1")]),
     ("legacy assignment without uid kept", [("a", "ns", "llm", "")], {("ns", "llm"): {"u2"}},
      None, []),
     ("unwatched namespace never touched", [("a", "other", "llm", "u1")], {}, {"ns"}, []),
     ("every replica of a gone object", [("a", "ns", "x", "u"), ("b", "ns", "x", "u"),
                                         ("b", "ns", "llm", "u1")], {("ns", "llm"): {"u1"}},
-     {"ns"}, [("a", "ns", "x"), ("b", "ns", "x")]),
+     {"ns"}, [("a", "ns", "x", "v1"), ("b", "ns", "x", "v1")]),
+    ("every revision of a gone object", [("a", "ns", "x", "u", "v1"), ("a", "ns", "x", "u", "v2"),
+                                         ("a", "ns", "llm", "u1", "v2")],
+     {("ns", "llm"): {"u1"}}, None, [("a", "ns", "x", "v1"), ("a", "ns", "x", "v2")]),
 ]
 
 
@@ -291,16 +326,16 @@ ORPHAN_CASES = [
 def test_find_orphans(stored_, live, watched, want):
     keys = Keys("/t")
     view = rc.FleetView(nodes={}, assignments={}, epoch=None, revision=5)
-    for n, ns, name, uid in stored_:
-        view.assignments.setdefault(n, []).append(_stored(keys, n, ns, name, uid))
+    for n, ns, name, uid, *rev in stored_:
+        view.assignments.setdefault(n, []).append(_stored(keys, n, ns, name, uid, *rev))
     got = rc.find_orphans(view, keys, live, lambda ns: watched is None or ns in watched)
     assert [keys.parse_assignment(s.key) for s in got] == want
 
 
 async def test_collect_garbage_deletes_orphans_fenced(store, keys):
     await put_nodes(store, keys, node("a"), node("b"))
-    await rc.reconcile(store, keys, request("keep"), assignment("keep"))
-    await rc.reconcile(store, keys, request("gone", replicas=2), assignment("gone"))
+    await rc.reconcile(store, keys, intent("keep"))
+    await rc.reconcile(store, keys, intent("gone", replicas=2))
     live = {("ns", "keep"): {""}}
     deleted = await rc.collect_garbage(store, keys, live, lambda ns: True)
     assert sorted(keys.parse_assignment(k)[2] for k in deleted) == ["gone", "gone"]
@@ -308,3 +343,94 @@ async def test_collect_garbage_deletes_orphans_fenced(store, keys):
     before = await revision(store)
     assert await rc.collect_garbage(store, keys, live, lambda ns: True) == []
     assert await revision(store) == before
+
+
+# --- revisions: rolling update, candidate, promotion through etcd -----------------------------
+
+
+async def test_revision_edit_rolls_out_as_reports_arrive(store, keys):
+    """v1 on a and b; edit to v2: v2 is written next to v1 (which turns Previous, keeping its
+    generation, so its Ready report still counts); each v1 goes once v2 is Ready on its node."""
+    await put_nodes(store, keys, node("a"), node("b"), node("c"))
+    await rc.reconcile(store, keys, intent(replicas=2, gen=1))
+    reports = ready(("a", "v1"), ("b", "v1"), gen=1)
+
+    r1 = await rc.reconcile(store, keys, intent(replicas=2, gen=2, rev="v2"), reports)
+    assert r1.written and r1.rollout.reason == "RollingUpdate"
+    assert await roles(store, keys) == {("a", "v2", Role.STABLE), ("b", "v2", Role.STABLE),
+                                        ("a", "v1", Role.PREVIOUS), ("b", "v1", Role.PREVIOUS)}
+    s = await stored(store, keys)
+    assert s[("a", "v1")].generation == 1 and s[("a", "v2")].generation == 2
+    assert set(r1.assignments) == set(s)
+    before = await revision(store)
+    assert not (await rc.reconcile(store, keys, intent(replicas=2, gen=2, rev="v2"),
+                                   reports)).written  # nothing changed: nothing written
+    assert await revision(store) == before
+
+    reports |= ready(("a", "v2"), gen=2)
+    r2 = await rc.reconcile(store, keys, intent(replicas=2, gen=2, rev="v2"), reports)
+    assert r2.written and r2.rollout.reason == "RollingUpdate"
+    assert r2.rollout.previous == (("b", "v1"),)
+    assert await roles(store, keys) == {("a", "v2", Role.STABLE), ("b", "v2", Role.STABLE),
+                                        ("b", "v1", Role.PREVIOUS)}
+
+    reports |= ready(("b", "v2"), gen=2)
+    r3 = await rc.reconcile(store, keys, intent(replicas=2, gen=2, rev="v2"), reports)
+    assert r3.written and r3.rollout.reason == "Complete"
+    assert await roles(store, keys) == {("a", "v2", Role.STABLE), ("b", "v2", Role.STABLE)}
+
+
+async def test_stale_report_does_not_advance_the_rollout(store, keys):
+    await put_nodes(store, keys, node("a"))
+    await rc.reconcile(store, keys, intent(gen=1))
+    await rc.reconcile(store, keys, intent(gen=2, rev="v2"), ready(("a", "v1"), gen=1))
+    # a report of v2 for an older generation than the stored record's
+    res = await rc.reconcile(store, keys, intent(gen=2, rev="v2"),
+                             ready(("a", "v1"), gen=1) | ready(("a", "v2"), gen=1))
+    assert not res.written and res.rollout.reason == "RollingUpdate"
+    assert ("a", "v1", Role.PREVIOUS) in await roles(store, keys)
+
+
+async def test_failed_revision_stalls_and_keeps_the_previous(store, keys):
+    await put_nodes(store, keys, node("a"))
+    await rc.reconcile(store, keys, intent(gen=1))
+    await rc.reconcile(store, keys, intent(gen=2, rev="v2"), ready(("a", "v1"), gen=1))
+    reports = ready(("a", "v1"), gen=1) | ready(("a", "v2"), gen=2,
+                                               state=AssignmentState.FAILED)
+    res = await rc.reconcile(store, keys, intent(gen=2, rev="v2"), reports)
+    assert res.rollout.reason == "Stalled" and "failed on a" in res.rollout.message
+    assert await roles(store, keys) == {("a", "v2", Role.STABLE), ("a", "v1", Role.PREVIOUS)}
+
+
+async def test_candidate_placed_then_promoted(store, keys):
+    await put_nodes(store, keys, node("a"), node("b"))
+    await rc.reconcile(store, keys, intent(replicas=2, gen=1))
+    res = await rc.reconcile(store, keys, intent(replicas=2, gen=1, candidate="v3"),
+                             ready(("a", "v1"), ("b", "v1"), gen=1))
+    assert res.written and res.candidate is not None and res.candidate.nodes == ("a",)
+    assert await roles(store, keys) == {("a", "v1", Role.STABLE), ("b", "v1", Role.STABLE),
+                                        ("a", "v3", Role.CANDIDATE)}
+    assert res.assignments[("a", "v3")].role == Role.CANDIDATE
+
+    # promotion: spec.model.revision becomes v3, the candidate intent goes away
+    reports = ready(("a", "v1"), ("b", "v1"), ("a", "v3"), gen=1)
+    res2 = await rc.reconcile(store, keys, intent(replicas=2, gen=2, rev="v3"), reports)
+    assert await roles(store, keys) == {("a", "v3", Role.STABLE), ("b", "v3", Role.STABLE),
+                                        ("b", "v1", Role.PREVIOUS)}
+    assert res2.rollout.reason == "RollingUpdate"
+    reports |= ready(("a", "v3"), ("b", "v3"), gen=2)
+    res3 = await rc.reconcile(store, keys, intent(replicas=2, gen=2, rev="v3"), reports)
+    assert res3.rollout.reason == "Complete"
+    assert await roles(store, keys) == {("a", "v3", Role.STABLE), ("b", "v3", Role.STABLE)}
+
+
+async def test_malformed_records_of_any_revision_are_rewritten_or_removed(store, keys):
+    await put_nodes(store, keys, node("a"))
+    await store.put(keys.assignment("a", "ns", "llm", "v1"), b"{not json")
+    await store.put(keys.assignment("a", "ns", "llm", "v0"), b"{not json either")
+    await store.put(keys.assignment("a", "ns", "other", "v0"), b"garbage of another deployment")
+    res = await rc.reconcile(store, keys, intent())
+    assert res.written and res.assignments == {("a", "v1"): assignment()}
+    left = {kv.key: kv.value for kv in (await store.list(keys.assignments_prefix)).items}
+    assert left == {keys.assignment("a", "ns", "llm", "v1"): assignment().to_json(),
+                    keys.assignment("a", "ns", "other", "v0"): b"garbage of another deployment"}

@@ -7,21 +7,22 @@ import datetime as dt
 import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, ModelSource,
-                                NodeCapacity, NodeRecord)
+                                NodeCapacity, NodeRecord, Role)
 from mlx_fleet_operator.status import StatusInput, compute_status, status_changed
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 T1 = T0 + dt.timedelta(minutes=5)
 
 
-def asg(gen: int = 2) -> Assignment:
+def asg(gen: int = 2, revision: str = "v1", role: Role = Role.STABLE) -> Assignment:
     return Assignment(namespace="ns", name="llm", generation=gen, served_model_name="llm",
-                      source=ModelSource(uri="/m", revision="v1"), memory_bytes=1)
+                      source=ModelSource(uri="/m", revision=revision), memory_bytes=1, role=role)
 
 
-def rep(node: str, state: AssignmentState, gen: int = 2, **kw) -> AssignmentReport:
+def rep(node: str, state: AssignmentState, gen: int = 2, revision: str = "v1",
+        **kw) -> AssignmentReport:
     return AssignmentReport(node=node, namespace="ns", name="llm", generation=gen, state=state,
-                            endpoint=f"http://{node}:8000", **kw)
+                            revision=revision, endpoint=f"http://{node}:8000", **kw)
 
 
 def rec(node: str) -> NodeRecord:
@@ -35,34 +36,35 @@ def conds(status):
 
 
 R, F, L = AssignmentState.READY, AssignmentState.FAILED, AssignmentState.LOADING
+SA, SB, SC = ("a", "v1"), ("b", "v1"), ("c", "v1")  # (node, revision) slots
 
 CASES = [
     # id, input, ready replicas, conditions, state per node
     ("scaled to zero", StatusInput(generation=2, replicas=0), 0,
      {"Ready": ("True", "ScaledToZero"), "Progressing": ("False", "Complete"),
       "Degraded": ("False", "AsExpected")}, {}),
-    ("no report yet", StatusInput(generation=2, replicas=1, assignments={"a": asg()},
+    ("no report yet", StatusInput(generation=2, replicas=1, assignments={SA: asg()},
                                   nodes={"a": rec("a")}), 0,
      {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "ReplicasStarting"),
       "Degraded": ("False", "AsExpected")}, {"a": "Pending"}),
-    ("loading", StatusInput(generation=2, replicas=1, assignments={"a": asg()},
-                            reports={"a": rep("a", L)}), 0,
+    ("loading", StatusInput(generation=2, replicas=1, assignments={SA: asg()},
+                            reports={SA: rep("a", L)}), 0,
      {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "ReplicasStarting")},
      {"a": "Loading"}),
-    ("all ready", StatusInput(generation=2, replicas=2, assignments={"a": asg(), "b": asg()},
-                              reports={"a": rep("a", R), "b": rep("b", R)}), 2,
+    ("all ready", StatusInput(generation=2, replicas=2, assignments={SA: asg(), SB: asg()},
+                              reports={SA: rep("a", R), SB: rep("b", R)}), 2,
      {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete"),
       "Degraded": ("False", "AsExpected")}, {"a": "Ready", "b": "Ready"}),
-    ("stale report does not count", StatusInput(generation=3, replicas=1, assignments={"a": asg(3)},
-                                                reports={"a": rep("a", R, gen=2)}), 0,
+    ("stale report does not count", StatusInput(generation=3, replicas=1, assignments={SA: asg(3)},
+                                                reports={SA: rep("a", R, gen=2)}), 0,
      {"Ready": ("False", "ReplicasNotReady")}, {"a": "Pending"}),
-    ("failed", StatusInput(generation=2, replicas=2, assignments={"a": asg(), "b": asg()},
-                           reports={"a": rep("a", R), "b": rep("b", F, reason="LoadFailed",
+    ("failed", StatusInput(generation=2, replicas=2, assignments={SA: asg(), SB: asg()},
+                           reports={SA: rep("a", R), SB: rep("b", F, reason="LoadFailed",
                                                              message="no such file")}), 1,
      {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("False", "ReplicaFailed"),
       "Degraded": ("True", "ReplicaFailed")}, {"a": "Ready", "b": "Failed"}),
-    ("unplaced", StatusInput(generation=2, replicas=2, assignments={"a": asg()},
-                             reports={"a": rep("a", R)}, unplaced=1,
+    ("unplaced", StatusInput(generation=2, replicas=2, assignments={SA: asg()},
+                             reports={SA: rep("a", R)}, unplaced=1,
                              placement_message="1/2 nodes fit: 1 insufficient memory"), 1,
      {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("False", "FailedPlacement"),
       "Degraded": ("True", "FailedPlacement")}, {"a": "Ready"}),
@@ -87,19 +89,21 @@ def test_compute_status(inp, ready, want_conds, states):
 
 def test_endpoints_only_ready_and_fallback_to_node_address():
     status, _ = compute_status(StatusInput(
-        generation=2, replicas=2, assignments={"a": asg(), "b": asg()},
-        reports={"a": rep("a", R), "b": rep("b", L)}, nodes={"a": rec("a"), "b": rec("b")}), None, T0)
+        generation=2, replicas=2, assignments={SA: asg(), SB: asg()},
+        reports={SA: rep("a", R), SB: rep("b", L)}, nodes={"a": rec("a"), "b": rec("b")}),
+        None, T0)
     assert status["endpoints"] == ["http://a:8000"]
-    s2, _ = compute_status(StatusInput(generation=2, replicas=1, assignments={"c": asg()},
+    s2, _ = compute_status(StatusInput(generation=2, replicas=1, assignments={SC: asg()},
                                        nodes={"c": rec("c")}), None, T0)
     assert s2["nodes"][0]["endpoint"] == "http://c:9000"
 
 
 def test_last_transition_time_kept_when_status_unchanged():
-    inp = StatusInput(generation=2, replicas=1, assignments={"a": asg()}, reports={"a": rep("a", L)})
+    inp = StatusInput(generation=2, replicas=1, assignments={SA: asg()},
+                      reports={SA: rep("a", L)})
     first, _ = compute_status(inp, None, T0)
-    inp2 = StatusInput(generation=2, replicas=1, assignments={"a": asg()},
-                       reports={"a": rep("a", R)})
+    inp2 = StatusInput(generation=2, replicas=1, assignments={SA: asg()},
+                       reports={SA: rep("a", R)})
     second, _ = compute_status(inp2, first, T1)
     times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
     assert times["Ready"] == "2025-01-01T00:05:00Z"  # False -> True
@@ -123,9 +127,10 @@ EVENT_CASES = [
                          ids=[c[0] for c in EVENT_CASES])
 def test_events(before, after, want):
     def inp(states):
-        return StatusInput(generation=2, replicas=1, assignments={n: asg() for n in states},
-                           reports={n: rep(n, s, reason="LoadFailed" if s == F else "",
-                                           message="boom" if s == F else "")
+        return StatusInput(generation=2, replicas=1,
+                           assignments={(n, "v1"): asg() for n in states},
+                           reports={(n, "v1"): rep(n, s, reason="LoadFailed" if s == F else "",
+                                                   message="boom" if s == F else "")
                                     for n, s in states.items() if s is not None})
     prev = compute_status(inp(before), None, T0)[0] if before else None
     _, events = compute_status(inp(after), prev, T1)
@@ -146,34 +151,51 @@ def test_failed_placement_event_once_per_message():
     assert [e.reason for e in e3] == ["FailedPlacement"]
 
 
-def test_scale_up_keeps_ready_replicas_ready():
-    """2 → 3 replicas (a new metadata.generation) must not flap the two Ready replicas: the plan
-    keeps their stored assignments (generation 1) untouched, so their reports still match."""
+def _plan_inputs(stored_gen: int, nodes: tuple[str, ...], all_nodes: tuple[str, ...]):
     from mlx_fleet.contract import Keys
     from mlx_fleet.store import KV
     from mlx_fleet_operator import reconcile as rc
-    from mlx_fleet_operator.placement import PlacementRequest
 
     keys = Keys("/t")
-    stored = {n: rc.StoredAssignment(keys.assignment(n, "ns", "llm"),
-                                     KV(keys.assignment(n, "ns", "llm"), asg(1).to_json(), 10),
-                                     asg(1)) for n in ("a", "b")}
-    nodes = {n: rec(n).model_copy(update={"capacity": rec(n).capacity.model_copy(
-        update={"memory_total_bytes": 1 << 30})}) for n in ("a", "b", "c")}
-    view = rc.FleetView(nodes=nodes, assignments={n: [s] for n, s in stored.items()},
+    stored = {n: rc.StoredAssignment(keys.assignment(n, "ns", "llm", "v1"),
+                                     KV(keys.assignment(n, "ns", "llm", "v1"),
+                                        asg(stored_gen).to_json(), 10), asg(stored_gen))
+              for n in nodes}
+    records = {n: rec(n).model_copy(update={"capacity": rec(n).capacity.model_copy(
+        update={"memory_total_bytes": 1 << 30})}) for n in all_nodes}
+    view = rc.FleetView(nodes=records, assignments={n: [s_] for n, s_ in stored.items()},
                         epoch=None, revision=10)
-    request = PlacementRequest(namespace="ns", name="llm", replicas=3, memory_bytes=1)
-    p = rc.plan(keys, view, request, asg(2))
-    assert {n: a.generation for n, a in p.desired.items()} == {"a": 1, "b": 1, "c": 2}
-    assert [op.key for op in p.ops] == [keys.assignment("c", "ns", "llm")]  # only the new one
+    return keys, view
 
+
+def _intent(replicas: int, assignment: Assignment):
+    from mlx_fleet_operator import reconcile as rc
+    from mlx_fleet_operator.placement import PlacementRequest
+    from mlx_fleet_operator.rollout import RevisionTarget
+
+    request = PlacementRequest(namespace="ns", name="llm", replicas=replicas, memory_bytes=1,
+                               revision=assignment.revision)
+    return rc.Intent(stable=RevisionTarget(request, assignment))
+
+
+def test_scale_up_keeps_ready_replicas_ready():
+    """2 → 3 replicas (a new metadata.generation) must not flap the two Ready replicas: the plan
+    keeps their stored assignments (generation 1) untouched, so their reports still match."""
+    from mlx_fleet_operator import reconcile as rc
+
+    keys, view = _plan_inputs(1, ("a", "b"), ("a", "b", "c"))
+    p = rc.plan(keys, view, "ns", "llm", _intent(3, asg(2)))
+    assert {slot: a.generation for slot, a in p.desired.items()} == {
+        SA: 1, SB: 1, SC: 2}
+    assert [op.key for op in p.ops] == [keys.assignment("c", "ns", "llm", "v1")]  # only the new one
+
+    reports = {SA: rep("a", R, gen=1), SB: rep("b", R, gen=1)}
     before, _ = compute_status(StatusInput(generation=1, replicas=2, assignments={
-        "a": asg(1), "b": asg(1)}, reports={"a": rep("a", R, gen=1), "b": rep("b", R, gen=1)}),
-        None, T0)
+        SA: asg(1), SB: asg(1)}, reports=reports), None, T0)
     after, events = compute_status(StatusInput(
-        generation=2, replicas=3, assignments=p.desired,
-        reports={"a": rep("a", R, gen=1), "b": rep("b", R, gen=1)}), before, T1)
+        generation=2, replicas=3, assignments=p.desired, reports=reports), before, T1)
     assert after["observedGeneration"] == 2 and after["readyReplicas"] == 2
+    assert after["updatedReplicas"] == 2
     assert after["endpoints"] == ["http://a:8000", "http://b:8000"]
     assert {n["name"]: n["state"] for n in after["nodes"]} == {"a": "Ready", "b": "Ready",
                                                                "c": "Pending"}
@@ -181,23 +203,183 @@ def test_scale_up_keeps_ready_replicas_ready():
 
 
 def test_changed_model_rewrites_every_assignment():
-    """What the node serves changed (revision): every replica gets the new record."""
-    from mlx_fleet.contract import Keys
-    from mlx_fleet.store import KV
+    """What the node serves changed (same revision, new source): every replica gets the new
+    record in place. A new *revision* is a new assignment next to the old one instead."""
     from mlx_fleet_operator import reconcile as rc
-    from mlx_fleet_operator.placement import PlacementRequest
+    from mlx_fleet_operator.rollout import same_for_node
 
-    keys = Keys("/t")
-    key = keys.assignment("a", "ns", "llm")
-    view = rc.FleetView(nodes={"a": rec("a").model_copy(update={"capacity": rec("a").capacity.model_copy(
-        update={"memory_total_bytes": 1 << 30})})},
-        assignments={"a": [rc.StoredAssignment(key, KV(key, asg(1).to_json(), 10), asg(1))]},
-        epoch=None, revision=10)
-    new = asg(2).model_copy(update={"source": ModelSource(uri="/m", revision="v2")})
-    p = rc.plan(keys, view, PlacementRequest(namespace="ns", name="llm", replicas=1,
-                                             memory_bytes=1), new)
-    assert p.desired == {"a": new} and [op.key for op in p.ops] == [key]
-    assert not rc.same_for_node(asg(1), new) and rc.same_for_node(asg(1), asg(7))
+    keys, view = _plan_inputs(1, ("a",), ("a",))
+    key = keys.assignment("a", "ns", "llm", "v1")
+    new = asg(2).model_copy(update={"source": ModelSource(uri="/m2", revision="v1")})
+    p = rc.plan(keys, view, "ns", "llm", _intent(1, new))
+    assert p.desired == {SA: new} and [op.key for op in p.ops] == [key]
+    assert not same_for_node(asg(1), new) and same_for_node(asg(1), asg(7))
+    assert not same_for_node(asg(1), asg(1, role=Role.PREVIOUS))
+
+    v2 = asg(2, revision="v2")
+    p2 = rc.plan(keys, view, "ns", "llm", _intent(1, v2))
+    assert p2.desired == {("a", "v2"): v2, SA: asg(1, role=Role.PREVIOUS)}
+    assert sorted(op.key for op in p2.ops) == [key, keys.assignment("a", "ns", "llm", "v2")]
+    assert p2.rollout.reason == "RollingUpdate"
+
+
+# --- revisions: rolling updates and candidates -------------------------------------------------
+
+S, P, C = Role.STABLE, Role.PREVIOUS, Role.CANDIDATE
+
+
+def roll(replicas: int, slots: dict[tuple[str, str, Role], AssignmentState | None],
+         rollout: str = "Complete", message: str = "", **kw) -> StatusInput:
+    """A StatusInput at spec revision v2 from (node, revision, role) → reported state."""
+    return StatusInput(
+        generation=2, replicas=replicas, revision="v2", rollout_reason=rollout,
+        rollout_message=message,
+        assignments={(n, r): asg(revision=r, role=role) for n, r, role in slots},
+        reports={(n, r): rep(n, st, revision=r, reason="LoadFailed" if st == F else "",
+                             message="boom" if st == F else "")
+                 for (n, r, _), st in slots.items() if st is not None}, **kw)
+
+
+ROLL_CASES = [
+    # id, input, (replicas, ready, updated), conditions, endpoints
+    ("surge in place: old keeps serving",
+     roll(1, {("a", "v2", S): L, ("a", "v1", P): R}, "RollingUpdate", "0/1 replicas Ready"),
+     (1, 1, 0),
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("True", "ReplicasStarting"),
+      "Degraded": ("False", "AsExpected")}, ["http://a:8000"]),
+    ("rolling, nothing loading",
+     roll(2, {("a", "v2", S): R, ("b", "v1", P): R}, "RollingUpdate", "1/2 replicas Ready"),
+     (2, 2, 1),
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("True", "RollingUpdate"),
+      "Degraded": ("False", "AsExpected")}, ["http://a:8000", "http://b:8000"]),
+    ("a node serves once, whichever revision",
+     roll(2, {("a", "v2", S): R, ("a", "v1", P): R}, "RollingUpdate"), (1, 1, 1),
+     {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "RollingUpdate")},
+     ["http://a:8000"]),
+    ("stalled: new failed, old serves",
+     roll(1, {("a", "v2", S): F, ("a", "v1", P): R}, "Stalled", "v2 failed on a"), (1, 1, 0),
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "RolloutStalled"),
+      "Degraded": ("True", "ReplicaFailed")}, ["http://a:8000"]),
+    ("stalled beats starting",
+     roll(2, {("a", "v2", S): F, ("a", "v1", P): R, ("b", "v2", S): L, ("b", "v1", P): R},
+          "Stalled", "v2 failed on a"), (2, 2, 0),
+     {"Progressing": ("False", "RolloutStalled"), "Degraded": ("True", "ReplicaFailed")},
+     ["http://a:8000", "http://b:8000"]),
+    ("blocked: no room, nothing may go",
+     roll(2, {("a", "v1", P): R, ("b", "v1", P): R}, "Blocked", "maxUnavailable=0",
+          unplaced=2, placement_message="0/2 nodes fit: 2 insufficient memory"), (2, 2, 0),
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "RolloutBlocked"),
+      "Degraded": ("False", "AsExpected")}, ["http://a:8000", "http://b:8000"]),
+    ("candidate listed, never counted",
+     roll(1, {("a", "v2", S): R, ("b", "v3", C): F, ("a", "v3", C): L}), (1, 1, 1),
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete"),
+      "Degraded": ("False", "AsExpected")}, ["http://a:8000"]),
+    ("only a candidate is Ready",
+     roll(1, {("a", "v2", S): L, ("b", "v3", C): R}), (1, 0, 0),
+     {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "ReplicasStarting")}, []),
+]
+
+
+@pytest.mark.parametrize("inp, counts, want_conds, endpoints", [c[1:] for c in ROLL_CASES],
+                         ids=[c[0] for c in ROLL_CASES])
+def test_status_during_rollout(inp, counts, want_conds, endpoints):
+    status, _ = compute_status(inp, None, T0)
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == counts
+    got = conds(status)
+    for k, v in want_conds.items():
+        assert got[k] == v, k
+    assert status["endpoints"] == endpoints
+    assert {(n["name"], n["revision"], n["role"]) for n in status["nodes"]} == {
+        (n, r, role.value) for n, r, role in (
+            (slot[0], slot[1], a.role) for slot, a in inp.assignments.items())}
+    if inp.rollout_reason in ("Stalled", "Blocked", "RollingUpdate") and (
+            got["Progressing"][1] != "ReplicasStarting"):
+        assert {c["type"]: c for c in status["conditions"]}["Progressing"]["message"] == (
+            inp.rollout_message)
+
+
+def test_node_entries_carry_revision_role_and_their_own_report():
+    status, _ = compute_status(roll(1, {("a", "v2", S): L, ("a", "v1", P): R}, "RollingUpdate"),
+                               None, T0)
+    assert [(n["name"], n["revision"], n["role"], n["state"]) for n in status["nodes"]] == [
+        ("a", "v1", "Previous", "Ready"), ("a", "v2", "Stable", "Loading")]
+
+
+def _events(before: StatusInput | None, after: StatusInput):
+    prev = compute_status(before, None, T0)[0] if before else None
+    return [(e.type, e.reason) for e in compute_status(after, prev, T1)[1]]
+
+
+def test_new_revision_next_to_old_one_is_placed_per_revision():
+    """A Placed event for the new revision on a node that already hosts the old one."""
+    assert _events(roll(1, {("a", "v1", S): R}), roll(1, {("a", "v2", S): None,
+                                                          ("a", "v1", P): R}, "RollingUpdate")) == [
+        ("Normal", "Placed")]
+
+
+def test_rollout_warnings_once_per_transition():
+    stalled = roll(1, {("a", "v2", S): F, ("a", "v1", P): R}, "Stalled", "v2 failed on a")
+    assert _events(roll(1, {("a", "v2", S): L, ("a", "v1", P): R}, "RollingUpdate"), stalled) == [
+        ("Warning", "ReplicaFailed"), ("Warning", "RolloutStalled")]
+    assert _events(stalled, stalled) == []
+    blocked = roll(2, {("a", "v1", P): R, ("b", "v1", P): R}, "Blocked", "no room", unplaced=2,
+                   placement_message="0/2 nodes fit")
+    assert _events(roll(2, {("a", "v1", S): R, ("b", "v1", S): R}), blocked) == [
+        ("Warning", "RolloutBlocked")]
+    assert _events(blocked, blocked) == []
+    # Blocked while a rollout is under way does not claim FailedPlacement.
+    assert ("Warning", "FailedPlacement") not in _events(None, blocked)
+
+
+ROLLOUT_FLOWS = [
+    # id, successive inputs; RolloutComplete must be posted exactly at the last one
+    ("surge in place, one node", [
+        roll(1, {("a", "v1", S): R}),
+        roll(1, {("a", "v2", S): L, ("a", "v1", P): R}, "RollingUpdate"),
+        roll(1, {("a", "v2", S): R})]),
+    ("surge in place, two nodes", [
+        roll(2, {("a", "v1", S): R, ("b", "v1", S): R}),
+        roll(2, {("a", "v2", S): L, ("a", "v1", P): R, ("b", "v2", S): L, ("b", "v1", P): R},
+             "RollingUpdate"),
+        roll(2, {("a", "v2", S): R, ("b", "v2", S): L, ("b", "v1", P): R}, "RollingUpdate"),
+        roll(2, {("a", "v2", S): R, ("b", "v2", S): R})]),
+    ("surge onto a spare node", [
+        roll(1, {("a", "v1", S): R}),
+        roll(1, {("b", "v2", S): L, ("a", "v1", P): R}, "RollingUpdate"),
+        roll(1, {("b", "v2", S): R, ("a", "v1", P): R}, "RollingUpdate"),
+        roll(1, {("b", "v2", S): R})]),
+    ("stalled, then fixed", [
+        roll(1, {("a", "v2", S): F, ("a", "v1", P): R}, "Stalled"),
+        roll(1, {("a", "v2", S): R})]),
+]
+
+
+@pytest.mark.parametrize("steps", [c[1] for c in ROLLOUT_FLOWS], ids=[c[0] for c in ROLLOUT_FLOWS])
+def test_rollout_complete_posted_once_when_the_last_previous_goes(steps):
+    status = None
+    posted = []
+    for i, inp in enumerate(steps):
+        status, events = compute_status(inp, status, T0 + dt.timedelta(minutes=i))
+        posted.append([e for e in events if e.reason == "RolloutComplete"])
+    assert [len(p) for p in posted] == [0] * (len(steps) - 1) + [1]
+    assert posted[-1][0].type == "Normal" and "Revision v2" in posted[-1][0].message
+    assert conds(status)["Progressing"] == ("False", "Complete")
+    assert status["updatedReplicas"] == steps[-1].replicas
+    # and not again on the next, unchanged round
+    assert [e for e in compute_status(steps[-1], status, T1)[1]
+            if e.reason == "RolloutComplete"] == []
+
+
+def test_no_rollout_complete_for_a_fresh_deployment_or_a_scale_up():
+    fresh = [roll(2, {("a", "v2", S): None, ("b", "v2", S): None}),
+             roll(2, {("a", "v2", S): L, ("b", "v2", S): R}),
+             roll(2, {("a", "v2", S): R, ("b", "v2", S): R}),
+             roll(3, {("a", "v2", S): R, ("b", "v2", S): R, ("c", "v2", S): L}),
+             roll(3, {("a", "v2", S): R, ("b", "v2", S): R, ("c", "v2", S): R})]
+    status = None
+    for inp in fresh:
+        status, events = compute_status(inp, status, T1)
+        assert "RolloutComplete" not in [e.reason for e in events]
 
 
 def _crd_condition_required() -> list[str]:
@@ -226,7 +408,7 @@ def test_conditions_carry_every_field_the_crd_requires():
 
 def test_replicas_is_observed_not_desired():
     """status.replicas counts placed replicas (assignments); spec.replicas stays the desired."""
-    status, _ = compute_status(StatusInput(generation=1, replicas=3, assignments={"a": asg()},
+    status, _ = compute_status(StatusInput(generation=1, replicas=3, assignments={SA: asg()},
                                            unplaced=2, placement_message="1/1 nodes fit"), None, T0)
     assert status["replicas"] == 1 and status["readyReplicas"] == 0
     assert "0/3 replicas ready" in {c["type"]: c for c in status["conditions"]}["Ready"]["message"]

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_fleet.contract import (Assignment, ModelSource, NodeCapacity, NodeHealth, NodeRecord)
-from mlx_fleet_operator.placement import (WATERMARK, PlacementRequest, node_budget_bytes, place,
-                                          used_by_others)
-from mlx_fleet_operator.spec import SpecError, parse_spec, to_assignment
+from mlx_fleet_operator.placement import (WATERMARK, PlacementRequest, is_mine, node_budget_bytes,
+                                          place, used_by_others)
+from mlx_fleet_operator.spec import SpecError, parse_spec, resolve_int_or_percent, to_assignment
 
 GiB = 1024**3
 
@@ -22,14 +22,16 @@ def node(name: str, mem_gib: float = 10, gen: int = 3, health: NodeHealth = Node
                                             chip=f"Apple M{gen}", chip_generation=gen))
 
 
-def asg(name: str, mem_gib: float, ns: str = "default", served: str | None = None) -> Assignment:
+def asg(name: str, mem_gib: float, ns: str = "default", served: str | None = None,
+        revision: str = "v1") -> Assignment:
     return Assignment(namespace=ns, name=name, served_model_name=served or name,
-                      source=ModelSource(uri="/m", revision="v1"), memory_bytes=int(mem_gib * GiB))
+                      source=ModelSource(uri="/m", revision=revision),
+                      memory_bytes=int(mem_gib * GiB))
 
 
-def req(replicas: int = 1, mem_gib: float = 2, **kw) -> PlacementRequest:
+def req(replicas: int = 1, mem_gib: float = 2, revision: str = "v1", **kw) -> PlacementRequest:
     return PlacementRequest(namespace="default", name="llm", replicas=replicas,
-                            memory_bytes=int(mem_gib * GiB), **kw)
+                            memory_bytes=int(mem_gib * GiB), revision=revision, **kw)
 
 
 CASES = [
@@ -96,6 +98,32 @@ CASES = [
      {"a": [asg("llm", 8)]}, ("a",), 0, ""),
     ("grown request moves replica", req(mem_gib=6), [node("a", 10), node("b", 10)],
      {"a": [asg("llm", 2), asg("x", 3)]}, ("b",), 0, ""),
+    # Revisions: (deployment, revision) is the identity; other revisions of it are resident too.
+    ("another revision of the same deployment counts", req(mem_gib=4, revision="v2"),
+     [node("a", 10)], {"a": [asg("llm", 5, revision="v1")]}, (), 1,
+     "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB, 3.0GiB free)"),
+    ("both revisions fit on one node", req(mem_gib=3, revision="v2"), [node("a", 10)],
+     {"a": [asg("llm", 5, revision="v1")]}, ("a",), 0, ""),
+    ("another revision is not a placed replica of this one", req(revision="v2"),
+     [node("a", 10), node("b", 10)], {"a": [asg("llm", 2, revision="v1")]}, ("b",), 0, ""),
+    ("own name on another revision does not clash", req(revision="v2", served_model_name="llama"),
+     [node("a", 10)], {"a": [asg("llm", 1, served="llama", revision="v1")]}, ("a",), 0, ""),
+    ("placed revision kept next to another one", req(mem_gib=3, revision="v2"),
+     [node("a", 10), node("b", 64)], {"a": [asg("llm", 5, revision="v1"),
+                                             asg("llm", 3, revision="v2")]}, ("a",), 0, ""),
+    # Preferred nodes come first when adding, whatever the strategy says.
+    ("preferred beats spread", req(preferred=frozenset({"c"})),
+     [node("a", 32), node("b", 16), node("c", 10)], {}, ("c",), 0, ""),
+    ("preferred beats binpack", req(strategy="Binpack", preferred=frozenset({"a"})),
+     [node("a", 32), node("b", 4)], {}, ("a",), 0, ""),
+    ("preferred but full: strategy decides", req(mem_gib=4, preferred=frozenset({"a"})),
+     [node("a", 10), node("b", 16), node("c", 32)], {"a": [asg("x", 5)]}, ("c",), 0, ""),
+    ("preferred first, then by strategy", req(replicas=2, preferred=frozenset({"b"})),
+     [node("a", 16), node("b", 10), node("c", 32)], {}, ("b", "c"), 0, ""),
+    ("preferred never moves a placed replica", req(preferred=frozenset({"b"})),
+     [node("a", 10), node("b", 64)], {"a": [asg("llm", 2)]}, ("a",), 0, ""),
+    ("preferred node must still be eligible", req(preferred=frozenset({"a"}), min_chip_generation=4),
+     [node("a", 64, gen=3), node("b", 10, gen=4)], {}, ("b",), 0, ""),
 ]
 
 
@@ -119,6 +147,14 @@ def test_diff_fields():
 def test_duplicate_node_rejected():
     with pytest.raises(ValueError, match="duplicate"):
         place(req(), [node("a"), node("a")], {})
+
+
+def test_used_by_others_counts_other_revisions_not_this_one():
+    on_node = [asg("llm", 2, revision="v1"), asg("llm", 3, revision="v2"), asg("x", 4),
+               asg("llm", 5, ns="prod", revision="v2")]
+    assert used_by_others(req(revision="v2"), on_node) == (2 + 4 + 5) * GiB
+    assert used_by_others(req(revision="v1"), on_node) == (3 + 4 + 5) * GiB
+    assert [is_mine(req(revision="v2"), a) for a in on_node] == [False, True, False, False]
 
 
 def test_budget_uses_watermark():
@@ -152,10 +188,56 @@ def test_parse_spec_defaults_and_assignment():
     ({"placement": {"minChipGeneration": "X9"}}, "spec.placement.minChipGeneration"),
     ({"placement": {"strategy": "Random"}}, "spec.placement.strategy"),
     ({"model": None}, "spec.model"),
+    ({"strategy": {"rollingUpdate": {"maxSurge": -1}}}, "spec.strategy.rollingUpdate.maxSurge"),
+    ({"strategy": {"rollingUpdate": {"maxSurge": "1x"}}}, "spec.strategy.rollingUpdate.maxSurge"),
+    ({"strategy": {"rollingUpdate": {"maxUnavailable": "-5%"}}},
+     "spec.strategy.rollingUpdate.maxUnavailable"),
+    ({"strategy": {"type": "Recreate"}}, "spec.strategy.type"),
 ])
 def test_parse_spec_errors_name_the_field(patch, field):
     with pytest.raises(SpecError, match=field.replace(".", r"\.")):
         parse_spec({**SPEC, **patch})
+
+
+@pytest.mark.parametrize("value, total, up, want", [
+    (2, 10, True, 2), (0, 10, False, 0), ("25%", 3, True, 1), ("25%", 3, False, 0),
+    ("50%", 4, True, 2), ("50%", 5, False, 2), ("50%", 5, True, 3), ("100%", 7, False, 7),
+    ("0%", 9, True, 0), ("10%", 0, True, 0),
+])
+def test_resolve_int_or_percent(value, total, up, want):
+    assert resolve_int_or_percent(value, total, round_up=up) == want
+
+
+@pytest.mark.parametrize("replicas, rolling, want", [
+    (1, None, (1, 1)),  # defaults: maxSurge 25% rounded up, maxUnavailable 1
+    (4, None, (1, 1)),
+    (5, None, (2, 1)),
+    (4, {"maxSurge": 0, "maxUnavailable": "50%"}, (0, 2)),
+    (3, {"maxSurge": "50%", "maxUnavailable": "50%"}, (2, 1)),
+    (3, {"maxSurge": 2, "maxUnavailable": 0}, (2, 0)),
+    # both resolve to 0: a surge of 1 instead, so a rollout can always progress
+    (3, {"maxSurge": 0, "maxUnavailable": "10%"}, (1, 0)),
+    (1, {"maxSurge": "0%", "maxUnavailable": "50%"}, (1, 0)),
+])
+def test_surge_limits(replicas, rolling, want):
+    spec = {**SPEC, "replicas": replicas}
+    if rolling is not None:
+        spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": rolling}
+    assert parse_spec(spec).surge_limits() == want
+
+
+def test_to_assignment_roles_and_candidate_overrides():
+    from mlx_fleet.contract import Role
+
+    s = parse_spec(SPEC)
+    stable = to_assignment(s, namespace="ns", name="llm", generation=3)
+    assert (stable.role, stable.revision, stable.source.uri) == (Role.STABLE, "v1",
+                                                                  "file:///models/llama")
+    cand = to_assignment(s, namespace="ns", name="llm", generation=3, role=Role.CANDIDATE,
+                         source="file:///models/llama-v2", revision="v2", memory_bytes=3 * GiB)
+    assert (cand.role, cand.revision, cand.source.uri, cand.memory_bytes) == (
+        Role.CANDIDATE, "v2", "file:///models/llama-v2", 3 * GiB)
+    assert cand.served_model_name == stable.served_model_name == "llm"
 
 
 # --- properties --------------------------------------------------------------------------------
@@ -170,11 +252,12 @@ def scenarios(draw):
     nodes = list({n.name: n for n in draw(st.lists(node_st, max_size=8))}.values())
     others = draw(st.dictionaries(names, st.lists(
         st.builds(asg, name=st.sampled_from(["x", "y", "llm"]), mem_gib=st.integers(1, 16),
-                  ns=st.sampled_from(["default", "prod"])),
+                  ns=st.sampled_from(["default", "prod"]), revision=st.sampled_from(["v1", "v2"])),
         max_size=3), max_size=8))
     r = draw(st.builds(req, replicas=st.integers(0, 6), mem_gib=st.integers(1, 32),
                        min_chip_generation=st.integers(3, 5),
-                       strategy=st.sampled_from(["Spread", "Binpack"])))
+                       strategy=st.sampled_from(["Spread", "Binpack"]),
+                       preferred=st.frozensets(names, max_size=3)))
     return r, nodes, others
 
 
@@ -195,8 +278,7 @@ def test_properties(scenario):
     assert place(r, list(reversed(nodes)), dict(reversed(list(assignments.items())))) == d
     assert (d.message != "") == (d.unplaced > 0)
     # stability: placing again on the result changes nothing
-    again = {k: [a for a in v if (a.namespace, a.name) != ("default", "llm")]
-             for k, v in assignments.items()}
+    again = {k: [a for a in v if not is_mine(r, a)] for k, v in assignments.items()}
     for n in d.nodes:
-        again.setdefault(n, []).append(asg("llm", r.memory_bytes / GiB))
+        again.setdefault(n, []).append(asg("llm", r.memory_bytes / GiB, revision=r.revision))
     assert place(r, nodes, again).nodes == d.nodes

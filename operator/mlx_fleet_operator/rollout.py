@@ -7,7 +7,9 @@ A deployment can hold several revisions at once, each its own assignment on a no
   the stable revision is Ready there (or elsewhere), then it is removed — a surge, with
   Kubernetes Deployment semantics (``maxSurge`` / ``maxUnavailable``);
 * a Canary's **candidate** revision, placed next to the stable one where both fit (placement
-  counts both against the node's memory), else on nodes of its own.
+  counts both against the node's memory), else on nodes of its own. When the canary ends
+  without a promotion (rolled back, aborted, deleted), its stored candidate records are removed
+  at once.
 
 Rolling update, one reconcile at a time (each call is one step; the next report wakes the next)
 -----------------------------------------------------------------------------------------------
@@ -80,7 +82,17 @@ def same_for_node(stored: Assignment, wanted: Assignment) -> bool:
 
 
 def _pick(stored: Assignment | None, wanted: Assignment) -> Assignment:
-    return stored if stored is not None and same_for_node(stored, wanted) else wanted
+    """The record a node should hold: the stored one when nothing but the generation differs;
+    when only the ``role`` changes too (a promoted candidate turning Stable), the wanted one
+    *with the stored generation*, so the agent's Ready report stays current (no reload, no
+    Pending flicker in status)."""
+    if stored is None:
+        return wanted
+    if same_for_node(stored, wanted):
+        return stored
+    if same_for_node(stored.model_copy(update={"role": wanted.role}), wanted):
+        return wanted.model_copy(update={"generation": stored.generation})
+    return wanted
 
 
 def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
@@ -101,7 +113,11 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
     mine: dict[Slot, Assignment] = {
         (n, a.revision): a for n, items in assignments.items() for a in items
         if (a.namespace, a.name) == me}
-    prev = {slot: a for slot, a in mine.items() if slot[1] not in (s_rev, c_rev)}
+    # Revisions that are neither stable nor candidate: a rolling update's old ones keep serving
+    # until replaced; an ended canary's candidate (stored role Candidate) goes at once — it
+    # never takes stable traffic.
+    prev = {slot: a for slot, a in mine.items()
+            if slot[1] not in (s_rev, c_rev) and a.role != Role.CANDIDATE}
     healthy = {n.name for n in nodes if n.health == NodeHealth.HEALTHY}
     prev = {slot: a for slot, a in prev.items() if slot[0] in healthy}  # gone nodes: dropped
     prev_nodes = {n for n, _ in prev}
@@ -123,6 +139,7 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
     min_available = max(req.replicas - max_unavailable, 0)
     unplaced_s = req.replicas - len(s_nodes)
     kept_prev: dict[Slot, Assignment] = {}
+    made_room: list[Slot] = []  # removed this round so that the stable revision fits there
     blocked = False
     for slot in sorted(prev):
         node = slot[0]
@@ -134,6 +151,7 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
         if len(serving - {node}) >= min_available:
             serving.discard(node)  # make room: the stable revision lands here next round
             unplaced_s -= 1
+            made_room.append(slot)
             continue
         kept_prev[slot] = prev[slot]
         blocked = True
@@ -160,22 +178,26 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
         for n in dec_c.nodes:
             desired[(n, c_rev)] = _pick(mine.get((n, c_rev)), candidate.assignment)
 
-    if not kept_prev:
+    if not kept_prev and not made_room:
         state = RolloutState()
     else:
         old = ", ".join(f"{r} on {n}" for n, r in sorted(kept_prev))
         head = f"{len(ready_s)}/{req.replicas} replicas Ready at revision {s_rev}"
+        if made_room:
+            head += (f"; removed {', '.join(f'{r} on {n}' for n, r in made_room)} to make room "
+                     f"for revision {s_rev}")
         if stalled:
             state = RolloutState("Stalled", f"{head}; revision {s_rev} failed on "
                                  f"{', '.join(stalled)}; still serving {old}",
                                  tuple(sorted(kept_prev)))
-        elif blocked and not loading_s:
+        elif blocked and not loading_s and not made_room:
             state = RolloutState("Blocked", f"{head}; no node has room for revision {s_rev} "
                                  f"next to the previous one ({dec_s.message or 'no room'}) and "
                                  f"maxUnavailable={max_unavailable} allows no replacement; "
                                  f"still serving {old}", tuple(sorted(kept_prev)))
         else:
-            state = RolloutState("RollingUpdate", f"{head}; still serving {old}",
+            state = RolloutState("RollingUpdate",
+                                 head + (f"; still serving {old}" if kept_prev else ""),
                                  tuple(sorted(kept_prev)))
     return DeploymentPlan(desired=desired, stable=dataclasses.replace(
         dec_s, nodes=tuple(sorted(s_nodes)), unplaced=max(req.replicas - len(s_nodes), 0)),

@@ -126,7 +126,9 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     hosts a replica, Normal ``ReplicaReady`` when a replica becomes Ready, Warning
     ``ReplicaFailed`` with the agent's reason and message when one becomes Failed (or fails
     with a new reason), Warning ``FailedPlacement`` when replicas become unplaceable or the
-    explanation changes, Warning ``InvalidSpec`` when the spec becomes invalid.
+    explanation changes, Warning ``InvalidSpec`` when the spec becomes invalid, Warning
+    ``RolloutStalled`` / ``RolloutBlocked`` when Progressing turns to that reason, Normal
+    ``RolloutComplete`` when the last Previous replica of a rollout is gone.
     """
     previous = previous or {}
     stamp = now_rfc3339(now)
@@ -211,8 +213,14 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     if new_progress["reason"] in ("RolloutStalled", "RolloutBlocked") and (
             prev_progress.get("reason") != new_progress["reason"]):
         events.append(Event("Warning", new_progress["reason"], new_progress["message"]))
-    if prev_progress.get("reason") in ("RollingUpdate", "RolloutStalled", "RolloutBlocked") and (
-            inp.rollout_reason == "Complete" and inp.spec_error is None):
+    # A rollout was under way when the previous status listed a Previous replica: with the
+    # usual surge in place, Progressing reads ReplicasStarting (not RollingUpdate) until the
+    # last Previous replica goes, so its reason alone would miss the common case.
+    was_rolling = prev_progress.get("reason") in (
+        "RollingUpdate", "RolloutStalled", "RolloutBlocked") or any(
+        n.get("role") == Role.PREVIOUS.value for n in prev_nodes.values())
+    if was_rolling and inp.rollout_reason == "Complete" and inp.spec_error is None and not any(
+            e["role"] == Role.PREVIOUS.value for e in entries):
         events.append(Event("Normal", "RolloutComplete",
                             f"Revision {inp.revision} serves on {n_updated} node(s); previous "
                             f"revisions unloaded"))

@@ -1,0 +1,195 @@
+"""Canary rollback and revision-edit timings on the local fleet (real etcd, kube-apiserver,
+operator and two agents serving generated MLX models), under a steady streamed load.
+
+Measured, in one run:
+
+* ``local_guard_seconds``: from the first failed request of the faulty candidate to the start of
+  the last request any agent still routed to it (after that, each agent's local guard sends the
+  whole deployment to stable) — the worst node counts;
+* ``fleet_rollback_seconds``: from that first failure to the moment the operator has written
+  ``phase: RolledBack`` (seen on a watch of the Canary);
+* ``stable_session_errors``: failed requests of sessions whose bucket hashes to the stable side;
+* ``revision_edit_failed_requests`` and ``revision_edit_max_unready_seconds``: a plain edit of
+  ``spec.model.revision`` under the same load — failed requests, and the longest time any
+  ModelDeployment status seen on a watch had an empty ``status.endpoints``.
+
+Goals at default settings (issue #5): local guard ≤ 2 s, fleet rollback ≤ 10 s, 0 stable-session
+errors, 0 failed requests on a revision edit.
+
+    python benchmarks/canary.py --help
+    python benchmarks/canary.py          # writes benchmarks/results/canary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common import machine
+from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
+from mlx_fleet.devcluster.controlplane import start_control_plane
+from mlx_fleet.devcluster.fleet import start_agent, start_operator
+from mlx_fleet.devcluster.loadgen import LoadGenerator
+from mlx_fleet.testmodel import Fault, make_test_model
+from node_agent.split import bucket
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NS = "default"
+
+
+class Watch:
+    """(monotonic time, object) for every event of ``kubectl get KIND NAME -w``."""
+
+    def __init__(self, cp, kind: str, name: str) -> None:
+        self.events: list[tuple[float, dict]] = []
+        self.changed = threading.Event()
+        self._proc = subprocess.Popen(
+            [str(cp.binaries.kubectl), "get", kind, name, "-n", NS, "-w", "-o", "json",
+             "--output-watch-events"], env={**os.environ, **cp.env()}, stdout=subprocess.PIPE,
+            text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        decoder, buf = json.JSONDecoder(), ""
+        for line in self._proc.stdout:
+            buf += line
+            try:
+                ev, end = decoder.raw_decode(buf.lstrip())
+            except json.JSONDecodeError:
+                continue
+            buf = buf.lstrip()[end:]
+            self.events.append((time.monotonic(), ev["object"]))
+            self.changed.set()
+
+    def first(self, pred) -> float | None:
+        return next((t for t, o in self.events if pred(o)), None)
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(10)
+
+
+def apply(cp, obj: dict) -> None:
+    cp.kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+
+def md(name: str, source: Path, revision: str) -> dict:
+    return {"apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"model": {"source": str(source), "revision": revision}, "replicas": 2,
+                     "resources": {"memory": "1Gi"}}}
+
+
+async def rollback(cp, healthy: Path, faulty: Path, args) -> dict:
+    name = "bench-canary"
+    apply(cp, md(name, healthy, "v1"))
+    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", NS,
+               "--timeout=240s", timeout=250)
+    endpoints = json.loads(cp.kubectl("get", "modeldeployment", name, "-n", NS, "-o",
+                                      "json").stdout)["status"]["endpoints"]
+    sessions = [f"bench-{i}" for i in range(args.concurrency)]
+    stable_side = {s for s in sessions if bucket(f"{NS}/{name}", s) >= args.weight * 100}
+    watch = Watch(cp, "canary", f"{name}-bad")
+    async with LoadGenerator(lambda: endpoints, name, sessions=sessions,
+                             max_tokens=args.max_tokens) as load:
+        await load.wait_for(args.concurrency * 2)
+        apply(cp, {"apiVersion": "mlx-fleet.io/v1alpha1", "kind": "Canary",
+                   "metadata": {"name": f"{name}-bad", "namespace": NS},
+                   "spec": {"targetRef": {"name": name},
+                            "candidate": {"revision": "bad", "source": str(faulty)},
+                            "steps": [{"setWeight": args.weight}, {"setWeight": 100}]}})
+        await asyncio.to_thread(cp.kubectl, "wait", "--for=jsonpath={.status.phase}=RolledBack",
+                                f"canary/{name}-bad", "-n", NS, "--timeout=240s", timeout=250)
+        await load.wait_for(args.concurrency * 2)
+    watch.stop()
+    out = load.outcomes
+    first_fail = min((o.ended for o in out if o.failed and o.revision == "bad"), default=None)
+    if first_fail is None:
+        raise SystemExit("the faulty candidate never served a request: nothing was measured")
+    last_to_candidate = max(o.started for o in out if o.revision == "bad")
+    rolled_back = watch.first(lambda o: (o.get("status") or {}).get("phase") == "RolledBack")
+    return {
+        "local_guard_seconds": round(max(last_to_candidate - first_fail, 0.0), 3),
+        "fleet_rollback_seconds": round(rolled_back - first_fail, 3) if rolled_back else None,
+        "stable_session_errors": sum(o.failed for o in out if o.session in stable_side),
+        "candidate_failed_requests": sum(o.failed for o in out if o.revision == "bad"),
+        "requests": len(out),
+    }
+
+
+async def revision_edit(cp, healthy: Path, args) -> dict:
+    name = "bench-edit"
+    apply(cp, md(name, healthy, "v1"))
+    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", NS,
+               "--timeout=240s", timeout=250)
+    endpoints = json.loads(cp.kubectl("get", "modeldeployment", name, "-n", NS, "-o",
+                                      "json").stdout)["status"]["endpoints"]
+    watch = Watch(cp, "modeldeployment", name)
+    async with LoadGenerator(lambda: endpoints, name,
+                             sessions=[f"edit-{i}" for i in range(args.concurrency)],
+                             max_tokens=args.max_tokens) as load:
+        await load.wait_for(args.concurrency * 2)
+        edited = time.monotonic()
+        cp.kubectl("patch", "modeldeployment", name, "-n", NS, "--type=merge", "-p",
+                   '{"spec": {"model": {"revision": "v2"}}}')
+        await asyncio.to_thread(
+            cp.kubectl, "wait",
+            "--for=jsonpath={.status.conditions[?(@.type=='Progressing')].reason}=Complete",
+            f"modeldeployment/{name}", "-n", NS, "--timeout=240s", timeout=250)
+        done = time.monotonic()
+        await load.wait_for(args.concurrency * 2)
+    watch.stop()
+    gap, since = 0.0, None
+    for t, o in watch.events:
+        empty = not (o.get("status") or {}).get("endpoints")
+        if empty and since is None:
+            since = t
+        elif not empty and since is not None:
+            gap, since = max(gap, t - since), None
+    if since is not None:
+        gap = max(gap, done - since)
+    return {"revision_edit_failed_requests": sum(o.failed for o in load.outcomes),
+            "revision_edit_max_unready_seconds": round(gap, 3),
+            "revision_edit_seconds": round(done - edited, 3),
+            "revision_edit_requests": len(load.outcomes)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent sessions (default 8)")
+    p.add_argument("--weight", type=int, default=50,
+                   help="the canary's first setWeight, percent (default 50)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
+    p.add_argument("--out", type=Path, default=RESULTS / "canary.json")
+    args = p.parse_args()
+    binaries = ensure_all()
+    models = cache_dir() / "models"
+    healthy = make_test_model(models / "tiny-llama")
+    faulty = make_test_model(models / "tiny-llama-faulty", fault=Fault("raise", after_tokens=2))
+    cp = start_control_plane(binaries=binaries)
+    try:
+        start_operator(cp)
+        for n in ("mac-a", "mac-b"):
+            start_agent(cp, n, memory="64Gi", lease_ttl=5)
+        result = {"machine": machine(), "params": vars(args) | {"out": str(args.out)},
+                  **asyncio.run(rollback(cp, healthy, faulty, args)),
+                  **asyncio.run(revision_edit(cp, healthy, args))}
+    finally:
+        cp.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
