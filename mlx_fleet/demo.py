@@ -1,17 +1,22 @@
 """The local demo fleet: control plane, operator, two agents, one ModelDeployment, one
-streamed completion.
+streamed completion, then two canaries under load.
 
-Steps (each shown as it runs): build/cached binaries → generate the test model → start etcd ×2 +
+Steps (each shown as it runs): build/cached binaries → generate the test models (a healthy one
+and one whose revision fails after two tokens — the fault is in its files) → start etcd ×2 +
 kube-apiserver → start the operator and agents ``mac-a``/``mac-b`` → ``kubectl apply``
 ``examples/modeldeployment.yaml`` → ``kubectl wait`` for ``Ready`` → stream a chat completion
-with the official ``openai`` client from the agent named in ``status.endpoints`` → print the fleet
-→ tear everything down. On failure it says which step failed and keeps the logs directory.
+with the official ``openai`` client from the agent named in ``status.endpoints`` → with clients
+sending requests all along: a Canary of a healthy revision v2 steps 25 % → 50 % → 100 % and is
+promoted; a Canary of the faulty revision is rolled back by itself (``kubectl get canaries`` is
+printed at every change) → print the fleet → tear everything down. On failure it says which
+step failed and keeps the logs directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import string
 import time
 
@@ -37,7 +42,7 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
              keep: bool = False, console: Console | None = None) -> int:
     """Run the demo; returns a process exit code (0 on success)."""
     from mlx_fleet.cli import make_console, progress_builder
-    from mlx_fleet.testmodel import make_test_model
+    from mlx_fleet.testmodel import Fault, make_test_model
 
     console = console or make_console()
     t0 = time.monotonic()
@@ -81,6 +86,16 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
         _stream_completion(console, endpoints[0], obj["spec"]["model"].get("servedModelName", "llama-demo"),
                            prompt, max_tokens)
 
+        step = "running a canary that is promoted"
+        model = obj["spec"]["model"].get("servedModelName", "llama-demo")
+        faulty = make_test_model(cache_dir() / "models" / "tiny-llama-faulty",
+                                 fault=Fault("raise", after_tokens=2))
+        cp.kubectl("patch", "modeldeployment/llama-demo", "--type=merge",
+                   "-p", '{"spec": {"replicas": 2}}')
+        cp.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=2",
+                   "modeldeployment/llama-demo", "--timeout=240s", timeout=260)
+        asyncio.run(_canaries(console, cp, model, faulty))
+
         step = "printing the fleet status"
         _print_fleet(console, cp.etcd_url)
         failed = False
@@ -120,6 +135,84 @@ def _stream_completion(console: Console, base_url: str, model: str, prompt: str,
     console.print()
     console.print(f"[dim](random weights: the text is noise; TTFT {1000 * (ttft or 0):.0f} ms"
                   + (f", {usage.completion_tokens} tokens" if usage else "") + ")[/]")
+
+
+def _canary(name: str, revision: str, steps: list[int], source: str | None = None) -> str:
+    candidate = {"revision": revision} | ({"source": source} if source else {})
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "Canary",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"targetRef": {"name": "llama-demo"}, "candidate": candidate,
+                 "steps": [{"setWeight": w} for w in steps],
+                 "analysis": {"interval": "2s", "minRequests": 3}}})
+
+
+async def _follow(console: Console, cp, name: str, until: set[str], timeout: float = 240) -> dict:
+    """Stream ``kubectl get canary NAME -w`` (one row per change of the printed columns) until
+    the phase is one of ``until``; returns the object."""
+    proc = await asyncio.create_subprocess_exec(
+        str(cp.binaries.kubectl), "get", "canary", name, "-w", "--no-headers",
+        env={**os.environ, **cp.env()}, stdout=asyncio.subprocess.PIPE)
+    shown = ""
+
+    async def rows() -> None:
+        nonlocal shown
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            row = " ".join(raw.decode().split()[:-1])  # without AGE, which always changes
+            if row != shown:
+                console.print(f"  {time.strftime('%H:%M:%S')}  {raw.decode().rstrip()}",
+                              markup=False, highlight=False)
+                shown = row
+            if any(f" {phase}" in row for phase in until):
+                return
+
+    try:
+        await asyncio.wait_for(rows(), timeout)
+    except asyncio.TimeoutError:
+        raise DemoFailed(f"canary {name} did not reach {sorted(until)} in {timeout:.0f}s") from None
+    finally:
+        proc.terminate()
+        await proc.wait()
+    return json.loads(cp.kubectl("get", "canary", name, "-o", "json").stdout)
+
+
+async def _canaries(console: Console, cp, model: str, faulty) -> None:
+    from mlx_fleet.devcluster.loadgen import LoadGenerator
+    from node_agent.split import bucket
+
+    endpoints = json.loads(cp.kubectl("get", "modeldeployment/llama-demo", "-o", "json").stdout
+                           )["status"]["endpoints"]
+    sessions = [f"demo-user-{i}" for i in range(16)]
+    async with LoadGenerator(lambda: endpoints, model, sessions=sessions) as load:
+        await load.wait_for(len(sessions))
+        console.print(Panel("A healthy revision v2, stepped 25% → 50% → 100% while 16 clients "
+                            "send requests; each step waits for one passing analysis window "
+                            "(candidate vs stable)", title="Canary 1: promote"))
+        cp.kubectl("apply", "-f", "-", input=_canary("llama-demo-v2", "v2", [25, 50, 100]))
+        console.print("$ kubectl get canaries -w")
+        await _follow(console, cp, "llama-demo-v2", {"Succeeded", "RolledBack", "Failed"})
+        revision = json.loads(cp.kubectl("get", "modeldeployment/llama-demo", "-o", "json")
+                              .stdout)["spec"]["model"]["revision"]
+        console.print(f"[green]✓[/] promoted: llama-demo now serves revision {revision}")
+
+        console.print(Panel("Revision v3 raises after two tokens (the fault is in its model "
+                            "files). The agents' local guard and the operator's analysis roll "
+                            "it back by themselves", title="Canary 2: roll back"))
+        before = len(load.outcomes)
+        cp.kubectl("apply", "-f", "-", input=_canary("llama-demo-v3", "v3", [50, 100],
+                                                     str(faulty)))
+        obj = await _follow(console, cp, "llama-demo-v3", {"RolledBack", "Succeeded", "Failed"})
+        await load.wait_for(len(sessions))
+    out = load.outcomes[before:]
+    stable_side = {s for s in sessions if bucket("default/llama-demo", s) >= 50 * 100}
+    console.print(f"[green]✓[/] {obj['status'].get('message', '')}")
+    console.print(f"  requests during canary 2: {len(out)}; failed on the faulty revision: "
+                  f"{sum(o.failed and o.revision == 'v3' for o in out)}; failed on sessions "
+                  f"hashed to the stable revision: "
+                  f"{sum(o.failed for o in out if o.session in stable_side)}")
+    console.print("$ kubectl get canaries")
+    console.print(cp.kubectl("get", "canaries").stdout.rstrip())
 
 
 def _print_fleet(console: Console, etcd_url: str) -> None:

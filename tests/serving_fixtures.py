@@ -1,9 +1,12 @@
-"""Shared fixtures for the serving-core and OpenAI-API tests: one tiny generated model per
-session, a started :class:`ServingCore` with it loaded, and an aiohttp test server/client."""
+"""Shared fixtures for the serving-core and OpenAI-API tests: tiny generated models (one per
+session each: the default one and one with other weights, to tell revisions apart), a started
+:class:`ServingCore` with the default one loaded, and an aiohttp test server/client."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -23,6 +26,21 @@ REVISION = "r1"
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_test_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's architecture and tokenizer with other weights (another "revision")."""
+    return make_test_model(tmp_path_factory.mktemp("models") / "tiny-other", seed=1)
+
+
+def safetensors_bytes(path: Path) -> int:
+    """The bytes of the tensors stored in ``path``'s ``model.safetensors`` (from its header)."""
+    raw = (path / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    return sum(end - start for name, t in header.items() if name != "__metadata__"
+               for start, end in [t["data_offsets"]])
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:

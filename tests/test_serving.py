@@ -1,5 +1,7 @@
 """ServingCore against a real generated model loaded through mlx_lm: generation, limits,
-continuous batching through BatchGenerator, cancellation, unload, several models."""
+continuous batching through BatchGenerator, cancellation, unload, several models, several
+revisions of one model (side by side, unloaded one at a time, drained), crash counts and memory
+estimates; plus the pure admission and stop-string functions, table-tested."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from node_agent.serving import (ContextLengthExceeded, GenerationAborted, ModelInfo,
-                                ModelLoadError, ModelNotLoaded, Overloaded, ServingCore,
-                                _Request)
-from serving_fixtures import tiny_model_path, wait_for  # noqa: F401
+                                ModelLoadError, ModelNotLoaded, Overloaded, ServingCore)
+from node_agent.serving.admission import Refusal, admit, waiting_requests
+from node_agent.serving.detokenize import apply_stops, next_text
+from serving_fixtures import (other_model_path, safetensors_bytes, tiny_model_path,  # noqa: F401
+                              wait_for)
 
 LONG = 4000  # more tokens than any test lets a request run
 
@@ -108,14 +112,69 @@ async def test_stop_string_truncates_decoded_text(core: ServingCore) -> None:
     assert core.active_sequences("m") == 0
 
 
-def test_stop_matching_across_segments() -> None:
-    req = _Request("m", "", None, 5, 0.0, 1.0, ["END"], None, None, None)  # type: ignore[arg-type]
-    assert ServingCore._t_apply_stops(req, "abcE") == ("abc", None)
-    assert ServingCore._t_apply_stops(req, "N") == ("", None)
-    assert ServingCore._t_apply_stops(req, "Dtail") == ("", "stop")
-    req = _Request("m", "", None, 5, 0.0, 1.0, ["xy"], None, None, None)  # type: ignore[arg-type]
-    assert ServingCore._t_apply_stops(req, "ax") == ("a", None)
-    assert ServingCore._t_apply_stops(req, "b") == ("xb", None)
+# (stops, held, segment) -> (emitted, held now, reason)
+STOP_CASES = [
+    ([], "", "abc", ("abc", "", None)),                       # no stop strings: all goes out
+    (["END"], "", "abcE", ("abc", "E", None)),                # a possible start is held back
+    (["END"], "E", "N", ("", "EN", None)),                    # ... across segments
+    (["END"], "EN", "Dtail", ("", "", "stop")),               # completed: cut before it
+    (["END"], "EN", "X", ("ENX", "", None)),                  # not a stop after all: released
+    (["xy"], "", "ax", ("a", "x", None)),
+    (["xy"], "x", "b", ("xb", "", None)),
+    (["xy"], "", "abxyzxy", ("ab", "", "stop")),              # the first occurrence wins
+    (["later", "ab"], "", "1ab2later", ("1", "", "stop")),    # whichever stop string is first
+    (["abc", "bd"], "", "zab", ("z", "ab", None)),            # longest possible prefix is held
+    (["abc", "bd"], "ab", "d", ("a", "", "stop")),            # held text joins the search
+    (["aaa"], "", "aaaa", ("", "", "stop")),
+    (["stop"], "", "", ("", "", None)),                       # an empty segment changes nothing
+    (["ab"], "a", "", ("", "a", None)),
+]
+
+
+@pytest.mark.parametrize("stops,held,segment,expected", STOP_CASES)
+def test_apply_stops(stops, held, segment, expected) -> None:
+    assert apply_stops(stops, held, segment) == expected
+
+
+# (stops, held, segment, mlx-lm's finish_reason) -> (emitted, held now, reason)
+FINISH_CASES = [
+    (["END"], "", "abE", None, ("ab", "E", None)),
+    (["END"], "", "abE", "length", ("abE", "", "length")),   # the end releases held text
+    (["END"], "E", "", "stop", ("E", "", "stop")),           # EOS: nothing new, held goes out
+    (["END"], "E", "ND!", "length", ("", "", "stop")),       # a stop string beats the length
+    ([], "", "x", "length", ("x", "", "length")),
+]
+
+
+@pytest.mark.parametrize("stops,held,segment,finish,expected", FINISH_CASES)
+def test_next_text(stops, held, segment, finish, expected) -> None:
+    assert next_text(stops, held, segment, finish) == expected
+
+
+# (key, in flight, batch limits, max queued) -> None (admitted) or Refusal
+A, B, C = ("a", "r1"), ("a", "r2"), ("b", "r1")
+ADMISSION_CASES = [
+    (A, {}, {A: 1}, 0, None),                                  # a free slot: always admitted
+    (A, {A: 3}, {A: 4}, 0, None),
+    (A, {A: 1}, {A: 1}, 1, None),                              # full batch, queue has room
+    (A, {A: 2}, {A: 1}, 1, Refusal(1, 1)),                     # full batch, full queue
+    (A, {A: 9}, {A: 4}, 5, Refusal(5, 1)),                     # retry ~ waiting / batch limit
+    (A, {A: 12}, {A: 2}, 10, Refusal(10, 5)),
+    (A, {A: 1, B: 3}, {A: 1, B: 1}, 2, Refusal(2, 2)),         # other revisions' waiters count
+    (B, {A: 1, B: 0}, {A: 1, B: 1}, 0, None),                  # ... but not against free slots
+    (A, {A: 1, C: 5}, {A: 1}, 1, None),                        # in flight for unloaded: ignored
+    (C, {A: 3, C: 2}, {A: 1, C: 2}, 2, Refusal(2, 1)),
+]
+
+
+@pytest.mark.parametrize("key,inflight,limits,max_queued,expected", ADMISSION_CASES)
+def test_admission(key, inflight, limits, max_queued, expected) -> None:
+    assert admit(key, inflight, limits, max_queued) == expected
+
+
+def test_waiting_requests() -> None:
+    assert waiting_requests({}, {A: 1}) == 0
+    assert waiting_requests({A: 3, B: 1, C: 7}, {A: 1, B: 2}) == 2
 
 
 async def test_sampling_with_temperature_and_seed(core: ServingCore) -> None:
@@ -225,11 +284,18 @@ async def test_several_models_unload_and_replace(tiny_model_path: Path, tmp_path
         with pytest.raises(ModelNotLoaded):
             await c.generate("a", prompt="x", max_tokens=1)
 
+        # a new revision loads next to the old one (no longer replaces it)
         info = await c.load_model("b", tiny_model_path, revision="r2")
-        assert info.revision == "r2" and [m.revision for m in c.models()] == ["r2"]
-        assert registry.get_sample_value("mlxfleet_agent_model_loaded",
-                                         {"model": "b", "revision": "r1"}) == 0
-        await collect(await c.generate("b", prompt="x", max_tokens=2))
+        assert info.revision == "r2" and [m.revision for m in c.models()] == ["r1", "r2"]
+        assert c.model_info("b") is info and c.is_loaded("b", "r1")
+        for rev in ("r1", "r2"):
+            assert registry.get_sample_value("mlxfleet_agent_model_loaded",
+                                             {"model": "b", "revision": rev}) == 1
+        g = await c.generate("b", prompt="x", max_tokens=2)
+        await collect(g)
+        assert g.revision == "r2"                    # no revision named: the newest
+        await c.unload_model("b")                    # no revision named: all of them
+        assert c.models() == [] and not c.is_loaded("b")
     finally:
         await c.close()
         await c.close()  # idempotent
@@ -281,8 +347,8 @@ async def test_detokenizer_error_fails_only_that_request(tiny_model_path: Path) 
                                                               temperature=0)), BOUND)
         other = await c.generate("b", prompt="Hi", max_tokens=6, temperature=0)
         # on the MLX thread, like every other touch of model state
-        await c._call(lambda: setattr(c._models["a"], "tokenizer",
-                                      _BrokenOnce(c._models["a"].tokenizer)))
+        res = c._engine.registry.get(("a", "r1"))
+        await c._call(lambda: setattr(res, "tokenizer", _BrokenOnce(res.tokenizer)))
         bad = await c.generate("a", prompt="Hello", max_tokens=5, temperature=0)
         with pytest.raises(GenerationAborted, match="outside the tokenizer's vocabulary"):
             await asyncio.wait_for(collect(bad), BOUND)
@@ -291,6 +357,7 @@ async def test_detokenizer_error_fails_only_that_request(tiny_model_path: Path) 
         assert await asyncio.wait_for(collect(good), BOUND) is not None
         assert good.finish_reason == "length" and good.completion_tokens == 5
         assert c.healthy and c.failure is None and c.is_loaded("a")
+        assert c.crashes("a", "r1") == 0             # one request failed, the batch went on
         await wait_for(lambda: c.inflight_requests() == 0 and c.active_sequences() == 0)
     finally:
         await c.close()
@@ -307,7 +374,8 @@ async def test_generator_error_resets_that_model_only(tiny_model_path: Path) -> 
 
         def broken_remove(uids, return_prompt_caches=False):
             raise RuntimeError("injected remove failure")
-        await c._call(lambda: setattr(c._models["a"].generator, "remove", broken_remove))
+        res = c._engine.registry.get(("a", "r1"))
+        await c._call(lambda: setattr(res.generator, "remove", broken_remove))
         first.cancel()                               # -> generator.remove raises on the thread
         with pytest.raises(GenerationAborted, match="injected remove failure"):
             await asyncio.wait_for(collect(second), BOUND)
@@ -318,6 +386,7 @@ async def test_generator_error_resets_that_model_only(tiny_model_path: Path) -> 
         await asyncio.wait_for(collect(again), BOUND)  # a fresh generator serves a again
         assert again.finish_reason == "length"
         assert c.healthy and c.is_loaded("a") and c.is_loaded("b")
+        assert (c.crashes("a", "r1"), c.crashes("b", "r1")) == (1, 0)   # a's batch was reset
         await wait_for(lambda: c.inflight_requests() == 0 and c.active_sequences() == 0)
     finally:
         await c.close()
@@ -336,7 +405,7 @@ async def test_fatal_thread_error_fails_everything_at_once(tiny_model_path: Path
 
         def fatal(loaded) -> None:
             raise _Fatal("the MLX thread is gone")
-        c._t_step = fatal                            # type: ignore[method-assign]
+        c._engine.step = fatal                       # type: ignore[method-assign]
         with pytest.raises(GenerationAborted, match="the MLX thread is gone"):
             await asyncio.wait_for(collect(running), BOUND)
         assert not c.healthy and "the MLX thread is gone" in (c.failure or "")
@@ -347,6 +416,9 @@ async def test_fatal_thread_error_fails_everything_at_once(tiny_model_path: Path
         assert exc.value.reason == "CoreFailed"
         await wait_for(lambda: not c.models())
         assert not c.is_loaded("a") and c.inflight_requests() == 0
+        # the failure hit every resident revision; their memory is gone
+        assert (c.crashes("a", "r1"), c.crashes("b", "r1")) == (1, 1)
+        assert c.memory_bytes("a", "r1") == 0
     finally:
         await asyncio.wait_for(c.close(), BOUND)
     assert not c.healthy
@@ -393,10 +465,20 @@ async def test_failed_replacement_leaves_no_stale_model(tiny_model_path: Path, t
         broken = tmp_path / "broken"
         broken.mkdir()
         (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        # a new revision that fails to load leaves the loaded one serving
         with pytest.raises(ModelLoadError) as exc:
             await c.load_model("m", broken, revision="r2")
         assert exc.value.reason == "LoadFailed"
-        # the old revision was dropped to make room; nothing may still claim it is served
+        assert c.is_loaded("m", "r1") and not c.is_loaded("m", "r2")
+        assert [m.revision for m in c.revisions("m")] == ["r1"]
+        assert registry.get_sample_value("mlxfleet_agent_model_loaded",
+                                         {"model": "m", "revision": "r2"}) in (None, 0)
+        await collect(await c.generate("m", prompt="x", max_tokens=2))
+        # the same revision from another path replaces it: the old copy was dropped to make
+        # room, so after the failure nothing may still claim that revision is served
+        with pytest.raises(ModelLoadError) as exc:
+            await c.load_model("m", broken, revision="r1")
+        assert exc.value.reason == "LoadFailed"
         assert not c.is_loaded("m") and [m.model_id for m in c.models()] == ["keep"]
         for rev in ("r1", "r2"):
             assert registry.get_sample_value("mlxfleet_agent_model_loaded",
@@ -466,7 +548,7 @@ async def test_unloading_one_model_keeps_the_wired_limit_of_the_others(
         assert state["limit"] == "recommended"
         await c.unload_model("a")
         assert state["limit"] == "recommended"        # b is still loaded
-        await c.load_model("b", tiny_model_path, revision="r2")   # replace: still wired
+        await c.load_model("b", tiny_model_path, revision="r2")   # a second revision
         assert state["limit"] == "recommended"
         await c.unload_model("b")
         assert state["limit"] == "original"           # nothing loaded: restored
@@ -475,3 +557,188 @@ async def test_unloading_one_model_keeps_the_wired_limit_of_the_others(
     finally:
         await c.close()
     assert state["limit"] == "original"
+
+
+# -- several revisions of one model -----------------------------------------------------------
+
+async def _revisions(old: Path, new: Path, **limits) -> ServingCore:
+    """A core with revision "old" (``old``'s weights) and then "new" of model "m" loaded."""
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    await c.load_model("m", old, revision="old", max_context_tokens=8192, **limits)
+    await c.load_model("m", new, revision="new", max_context_tokens=8192, **limits)
+    return c
+
+
+async def test_two_revisions_are_resident_and_served_independently(
+        tiny_model_path: Path, other_model_path: Path) -> None:  # noqa: F811
+    c = await _revisions(tiny_model_path, other_model_path)
+    try:
+        assert [(i.model_id, i.revision) for i in c.models()] == [("m", "old"), ("m", "new")]
+        assert [i.revision for i in c.revisions("m")] == ["old", "new"]
+        assert c.revisions("other") == []
+        assert c.model_info("m").revision == "new"          # the most recently loaded
+        assert c.model_info("m", "old").path == str(tiny_model_path)
+        assert c.is_loaded("m", "old") and c.is_loaded("m", "new") and c.is_loaded("m")
+        assert not c.is_loaded("m", "r9")
+        with pytest.raises(ModelNotLoaded) as exc:
+            await c.generate("m", revision="r9", prompt="x", max_tokens=1)
+        assert (exc.value.model_id, exc.value.revision) == ("m", "r9")
+
+        async def run(revision: str | None) -> tuple[str, str]:
+            g = await c.generate("m", revision=revision, prompt="Hello there", max_tokens=12,
+                                 temperature=0)
+            return g.revision, await collect(g)
+        # alone, then both at once in their own batches: each revision gives its own text
+        alone = {rev: await run(rev) for rev in ("old", "new")}
+        together = await asyncio.gather(run("old"), run("new"), run(None))
+        assert alone["old"][1] != alone["new"][1]          # other weights, other text
+        assert together == [alone["old"], alone["new"], alone["new"]]
+        for rev in ("old", "new"):
+            assert sample(c, "mlxfleet_agent_generated_tokens_total", model="m",
+                          revision=rev) == 12 * (2 if rev == "old" else 3)
+            assert sample(c, "mlxfleet_agent_model_loaded", model="m", revision=rev) == 1
+            assert c.crashes("m", rev) == 0
+    finally:
+        await c.close()
+
+
+async def test_unloading_one_revision_leaves_the_other_serving(
+        tiny_model_path: Path, other_model_path: Path) -> None:  # noqa: F811
+    c = await _revisions(tiny_model_path, other_model_path)
+    try:
+        ref = await collect(await c.generate("m", revision="old", prompt="Kept", max_tokens=16,
+                                             temperature=0))
+        kept = await c.generate("m", revision="old", prompt="Kept", max_tokens=16, temperature=0)
+        first = await kept.__anext__()
+        doomed = await c.generate("m", revision="new", prompt="Gone", max_tokens=LONG,
+                                  temperature=0)
+        await doomed.__anext__()
+        await c.unload_model("m", "new")
+        with pytest.raises(GenerationAborted):
+            await collect(doomed)
+        assert first.text + await collect(kept) == ref     # the other revision never noticed
+        assert [i.revision for i in c.models()] == ["old"]
+        assert c.model_info("m").revision == "old" and not c.is_loaded("m", "new")
+        # only the unloaded revision's series went to 0
+        assert sample(c, "mlxfleet_agent_model_loaded", model="m", revision="new") == 0
+        assert sample(c, "mlxfleet_agent_model_loaded", model="m", revision="old") == 1
+        assert sample(c, "mlxfleet_agent_batch_occupancy", model="m", revision="new") == 0
+        assert c.memory_bytes("m", "new") == 0 and c.memory_bytes("m", "old") > 0
+        g = await c.generate("m", prompt="Still here", max_tokens=3, temperature=0)
+        await collect(g)
+        assert (g.revision, g.finish_reason) == ("old", "length")
+        await c.unload_model("m", "new")                    # not loaded: a no-op
+        assert c.is_loaded("m", "old")
+    finally:
+        await c.close()
+
+
+async def test_drain_lets_running_and_queued_requests_finish(
+        tiny_model_path: Path, other_model_path: Path) -> None:  # noqa: F811
+    # one sequence at a time, so that one request runs and one waits while the drain starts
+    c = await _revisions(tiny_model_path, other_model_path, max_concurrent_sequences=1)
+    try:
+        ref = await collect(await c.generate("m", revision="old", prompt="Drain me",
+                                             max_tokens=24, temperature=0))
+        running = await c.generate("m", revision="old", prompt="Drain me", max_tokens=24,
+                                   temperature=0)
+        queued = await c.generate("m", revision="old", prompt="Drain me", max_tokens=24,
+                                  temperature=0)
+        first = await running.__anext__()
+        assert c.queued_requests("m", "old") == 1
+
+        unload = asyncio.create_task(c.unload_model("m", "old", drain_seconds=BOUND))
+        await wait_for(lambda: not c.is_loaded("m", "old"))
+        # draining: still resident, but admits nothing; unnamed requests go to "new"
+        assert [i.revision for i in c.revisions("m")] == ["old", "new"]
+        with pytest.raises(ModelNotLoaded):
+            await c.generate("m", revision="old", prompt="late", max_tokens=1)
+        with pytest.raises(ModelNotLoaded):
+            c.model_info("m", "old")
+        elsewhere = await c.generate("m", prompt="late", max_tokens=2, temperature=0)
+        await collect(elsewhere)
+        assert elsewhere.revision == "new"
+
+        assert first.text + await collect(running) == ref
+        assert running.finish_reason == "length" and running.completion_tokens == 24
+        assert not unload.done()                             # the queued one is still going
+        assert await collect(queued) == ref and queued.finish_reason == "length"
+        await asyncio.wait_for(unload, BOUND)                # returns once both are done
+        assert [i.revision for i in c.models()] == ["new"]
+        assert sample(c, "mlxfleet_agent_model_loaded", model="m", revision="old") == 0
+        assert c.inflight_requests("m") == 0 and c.memory_bytes("m", "old") == 0
+
+        # nothing in flight: the drain ends at once
+        await asyncio.wait_for(c.unload_model("m", "new", drain_seconds=BOUND), BOUND / 2)
+        assert c.models() == []
+    finally:
+        await c.close()
+
+
+async def test_drain_timeout_aborts_what_is_left(tiny_model_path: Path) -> None:  # noqa: F811
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    try:
+        await c.load_model("m", tiny_model_path, revision="r1", max_concurrent_sequences=1,
+                           max_context_tokens=8192)
+        running = await c.generate("m", prompt="Endless", max_tokens=8000, temperature=0)
+        queued = await c.generate("m", prompt="Waiting", max_tokens=8000, temperature=0)
+        await running.__anext__()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(c.unload_model("m", drain_seconds=0.3), BOUND)
+        assert loop.time() - t0 >= 0.29                       # it waited for the drain
+        for g in (running, queued):
+            with pytest.raises(GenerationAborted):
+                await asyncio.wait_for(collect(g), BOUND)
+        assert not c.models() and c.inflight_requests() == 0
+    finally:
+        await c.close()
+
+
+async def test_reloading_a_draining_revision_calls_the_drain_off(
+        tiny_model_path: Path) -> None:  # noqa: F811
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    try:
+        info = await c.load_model("m", tiny_model_path, revision="r1", max_context_tokens=8192)
+        running = await c.generate("m", prompt="Stay", max_tokens=8000, temperature=0)
+        await running.__anext__()
+        unload = asyncio.create_task(c.unload_model("m", "r1", drain_seconds=BOUND))
+        await wait_for(lambda: not c.is_loaded("m", "r1"))
+        assert await c.load_model("m", tiny_model_path, revision="r1",
+                                  max_context_tokens=8192) is info
+        await asyncio.wait_for(unload, BOUND)                 # called off: returns at once
+        assert c.is_loaded("m", "r1")
+        await running.__anext__()                             # never aborted
+        assert running.finish_reason is None
+
+        # a drain whose caller is cancelled also leaves the revision serving
+        unload = asyncio.create_task(c.unload_model("m", "r1", drain_seconds=BOUND))
+        await wait_for(lambda: not c.is_loaded("m", "r1"))
+        unload.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unload
+        assert c.is_loaded("m", "r1")
+        await running.__anext__()
+        running.cancel()
+    finally:
+        await c.close()
+
+
+async def test_memory_bytes_counts_weights_and_prompt_cache(tiny_model_path: Path) -> None:  # noqa: F811
+    c = ServingCore(registry=CollectorRegistry())
+    await c.start()
+    try:
+        assert c.memory_bytes("m", "r1") == 0                 # not loaded
+        await c.load_model("m", tiny_model_path, revision="r1")
+        weights = safetensors_bytes(tiny_model_path)
+        assert c.memory_bytes("m", "r1") == weights           # nothing cached yet
+        await collect(await c.generate("m", prompt="Cache this prompt", max_tokens=8,
+                                       temperature=0))
+        assert c.memory_bytes("m", "r1") > weights            # + the finished prompt's KV cache
+        await c.unload_model("m", "r1")
+        assert c.memory_bytes("m", "r1") == 0
+    finally:
+        await c.close()

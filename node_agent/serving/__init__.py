@@ -1,0 +1,20 @@
+"""The node agent's MLX serving core (see :mod:`node_agent.serving.core` for how it works).
+
+Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Chunk),
+:mod:`.generation` (a request and its streaming handle), :mod:`.admission` (queue limits, pure),
+:mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers),
+:mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's
+work on them), :mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`:
+asyncio API, command channel, step loop).
+"""
+
+from .core import ServingCore
+from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
+                     ModelNotLoaded, Overloaded)
+from .generation import Generation
+from .types import Chunk, ModelInfo
+
+__all__ = [
+    "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
+    "GenerationAborted", "ModelInfo", "Chunk", "Generation", "ServingCore",
+]

@@ -1,0 +1,598 @@
+"""The node agent's MLX serving core.
+
+One dedicated thread owns MLX: every ``mlx`` / ``mlx_lm`` call (load, prefill, decode, cache
+clean-up) happens on it. The asyncio side talks to it through a ``queue.Queue`` of commands;
+results come back with ``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue``. What
+the thread does to a revision is :class:`~node_agent.serving.engine.Engine`; this module is the
+asyncio API, the command channel and the thread's step loop.
+
+Identity: a loaded model is a *revision* ``(model_id, revision)``. Several revisions of one model
+id can be resident at once (a rolling update's surge, a canary's stable and candidate); each has
+its own weights, BatchGenerator, prompt cache, limits, metrics series (labelled
+``model, revision``) and crash count. A request names a model id and optionally a revision;
+without one it goes to the only revision, or if several, to the most recently loaded one that
+still admits requests. Unloading a revision can *drain* it first: it stops admitting requests,
+its running and queued requests finish, then it is unloaded (see
+:meth:`ServingCore.unload_model`).
+
+Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per loaded
+revision): a request admitted while others decode is inserted into the running generator and
+joins the batch at its next step. Prompt prefixes are reused through mlx-lm's
+:class:`mlx_lm.models.cache.LRUPromptCache` (one per revision). Sampling per request is mlx-lm's
+``make_sampler`` (temperature, top_p); samplers are shared between requests with equal
+parameters (an LRU of the last 64; every greedy request shares one), because mlx-lm (0.32,
+``BatchGenerator``'s step in ``mlx_lm/generate.py``) samples the batch in one call only when
+*every* sequence in it holds the very same sampler object (an ``is`` check). As soon as one
+sequence differs (a seeded request, which always gets a sampler of its own, see
+:meth:`ServingCore.generate`; a request with a different temperature or top_p; a greedy request
+next to a sampling one) *every* row of the batch is sampled separately, one sampler call per
+sequence followed by a concatenate, at every decode step for as long as that sequence is in the
+batch. So one seeded or differently-parameterised request makes sampling slower for the whole
+batch (its cost grows with the batch size instead of staying one call), not just for itself;
+the forward pass is still batched.
+
+Admission (:mod:`node_agent.serving.admission`): at most ``max_concurrent_sequences`` sequences
+of a revision are inside its BatchGenerator; further requests wait in the core (FIFO). When the
+waiting requests of all revisions would exceed ``max_queued_requests``, :class:`Overloaded` is
+raised at once.
+
+Failures on the MLX thread are contained as narrowly as possible: an error while post-processing
+one request's token (detokenizer, stop strings) aborts that request; any other error in a
+revision's step or command (``BatchGenerator.next``/``remove``/``insert`` ...) aborts that
+revision's running sequences and gives it a fresh BatchGenerator (waiting requests stay queued;
+other revisions are untouched; :meth:`ServingCore.crashes` counts it). Only an error outside
+every per-revision guard (a ``BaseException`` that is not an ``Exception``, or a failure of the
+loop itself) ends the thread: the core is then *failed* (:attr:`ServingCore.healthy` is False,
+:attr:`ServingCore.failure` says why), every running or waiting call fails at once and later
+calls fail immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from ..metrics import AgentMetrics
+from .admission import admit
+from .engine import Engine, Events
+from .errors import GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
+from .generation import Generation, Request
+from .types import ModelInfo, ModelKey
+from .worker import run_on_worker
+
+__all__ = ["ServingCore"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class _Drain:
+    """A revision that admits no new requests while its in-flight ones finish. ``done`` is set
+    when its in-flight count reaches 0, or when the drain is called off (``cancelled``: the
+    revision was loaded or unloaded by another call meanwhile)."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.cancelled = False
+
+
+class ServingCore:
+    """Loads MLX models and generates with continuous batching on one MLX-owning thread.
+
+    All coroutine methods must be awaited on the event loop that called :meth:`start`.
+    """
+
+    def __init__(self, *, registry: CollectorRegistry | None = None,
+                 max_queued_requests: int = 64) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = AgentMetrics(self.registry)
+        self.max_queued_requests = max_queued_requests
+        self._cmds: queue.Queue = queue.Queue()
+        self._started = False
+        self._finished = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # loop side: the loaded revisions in load order, requests in flight, draining revisions
+        self._infos: dict[ModelKey, ModelInfo] = {}
+        self._inflight: dict[ModelKey, int] = {}
+        self._drains: dict[ModelKey, _Drain] = {}
+        self._closed = False
+        self._failure: str | None = None
+        # _dead: the MLX thread no longer reads _cmds. Set and read under _cmd_lock so that no
+        # call is queued after the thread's final drain (it would wait forever).
+        self._cmd_lock = threading.Lock()
+        self._dead = False
+        # thread side (its Stats are plain ints, read here)
+        self._engine = Engine(self.metrics, self._send, self._forget_threadsafe)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the MLX thread (idempotent)."""
+        if self._started:
+            return
+        if self._closed:
+            raise RuntimeError("ServingCore is closed")
+        self._loop = asyncio.get_running_loop()
+        self._started = True
+        run_on_worker(self._run_and_signal)
+
+    async def close(self) -> None:
+        """Abort running generations, drop all models and stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._started:
+            return
+        self._cmds.put(_STOP)
+        await asyncio.to_thread(self._finished.wait)
+        self._drop_all()
+
+    @property
+    def healthy(self) -> bool:
+        """True while the core is started, not closed and its MLX thread has not failed.
+
+        Errors confined to one request or one revision (see the module docstring) do not make
+        the core unhealthy; they are reported to the affected requests."""
+        return self._started and not self._closed and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the MLX thread failed (``"<ExceptionType>: <message>"``), or ``None`` while it has
+        not (also after a clean :meth:`close`). Once set it never clears: make a new core."""
+        return self._failure
+
+    def _failed_message(self) -> str:
+        return f"the serving core failed: {self._failure}"
+
+    # -- models --------------------------------------------------------------------------------
+    async def load_model(self, model_id: str, path: str | os.PathLike, *, revision: str,
+                         max_concurrent_sequences: int = 8,
+                         max_context_tokens: int = 4096) -> ModelInfo:
+        """Load ``path`` (a local mlx-lm model directory) as revision ``revision`` of
+        ``model_id`` with ``mlx_lm.load``.
+
+        A revision that is not loaded is added *next to* the other revisions of ``model_id``
+        (they keep serving; requests that name no revision go to the newest). Re-loading the
+        same id, revision, path and limits is a no-op returning the existing info. The same id,
+        revision and path with other limits applies the new limits without reloading the
+        weights and returns the updated info (same ``created_unix``): requests admitted from
+        then on get the new ``max_context_tokens``, and at most the new
+        ``max_concurrent_sequences`` sequences run (running ones are never aborted; when the
+        limit shrinks, new sequences start only once the batch has drained below it). The same
+        id and revision from another path replaces that revision: the old one is aborted (its
+        running requests fail with :class:`GenerationAborted`) and unloaded *before* the new one
+        loads, so if that load fails the revision is no longer loaded at all. Loading a
+        revision that is draining calls the drain off (it admits requests again and the pending
+        :meth:`unload_model` leaves it loaded).
+        Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
+        ``config.json``, ``LoadFailed`` for any error while loading, ``NotStarted``).
+        """
+        if self._failure is not None:
+            raise ModelLoadError("CoreFailed", self._failed_message())
+        if not self._started or self._closed:
+            raise ModelLoadError("NotStarted", "the serving core is not running")
+        if max_concurrent_sequences < 1 or max_context_tokens < 2:
+            raise ValueError("max_concurrent_sequences must be >= 1, max_context_tokens >= 2")
+        spath = str(Path(path))
+        key = (model_id, revision)
+        existing = self._infos.get(key)
+        if existing is not None and existing.path == spath:
+            self._end_drain(key)
+            if (existing.max_concurrent_sequences, existing.max_context_tokens) == (
+                    max_concurrent_sequences, max_context_tokens):
+                return existing
+            info = dataclasses.replace(existing, max_concurrent_sequences=max_concurrent_sequences,
+                                       max_context_tokens=max_context_tokens)
+            try:
+                await self._call(self._engine.set_limits, info)
+            except GenerationAborted as e:
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     str(e)) from e
+            if self._infos.get(key) is existing:
+                self._infos[key] = info
+            return info
+        if not (Path(spath) / "config.json").is_file():
+            raise ModelLoadError("ModelNotFound", f"no model (config.json) at {spath}")
+        info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
+                         max_context_tokens)
+        self._end_drain(key)
+        try:
+            await self._call(self._engine.load, info)
+        except BaseException as e:
+            # the engine drops a resident copy of this revision before loading (so that both
+            # never need memory at once): after a failure it is not loaded any more
+            if existing is not None and self._infos.get(key) is existing:
+                self._drop(key)
+            if isinstance(e, GenerationAborted):  # the thread failed or the core closed
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     str(e)) from e
+            raise
+        self._infos.pop(key, None)
+        self._infos[key] = info            # last in load order: the newest revision
+        self.metrics.model_loaded.labels(*key).set(1)
+        return info
+
+    async def unload_model(self, model_id: str, revision: str | None = None, *,
+                           drain_seconds: float = 0) -> None:
+        """Unload revision ``revision`` of ``model_id`` (``None``: every revision of it) and
+        return its memory; what is not loaded is a no-op.
+
+        With ``drain_seconds`` > 0 each revision first stops admitting requests (:meth:`generate`
+        raises :class:`ModelNotLoaded` for it, requests naming no revision go to another one),
+        and the call waits up to ``drain_seconds`` for its running and queued requests to finish
+        in full; whatever is still running after that is aborted (:class:`GenerationAborted`).
+        Without a drain, running requests are aborted at once. A drain is called off for a
+        revision that is loaded again meanwhile (it stays loaded). If this call is cancelled
+        while it waits, the revisions it started draining admit requests again.
+        """
+        keys = [k for k in self._infos
+                if k[0] == model_id and (revision is None or k[1] == revision)]
+        if not keys:
+            return
+        if drain_seconds > 0 and self.healthy:
+            drains = await self._drain(keys, drain_seconds)
+            keys = [k for k, d in drains if not d.cancelled]
+            for k, d in drains:
+                if self._drains.get(k) is d:
+                    del self._drains[k]
+        dropped = [k for k in keys if self._drop(k)]
+        if self._started and not self._closed:
+            for k in dropped:
+                await self._call(self._engine.unload, k)
+
+    async def _drain(self, keys: list[ModelKey], seconds: float) -> list[tuple[ModelKey, _Drain]]:
+        """Stop admitting to ``keys`` and wait (up to ``seconds``) until none has a request in
+        flight; returns each key's drain."""
+        drains: list[tuple[ModelKey, _Drain]] = []
+        mine: list[tuple[ModelKey, _Drain]] = []
+        for k in keys:
+            d = self._drains.get(k)
+            if d is None:
+                d = self._drains[k] = _Drain()
+                mine.append((k, d))
+                if not self._inflight.get(k):
+                    d.done.set()
+            drains.append((k, d))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(d.done.wait() for _, d in drains)), seconds)
+        except asyncio.TimeoutError:
+            log.warning("draining %s timed out after %gs; aborting what is left",
+                        ", ".join(f"{m}@{r}" for m, r in keys), seconds)
+        except asyncio.CancelledError:
+            for k, d in mine:
+                if self._drains.get(k) is d:
+                    self._end_drain(k)
+            raise
+        return drains
+
+    def _end_drain(self, key: ModelKey) -> None:
+        """Call off ``key``'s drain, if any: it admits requests again."""
+        d = self._drains.pop(key, None)
+        if d is not None:
+            d.cancelled = True
+            d.done.set()
+
+    def _drop(self, key: ModelKey) -> bool:
+        """Loop side: ``key`` is no longer served. False when it was not loaded."""
+        self._end_drain(key)
+        info = self._infos.pop(key, None)
+        if info is None:
+            return False
+        self.metrics.model_loaded.labels(*key).set(0)
+        return True
+
+    def _drop_all(self) -> None:
+        for key in list(self._infos):
+            self._drop(key)
+
+    def models(self) -> list[ModelInfo]:
+        """Every resident revision (draining ones included), in load order."""
+        return list(self._infos.values())
+
+    def revisions(self, model_id: str) -> list[ModelInfo]:
+        """The resident revisions of ``model_id`` (draining ones included), in load order."""
+        return [i for k, i in self._infos.items() if k[0] == model_id]
+
+    def _serving(self, model_id: str, revision: str | None) -> ModelInfo | None:
+        """The revision a request for ``(model_id, revision)`` goes to: that one if it is loaded
+        and not draining; with ``revision`` None, the most recently loaded such revision."""
+        if revision is not None:
+            key = (model_id, revision)
+            return None if key in self._drains else self._infos.get(key)
+        for key in reversed(self._infos):
+            if key[0] == model_id and key not in self._drains:
+                return self._infos[key]
+        return None
+
+    def is_loaded(self, model_id: str, revision: str | None = None) -> bool:
+        """True when the core can serve ``model_id`` (that ``revision`` of it, if given): loaded,
+        not draining, and the core has not failed."""
+        return self._failure is None and self._serving(model_id, revision) is not None
+
+    def model_info(self, model_id: str, revision: str | None = None) -> ModelInfo:
+        """The revision :meth:`generate` would use for these arguments. Raises
+        :class:`ModelNotLoaded` (also for a draining revision)."""
+        info = self._serving(model_id, revision)
+        if info is None:
+            raise ModelNotLoaded(model_id, revision)
+        return info
+
+    # -- observability -------------------------------------------------------------------------
+    def _stat(self, attr: str, model_id: str | None, revision: str | None) -> list[int]:
+        return [getattr(s, attr) for k, s in list(self._engine.registry.stats.items())
+                if (model_id is None or k[0] == model_id)
+                and (revision is None or k[1] == revision)]
+
+    def active_sequences(self, model_id: str | None = None, revision: str | None = None) -> int:
+        """Sequences inside the BatchGenerator(s) (prefill or decode) right now, of every
+        revision of ``model_id`` (every model when None) or of that ``revision``."""
+        return sum(self._stat("active", model_id, revision))
+
+    def queued_requests(self, model_id: str | None = None, revision: str | None = None) -> int:
+        """Admitted requests waiting for a batch slot right now (filtered as
+        :meth:`active_sequences`)."""
+        return sum(self._stat("queued", model_id, revision))
+
+    def peak_active_sequences(self, model_id: str, revision: str | None = None) -> int:
+        """The largest batch occupancy seen for the revision since it was loaded or its limits
+        last changed (``revision`` None: the largest over ``model_id``'s revisions)."""
+        return max(self._stat("peak_active", model_id, revision), default=0)
+
+    def inflight_requests(self, model_id: str | None = None, revision: str | None = None) -> int:
+        """Admitted requests not yet finished (waiting + running), counted on the loop side."""
+        return sum(n for k, n in self._inflight.items()
+                   if (model_id is None or k[0] == model_id)
+                   and (revision is None or k[1] == revision))
+
+    def crashes(self, model_id: str, revision: str) -> int:
+        """How many times the revision's batch was reset after an MLX error, plus core failures
+        while it was loaded, since it was (last) loaded. Kept after an unload until the revision
+        is loaded again; 0 for a revision never loaded. Reads plain ints: no MLX call."""
+        s = self._engine.registry.stats.get((model_id, revision))
+        return s.crashes if s is not None else 0
+
+    def memory_bytes(self, model_id: str, revision: str) -> int:
+        """An estimate of the revision's resident bytes: its parameters (summed once at load)
+        plus its prompt cache's entries; 0 when it is not loaded. Reads plain ints: no MLX
+        call."""
+        s = self._engine.registry.stats.get((model_id, revision))
+        return s.memory_bytes if s is not None else 0
+
+    # -- generation ----------------------------------------------------------------------------
+    async def generate(self, model_id: str, *, revision: str | None = None,
+                       prompt: str | None = None,
+                       messages: list[dict] | None = None, max_tokens: int | None = None,
+                       temperature: float = 1.0, top_p: float = 1.0,
+                       stop: str | Sequence[str] | None = None,
+                       seed: int | None = None) -> Generation:
+        """Admit one generation and return it for iteration.
+
+        ``revision``: the revision of ``model_id`` to use; ``None``: the only loaded one, or if
+        several, the most recently loaded one that is not draining. Exactly one of ``prompt``
+        (raw text, tokenized as is) or ``messages`` (OpenAI chat messages ``[{"role",
+        "content"}]``, rendered with the tokenizer's chat template plus a generation prompt)
+        must be given. ``max_tokens``: completion limit in tokens (default: the rest of the
+        context). ``temperature`` 0 is greedy; ``top_p`` in (0, 1] (1 = off). ``stop``: up to 4
+        strings; generation ends before the first occurrence in the decoded text
+        (finish_reason ``"stop"``), as it does on the tokenizer's EOS.
+
+        ``seed`` (any int; ignored when ``temperature`` is 0): the request samples from its own
+        random keys derived from ``seed`` and the token position, never from MLX's global random
+        state, so it neither perturbs nor is perturbed by other requests' sampling. The same
+        seed, prompt and parameters give the same tokens as long as the model's logits are
+        bit-identical; they can differ in the last bits when the request shares the batch with
+        different other sequences, so reproducibility is best-effort (as with OpenAI's ``seed``).
+        A seeded request has a sampler of its own, so while it is in the batch mlx-lm samples
+        *every* sequence of the batch separately (one call per row instead of one for the batch;
+        see the module doc): it slows sampling for the whole batch, not only for itself.
+
+        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`Overloaded`,
+        :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, ``ValueError`` for bad
+        arguments, :class:`GenerationAborted` when the core is not running or has failed (see
+        :attr:`failure`).
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if self._failure is not None:
+            raise GenerationAborted(self._failed_message())
+        if self._closed or not self._started:
+            raise GenerationAborted("the serving core is not running")
+        info = self.model_info(model_id, revision)
+        self._admit(info)
+        loop = asyncio.get_running_loop()
+        req = Request(info.key, prompt, messages, max_tokens, float(temperature), float(top_p),
+                      stops, seed, asyncio.Queue(), loop)
+        try:
+            prompt_tokens, limit = await self._call(self._engine.submit, req)
+        except BaseException:
+            self._cancel(req)
+            raise
+        return Generation(self._cancel, req, prompt_tokens, limit)
+
+    def _admit(self, info: ModelInfo) -> None:
+        limits = {k: i.max_concurrent_sequences for k, i in self._infos.items()}
+        refused = admit(info.key, self._inflight, limits, self.max_queued_requests)
+        if refused is not None:
+            raise Overloaded(f"{refused.waiting} requests are already waiting (limit "
+                             f"{self.max_queued_requests})",
+                             retry_after_seconds=refused.retry_after_seconds)
+        self._inflight[info.key] = self._inflight.get(info.key, 0) + 1
+
+    def _release(self, req: Request) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        n = self._inflight.get(req.key, 0) - 1
+        if n > 0:
+            self._inflight[req.key] = n
+            return
+        self._inflight.pop(req.key, None)
+        drain = self._drains.get(req.key)
+        if drain is not None:
+            drain.done.set()
+
+    def _cancel(self, req: Request) -> None:
+        if req.finished:
+            return
+        self._release(req)
+        if not self._closed:
+            self._cmds.put(("cancel", req))
+
+    def _deliver(self, events: Events) -> None:
+        for req, item in events:
+            if req.finished:
+                continue
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                self._release(req)
+            req.out.put_nowait(item)
+
+    # -- the command channel -------------------------------------------------------------------
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the MLX thread and return its result (or raise its error).
+        Raises :class:`GenerationAborted` when the thread has ended (closed or failed)."""
+        assert self._loop is not None
+        fut = self._loop.create_future()
+        with self._cmd_lock:
+            if self._dead:
+                raise GenerationAborted(self._failed_message() if self._failure
+                                        else "the serving core closed")
+            self._cmds.put(("call", fn, args, fut))
+        return await fut
+
+    def _on_thread_exit(self) -> None:
+        """Loop side, after the MLX thread ended: a failed core serves no model any more."""
+        if self._failure is None:
+            return
+        self._drop_all()
+
+    def _forget(self, info: ModelInfo) -> None:
+        """Loop side: the thread dropped ``info``'s revision on its own (it could not recover)."""
+        if self._infos.get(info.key) is info:
+            self._drop(info.key)
+
+    def _forget_threadsafe(self, info: ModelInfo) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._forget, info)
+        except RuntimeError:  # loop closed
+            pass
+
+    def _resolve(self, fut: asyncio.Future, result: Any = None,
+                 error: BaseException | None = None) -> None:
+        def done() -> None:
+            if fut.cancelled():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(done)
+        except RuntimeError:  # loop closed
+            pass
+
+    def _send(self, events: Events) -> None:
+        if not events:
+            return
+        try:
+            events[0][0].loop.call_soon_threadsafe(self._deliver, events)
+        except RuntimeError:
+            pass
+
+    # -- the MLX thread ------------------------------------------------------------------------
+    def _run_and_signal(self) -> None:
+        try:
+            try:
+                self._run()
+            except BaseException as e:  # noqa: BLE001 - outside every guard: the core fails
+                self._failure = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                log.critical("the MLX serving thread failed; the serving core is unusable",
+                             exc_info=True)
+            reason = self._failed_message() if self._failure else "the serving core closed"
+            self._engine.unload_all(reason, crashed=self._failure is not None)
+        finally:
+            self._t_exit()
+
+    def _t_exit(self) -> None:
+        """Last thing on the thread: fail every queued call, tell the loop, signal the end."""
+        try:
+            reason = self._failed_message() if self._failure else "the serving core closed"
+            with self._cmd_lock:
+                self._dead = True
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, tuple) and cmd[0] == "call":
+                    self._resolve(cmd[3], error=GenerationAborted(reason))
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._on_thread_exit)
+                except RuntimeError:  # loop closed
+                    pass
+        finally:
+            self._finished.set()
+
+    def _run(self) -> None:
+        """The step loop: run queued commands, then one batch step of every revision with work;
+        block on the command queue only while no revision has work."""
+        import mlx.core as mx
+
+        # Like mlx_lm.server: generate on this thread's default stream, so that model, caches
+        # and synchronisation all live on the one thread that owns MLX.
+        stream = mx.default_stream(mx.default_device())
+        self._engine.stream = stream
+        with mx.stream(stream):
+            while True:
+                try:
+                    cmd = self._cmds.get(block=not self._engine.has_work())
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    if cmd is _STOP:
+                        return
+                    self._t_command(cmd)
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                for res in self._engine.registry:
+                    if res.has_work():
+                        try:
+                            self._engine.step(res)
+                        except Exception as e:  # noqa: BLE001 - contained to this revision
+                            log.exception("generation step of %s@%s failed", *res.key)
+                            self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")
+
+    def _t_command(self, cmd: tuple) -> None:
+        if cmd[0] == "call":
+            _, fn, args, fut = cmd
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._resolve(fut, error=e)
+            else:
+                self._resolve(fut, result)
+        elif cmd[0] == "cancel":
+            req = cmd[1]
+            try:
+                self._engine.cancel(req)
+            except Exception as e:  # noqa: BLE001 - contained to the request's revision
+                log.exception("cancelling a request of %s@%s failed", *req.key)
+                res = self._engine.registry.get(req.key)
+                if res is not None:
+                    self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")

@@ -1,0 +1,345 @@
+"""What the MLX thread does to resident revisions: load, limits, unload, tokenize and queue a
+request, insert it into the revision's mlx-lm ``BatchGenerator``, run one batch step and turn its
+tokens into chunks, and reset a revision's batch after an error.
+
+Every method of :class:`Engine` runs on the MLX thread only (see :mod:`node_agent.serving.core`,
+which owns the thread, the command channel and the step loop). Results for requests go back to
+the event loop through the ``send`` callback as ``(request, Chunk | exception)`` events.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any, Callable
+
+from ..metrics import AgentMetrics
+from .detokenize import feed, next_text
+from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
+                     ModelNotLoaded)
+from .generation import Request
+from .registry import Registry, Resident, parameter_bytes
+from .sampling import SamplerCache
+from .types import Chunk, ModelInfo, ModelKey
+
+__all__ = ["Engine", "Events"]
+
+log = logging.getLogger(__name__)
+
+_PROMPT_CACHE_ENTRIES = 16
+_UNSET = object()
+
+#: Per-request results handed to the loop: a :class:`Chunk` or the exception that ends it.
+Events = list[tuple[Request, Any]]
+
+
+class Engine:
+    """The resident revisions and everything done to them on the MLX thread.
+
+    ``send(events)`` delivers per-request results to the loop; ``forget(info)`` tells the loop
+    that the thread dropped ``info``'s revision on its own (it could not recover from an error).
+    """
+
+    def __init__(self, metrics: AgentMetrics, send: Callable[[Events], None],
+                 forget: Callable[[ModelInfo], None]) -> None:
+        self.metrics = metrics
+        self.registry = Registry()
+        self.samplers = SamplerCache()
+        self.stream: Any = None        # the MLX thread's stream, set before the first load
+        self._send = send
+        self._forget = forget
+        # The wired-memory limit from before the first BatchGenerator raised it (see
+        # new_generator); _UNSET while no generator holds it.
+        self._wired_saved: Any = _UNSET
+
+    def has_work(self) -> bool:
+        return any(r.has_work() for r in self.registry)
+
+    # -- revisions -----------------------------------------------------------------------------
+    def load(self, info: ModelInfo) -> None:
+        """Load ``info``'s revision next to the others; one already resident under the same
+        ``(model_id, revision)`` is unloaded first."""
+        import mlx_lm
+        from mlx_lm.models.cache import LRUPromptCache
+
+        if self.registry.get(info.key) is not None:
+            self.unload(info.key, reason="the model was replaced")
+        t0 = time.perf_counter()
+        try:
+            model, tokenizer = mlx_lm.load(info.path)
+            weight_bytes = parameter_bytes(model)   # once: the weights never change
+        except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
+            raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        generator = self.new_generator(model, tokenizer, info)
+        self.metrics.model_load_seconds.labels(*info.key).observe(time.perf_counter() - t0)
+        stats = self.registry.new_stats(info.key, weight_bytes)
+        self.registry.add(Resident(info, model, tokenizer, generator,
+                                   LRUPromptCache(max_size=_PROMPT_CACHE_ENTRIES), stats))
+
+    def set_limits(self, info: ModelInfo) -> None:
+        """Apply ``info``'s limits to the resident revision of the same key without reloading."""
+        res = self.registry.get(info.key)
+        if res is None:
+            raise ModelNotLoaded(*info.key)
+        res.info = info
+        # BatchGenerator reads these public attributes at every step (as set by its __init__);
+        # the core's own cap in step() is what bounds the batch.
+        n = info.max_concurrent_sequences
+        res.generator.prefill_batch_size = min(8, n)
+        res.generator.completion_batch_size = max(n, res.generator.prefill_batch_size)
+        res.stats.peak_active = len(res.active)
+        self.update_gauges(res)
+
+    def unload(self, key: ModelKey, reason: str = "the model was unloaded") -> None:
+        """Abort the revision's requests with ``reason`` and drop it (never raises)."""
+        import mlx.core as mx
+
+        res = self.registry.pop(key)
+        if res is None:
+            return
+        events: Events = []
+        for req in list(res.pending) + list(res.active.values()):
+            req.done = True
+            events.append((req, GenerationAborted(reason)))
+        self._send(events)
+        res.pending.clear()
+        res.active.clear()
+        self.metrics.batch_occupancy.labels(*key).set(0)
+        self.metrics.queue_depth.labels(*key).set(0)
+        try:
+            if res.generator is not None:
+                res.generator.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the batch generator of %s@%s failed", *key)
+        del res
+        try:
+            gc.collect()
+            mx.clear_cache()
+        except Exception:  # noqa: BLE001 - memory is returned later at worst
+            log.exception("returning the memory of %s@%s failed", *key)
+        if not len(self.registry):
+            self._restore_wired_limit()
+
+    def unload_all(self, reason: str, *, crashed: bool = False) -> None:
+        """Unload every revision; ``crashed``: count it as a crash of each (a core failure)."""
+        for res in self.registry:
+            if crashed:
+                res.stats.crashes += 1
+            self.unload(res.key, reason=reason)
+
+    def reset(self, res: Resident, reason: str) -> None:
+        """After an error in ``res``'s generator: abort its running sequences with ``reason``,
+        replace the generator and prompt cache (their state is unknown) and count a crash.
+        Waiting requests stay queued. If even that fails, the revision is unloaded."""
+        from mlx_lm.models.cache import LRUPromptCache
+
+        res.stats.crashes += 1
+        events: Events = []
+        for req in res.active.values():
+            req.done = True
+            events.append((req, GenerationAborted(reason)))
+        res.active.clear()
+        self._send(events)
+        old, res.generator = res.generator, None
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the failed batch generator of %s@%s", *res.key)
+        del old
+        try:
+            res.generator = self.new_generator(res.model, res.tokenizer, res.info)
+            res.prompt_cache = LRUPromptCache(max_size=_PROMPT_CACHE_ENTRIES)
+        except Exception as e:  # noqa: BLE001
+            log.exception("recreating the batch generator of %s@%s failed; unloading it",
+                          *res.key)
+            self.unload(res.key,
+                        reason=f"{reason}; the model could not recover ({e}) and was unloaded")
+            self._forget(res.info)
+            return
+        self.update_gauges(res)
+
+    def new_generator(self, model: Any, tokenizer: Any, info: ModelInfo) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        generator = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+            completion_batch_size=info.max_concurrent_sequences,
+            prefill_batch_size=min(8, info.max_concurrent_sequences),
+            stream=self.stream,
+        )
+        # mlx-lm (0.32) raises the process-wide wired limit to the recommended size in
+        # BatchGenerator.__init__ and puts back the value *it* saw in close()/__del__. With one
+        # generator per revision that is wrong: closing A's generator would drop the limit while
+        # B still runs (and the last one closed may leave it raised). So the engine owns it:
+        # keep the value from before the first generator, restore it when the last one goes.
+        saved = getattr(generator, "_old_wired_limit", None)
+        if hasattr(generator, "_old_wired_limit"):
+            generator._old_wired_limit = None
+        if self._wired_saved is _UNSET:
+            self._wired_saved = saved
+        return generator
+
+    def _restore_wired_limit(self) -> None:
+        """Once nothing is loaded: put back the wired limit from before the first generator."""
+        import mlx.core as mx
+
+        saved, self._wired_saved = self._wired_saved, _UNSET
+        if saved is _UNSET or saved is None:
+            return
+        try:
+            mx.synchronize()
+            mx.set_wired_limit(saved)
+        except Exception:  # noqa: BLE001
+            log.exception("restoring the wired memory limit failed")
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, req: Request) -> tuple[int, int]:
+        """Tokenize ``req``, check its context limit and queue it; returns
+        ``(prompt tokens, max tokens)``."""
+        res = self.registry.get(req.key)
+        if res is None:
+            raise ModelNotLoaded(*req.key)
+        tok = res.tokenizer
+        try:
+            if req.messages is not None:
+                ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+                if not isinstance(ids, list):  # some transformers versions return an encoding
+                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            else:
+                ids = tok.encode(req.prompt, add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - templates/tokenizers raise many kinds
+            raise InvalidPrompt(f"cannot tokenize the prompt: {e}") from e
+        ids = [int(i) for i in ids]
+        if not ids:
+            if tok.bos_token_id is None:
+                raise InvalidPrompt("the prompt is empty")
+            ids = [int(tok.bos_token_id)]
+        limit = res.info.max_context_tokens
+        if req.max_tokens is None:
+            req.max_tokens = limit - len(ids)
+            if req.max_tokens < 1:
+                raise ContextLengthExceeded(len(ids), 1, limit)
+        elif len(ids) + req.max_tokens > limit:
+            raise ContextLengthExceeded(len(ids), req.max_tokens, limit)
+        req.tokens = ids
+        req.detok = tok.detokenizer
+        res.pending.append(req)
+        self.metrics.prompt_tokens.labels(*req.key).inc(len(ids))
+        self.update_gauges(res)
+        return len(ids), req.max_tokens
+
+    def cancel(self, req: Request) -> None:
+        if req.done:
+            return
+        req.done = True
+        res = self.registry.get(req.key)
+        if res is None:
+            return
+        try:
+            res.pending.remove(req)
+        except ValueError:
+            pass
+        if req.uid is not None and res.active.pop(req.uid, None) is not None:
+            res.generator.remove([req.uid])
+        self.update_gauges(res)
+
+    def update_gauges(self, res: Resident) -> None:
+        res.refresh_stats()
+        self.metrics.batch_occupancy.labels(*res.key).set(res.stats.active)
+        self.metrics.queue_depth.labels(*res.key).set(res.stats.queued)
+
+    def _insert(self, res: Resident, req: Request) -> None:
+        prompt = req.tokens
+        cache, cached = None, 0
+        if len(prompt) >= 2:
+            # Look up prompt[:-1] so that at least the last prompt token is always fed.
+            cache, rest = res.prompt_cache.fetch_nearest_cache(req.model_id, prompt[:-1])
+            cached = len(prompt) - 1 - len(rest)
+            if cache is None or cached <= 0:
+                cache, cached = None, 0
+        sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
+        (uid,) = res.generator.insert(
+            [prompt[cached:]],
+            max_tokens=[req.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[:cached]],
+            samplers=[sampler],
+        )
+        req.uid = uid
+        res.active[uid] = req
+        if cached:
+            self.metrics.prompt_cache_hits.labels(*req.key).inc()
+            self.metrics.prompt_cache_tokens.labels(*req.key).inc(cached)
+
+    def step(self, res: Resident) -> None:
+        """Move waiting requests into free batch slots, run one batch step of ``res`` and send
+        the resulting chunks. An error outside one request's post-processing propagates (the
+        caller then :meth:`reset` s the revision)."""
+        cap = res.info.max_concurrent_sequences
+        while res.pending and len(res.active) < cap:
+            req = res.pending.popleft()
+            try:
+                self._insert(res, req)
+            except Exception as e:  # noqa: BLE001
+                log.exception("inserting a request failed")
+                req.done = True
+                self._send([(req, GenerationAborted(f"{type(e).__name__}: {e}"))])
+        self.update_gauges(res)
+        if not res.active:
+            return
+        _, responses = res.generator.next()
+        now = time.perf_counter()
+        labels = res.key
+        events: Events = []
+        to_remove: list[int] = []                # sequences that ended here but not in mlx-lm
+        n_tokens = 0
+        try:
+            for r in responses:
+                req = res.active.get(r.uid)
+                if req is None:
+                    continue
+                n_tokens += 1
+                try:
+                    chunk: Any = self._token(res, req, r, now, labels)
+                except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("processing a token of request %d (%s@%s) failed", req.rid,
+                                  *req.key)
+                    chunk = GenerationAborted(f"generation failed: {type(e).__name__}: {e}")
+                    req.done = True
+                if req.done:
+                    res.active.pop(r.uid, None)
+                    if r.finish_reason is None:
+                        to_remove.append(r.uid)
+                events.append((req, chunk))
+            if to_remove:
+                res.generator.remove(to_remove)
+        finally:
+            # what was produced goes out even if the step fails below (then reset aborts the
+            # rest): a request that finished here must not wait for an event that never comes
+            if n_tokens:
+                self.metrics.generated_tokens.labels(*labels).inc(n_tokens)
+            self.update_gauges(res)
+            self._send(events)
+
+    def _token(self, res: Resident, req: Request, r: Any, now: float,
+               labels: ModelKey) -> Chunk:
+        """One generated token of ``req`` → its chunk; marks ``req.done`` at its end."""
+        req.n_generated += 1
+        if req.last_token_at is None:
+            self.metrics.ttft.labels(*labels).observe(now - req.submitted)
+        else:
+            self.metrics.inter_token.labels(*labels).observe(now - req.last_token_at)
+        req.last_token_at = now
+        segment = feed(req.detok, r.token, r.finish_reason)
+        text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
+        if reason is not None:
+            req.done = True
+            if r.finish_reason is not None and r.prompt_cache is not None and r.all_tokens:
+                try:
+                    res.prompt_cache.insert_cache(req.model_id, list(r.all_tokens),
+                                                  r.prompt_cache)
+                except Exception:  # noqa: BLE001 - only a lost cache entry
+                    log.exception("caching the prompt of request %d failed", req.rid)
+        return Chunk(text, req.n_generated, reason)

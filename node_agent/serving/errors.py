@@ -1,0 +1,58 @@
+"""The serving core's exceptions: what callers of :class:`~node_agent.serving.ServingCore` catch."""
+
+from __future__ import annotations
+
+__all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
+           "InvalidPrompt", "GenerationAborted"]
+
+
+class ModelLoadError(Exception):
+    """Loading a model failed. ``reason``: CamelCase (``ModelNotFound``, ``LoadFailed``,
+    ``NotStarted``, ``CoreFailed`` once the MLX thread has failed); ``message``: human-readable
+    detail."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+class Overloaded(Exception):
+    """Admission is full; retry after ``retry_after_seconds`` (whole seconds, >= 1)."""
+
+    def __init__(self, message: str, retry_after_seconds: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
+
+
+class ModelNotLoaded(LookupError):
+    """The requested model id (or the requested ``revision`` of it, when one was named) is not
+    loaded on this agent, or is draining. ``model_id`` and ``revision`` (``None`` when the
+    request named none) say what was asked for."""
+
+    def __init__(self, model_id: str, revision: str | None = None) -> None:
+        what = f"model {model_id!r}" if revision is None else (
+            f"revision {revision!r} of model {model_id!r}")
+        super().__init__(f"{what} is not loaded on this agent")
+        self.model_id = model_id
+        self.revision = revision
+
+
+class ContextLengthExceeded(ValueError):
+    """``prompt_tokens + max_tokens`` exceeds the model's ``max_context_tokens``."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context_tokens: int) -> None:
+        super().__init__(
+            f"this model's maximum context length is {max_context_tokens} tokens; the request "
+            f"has {prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens")
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_context_tokens = max_context_tokens
+
+
+class InvalidPrompt(ValueError):
+    """The prompt or messages cannot be turned into tokens (e.g. the chat template fails)."""
+
+
+class GenerationAborted(RuntimeError):
+    """A running generation ended abnormally (model unloaded, core closed, MLX error)."""

@@ -1,0 +1,101 @@
+"""One generation request: its core-internal :class:`Request` record and the caller's
+:class:`Generation` handle that streams its chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, Callable, Sequence
+
+from .types import Chunk, ModelKey
+
+__all__ = ["Request", "Generation"]
+
+
+class Request:
+    """A generation request; the fields below ``# thread`` are touched only on the MLX thread."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, key: ModelKey, prompt: str | None, messages: list[dict] | None,
+                 max_tokens: int | None, temperature: float, top_p: float,
+                 stop: Sequence[str], seed: int | None, out: asyncio.Queue,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.rid = next(self._ids)
+        self.key = key
+        self.model_id, self.revision = key
+        self.prompt = prompt
+        self.messages = messages
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.stop = [s for s in stop if s]
+        self.seed = seed
+        self.out = out
+        self.loop = loop
+        self.submitted = time.perf_counter()
+        self.finished = False          # loop side: final event delivered or cancelled
+        # thread
+        self.tokens: list[int] = []
+        self.uid: int | None = None
+        self.detok: Any = None
+        self.held = ""                 # text held back because it may begin a stop string
+        self.n_generated = 0
+        self.last_token_at: float | None = None
+        self.done = False
+
+
+class Generation:
+    """An admitted request: async-iterate it for :class:`Chunk` s.
+
+    ``model_id`` and ``revision``: the revision serving it; ``prompt_tokens``: prompt length in
+    tokens; ``completion_tokens``: generated so far; ``finish_reason`` once finished. Iteration
+    raises :class:`~node_agent.serving.GenerationAborted` when the revision is unloaded or the
+    core closes mid-generation. Cancelling the consuming task, calling :meth:`cancel`, or leaving
+    ``async with`` before the end removes the sequence from the batch.
+    """
+
+    def __init__(self, cancel: Callable[[Request], None], req: Request, prompt_tokens: int,
+                 max_tokens: int) -> None:
+        self._cancel_request = cancel
+        self._req = req
+        self.id = req.rid
+        self.model_id = req.model_id
+        self.revision = req.revision
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._ended = False
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            item = await self._req.out.get()
+        except BaseException:
+            self.cancel()
+            raise
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        self.completion_tokens = item.completion_tokens
+        if item.finish_reason is not None:
+            self.finish_reason = item.finish_reason
+            self._ended = True
+        return item
+
+    def cancel(self) -> None:
+        """Stop generating (idempotent; a no-op after the end)."""
+        self._ended = True
+        self._cancel_request(self._req)
+
+    async def __aenter__(self) -> "Generation":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
