@@ -363,12 +363,12 @@ def test_status_round_trip():
     status = sim.state.to_status()
     assert status["phase"] == "Progressing" and status["failedWindows"] == 0
     assert set(status) == {
-        "phase", "stepIndex", "weight", "stepStarted", "stableRevision", "candidateRevision",
+        "phase", "currentStepIndex", "currentWeight", "stepStarted", "stableRevision", "candidateRevision",
         "failedWindows", "lastAnalysis", "message", "reason", "lastPromoteToken",
         "lastPromoteFullToken", "lastAbortToken", "started", "memoryBaselineBytes"}
     assert CanaryState.from_status(status) == sim.state
     assert CanaryState.from_status({}) == CanaryState.from_status(None) == CanaryState()
-    odd = CanaryState.from_status({"phase": "Bogus", "weight": "x", "stepIndex": 2.0,
+    odd = CanaryState.from_status({"phase": "Bogus", "currentWeight": "x", "currentStepIndex": 2.0,
                                    "stepStarted": 5, "lastAnalysis": None, "conditions": []})
     assert (odd.phase, odd.weight, odd.step_index, odd.step_started) == (
         Phase.PENDING, 0, 2, 5.0)

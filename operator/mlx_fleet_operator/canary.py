@@ -36,6 +36,7 @@ Pure: imports only the standard library and this package's pure modules; time is
 
 from __future__ import annotations
 
+import datetime
 import enum
 import re
 from collections.abc import Mapping
@@ -69,6 +70,27 @@ def _camel(name: str) -> str:
     return re.sub(r"_([a-z])", lambda m: m[1].upper(), name)
 
 
+#: State fields whose status name is not their camelCase name (the CRD's printer columns read
+#: ``currentWeight``).
+_STATUS_NAMES = {"step_index": "currentStepIndex", "weight": "currentWeight"}
+_TIMES = frozenset({"started", "step_started"})
+
+
+def _rfc3339(t: float) -> str:
+    if not t:
+        return ""
+    stamp = datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _parse_rfc3339(v: Any) -> float:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if not v:
+        return 0.0
+    return datetime.datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
+
+
 @dataclass(frozen=True)
 class CanaryState:
     """The machine's state; round-trips through the Canary's ``status`` (camelCase keys).
@@ -100,9 +122,18 @@ class CanaryState:
     memory_baseline_bytes: int = 0
 
     def to_status(self) -> dict[str, Any]:
-        """The Canary ``status`` fields (camelCase, JSON-ready)."""
-        return {_camel(f.name): (v.value if isinstance(v := getattr(self, f.name), Phase) else v)
-                for f in fields(self)}
+        """The Canary ``status`` fields (camelCase, JSON-ready, the CRD's names and types):
+        ``step_index``/``weight`` are ``currentStepIndex``/``currentWeight``; the times
+        ``started``/``step_started`` are RFC 3339 strings with milliseconds (``""`` for 0)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Phase):
+                v = v.value
+            elif f.name in _TIMES:
+                v = _rfc3339(v)
+            out[_STATUS_NAMES.get(f.name, _camel(f.name))] = v
+        return out
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any] | None) -> CanaryState:
@@ -110,8 +141,9 @@ class CanaryState:
         defaults (an empty status is a canary that has not started)."""
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
-            value = (status or {}).get(_camel(f.name))
-            convert = dict if f.name == "last_analysis" else type(f.default)
+            value = (status or {}).get(_STATUS_NAMES.get(f.name, _camel(f.name)))
+            convert = (dict if f.name == "last_analysis" else _parse_rfc3339
+                       if f.name in _TIMES else type(f.default))
             if value is not None:
                 try:
                     kwargs[f.name] = convert(value)
