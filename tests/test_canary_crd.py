@@ -314,7 +314,8 @@ def test_status_schema() -> None:
     assert set(STATUS["properties"]) == {
         "phase", "observedGeneration", "stableRevision", "candidateRevision", "currentStepIndex",
         "currentWeight", "stepStarted", "started", "failedWindows", "message", "lastPromoteToken",
-        "lastAbortToken", "lastAnalysis", "conditions"}
+        "lastAbortToken", "lastAnalysis", "conditions", "lastPromoteFullToken", "reason",
+        "memoryBaselineBytes"}
     assert prop("status.phase")["enum"] == [
         "Pending", "Progressing", "Paused", "Promoting", "Succeeded", "RolledBack", "Aborted", "Failed"]
     for p in ("observedGeneration", "currentStepIndex", "currentWeight", "failedWindows"):
