@@ -271,6 +271,18 @@ def test_memory_growth_per_hour_since_the_canary_started(hours, start, end, verd
     assert "GiB" in m.message and "fails above +20%/h" in m.message
 
 
+def test_a_young_canary_is_judged_without_memory_growth():
+    """Memory growth needs canary age, not traffic: while it is too young to judge, the window
+    passes on the other checks (a short step is not held for ten minutes), and it still fails
+    a window once it has the data."""
+    young = {"canary_elapsed_hours": MIN_MEMORY_AGE_SECONDS / 3600 / 2, "memory_start": GiB}
+    r = analyze(spec_analysis(), HEALTHY, replace(HEALTHY, memory_bytes_end=2 * GiB), **young)
+    assert verdicts(r)["memoryGrowth"] is Verdict.INCONCLUSIVE
+    assert r.verdict is Verdict.PASS
+    r = analyze(spec_analysis(), HEALTHY, replace(HEALTHY, memory_bytes_end=2 * GiB), **OLD)
+    assert r.verdict is Verdict.FAIL
+
+
 def test_memory_now_overrides_the_window():
     r = analyze(spec_analysis(), HEALTHY, HEALTHY, canary_elapsed_hours=1.0, memory_start=GiB,
                 memory_now=2 * GiB)

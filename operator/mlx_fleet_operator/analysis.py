@@ -24,8 +24,12 @@ from .canary_spec import AnalysisSpec
 from .spec import format_bytes
 
 #: Memory growth is Inconclusive until the canary is this old (seconds): a rate per hour from a
-#: few seconds of data is noise.
-MIN_MEMORY_AGE_SECONDS = 60.0
+#: few seconds of data is noise (a prompt cache warming up looks like a leak of thousands of
+#: percent per hour). Ten minutes, the interval at which the seed's soak judges memory slope.
+MIN_MEMORY_AGE_SECONDS = 600.0
+#: Checks whose Inconclusive does not hold a window: they need time, not traffic, and a canary
+#: shorter than that time is judged on the others (the check still fails once it has the data).
+NON_BLOCKING = frozenset({"memoryGrowth"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +279,8 @@ def analyze(spec: AnalysisSpec, stable: WindowStats, candidate: WindowStats, *,
       canary is :data:`MIN_MEMORY_AGE_SECONDS` old or without a ``memory_start``.
     * crashRate: candidate crashes / requests; fails when > ``max`` (absolute).
 
-    A check without data (no latency observations ...) is Inconclusive.
+    A check without data (no latency observations ...) is Inconclusive, which holds the window
+    — except for :data:`NON_BLOCKING` checks (memory growth needs canary age, not traffic).
     """
     c = spec.checks
     seconds, tok_s = (lambda x: _num(x, "s")), (lambda x: _num(x, " tok/s"))
@@ -333,12 +338,13 @@ def analyze(spec: AnalysisSpec, stable: WindowStats, candidate: WindowStats, *,
                                f"{r.name}: inconclusive, {few}") for r in results]
         return AnalysisResult(Verdict.INCONCLUSIVE, tuple(results), stable.requests,
                               candidate.requests, f"inconclusive: {few}")
-    by = {v: [r for r in results if r.verdict is v] for v in Verdict}
+    by = {v: [r for r in results if r.verdict is v and not (
+        v is Verdict.INCONCLUSIVE and r.name in NON_BLOCKING)] for v in Verdict}
     if by[Verdict.FAIL]:
         verdict, msg = Verdict.FAIL, "; ".join(r.message for r in by[Verdict.FAIL])
     elif by[Verdict.INCONCLUSIVE]:
         verdict = Verdict.INCONCLUSIVE
         msg = "inconclusive: " + "; ".join(r.message for r in by[Verdict.INCONCLUSIVE])
     else:
-        verdict, msg = Verdict.PASS, f"all {len(results)} checks passed"
+        verdict, msg = Verdict.PASS, f"all {len(by[Verdict.PASS])} judged checks passed"
     return AnalysisResult(verdict, tuple(results), stable.requests, candidate.requests, msg)

@@ -206,9 +206,14 @@ def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]
     ]
 
 
-def _fail(state: CanaryState, reason: str, message: str) -> CanaryState:
+def _fail(state: CanaryState, reason: str, message: str,
+          candidate: str | None = None) -> CanaryState:
+    """``candidate``: the revision the failure is about. It is recorded, so that the next tick's
+    step machine sees a terminal canary of that candidate — not a new one to start (which
+    would take over a busy target, or "promote" the target's own revision)."""
     return dataclasses.replace(state, phase=Phase.FAILED, weight=0, reason=reason,
-                               message=message)
+                               message=message,
+                               candidate_revision=candidate or state.candidate_revision)
 
 
 async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -> float:
@@ -237,17 +242,23 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
         target = (namespace, spec.target_ref.name)
         owner = rt.candidates.get(target)
         dep = rt.deployments.get(target)
-        if owner is not None and owner.canary != name and state.phase not in TERMINAL:
+        # (Re)starting: the first tick, or the spec names another candidate than the one the
+        # state is about (a terminal canary restarts then).
+        starting = state.candidate_revision != spec.candidate.revision
+        if owner is not None and owner.canary != name and (
+                state.phase not in TERMINAL or starting):
             msg = (f"spec.targetRef.name: ModelDeployment {target[1]} already has an active "
                    f"Canary {owner.canary}")
             events.append(("Warning", "TargetBusy", msg))
-            state, weight, keep = _fail(state, "TargetBusy", msg), 0, False
-        elif (state.phase == Phase.PENDING and not state.candidate_revision and dep is not None
+            state = _fail(state, "TargetBusy", msg, spec.candidate.revision)
+            weight, keep = 0, False
+        elif (starting and dep is not None
               and dep[0].model.revision == spec.candidate.revision):
             msg = (f"spec.candidate.revision: {spec.candidate.revision} is already the "
                    f"revision of ModelDeployment {target[1]}")
             events.append(("Warning", "InvalidSpec", msg))
-            state, weight, keep = _fail(state, "InvalidSpec", msg), 0, False
+            state = _fail(state, "InvalidSpec", msg, spec.candidate.revision)
+            weight, keep = 0, False
         else:
             obs = _observe(rt, spec, state, target, uid, meta.get("annotations") or {}, now)
             d = step(spec, state, obs, now)
