@@ -10,6 +10,7 @@ process + two agent processes serving generated MLX models, under a steady strea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -137,10 +138,12 @@ async def test_revision_edit_under_load_fails_no_request(
             await load.wait_for(10)
             control_plane.kubectl("patch", "modeldeployment", name, "-n", namespace,
                                   "--type=merge", "-p", '{"spec": {"model": {"revision": "v2"}}}')
-            wait_for(control_plane, "modeldeployment", namespace, name,
-                     "jsonpath={.status.updatedReplicas}=2")
-            wait_for(control_plane, "modeldeployment", namespace, name,
-                     "jsonpath={.status.conditions[?(@.type=='Progressing')].reason}=Complete")
+            # (in a thread: the load generator keeps sending on the event loop meanwhile)
+            await asyncio.to_thread(wait_for, control_plane, "modeldeployment", namespace, name,
+                                    "jsonpath={.status.updatedReplicas}=2")
+            await asyncio.to_thread(
+                wait_for, control_plane, "modeldeployment", namespace, name,
+                "jsonpath={.status.conditions[?(@.type=='Progressing')].reason}=Complete")
             await load.wait_for(10)
         outcomes = load.outcomes
     finally:
@@ -169,8 +172,8 @@ async def test_healthy_candidate_is_promoted_through_every_step(
         await load.wait_for(6)
         control_plane.kubectl("apply", "-f", "-", input=canary(
             can, namespace, name, "v2", None, [{"setWeight": 50}, {"setWeight": 100}]))
-        obj = wait_for(control_plane, "canary", namespace, can, "jsonpath={.status.phase}=Succeeded",
-                       timeout=180)
+        obj = await asyncio.to_thread(wait_for, control_plane, "canary", namespace, can,
+                                      "jsonpath={.status.phase}=Succeeded", 180)
         await load.wait_for(6)
     outcomes = load.outcomes
     assert not [o for o in outcomes if o.failed], [o for o in outcomes if o.failed][:3]
@@ -205,8 +208,8 @@ async def test_faulty_candidate_is_rolled_back_and_stable_sessions_see_no_error(
         control_plane.kubectl("apply", "-f", "-", input=canary(
             can, namespace, name, "bad", faulty_model_dir,
             [{"setWeight": weight}, {"setWeight": 100}]))
-        obj = wait_for(control_plane, "canary", namespace, can,
-                       "jsonpath={.status.phase}=RolledBack", timeout=180)
+        obj = await asyncio.to_thread(wait_for, control_plane, "canary", namespace, can,
+                                      "jsonpath={.status.phase}=RolledBack", 180)
         await load.wait_for(6)
     outcomes = load.outcomes
     stable_failures = [o for o in outcomes if o.failed and o.session not in to_candidate]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from fleet_helpers import node_record, until_assignments
-from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys, Role
 from mlx_fleet.devcluster.processes import ManagedProcess, free_port
 from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent
 
@@ -126,9 +126,12 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
         asg = placed["mac-a"]
         assert (asg.namespace, asg.name, asg.served_model_name) == (namespace, name, name)
         assert asg.memory_bytes == GiB and asg.source.uri == "file:///models/tiny-llama"
+        assert (asg.revision, asg.role) == ("v1", Role.STABLE)
+        [key] = [kv.key for kv in (await store.list(keys.assignments_prefix)).items]
+        assert key == keys.assignment("mac-a", namespace, name, "v1")
 
         # Acting as the agent: the replica is Ready.
-        await store.put(keys.report("mac-a", namespace, name), AssignmentReport(
+        await store.put(keys.report("mac-a", namespace, name, "v1"), AssignmentReport(
             node="mac-a", namespace=namespace, name=name, generation=asg.generation,
             revision="v1", state=AssignmentState.READY, reason="ModelLoaded",
             endpoint="http://mac-a.local:8000").to_json(), lease=lease)
@@ -139,7 +142,9 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
         status = obj["status"]
         assert status["observedGeneration"] == obj["metadata"]["generation"] == asg.generation
         assert status["endpoints"] == ["http://mac-a.local:8000"]
-        assert [(n["name"], n["state"]) for n in status["nodes"]] == [("mac-a", "Ready")]
+        assert [(n["name"], n["revision"], n["role"], n["state"]) for n in status["nodes"]] == [
+            ("mac-a", "v1", "Stable", "Ready")]
+        assert status["updatedReplicas"] == 1
         assert "mlx-fleet.io/finalizer" in obj["metadata"]["finalizers"]
 
         # mac-a goes away (its agent's keys vanish), mac-b appears: the replica moves.
@@ -203,16 +208,49 @@ async def test_followers_wake_only_on_relevant_changes():
     assert wake.is_set() and rt.nodes == {}
     wake.clear(), other.clear()
 
-    report = AssignmentReport(node="mac-a", namespace="default", name="llm",
+    # Reports are per (node, revision); a changed one wakes the deployment and its Canary.
+    canary = rt.canary_wakeups[("default", "llm")] = asyncio.Event()
+    report_key = keys.report("mac-a", "default", "llm", "v2")
+    report = AssignmentReport(node="mac-a", namespace="default", name="llm", revision="v2",
                               state=AssignmentState.LOADING)
-    await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), report.to_json(), 5))
-    assert wake.is_set() and not other.is_set()
-    wake.clear()
+    await rt.on_reports_event(ev(report_key, report.to_json(), 5))
+    assert wake.is_set() and canary.is_set() and not other.is_set()
+    assert rt.reports[("default", "llm")] == {("mac-a", "v2"): report}
+    wake.clear(), canary.clear()
     later = report.model_copy(update={"updated_unix": report.updated_unix + 1})
-    await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), later.to_json(), 6))
-    assert not wake.is_set()
-    await rt.on_reports_event(ev(keys.report("mac-a", "default", "llm"), b"", 7, "DELETE"))
-    assert wake.is_set() and rt.reports[("default", "llm")] == {}
+    await rt.on_reports_event(ev(report_key, later.to_json(), 6))
+    assert not wake.is_set() and not canary.is_set()
+    await rt.on_reports_event(ev(report_key, b"", 7, "DELETE"))
+    assert wake.is_set() and canary.is_set() and rt.reports[("default", "llm")] == {}
+
+
+async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_trip_only():
+    """stats/<node>/<ns>/<name> fills Runtime.stats; only a report that newly trips the local
+    guard wakes the Canary daemon at once (routine stats wait for its next tick)."""
+    from mlx_fleet.contract import StatsReport
+    from mlx_fleet.store import KV
+    from mlx_fleet_operator.handlers import Runtime
+
+    keys = Keys("/t")
+    rt = Runtime(store=None, keys=keys, writer="test")
+    canary = rt.canary_wakeups[("default", "llm")] = asyncio.Event()
+    key = keys.stats("mac-a", "default", "llm")
+
+    def ev(value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
+        return WatchEvent(type=type_, kv=KV(key=key, value=value, mod_revision=rev))
+
+    routine = StatsReport(node="mac-a", namespace="default", name="llm", canary_uid="c1")
+    tripped = routine.model_copy(update={"guard_tripped": True, "guard_reason": "3/4 failed"})
+    await rt.on_stats_snapshot(Snapshot(items=[], revision=1))
+    await rt.on_stats_event(ev(routine.to_json(), 2))
+    assert rt.stats == {("default", "llm"): {"mac-a": routine}} and not canary.is_set()
+    await rt.on_stats_event(ev(tripped.to_json(), 3))
+    assert rt.stats[("default", "llm")]["mac-a"] == tripped and canary.is_set()
+    canary.clear()
+    await rt.on_stats_event(ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
+    assert not canary.is_set()  # still tripped: not a new trip
+    await rt.on_stats_event(ev(b"", 5, "DELETE"))
+    assert rt.stats[("default", "llm")] == {}
 
 
 async def test_conflict_rearms_the_daemon(monkeypatch):
@@ -297,15 +335,20 @@ def stored_assignment(ns: str, name: str, uid: str) -> bytes:
                       source=ModelSource(uri="/m", revision="v1"), memory_bytes=GiB).to_json()
 
 
+def asg_key(keys: Keys, node: str, ns: str, name: str) -> str:
+    """The key of :func:`stored_assignment` (revision v1)."""
+    return keys.assignment(node, ns, name, "v1")
+
+
 async def test_orphan_gc_uses_the_live_listing_and_watched_namespaces(store, keys):
     """collect_orphans deletes assignments of objects missing from the API server's listing,
     only in watched namespaces, and does nothing without a listing or when listing fails."""
     from mlx_fleet_operator import handlers
 
     a = stored_assignment
-    await store.put(keys.assignment("mac-a", "watched", "live"), a("watched", "live", "u1"))
-    await store.put(keys.assignment("mac-a", "watched", "gone"), a("watched", "gone", "u2"))
-    await store.put(keys.assignment("mac-a", "elsewhere", "x"), a("elsewhere", "x", "u3"))
+    await store.put(asg_key(keys, "mac-a", "watched", "live"), a("watched", "live", "u1"))
+    await store.put(asg_key(keys, "mac-a", "watched", "gone"), a("watched", "gone", "u2"))
+    await store.put(asg_key(keys, "mac-a", "elsewhere", "x"), a("elsewhere", "x", "u3"))
     cfg = handlers.OperatorConfig(namespaces=("watch*",))
     rt = handlers.Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope)
     assert await handlers.collect_orphans(rt) == []  # no listing: hands off
@@ -317,10 +360,10 @@ async def test_orphan_gc_uses_the_live_listing_and_watched_namespaces(store, key
     assert await handlers.collect_orphans(rt) == []  # listing failed: hands off
     assert len((await store.list(keys.assignments_prefix)).items) == 3
     rt.list_live = lambda: {("watched", "live"): {"u1"}}
-    assert await handlers.collect_orphans(rt) == [keys.assignment("mac-a", "watched", "gone")]
+    assert await handlers.collect_orphans(rt) == [asg_key(keys, "mac-a", "watched", "gone")]
     left = sorted(kv.key for kv in (await store.list(keys.assignments_prefix)).items)
-    assert left == sorted([keys.assignment("mac-a", "elsewhere", "x"),
-                           keys.assignment("mac-a", "watched", "live")])
+    assert left == sorted([asg_key(keys, "mac-a", "elsewhere", "x"),
+                           asg_key(keys, "mac-a", "watched", "live")])
 
 
 async def test_orphans_are_collected_with_no_modeldeployment_at_all(control_plane, fleet_keys, tmp_path):
@@ -334,9 +377,9 @@ async def test_orphans_are_collected_with_no_modeldeployment_at_all(control_plan
         with running_operator(control_plane, keys, empty_ns, tmp_path / "operator.log",
                               "--gc-interval", "0.2"):
             async with EtcdStore(control_plane.etcd_url) as store:
-                elsewhere = keys.assignment("mac-b", "not-watched", "x")  # node → one in the view
+                elsewhere = asg_key(keys, "mac-b", "not-watched", "x")  # node → one in the view
                 await store.put(elsewhere, stored_assignment("not-watched", "x", "u0"))
-                await store.put(keys.assignment("mac-a", empty_ns, "ghost"),
+                await store.put(asg_key(keys, "mac-a", empty_ns, "ghost"),
                                 stored_assignment(empty_ns, "ghost", "u1"))
                 left = await until_assignments(store, keys, lambda v: all(
                     a.namespace != empty_ns for a in v.values()))
@@ -426,8 +469,8 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
     monkeypatch.setattr(kopf, "event", lambda body, *, type, reason, message: posted.append((type, reason)))
     monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message: posted.append(("Warning", reason)))
     await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
-    await store.put(keys.assignment("mac-a", "ns", "llm"), stored_assignment("ns", "llm", "u"))
-    rt.reports[("ns", "llm")] = {"mac-a": AssignmentReport(
+    await store.put(asg_key(keys, "mac-a", "ns", "llm"), stored_assignment("ns", "llm", "u"))
+    rt.reports[("ns", "llm")] = {("mac-a", "v1"): AssignmentReport(
         node="mac-a", namespace="ns", name="llm", generation=0, revision="v1",
         state=AssignmentState.READY, endpoint="http://mac-a.local:8000")}
     body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 2, "uid": "u"},
@@ -441,7 +484,7 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
     assert status["replicas"] == 1 and status["readyReplicas"] == 1
     assert [(n["name"], n["state"]) for n in status["nodes"]] == [("mac-a", "Ready")]
     assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "InvalidSpec"
-    assert (await store.get(keys.assignment("mac-a", "ns", "llm"))) is not None  # still served
+    assert (await store.get(asg_key(keys, "mac-a", "ns", "llm"))) is not None  # still served
 
 
 def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():

@@ -4,7 +4,10 @@ The chart is rendered with ``helm template``; only its ServiceAccount, ClusterRo
 ClusterRoleBinding are applied to the real local kube-apiserver. A token for that ServiceAccount
 (TokenRequest, ``kubectl create token``) goes into a kubeconfig of its own, and the operator runs
 with it through a whole ModelDeployment lifecycle: placement, status patched to Ready, an Event
-posted, and the finalizer removed on deletion. The operator must never have been refused (no
+posted, and the finalizer removed on deletion — and through two Canaries of it: one whose
+candidate never becomes Ready (no agent serves it), aborted by its annotation and deleted; one
+promoted by the promote-full annotation (the operator patches the ModelDeployment's spec) that
+succeeds once the new revision is Ready. The operator must never have been refused (no
 403/Forbidden in its log), and the ServiceAccount must not be able to do what it need not do.
 
 The test plays the node agent (node record and report under a lease in etcd). No sleeps: etcd
@@ -26,8 +29,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fleet_helpers import node_record, until_assignments
-from mlx_fleet.contract import AssignmentReport, AssignmentState
+from fleet_helpers import node_record, until_assignments, watch_until
+from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Role
 from mlx_fleet.devcluster.fleet import start_operator
 from mlx_fleet.devcluster.helm import ensure_helm
 from mlx_fleet.store import EtcdStore
@@ -128,10 +131,14 @@ def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconf
         ("watch", "modeldeployments.mlx-fleet.io"), ("patch", "modeldeployments.mlx-fleet.io"),
         ("patch", "modeldeployments.mlx-fleet.io/status"), ("create", "events"),
         ("create", "events.events.k8s.io"),
+        ("get", "canaries.mlx-fleet.io"), ("list", "canaries.mlx-fleet.io"),
+        ("watch", "canaries.mlx-fleet.io"), ("patch", "canaries.mlx-fleet.io"),
+        ("patch", "canaries.mlx-fleet.io/status"),
     ]
     denied = [
         ("create", "pods"), ("get", "secrets"), ("list", "secrets"), ("create", "deployments.apps"),
         ("create", "modeldeployments.mlx-fleet.io"), ("delete", "modeldeployments.mlx-fleet.io"),
+        ("create", "canaries.mlx-fleet.io"), ("delete", "canaries.mlx-fleet.io"),
         ("delete", "events"), ("create", "serviceaccounts/token"),
         ("create", "clusterroles.rbac.authorization.k8s.io"),
         ("escalate", "clusterroles.rbac.authorization.k8s.io"),
@@ -141,6 +148,9 @@ def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconf
         assert can_i(control_plane, sa_kubeconfig, verb, resource, *ns) == "yes", (verb, resource)
     for verb, resource in denied:
         assert can_i(control_plane, sa_kubeconfig, verb, resource, *ns) == "no", (verb, resource)
+    # At start-up the operator lists the running Canaries of every namespace.
+    assert can_i(control_plane, sa_kubeconfig, "list", "canaries.mlx-fleet.io",
+                 "--all-namespaces") == "yes"
     # Not a wildcard role.
     assert can_i(control_plane, sa_kubeconfig, "*", "*", "--all-namespaces") == "no"
     assert can_i(control_plane, sa_kubeconfig, "create", "namespaces") == "no"
@@ -157,6 +167,14 @@ def manifest(name: str, namespace: str) -> str:
     })
 
 
+
+
+def canary_manifest(name: str, namespace: str, target: str, revision: str) -> str:
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "Canary",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"targetRef": {"name": target}, "candidate": {"revision": revision}},
+    })
 
 
 async def admin(control_plane, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -183,7 +201,7 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
                 asg = placed[NODE]
                 assert (asg.namespace, asg.name) == (namespace, name)
 
-                await store.put(keys.report(NODE, namespace, name), AssignmentReport(
+                await store.put(keys.report(NODE, namespace, name, "v1"), AssignmentReport(
                     node=NODE, namespace=namespace, name=name, generation=asg.generation,
                     revision="v1", state=AssignmentState.READY, reason="ModelLoaded",
                     endpoint=f"http://{NODE}.local:8000").to_json(), lease=lease)
@@ -202,6 +220,67 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
                 reasons = {e["reason"] for e in events}
                 assert {"Placed", "ReplicaReady"} <= reasons, reasons
 
+                v1_key = keys.assignment(NODE, namespace, name, "v1")
+                v2_key = keys.assignment(NODE, namespace, name, "v2")
+                split_key = keys.traffic(namespace, name)
+
+                def role_of(key: str, view: dict[str, bytes]) -> Role | None:
+                    return Assignment.from_json(view[key]).role if key in view else None
+
+                async def wait_canary(canary: str, phase: str) -> None:
+                    await admin(control_plane, "wait", f"canary/{canary}", "-n", namespace,
+                                f"--for=jsonpath={{.status.phase}}={phase}",
+                                f"--timeout={int(TIMEOUT)}s")
+
+                # Canary 1: its candidate is placed but never Ready (no agent serves it);
+                # aborted by annotation, then deleted (the operator removes its finalizer).
+                aborted = f"{name}-abort"
+                await admin(control_plane, "apply", "-f", "-",
+                            input=canary_manifest(aborted, namespace, name, "v2"))
+                await wait_canary(aborted, "Pending")
+                view = await watch_until(store, keys.assignments_prefix,
+                                         lambda v: v2_key in v)
+                assert (role_of(v1_key, view), role_of(v2_key, view)) == (
+                    Role.STABLE, Role.CANDIDATE)
+                await watch_until(store, keys.traffic_prefix, lambda v: split_key in v)
+                await admin(control_plane, "annotate", "canary", aborted, "-n", namespace,
+                            "--overwrite", "mlx-fleet.io/abort=1")
+                await wait_canary(aborted, "Aborted")
+                view = await watch_until(store, keys.assignments_prefix,
+                                         lambda v: v2_key not in v)
+                assert set(view) == {v1_key}  # the candidate is unloaded, stable untouched
+                await watch_until(store, keys.traffic_prefix, lambda v: split_key not in v)
+                await admin(control_plane, "delete", "canary", aborted, "-n", namespace,
+                            "--wait=true", f"--timeout={int(TIMEOUT)}s")
+
+                # Canary 2: promoted at once by annotation. The operator patches the
+                # ModelDeployment's spec.model.revision; once v2 is Ready it has succeeded.
+                promoted = f"{name}-promote"
+                await admin(control_plane, "apply", "-f", "-",
+                            input=canary_manifest(promoted, namespace, name, "v2"))
+                await wait_canary(promoted, "Pending")
+                await admin(control_plane, "annotate", "canary", promoted, "-n", namespace,
+                            "--overwrite", "mlx-fleet.io/promote-full=1")
+                await admin(control_plane, "wait", f"modeldeployment/{name}", "-n", namespace,
+                            "--for=jsonpath={.spec.model.revision}=v2",
+                            f"--timeout={int(TIMEOUT)}s")
+                view = await watch_until(store, keys.assignments_prefix,
+                                         lambda v: role_of(v2_key, v) == Role.STABLE)
+                v2 = Assignment.from_json(view[v2_key])
+                await store.put(keys.report(NODE, namespace, name, "v2"), AssignmentReport(
+                    node=NODE, namespace=namespace, name=name, generation=v2.generation,
+                    revision="v2", state=AssignmentState.READY, reason="ModelLoaded",
+                    endpoint=f"http://{NODE}.local:8000").to_json(), lease=lease)
+                await wait_canary(promoted, "Succeeded")
+                view = await watch_until(store, keys.assignments_prefix,
+                                         lambda v: set(v) == {v2_key})
+                assert role_of(v2_key, view) == Role.STABLE
+                await admin(control_plane, "wait", f"modeldeployment/{name}", "-n", namespace,
+                            "--for=jsonpath={.status.updatedReplicas}=1",
+                            f"--timeout={int(TIMEOUT)}s")
+                await admin(control_plane, "delete", "canary", promoted, "-n", namespace,
+                            "--wait=true", f"--timeout={int(TIMEOUT)}s")
+
                 # Deletion completes: the operator (as the SA) removed its finalizer.
                 await admin(control_plane, "delete", "modeldeployment", name, "-n", namespace,
                             "--wait=true", f"--timeout={int(TIMEOUT)}s")
@@ -209,6 +288,15 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
                                             "-n", namespace, check=False)
                 assert r.returncode != 0 and "NotFound" in r.stderr, (r.stdout, r.stderr)
                 await until_assignments(store, keys, lambda v: not v)
+
+                # The Canaries' transitions were posted as events by the ServiceAccount.
+                for canary, expected in ((aborted, {"Started", "Aborted"}),
+                                         (promoted, {"Started", "Promoting", "Succeeded"})):
+                    events = json.loads((await admin(
+                        control_plane, "get", "events", "-n", namespace, "--field-selector",
+                        f"involvedObject.name={canary}", "-o", "json")).stdout)["items"]
+                    reasons = {e["reason"] for e in events}
+                    assert expected <= reasons, (canary, reasons)
             finally:
                 await store.revoke_lease(lease)
     finally:
