@@ -93,10 +93,13 @@ def test_default_render_holds_exactly_the_operator_objects(default_docs: list[di
             assert doc["metadata"]["namespace"] == NAMESPACE
 
 
-def test_include_crds_renders_the_crd_of_crds_dir(helm: Path) -> None:
+def test_include_crds_renders_the_crds_of_crds_dir(helm: Path) -> None:
     docs = render(helm, "--include-crds")
-    crd = one(docs, "CustomResourceDefinition")
-    assert crd == yaml.safe_load((REPO / "crds" / "mlx-fleet.io_modeldeployments.yaml").read_text())
+    rendered = sorted((d for d in docs if d.get("kind") == "CustomResourceDefinition"),
+                      key=lambda d: d["metadata"]["name"])
+    ours = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "crds").glob("*.yaml"))]
+    assert rendered == sorted(ours, key=lambda d: d["metadata"]["name"])
+    assert {d["spec"]["names"]["kind"] for d in rendered} == {"ModelDeployment", "Canary"}
 
 
 # --- CRDs ----------------------------------------------------------------------------------------
@@ -130,6 +133,8 @@ def test_rbac_is_exactly_what_a_kopf_operator_needs(default_docs: list[dict[str,
         ("mlx-fleet.io", "modeldeployments"): {"get", "list", "watch", "patch", "update"},
         ("mlx-fleet.io", "modeldeployments/status"): {"get", "patch", "update"},
         ("mlx-fleet.io", "modeldeployments/finalizers"): {"get", "patch", "update"},
+        ("mlx-fleet.io", "canaries"): {"get", "list", "watch", "patch", "update"},
+        ("mlx-fleet.io", "canaries/status"): {"get", "patch", "update"},
         ("", "events"): {"create", "patch"},
         ("events.k8s.io", "events"): {"create", "patch"},
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
