@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,45 +33,13 @@ from common import machine
 from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
 from mlx_fleet.devcluster.controlplane import start_control_plane
 from mlx_fleet.devcluster.fleet import start_agent, start_operator
+from mlx_fleet.devcluster.kwatch import ObjectWatch
 from mlx_fleet.devcluster.loadgen import LoadGenerator
 from mlx_fleet.testmodel import Fault, make_test_model
 from node_agent.split import bucket
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NS = "default"
-
-
-class Watch:
-    """(monotonic time, object) for every event of ``kubectl get KIND NAME -w``."""
-
-    def __init__(self, cp, kind: str, name: str) -> None:
-        self.events: list[tuple[float, dict]] = []
-        self.changed = threading.Event()
-        self._proc = subprocess.Popen(
-            [str(cp.binaries.kubectl), "get", kind, name, "-n", NS, "-w", "-o", "json",
-             "--output-watch-events"], env={**os.environ, **cp.env()}, stdout=subprocess.PIPE,
-            text=True)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        decoder, buf = json.JSONDecoder(), ""
-        for line in self._proc.stdout:
-            buf += line
-            try:
-                ev, end = decoder.raw_decode(buf.lstrip())
-            except json.JSONDecodeError:
-                continue
-            buf = buf.lstrip()[end:]
-            self.events.append((time.monotonic(), ev["object"]))
-            self.changed.set()
-
-    def first(self, pred) -> float | None:
-        return next((t for t, o in self.events if pred(o)), None)
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
 
 
 def apply(cp, obj: dict) -> None:
@@ -97,7 +62,7 @@ async def rollback(cp, healthy: Path, faulty: Path, args) -> dict:
                                       "json").stdout)["status"]["endpoints"]
     sessions = [f"bench-{i}" for i in range(args.concurrency)]
     stable_side = {s for s in sessions if bucket(f"{NS}/{name}", s) >= args.weight * 100}
-    watch = Watch(cp, "canary", f"{name}-bad")
+    watch = ObjectWatch(cp, "canary", f"{name}-bad", NS)
     async with LoadGenerator(lambda: endpoints, name, sessions=sessions,
                              max_tokens=args.max_tokens) as load:
         await load.wait_for(args.concurrency * 2)
@@ -132,7 +97,7 @@ async def revision_edit(cp, healthy: Path, args) -> dict:
                "--timeout=240s", timeout=250)
     endpoints = json.loads(cp.kubectl("get", "modeldeployment", name, "-n", NS, "-o",
                                       "json").stdout)["status"]["endpoints"]
-    watch = Watch(cp, "modeldeployment", name)
+    watch = ObjectWatch(cp, "modeldeployment", name, NS)
     async with LoadGenerator(lambda: endpoints, name,
                              sessions=[f"edit-{i}" for i in range(args.concurrency)],
                              max_tokens=args.max_tokens) as load:

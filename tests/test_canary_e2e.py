@@ -14,7 +14,7 @@ import asyncio
 import json
 import os
 import subprocess
-import threading
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +24,7 @@ import pytest
 from mlx_fleet.contract import Keys
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
+from mlx_fleet.devcluster.kwatch import ObjectWatch
 from mlx_fleet.devcluster.loadgen import LoadGenerator
 from mlx_fleet.devcluster.processes import ManagedProcess
 from mlx_fleet.store import EtcdStore
@@ -95,35 +96,6 @@ def wait_for(cp: ControlPlane, kind: str, namespace: str, name: str, cond: str,
     return get(cp, kind, namespace, name)
 
 
-class StatusWatch:
-    """Every status of one ModelDeployment the API server sends on a ``kubectl get -w``."""
-
-    def __init__(self, cp: ControlPlane, namespace: str, name: str) -> None:
-        self.statuses: list[dict] = []
-        self._proc = subprocess.Popen(
-            [str(cp.binaries.kubectl), "get", "modeldeployment", name, "-n", namespace, "-w",
-             "-o", "json", "--output-watch-events"], env={**os.environ, **cp.env()},
-            stdout=subprocess.PIPE, text=True)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        decoder, buf = json.JSONDecoder(), ""
-        for line in self._proc.stdout:
-            buf += line
-            try:
-                ev, end = decoder.raw_decode(buf.lstrip())
-            except json.JSONDecodeError:
-                continue
-            buf = buf.lstrip()[end:]
-            self.statuses.append(ev["object"].get("status") or {})
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
-        self._thread.join(10)
-
-
 async def test_revision_edit_under_load_fails_no_request(
         control_plane: ControlPlane, canary_fleet: dict, test_model_dir: Path,
         namespace: str) -> None:
@@ -132,7 +104,7 @@ async def test_revision_edit_under_load_fails_no_request(
     md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
     endpoints = list(md["status"]["endpoints"])
     assert len(endpoints) == 2
-    watch = StatusWatch(control_plane, namespace, name)
+    watch = ObjectWatch(control_plane, "modeldeployment", name, namespace)
     try:
         async with LoadGenerator(lambda: endpoints, name, sessions=SESSIONS) as load:
             await load.wait_for(10)
@@ -223,3 +195,46 @@ async def test_faulty_candidate_is_rolled_back_and_stable_sessions_see_no_error(
              "jsonpath={.status.replicas}=2")
     md = get(control_plane, "modeldeployment", namespace, name)
     assert {n["revision"] for n in md["status"]["nodes"]} == {"v1"}
+
+
+def cli(cp: ControlPlane, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mlx_fleet.cli", "canary", *args],
+                          env={**os.environ, **cp.env()}, capture_output=True, text=True,
+                          timeout=60)
+
+
+async def test_manual_pause_promote_and_abort_with_the_cli(
+        control_plane: ControlPlane, canary_fleet: dict, canary_keys: Keys,
+        test_model_dir: Path, namespace: str) -> None:
+    name, can = "manual", "manual-v2"
+    control_plane.kubectl("apply", "-f", "-", input=deployment(name, namespace, test_model_dir, "v1"))
+    md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
+    endpoints = list(md["status"]["endpoints"])
+    async with LoadGenerator(lambda: endpoints, name, sessions=SESSIONS) as load:
+        await load.wait_for(6)
+        control_plane.kubectl("apply", "-f", "-", input=canary(
+            can, namespace, name, "v2", None,
+            [{"setWeight": 50}, {"pause": {}}, {"setWeight": 100}, {"pause": {}}]))
+        await asyncio.to_thread(wait_for, control_plane, "canary", namespace, can,
+                                "jsonpath={.status.phase}=Paused", 120)
+        shown = cli(control_plane, "status", can, "-n", namespace)
+        assert shown.returncode == 0 and "Paused" in shown.stdout and "weight 50%" in shown.stdout
+        # a manual pause waits: promote moves it past the pause to the next step
+        assert cli(control_plane, "promote", can, "-n", namespace).returncode == 0
+        await asyncio.to_thread(wait_for, control_plane, "canary", namespace, can,
+                                "jsonpath={.status.currentStepIndex}=3", 120)
+        assert get(control_plane, "canary", namespace, can)["status"]["currentWeight"] == 100
+        assert cli(control_plane, "abort", can, "-n", namespace).returncode == 0
+        obj = await asyncio.to_thread(wait_for, control_plane, "canary", namespace, can,
+                                      "jsonpath={.status.phase}=Aborted", 120)
+        await load.wait_for(6)
+    assert obj["status"]["currentWeight"] == 0
+    assert not [o for o in load.outcomes if o.failed]
+    assert get(control_plane, "modeldeployment", namespace, name)["spec"]["model"][
+        "revision"] == "v1"
+    async with EtcdStore(control_plane.etcd_url) as store:
+        assert await store.get(canary_keys.traffic(namespace, name)) is None
+    # abort with nothing in progress is a no-op that still succeeds
+    assert cli(control_plane, "abort", can, "-n", namespace).returncode == 0
+    missing = cli(control_plane, "abort", "no-such-canary", "-n", namespace)
+    assert missing.returncode == 1 and "not found" in missing.stderr

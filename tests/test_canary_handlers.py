@@ -575,3 +575,28 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
     assert events == [] and rt2.custom_api.calls == []
     assert rt2.candidates == {T: CandidateIntent("llm-v2", "v2", None, None)}
     assert await stored_split(rt2) == split
+
+
+async def test_deleting_a_running_canary_returns_all_traffic_to_stable(store, keys, events,
+                                                                      monkeypatch):
+    rt = runtime(store, keys)
+    body = await progressing_canary(rt, "uid-delete")
+    await tick(rt, body, now=T0 + 1)
+    assert (await stored_split(rt)).weight == 10 and T in rt.candidates
+    monkeypatch.setattr("mlx_fleet_operator.handlers.RUNTIME", rt)
+    await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2")
+    assert await stored_split(rt) is None  # agents route everything to stable
+    assert T not in rt.candidates           # the target's reconcile unloads the candidate
+    assert rt.wakeup(T).is_set()
+
+
+async def test_deleting_a_canary_never_touches_another_canarys_target(store, keys, events,
+                                                                      monkeypatch):
+    rt = runtime(store, keys)
+    body = await progressing_canary(rt, "uid-keep")
+    await tick(rt, body, now=T0 + 1)
+    monkeypatch.setattr("mlx_fleet_operator.handlers.RUNTIME", rt)
+    other = canary("llm-v3", spec={**CANARY_SPEC, "candidate": {"revision": "v3"}})
+    await canary_handlers.canary_deleted(body=other, namespace=NS, name="llm-v3")
+    assert (await stored_split(rt)).candidate_revision == "v2"
+    assert rt.candidates[T].canary == "llm-v2"
