@@ -62,7 +62,6 @@ async def rollback(cp, healthy: Path, faulty: Path, args) -> dict:
                                       "json").stdout)["status"]["endpoints"]
     sessions = [f"bench-{i}" for i in range(args.concurrency)]
     stable_side = {s for s in sessions if bucket(f"{NS}/{name}", s) >= args.weight * 100}
-    watch = ObjectWatch(cp, "canary", f"{name}-bad", NS)
     async with LoadGenerator(lambda: endpoints, name, sessions=sessions,
                              max_tokens=args.max_tokens) as load:
         await load.wait_for(args.concurrency * 2)
@@ -71,6 +70,7 @@ async def rollback(cp, healthy: Path, faulty: Path, args) -> dict:
                    "spec": {"targetRef": {"name": name},
                             "candidate": {"revision": "bad", "source": str(faulty)},
                             "steps": [{"setWeight": args.weight}, {"setWeight": 100}]}})
+        watch = ObjectWatch(cp, "canary", f"{name}-bad", NS)  # the object exists now
         await asyncio.to_thread(cp.kubectl, "wait", "--for=jsonpath={.status.phase}=RolledBack",
                                 f"canary/{name}-bad", "-n", NS, "--timeout=240s", timeout=250)
         await load.wait_for(args.concurrency * 2)
@@ -105,6 +105,12 @@ async def revision_edit(cp, healthy: Path, args) -> dict:
         edited = time.monotonic()
         cp.kubectl("patch", "modeldeployment", name, "-n", NS, "--type=merge", "-p",
                    '{"spec": {"model": {"revision": "v2"}}}')
+        await asyncio.to_thread(  # the edit is seen (else the old Complete would satisfy the wait)
+            cp.kubectl, "wait", "--for=jsonpath={.status.observedGeneration}=2",
+            f"modeldeployment/{name}", "-n", NS, "--timeout=240s", timeout=250)
+        await asyncio.to_thread(cp.kubectl, "wait", "--for=jsonpath={.status.updatedReplicas}=2",
+                                f"modeldeployment/{name}", "-n", NS, "--timeout=240s",
+                                timeout=250)
         await asyncio.to_thread(
             cp.kubectl, "wait",
             "--for=jsonpath={.status.conditions[?(@.type=='Progressing')].reason}=Complete",

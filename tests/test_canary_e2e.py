@@ -110,7 +110,10 @@ async def test_revision_edit_under_load_fails_no_request(
             await load.wait_for(10)
             control_plane.kubectl("patch", "modeldeployment", name, "-n", namespace,
                                   "--type=merge", "-p", '{"spec": {"model": {"revision": "v2"}}}')
-            # (in a thread: the load generator keeps sending on the event loop meanwhile)
+            # (in a thread: the load generator keeps sending on the event loop meanwhile; the
+            # edit is seen first, else the old status would satisfy the waits below)
+            await asyncio.to_thread(wait_for, control_plane, "modeldeployment", namespace, name,
+                                    "jsonpath={.status.observedGeneration}=2")
             await asyncio.to_thread(wait_for, control_plane, "modeldeployment", namespace, name,
                                     "jsonpath={.status.updatedReplicas}=2")
             await asyncio.to_thread(
