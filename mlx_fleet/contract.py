@@ -297,6 +297,20 @@ class AssignmentState(str, enum.Enum):
     FAILED = "Failed"
 
 
+class DownloadProgress(_Record):
+    """A model download under way (state ``Prefetching``). Bytes are bytes on the wire;
+    ``bytes_total`` 0 while unknown. ``rate_bytes_per_second``: averaged over the last few
+    seconds; ``eta_seconds``: remaining ÷ rate (None while the rate or total is unknown).
+    ``files_done``/``files_total``: files verified / to fetch."""
+
+    bytes_done: Annotated[int, Field(ge=0)] = 0
+    bytes_total: Annotated[int, Field(ge=0)] = 0
+    rate_bytes_per_second: Annotated[float, Field(ge=0)] = 0.0
+    eta_seconds: Annotated[float, Field(ge=0)] | None = None
+    files_done: Annotated[int, Field(ge=0)] = 0
+    files_total: Annotated[int, Field(ge=0)] = 0
+
+
 class AssignmentReport(_Record):
     """``<root>/reports/<node>/<namespace>/<name>/<revision>``: the agent's state for one
     assignment (one revision of one deployment on this node).
@@ -304,6 +318,9 @@ class AssignmentReport(_Record):
     ``generation``: the assignment generation this state refers to (stale reports are ignored
     by the operator). ``reason``: CamelCase machine reason (``ModelLoaded``, ``LoadFailed`` ...);
     ``message``: human text, e.g. the load error. ``endpoint``: URL clients use for this model.
+    ``progress``: the download while ``Prefetching`` (written at a bounded rate).
+    ``estimated_bytes``: the revision's resident-memory estimate from its files (weights from
+    the safetensors headers + KV cache at the assignment's limits), once the files are local.
     """
 
     node: str
@@ -316,6 +333,8 @@ class AssignmentReport(_Record):
     message: str = ""
     endpoint: str = ""
     resident_bytes: Annotated[int, Field(ge=0)] = 0
+    progress: DownloadProgress | None = None
+    estimated_bytes: Annotated[int, Field(ge=0)] = 0
     updated_unix: float = Field(default_factory=time.time)
 
 
