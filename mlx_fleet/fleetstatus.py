@@ -13,7 +13,8 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import Assignment, AssignmentReport, Keys, NodeRecord
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
+                                Keys, NodeRecord)
 from mlx_fleet.store import KV, Store
 
 K = TypeVar("K")
@@ -61,11 +62,47 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB"
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_text(p: DownloadProgress) -> str:
+    """A download in one line: ``"12.0 MiB / 45.0 MiB · 3.1 MiB/s · ETA 0:00:11 · 1/3 files"``
+    (``?`` for an unknown total, ``ETA -`` without an estimate)."""
+    parts = [f"{_size(p.bytes_done)} / {_size(p.bytes_total) if p.bytes_total else '?'}",
+             f"{_size(p.rate_bytes_per_second)}/s",
+             f"ETA {_duration(p.eta_seconds) if p.eta_seconds is not None else '-'}"]
+    if p.files_total:
+        parts.append(f"{p.files_done}/{p.files_total} files")
+    return " · ".join(parts)
+
+
+def _download(rep: AssignmentReport | None) -> DownloadProgress | None:
+    if rep is None or rep.state != AssignmentState.PREFETCHING:
+        return None
+    return rep.progress
+
+
 def summarize(view: FleetView) -> list[dict[str, str]]:
     """One row per node (and per assignment on it): node, chip, memory, health, deployment,
-    revision, state, endpoint. Nodes without assignments get one row with ``-`` fields;
+    revision, state, endpoint, progress (:func:`progress_text` of a ``Prefetching`` report's
+    download, else ``-``). Nodes without assignments get one row with ``-`` fields;
     assignments on nodes that vanished are listed with node health ``Gone``."""
-    rows: list[dict[str, str]] = []
+    return [row for row, _ in _rows(view)]
+
+
+def _rows(view: FleetView) -> list[tuple[dict[str, str], DownloadProgress | None]]:
+    """:func:`summarize`'s rows, each with the download shown in its progress cell."""
+    rows: list[tuple[dict[str, str], DownloadProgress | None]] = []
     names = sorted(set(view.nodes) | {ref[0] for ref in view.assignments})
     for node in names:
         rec = view.nodes.get(node)
@@ -79,28 +116,53 @@ def summarize(view: FleetView) -> list[dict[str, str]]:
         }
         refs = sorted(ref for ref in view.assignments if ref[0] == node)
         if not refs:
-            rows.append({**base, "deployment": "-", "revision": "-", "state": "-", "endpoint": "-"})
+            rows.append(({**base, "deployment": "-", "revision": "-", "state": "-",
+                          "endpoint": "-", "progress": "-"}, None))
         for ref in refs:
             a = view.assignments[ref]
             rep = view.reports.get(ref)
-            rows.append({**base, "deployment": f"{a.namespace}/{a.name}", "revision": (a.source.revision if a.role.value == "Stable" else f"{a.source.revision} ({a.role.value.lower()})"),
+            p = _download(rep)
+            rows.append(({**base, "deployment": f"{a.namespace}/{a.name}", "revision": (a.source.revision if a.role.value == "Stable" else f"{a.source.revision} ({a.role.value.lower()})"),
                          "state": (rep.state.value + (f" ({rep.reason})" if rep.reason else "")) if rep
                          else "Pending",
-                         "endpoint": rep.endpoint if rep and rep.endpoint else "-"})
+                         "endpoint": rep.endpoint if rep and rep.endpoint else "-",
+                         "progress": progress_text(p) if p is not None else "-"}, p))
     return rows
 
 
+_COLUMNS = ("node", "chip", "memory", "health", "deployment", "revision", "state", "endpoint",
+            "progress")
+
+
+def _progress_cell(p: DownloadProgress, text: str):
+    """A rich bar (bytes done of total; pulsing while the total is unknown) above its text."""
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    cell = Table.grid()
+    cell.add_row(ProgressBar(total=p.bytes_total or None, completed=p.bytes_done))
+    cell.add_row(text)
+    return cell
+
+
 def render(view: FleetView, console=None) -> None:
-    """Print :func:`summarize` as a rich table."""
+    """Print :func:`summarize` as a rich table; the Progress column (a bar over its text)
+    appears while some assignment is Prefetching."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     table = Table(title=f"mlx-fleet (etcd revision {view.revision})")
-    for col in ("node", "chip", "memory", "health", "deployment", "revision", "state", "endpoint"):
+    rows = _rows(view)
+    # the progress column only while something downloads
+    columns = [c for c in _COLUMNS if c != "progress" or any(p is not None for _, p in rows)]
+    for col in columns:
         table.add_column(col.capitalize())
-    for row in summarize(view):
-        table.add_row(*row.values())
+    for row, p in rows:
+        cells = [row[c] for c in columns]
+        if "progress" in columns and p is not None:
+            cells[-1] = _progress_cell(p, row["progress"])
+        table.add_row(*cells)
     console.print(table)
     if view.malformed:
         console.print(f"[yellow]{view.malformed} malformed record(s) ignored[/]")

@@ -50,14 +50,16 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys, Role
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
+                                Keys, Role)
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
 from mlx_fleet.supervise import Supervised
 
 from .registration import Registration
 from .serving import ModelLoadError, ServingCore
-from .sources import SourceError, resolve_source
+from .fetch import default_model_cache, fetch
+from .sources import SourceError, is_remote, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ RETRY_INITIAL_BACKOFF = 2.0
 RETRY_MAX_BACKOFF = 300.0
 #: Failure reasons that only a change of the assignment can fix: not retried.
 PERMANENT_REASONS = frozenset({"InvalidSource", "UnsupportedSource", "InvalidAssignment"})
+#: Least interval between two Prefetching reports of one download (seconds).
+_PROGRESS_REPORT_SECONDS = 0.5
 #: How long an unassigned revision may finish its running requests before it is unloaded
 #: (seconds). Generous: a long completion on a loaded Mac can take a minute.
 DRAIN_SECONDS = 60.0
@@ -145,16 +149,21 @@ class Controller:
 
     ``store``/``keys``: the etcd store and contract layout; ``registration``: writes the reports
     under the node's lease; ``advertise_url``: the ``endpoint`` put into Ready reports;
-    ``resolve``: source URI → local path (default :func:`~node_agent.sources.resolve_source`).
+    ``resolve``: local source URI → local path (default
+    :func:`~node_agent.sources.resolve_source`; ``hf://`` and ``https://`` sources are fetched
+    with :func:`~node_agent.fetch.fetch`).
     ``retry_backoff``: ``(initial, maximum)`` delay in seconds between retries of a failed load
-    (default :data:`RETRY_INITIAL_BACKOFF`, :data:`RETRY_MAX_BACKOFF`).
+    (default :data:`RETRY_INITIAL_BACKOFF`, :data:`RETRY_MAX_BACKOFF`). ``model_cache``: where
+    ``https://`` sources are downloaded (default :func:`~node_agent.fetch.default_model_cache`,
+    ``$MLX_FLEET_CACHE/models``); ``hf://`` ones use the Hugging Face cache.
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
                  registration: Registration, advertise_url: str,
                  resolve: Callable[[str], Path] = resolve_source,
                  retry_backoff: tuple[float, float] = (RETRY_INITIAL_BACKOFF,
-                                                       RETRY_MAX_BACKOFF)) -> None:
+                                                       RETRY_MAX_BACKOFF),
+                 model_cache: Path | None = None) -> None:
         self._store = store
         self._keys = keys
         self.node_name = node_name
@@ -164,6 +173,7 @@ class Controller:
         self.advertise_url = advertise_url
         self._resolve = resolve
         self._retry_initial, self._retry_max = retry_backoff
+        self._model_cache = model_cache if model_cache is not None else default_model_cache()
         self._desired: dict[str, Assignment | _Invalid] = {}
         self._loaded: dict[str, _Loaded] = {}
         self._failed: dict[str, _Failure] = {}
@@ -287,8 +297,11 @@ class Controller:
             if retry_in is None:
                 await self._changed.wait()
             elif retry_in > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=retry_in)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+                # cancellation that arrives as the event is set, and stop() would hang
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(retry_in):
+                        await self._changed.wait()
             self._changed.clear()
             await self._converge()
 
@@ -403,14 +416,22 @@ class Controller:
     async def _load(self, key: str, a: Assignment, spec: _Spec, *,
                     retry: _Failure | None = None) -> None:
         """Load ``spec`` for ``key``; ``retry``: the failure this attempt retries (the report
-        then stays Failed until the load succeeds)."""
+        then stays Failed until the load succeeds, unless a download shows progress).
+        A remote source (``hf://``, ``https://``) is downloaded first: ``Prefetching`` with
+        ``progress`` (written at most every :data:`_PROGRESS_REPORT_SECONDS`), then
+        ``Loading``, then ``Ready``."""
         common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
                       revision=spec.revision)
+        remote = is_remote(spec.uri)
         if retry is None:
-            await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
-                               message=f"loading {spec.model_id} from {spec.uri}", **common)
-            log.info("loading %s revision %s from %s (assignment %s)", spec.model_id,
-                     spec.revision, spec.uri, key)
+            if remote:
+                await self._report_prefetch(key, spec, DownloadProgress(), common)
+            else:
+                await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
+                                   message=f"loading {spec.model_id} from {spec.uri}", **common)
+            log.info("%s %s revision %s from %s (assignment %s)",
+                     "fetching" if remote else "loading", spec.model_id, spec.revision,
+                     spec.uri, key)
         else:
             log.info("retrying load of %s revision %s from %s (assignment %s, attempt %d)",
                      spec.model_id, spec.revision, spec.uri, key, retry.attempts + 1)
@@ -418,7 +439,16 @@ class Controller:
         if draining is not None:  # assigned again while it drains: let the unload finish first
             await asyncio.shield(draining)
         try:
-            path = await asyncio.to_thread(self._resolve, spec.uri)
+            if remote:
+                fetched = await self._prefetch(key, spec, common, shown=retry is None)
+                if fetched is None:
+                    return  # the assignment changed or went away; the next pass takes over
+                path, shown = fetched
+                if shown:
+                    await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
+                                       message=f"loading {spec.model_id} from {path}", **common)
+            else:
+                path = await asyncio.to_thread(self._resolve, spec.uri)
             await self._core.load_model(
                 spec.model_id, path, revision=spec.revision,
                 max_concurrent_sequences=spec.max_concurrent_sequences,
@@ -438,6 +468,80 @@ class Controller:
         self._loaded[key] = loaded = _Loaded(spec, resident)
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._ready(key, a, loaded)
+
+    async def _report_prefetch(self, key: str, spec: _Spec, progress: DownloadProgress,
+                               common: dict) -> None:
+        await self._reg.put_report(self._report_key(key), AssignmentReport(
+            node=self.node_name, state=AssignmentState.PREFETCHING, reason="FetchingModel",
+            message=f"downloading {spec.model_id} from {spec.uri}", progress=progress,
+            **common))
+
+    def _still_assigned(self, key: str, spec: _Spec) -> Assignment | None:
+        """The assignment at ``key`` now, if it still asks for ``spec``."""
+        d = self._desired.get(key)
+        return d if isinstance(d, Assignment) and _Spec.of(d) == spec else None
+
+    async def _prefetch(self, key: str, spec: _Spec, common: dict, *,
+                        shown: bool) -> tuple[Path, bool] | None:
+        """Download ``spec``'s remote source, reporting ``Prefetching`` with its progress at
+        most every :data:`_PROGRESS_REPORT_SECONDS` (and once complete). ``shown``: Prefetching
+        was reported already; otherwise (a retry) it is only once bytes arrive. Returns
+        ``(local path, whether Prefetching was reported)``, or None when the assignment changed
+        or went away meanwhile (the download is cancelled; the partial files stay for a
+        resume). Raises :class:`SourceError`."""
+        loop = asyncio.get_running_loop()
+        latest: list[DownloadProgress] = []
+        arrived = asyncio.Event()
+
+        def on_progress(p: DownloadProgress) -> None:
+            latest[:] = [p]
+            arrived.set()
+
+        task = asyncio.ensure_future(fetch(spec.uri, self._model_cache, progress=on_progress))
+        written: DownloadProgress | None = None
+        last_write = -_PROGRESS_REPORT_SECONDS
+        try:
+            while not task.done():
+                if not arrived.is_set():
+                    waiter = asyncio.ensure_future(arrived.wait())
+                    try:  # wakes up at least every interval to look at the assignment
+                        await asyncio.wait({task, waiter}, timeout=_PROGRESS_REPORT_SECONDS,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                now = self._still_assigned(key, spec)
+                if now is None:
+                    log.info("assignment %s changed while fetching %s; download stopped", key,
+                             spec.uri)
+                    return None
+                common = {**common, "generation": now.generation}  # reports follow it
+                if task.done() or not arrived.is_set():
+                    continue
+                wait = last_write + _PROGRESS_REPORT_SECONDS - loop.time()
+                if wait > 0:
+                    await asyncio.wait({task}, timeout=wait)
+                    if task.done():
+                        break
+                arrived.clear()
+                p = latest[0]
+                if not shown and p.rate_bytes_per_second <= 0:
+                    continue  # a retry stays Failed until bytes flow
+                await self._report_prefetch(key, spec, p, common)
+                shown, written, last_write = True, p, loop.time()
+            path = task.result()
+            if shown and latest and latest[0] != written:
+                await self._report_prefetch(key, spec, latest[0], common)  # complete
+            return path, shown
+        finally:
+            if not task.done():
+                task.cancel()
+                try:
+                    await task  # an https download stops between chunks
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                        raise  # we are being cancelled ourselves
+                except Exception:  # noqa: BLE001 - superseded; its error no longer matters
+                    pass
 
     async def _fail(self, key: str, spec: _Spec, reason: str, message: str, common: dict) -> None:
         previous = self._loaded.pop(key, None)
