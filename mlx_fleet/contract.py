@@ -213,9 +213,10 @@ class NodeRecord(_Record):
 
 
 class ModelSource(_Record):
-    """Where the weights come from. ``uri``: ``file:///abs/path`` or an absolute path
-    (``hf://`` and ``https://`` arrive with the lifecycle work). ``revision``: the user's label
-    for this version of the model (a git revision for hub sources)."""
+    """Where the weights come from. ``uri``: ``file:///abs/path``, an absolute path,
+    ``hf://org/repo[@revision]`` (through huggingface_hub) or ``https://`` (a mirror with a
+    ``manifest.json``; :mod:`node_agent.fetch`). ``revision``: the user's label for this version
+    of the model (the deployment's identity for it; a hub revision goes in the URI)."""
 
     uri: str
     revision: str
