@@ -173,7 +173,8 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
         samples = metric_samples(text)
         assert samples[("mlxfleet_operator_reconcile_total", (("result", "changed"),))] >= 2  # placed, moved
         assert samples[("mlxfleet_operator_reconcile_total", (("result", "unchanged"),))] >= 1
-        assert samples[("mlxfleet_operator_reconcile_duration_seconds_count", ())] >= 3
+        assert samples[("mlxfleet_operator_reconcile_duration_seconds_count",
+                        (("result", "success"),))] >= 3
         assert samples[("mlxfleet_operator_etcd_txn_conflicts_total", ())] == 0  # one writer
 
         await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name, "-n", namespace,

@@ -223,7 +223,6 @@ class Runtime:
                 nodes[self.keys.parse_node(kv.key)] = rec
         old = {n: self._placement_view(r) for n, r in self.nodes.items()}
         self.nodes = nodes
-        metrics.set_nodes(nodes.values())
         self.nodes_synced.set()
         if old != {n: self._placement_view(r) for n, r in nodes.items()}:
             self.wake_all()
@@ -238,7 +237,6 @@ class Runtime:
             self.nodes.pop(name, None)
         else:
             self.nodes[name] = rec
-        metrics.set_nodes(self.nodes.values())
         if before != self._placement_view(rec):
             log.info("node %s %s; re-placing deployments", name,
                      "gone" if rec is None else "changed" if before else "appeared")
@@ -299,6 +297,7 @@ class Runtime:
                 ("etcd follower: stats", self.keys.stats_prefix, self.on_stats_snapshot,
                  self.on_stats_event)):
             health = self.followers[name] = TaskHealth(name)
+            on_snapshot = metrics.relists_counted(name.rsplit(" ", 1)[-1], on_snapshot)
 
             def run(prefix=prefix, on_snapshot=on_snapshot, on_event=on_event):
                 return follow_prefix(self.store, prefix, on_snapshot, on_event)
@@ -447,6 +446,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
                                                   rt.reports_synced.wait()), timeout=30)
         except asyncio.TimeoutError:
             logger.warning("etcd views not loaded after 30s; continuing, watches will catch up")
+        metrics.register_fleet(lambda: RUNTIME)  # fleet state, built at scrape time
         metrics.serve(cfg.metrics_port)  # already bound by main()'s pre-flight check
     except BaseException as e:  # also on cancellation (SIGTERM during start-up)
         with contextlib.suppress(Exception):
@@ -554,6 +554,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
                           if s.assignment is not None}
             except StoreError as se:
                 metrics.RECONCILE_TOTAL.labels(result="error").inc()
+                metrics.observe_reconcile(time.perf_counter() - started, success=False)
                 raise kopf.TemporaryError(f"etcd: {se}", delay=5) from se
             reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in placed}
             status, events = compute_status(StatusInput(
@@ -561,6 +562,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
                 nodes=dict(rt.nodes), spec_error=str(e)), previous)
             # The InvalidSpec Warning event is among ``events`` (posted on the transition only).
             await _publish(rt, body, key, status, events, replicas)
+            metrics.observe_reconcile(time.perf_counter() - started, success=False)
             raise kopf.PermanentError(str(e)) from None
 
         rt.deployments[key] = (spec, generation, meta.get("uid", ""))
@@ -572,11 +574,13 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
+            metrics.observe_reconcile(time.perf_counter() - started, success=False)
             # Retry soon from the daemon instead of waiting for the next resync.
             rt.rearm(key, CONFLICT_RETRY_SECONDS * random.uniform(0.5, 1.5))
             raise kopf.TemporaryError(str(e), delay=1) from e
         except StoreError as e:
             metrics.RECONCILE_TOTAL.labels(result="error").inc()
+            metrics.observe_reconcile(time.perf_counter() - started, success=False)
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         rt.placed[key] = dict(result.assignments)

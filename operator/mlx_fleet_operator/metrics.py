@@ -1,41 +1,53 @@
 """Prometheus metrics of the operator (served by ``prometheus_client`` on ``--metrics-port``).
 
-=====================================================  ===========================================
-``mlxfleet_operator_reconcile_total{result}``          reconciles by outcome: ``changed`` (a
-                                                       transaction was written), ``unchanged``,
-                                                       ``invalid`` (bad spec), ``conflict``,
-                                                       ``error``
-``mlxfleet_operator_reconcile_duration_seconds``       histogram of one reconcile (etcd read,
-                                                       placement, transaction, status patch)
-``mlxfleet_operator_etcd_txn_conflicts_total``         fenced transactions that failed their
-                                                       compares (someone wrote in between)
-``mlxfleet_operator_nodes{health}``                    node records in etcd by health
-``mlxfleet_operator_deployment_replicas``              replicas per ModelDeployment,
-``{namespace,name,state}``                             ``state`` = ``desired`` or ``ready``
-``mlxfleet_operator_canary_weight``                    a Canary's candidate weight, percent
-``{namespace,name,target}``
-``mlxfleet_operator_canary_phase``                     1 for the Canary's current phase, else 0
-``{namespace,name,phase}``
-``mlxfleet_operator_canary_transitions_total``         Canary phase transitions by the phase
-``{namespace,name,phase}``                             entered (RolledBack, Succeeded ...)
-=====================================================  ===========================================
+Every metric, with its type, labels and meaning, is listed in docs/metrics.md, which
+scripts/gen_metrics_docs.py generates from this registry (tests/test_metrics_docs.py fails when
+the two drift apart).
+
+Two kinds live here:
+
+* event metrics the handlers update as things happen: reconciles by result and their duration
+  (``result`` = ``success``/``failure``), etcd transaction conflicts, watch restarts, replicas per
+  ModelDeployment, Canary weight/phase/transitions;
+* the fleet state (nodes, memory, assignments, served models, per-revision request statistics),
+  built at scrape time from the operator's etcd views by
+  :class:`~.fleet_metrics.FleetCollector`, registered once by :func:`register_fleet`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from mlx_fleet.contract import NodeHealth, NodeRecord
+from mlx_fleet.contract import NodeRecord
+
+from .fleet_metrics import FleetCollector
 
 RECONCILE_TOTAL = Counter("mlxfleet_operator_reconcile_total",
-                          "ModelDeployment reconciles by result", ["result"])
-RECONCILE_DURATION = Histogram("mlxfleet_operator_reconcile_duration_seconds",
-                               "Duration of one ModelDeployment reconcile in seconds")
+                          "ModelDeployment reconciles by result: changed (a transaction was "
+                          "written), unchanged, invalid (bad spec), conflict, error", ["result"])
+RECONCILE_DURATIONS = Histogram(
+    "mlxfleet_operator_reconcile_duration_seconds",
+    "Duration of one ModelDeployment reconcile (etcd read, placement, transaction, status "
+    "patch) by result: success (changed, unchanged) or failure (invalid, conflict, error)",
+    ["result"])
+#: The successful reconciles' child (``RECONCILE_DURATION.observe(seconds)``, as before the
+#: ``result`` label); failures go through :func:`observe_reconcile`.
+RECONCILE_DURATION = RECONCILE_DURATIONS.labels(result="success")
+RECONCILE_DURATIONS.labels(result="failure")
 TXN_CONFLICTS = Counter("mlxfleet_operator_etcd_txn_conflicts_total",
                         "Fenced etcd transactions that failed their mod_revision compares")
-NODES = Gauge("mlxfleet_operator_nodes", "Node records in etcd by health", ["health"])
+WATCH_RESTARTS = Counter("mlxfleet_operator_watch_restarts_total",
+                         "Re-lists of a followed etcd prefix after its first list (its watch "
+                         "revision was compacted, or the follower was restarted)", ["watch"])
+#: The ``watch`` label values: the followed key prefixes.
+WATCHES = ("nodes", "reports", "stats")
+for _watch in WATCHES:
+    WATCH_RESTARTS.labels(watch=_watch)
 DEPLOYMENT_REPLICAS = Gauge("mlxfleet_operator_deployment_replicas",
                             "Replicas of a ModelDeployment by state (desired, ready)",
                             ["namespace", "name", "state"])
@@ -56,12 +68,37 @@ for _result in ("changed", "unchanged", "invalid", "conflict", "error"):
     RECONCILE_TOTAL.labels(result=_result)
 
 
-def set_nodes(records: Iterable[NodeRecord]) -> None:
-    counts = {h.value: 0 for h in NodeHealth}
-    for r in records:
-        counts[r.health.value] = counts.get(r.health.value, 0) + 1
-    for health, n in counts.items():
-        NODES.labels(health=health).set(n)
+def observe_reconcile(seconds: float, *, success: bool) -> None:
+    """Record one reconcile's duration under ``result="success"`` or ``result="failure"``."""
+    RECONCILE_DURATIONS.labels(result="success" if success else "failure").observe(seconds)
+
+
+def watch_restarted(watch: str) -> None:
+    """Count one restart of the follower of ``watch`` (one of :data:`WATCHES`). Raises
+    ``ValueError`` for another value (labels stay bounded)."""
+    if watch not in WATCHES:
+        raise ValueError(f"unknown watch {watch!r}: one of {', '.join(WATCHES)}")
+    WATCH_RESTARTS.labels(watch=watch).inc()
+
+
+def relists_counted(watch: str, on_snapshot: Callable[[Any], Awaitable[None]]
+                    ) -> Callable[[Any], Awaitable[None]]:
+    """``on_snapshot`` (a follower's list callback) wrapped to call :func:`watch_restarted`
+    for every list after the first. Wrap once per follower, outside its supervised run, so
+    that a restarted follower's list counts too. Raises ``ValueError`` for an unknown
+    ``watch``."""
+    if watch not in WATCHES:
+        raise ValueError(f"unknown watch {watch!r}: one of {', '.join(WATCHES)}")
+    listed = False
+
+    async def counted(snapshot: Any) -> None:
+        nonlocal listed
+        if listed:
+            watch_restarted(watch)
+        listed = True
+        await on_snapshot(snapshot)
+
+    return counted
 
 
 def set_replicas(namespace: str, name: str, desired: int, ready: int) -> None:
@@ -88,6 +125,27 @@ def forget_canary(namespace: str, name: str) -> None:
     for metric in (CANARY_WEIGHT, CANARY_PHASE, CANARY_TRANSITIONS):
         for labels in [k for k in metric._metrics if k[:2] == (namespace, name)]:  # noqa: SLF001
             metric.remove(*labels)
+
+
+_FLEET: weakref.WeakKeyDictionary[CollectorRegistry, FleetCollector] = weakref.WeakKeyDictionary()
+_FLEET_LOCK = threading.Lock()
+
+
+def register_fleet(runtime_getter: Callable[[], Any],
+                   registry: CollectorRegistry = REGISTRY) -> FleetCollector:
+    """Register the :class:`~.fleet_metrics.FleetCollector` over ``runtime_getter()`` (the
+    operator's Runtime, or None while it starts) on ``registry`` (default: the one ``/metrics``
+    serves). Idempotent: a later call for the same registry registers nothing and only points
+    the existing collector at the new ``runtime_getter``; returns the collector."""
+    with _FLEET_LOCK:
+        collector = _FLEET.get(registry)
+        if collector is None:
+            collector = FleetCollector(runtime_getter)
+            registry.register(collector)
+            _FLEET[registry] = collector
+        else:
+            collector.runtime_getter = runtime_getter
+        return collector
 
 
 _SERVED_PORT: int | None = None
