@@ -347,14 +347,16 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
         answer back as it comes. A node that can't be reached is a 503 (and a candidate
-        failure for the statistics: the client saw a server error)."""
+        failure for the statistics: the client saw a server error). Like a local request,
+        an answer with a client-error status (4xx) and a client that hangs up are not
+        counted in the statistics."""
         import aiohttp
 
         t0 = time.perf_counter()
         url = routed.route.forward.rstrip("/") + request.path
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
         resp: web.StreamResponse | None = None
-        failed = True
+        failed: bool | None = None  # None: not counted (client error, client gone)
         try:
             session = await client_session()
             async with session.post(url, data=body, headers=headers) as up:
@@ -366,9 +368,10 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 async for part in up.content.iter_any():
                     await resp.write(part)
                 await resp.write_eof()
-                failed = up.status >= 500
+                failed = None if 400 <= up.status < 500 else up.status >= 500
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            failed = True
             if resp is not None:  # the header went out: end the stream with an error event
                 raise ConnectionResetError(f"forwarding to {url} failed: {e}") from e
             return _error(503, f"the node serving revision {routed.route.revision} is not "
@@ -376,7 +379,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                           code="unavailable")
         finally:
             tm = router()
-            if tm is not None:
+            if tm is not None and failed is not None:
                 tm.record(routed, latency_s=time.perf_counter() - t0, ttft_s=None,
                           completion_tokens=0, decode_seconds=None, failed=failed)
 
@@ -430,6 +433,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         # labelled only now that the model is known to be loaded (bounded label values)
         request[_MODEL] = req.model
         request[_REVISION] = info.revision
+        headers = {REVISION_HEADER: info.revision}  # on every response from here on
         outcome = _Outcome(tm, routed)
         try:
             gen = await core.generate(req.model, revision=info.revision, prompt=prompt,
@@ -442,20 +446,20 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         except Overloaded as e:
             return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
                           code="overloaded",
-                          headers={"Retry-After": str(e.retry_after_seconds)})
+                          headers={"Retry-After": str(e.retry_after_seconds), **headers})
         except ContextLengthExceeded as e:
             return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
-                          code="context_length_exceeded")
+                          code="context_length_exceeded", headers=headers)
         except InvalidPrompt as e:
             return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
-                          code="invalid_prompt")
+                          code="invalid_prompt", headers=headers)
         except GenerationAborted as e:
             outcome.done(failed=True)
-            return _error(503, str(e), type_="server_error", code="unavailable")
+            return _error(503, str(e), type_="server_error", code="unavailable",
+                          headers=headers)
 
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        headers = {REVISION_HEADER: info.revision}
         async with gen:
             if req.stream:
                 return await stream(request, req, kind, gen, rid, created, headers, outcome)

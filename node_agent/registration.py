@@ -269,10 +269,16 @@ class Registration:
 
     # -- internals ---------------------------------------------------------------------------
     async def _bounded(self, call: Coroutine[Any, Any, Any], what: str) -> Any:
-        """Await one store call, at most :attr:`write_timeout`; a timeout is a StoreError."""
+        """Await one store call, at most :attr:`write_timeout`; a timeout is a StoreError.
+
+        ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` returns the
+        result instead of raising when the call completes in the same loop iteration as a
+        cancellation, so the cancelled task would carry on (and ``stop()`` of a supervised
+        task blocked on it would hang)."""
         try:
-            return await asyncio.wait_for(call, timeout=self.write_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.write_timeout):
+                return await call
+        except TimeoutError:
             raise StoreError(f"{what}: no answer from etcd within "
                              f"{self.write_timeout:.1f}s") from None
 
@@ -358,8 +364,9 @@ class Registration:
         try:
             # Bounded by the keep-alive period: a late answer is as good as none, and the next
             # keep-alive must go out on time (see the module doc).
-            remaining = await asyncio.wait_for(self._store.keepalive(lease),
-                                               timeout=self.interval)
+            # (asyncio.timeout: see _bounded)
+            async with asyncio.timeout(self.interval):
+                remaining = await self._store.keepalive(lease)
         except (StoreError, asyncio.TimeoutError) as e:
             if isinstance(e, asyncio.TimeoutError):
                 e = StoreError(f"no keep-alive answer within {self.interval:.1f}s")
@@ -418,9 +425,10 @@ class Registration:
             wait = deadline - time.monotonic()
             if wait > 0:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                    async with asyncio.timeout(wait):  # not wait_for: see _bounded
+                        await self._wake.wait()
                     scheduled = False
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             self._wake.clear()
             try:

@@ -135,6 +135,12 @@ class TrafficManager:
         if guard is None or new_canary:
             self._guards[dep] = CandidateGuard(split.guard, split.candidate_revision)
             self._stats[dep] = DeploymentStats()
+            # The core's crash counts are cumulative since each revision was loaded: count
+            # only the crashes from now on (the counters start now), not earlier ones.
+            served = self._served().get(split.served_model_name)
+            if served is not None and (served.namespace, served.name) == dep:
+                for rev in served.revisions:
+                    self._crash_seen[(dep, rev)] = self._crashes(split.served_model_name, rev)
         elif guard.guard != split.guard and not guard.tripped:
             guard.reset(split.guard, split.candidate_revision)
         if before is None or before.weight != split.weight or new_canary:
@@ -203,8 +209,11 @@ class TrafficManager:
     # -- statistics writer -------------------------------------------------------------------
     async def _writer(self) -> None:
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._urgent.wait(), timeout=WRITER_TICK_SECONDS)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+            # that arrives as the event is set, and stop() would hang
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WRITER_TICK_SECONDS):
+                    await self._urgent.wait()
             urgent = self._urgent.is_set()
             self._urgent.clear()
             await self.write_due(force_tripped=urgent)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -14,14 +15,15 @@ import aiohttp
 import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
-                                NodeCapacity, NodeHealth, NodeRecord)
+                                NodeCapacity, NodeHealth, NodeRecord, Role)
 from mlx_fleet import supervise as supervise_module
 from mlx_fleet.store import EtcdStore, StoreError, WatchEvent
-from node_agent.controller import Controller
+from node_agent.controller import Controller, ServedModel
 from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
+from serving_fixtures import other_model_path, wait_for  # noqa: F401  (a session fixture)
 
 NODE = "mac-1"
 ADVERTISED = "http://agent.test:8000"
@@ -34,15 +36,17 @@ TIMEOUT = 120  # a model load on two busy CPU cores
 
 
 def assignment(name: str, model_dir: Path | str, *, model: str | None = None,
-               revision: str = "r1", generation: int = 1, ns: str = "default") -> Assignment:
+               revision: str = "r1", generation: int = 1, ns: str = "default",
+               role: Role = Role.STABLE) -> Assignment:
     uri = model_dir if isinstance(model_dir, str) else f"file://{model_dir}"
     return Assignment(namespace=ns, name=name, generation=generation,
                       served_model_name=model or name,
-                      source=ModelSource(uri=uri, revision=revision), memory_bytes=2**20)
+                      source=ModelSource(uri=uri, revision=revision), memory_bytes=2**20,
+                      role=role)
 
 
 async def put(store: EtcdStore, keys: Keys, a: Assignment) -> int:
-    return await store.put(keys.assignment(NODE, a.namespace, a.name), a.to_json())
+    return await store.put(keys.assignment(NODE, a.namespace, a.name, a.revision), a.to_json())
 
 
 async def report_events(store: EtcdStore, key: str, start: int,
@@ -85,8 +89,14 @@ def settled(r: AssignmentReport | None) -> bool:
     return r is not None and r.state in (AssignmentState.READY, AssignmentState.FAILED)
 
 
-async def complete(core: ServingCore, model: str) -> str:
-    gen = await core.generate(model, prompt="Hello, world!", max_tokens=4, temperature=0.0)
+async def complete(core: ServingCore, model: str, revision: str | None = None,
+                   max_tokens: int = 4) -> str:
+    gen = await core.generate(model, revision=revision, prompt="Hello, world!",
+                              max_tokens=max_tokens, temperature=0.0)
+    return await collect(gen)
+
+
+async def collect(gen) -> str:
     text = ""
     async with gen:
         async for chunk in gen:
@@ -201,8 +211,7 @@ def test_resolve_source(tmp_path: Path) -> None:
     assert resolve_source(f"file://{model}") == model
     assert resolve_source(f"file://localhost{model}") == model
     cases = {
-        "hf://mlx-community/Llama-3.2-1B": "UnsupportedSource",
-        "https://example.com/m.tar": "UnsupportedSource",
+        "http://example.com/m/": "UnsupportedSource",
         "s3://bucket/m": "UnsupportedSource",
         "relative/path": "InvalidSource",
         "": "InvalidSource",
@@ -225,7 +234,7 @@ def test_resolve_source(tmp_path: Path) -> None:
 async def test_assignment_loads_serves_and_unloads(store: EtcdStore, keys: Keys,
                                                    core: ServingCore, controller: Controller,
                                                    test_model_dir: Path) -> None:
-    rkey = keys.report(NODE, "default", "llama")
+    rkey = keys.report(NODE, "default", "llama", "r1")
     start = (await store.list(keys.root + "/")).revision + 1
     await put(store, keys, assignment("llama", test_model_dir, model="tiny-llama"))
 
@@ -237,9 +246,14 @@ async def test_assignment_loads_serves_and_unloads(store: EtcdStore, keys: Keys,
     kv = await store.get(rkey)
     assert kv is not None and kv.lease == controller._reg.lease_id
 
-    assert core.is_loaded("tiny-llama")
+    assert core.is_loaded("tiny-llama", "r1")
     assert isinstance(await complete(core, "tiny-llama"), str)
-    assert controller.states()["default/llama"]["state"] == "Ready"
+    state = controller.states()["default/llama/r1"]
+    assert {k: state[k] for k in ("model", "revision", "role", "state", "reason")} == {
+        "model": "tiny-llama", "revision": "r1", "role": "Stable", "state": "Ready",
+        "reason": "ModelLoaded"}
+    assert controller.served() == {
+        "tiny-llama": ServedModel("default", "llama", {"r1": Role.STABLE})}
 
     # a new generation with the same spec: report follows, no reload
     info = core.models()[0]
@@ -248,54 +262,122 @@ async def test_assignment_loads_serves_and_unloads(store: EtcdStore, keys: Keys,
     assert r is not None and r.state == AssignmentState.READY
     assert core.models()[0] is info
 
-    await store.delete(keys.assignment(NODE, "default", "llama"))
+    await store.delete(keys.assignment(NODE, "default", "llama", "r1"))
     assert await wait_report(store, rkey, lambda r: r is None) is None
-    assert not core.is_loaded("tiny-llama")
+    assert not core.is_loaded("tiny-llama") and controller.served() == {}
+    await wait_for(lambda: core.models() == [], TIMEOUT)  # drained (nothing ran), unloaded
 
 
-async def test_revision_change_reloads(store: EtcdStore, keys: Keys, core: ServingCore,
-                                       controller: Controller, test_model_dir: Path) -> None:
-    rkey = keys.report(NODE, "default", "m")
+async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        test_model_dir: Path, other_model_path: Path) -> None:  # noqa: F811
+    r1key, r2key = keys.report(NODE, "default", "m", "r1"), keys.report(NODE, "default", "m", "r2")
+    await put(store, keys, assignment("m", test_model_dir, revision="r1"))
+    assert (await wait_report(store, r1key, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
+    old = core.model_info("m", "r1")
+
+    # a rolling update: r2 is a new key next to r1, which becomes Previous until it is removed
+    await put(store, keys, assignment("m", other_model_path, revision="r2", generation=2))
+    await put(store, keys, assignment("m", test_model_dir, revision="r1", generation=2,
+                                      role=Role.PREVIOUS))
+    r2 = await wait_report(store, r2key, settled)
+    assert r2 is not None and r2.state == AssignmentState.READY and r2.revision == "r2"
+    r1 = await wait_report(store, r1key, lambda r: r is not None and r.generation == 2)
+    assert r1 is not None and r1.state == AssignmentState.READY and r1.revision == "r1"
+    # both resident while both are assigned; a changed role is no reload
+    assert [(i.revision, i.path) for i in core.revisions("m")] == [
+        ("r1", str(test_model_dir)), ("r2", str(other_model_path))]
+    assert core.model_info("m", "r1") is old
+    assert core.model_info("m", "r1").created_unix == old.created_unix
+    assert controller.served() == {
+        "m": ServedModel("default", "m", {"r1": Role.PREVIOUS, "r2": Role.STABLE})}
+    assert {k: v["role"] for k, v in controller.states().items()} == {
+        "default/m/r1": "Previous", "default/m/r2": "Stable"}
+    ref = await complete(core, "m", "r1", max_tokens=16)
+
+    # a request runs on r1; the MLX thread is held so it cannot end before r1 is unassigned
+    running = await core.generate("m", revision="r1", prompt="Hello, world!", max_tokens=16,
+                                  temperature=0.0)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(TIMEOUT)
+
+    held = asyncio.create_task(core._call(hold))
+    try:
+        assert await asyncio.to_thread(entered.wait, TIMEOUT)
+        await store.delete(keys.assignment(NODE, "default", "m", "r1"))
+        assert await wait_report(store, r1key, lambda r: r is None) is None
+        # draining: no new requests, still resident while its request runs; r2 serves
+        assert not core.is_loaded("m", "r1") and core.is_loaded("m", "r2")
+        assert core.inflight_requests("m", "r1") == 1
+        assert [i.revision for i in core.revisions("m")] == ["r1", "r2"]
+        assert controller.served() == {"m": ServedModel("default", "m", {"r2": Role.STABLE})}
+    finally:
+        release.set()
+        await held
+    assert await asyncio.wait_for(collect(running), TIMEOUT) == ref  # finished in full
+    assert running.finish_reason == "length" and running.completion_tokens == 16
+    # then unloaded: its memory is returned
+    await wait_for(lambda: [i.revision for i in core.revisions("m")] == ["r2"]
+                   and core.memory_bytes("m", "r1") == 0, TIMEOUT)
+    assert (await wait_report(store, r2key, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
+
+
+async def test_changed_source_of_a_revision_reloads_it(store: EtcdStore, keys: Keys,
+                                                       core: ServingCore, controller: Controller,
+                                                       test_model_dir: Path,
+                                                       other_model_path: Path) -> None:  # noqa: F811
+    rkey = keys.report(NODE, "default", "m", "r1")
     await put(store, keys, assignment("m", test_model_dir, revision="r1"))
     assert (await wait_report(store, rkey, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
-    await put(store, keys, assignment("m", test_model_dir, revision="r2", generation=2))
-    r = await wait_report(store, rkey, lambda r: settled(r) and r.revision == "r2")
-    assert r is not None and r.state == AssignmentState.READY
-    assert [(m.model_id, m.revision) for m in core.models()] == [("m", "r2")]
+    await put(store, keys, assignment("m", other_model_path, revision="r1", generation=2))
+    r = await wait_report(store, rkey, lambda r: settled(r) and r.generation == 2)
+    assert r is not None and r.state == AssignmentState.READY and str(other_model_path) in r.message
+    assert [(m.model_id, m.revision, m.path) for m in core.models()] == [
+        ("m", "r1", str(other_model_path))]
 
 
 async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
                                                 core: ServingCore, controller: Controller,
                                                 tmp_path: Path) -> None:
     await put(store, keys, assignment("missing", str(tmp_path / "nope")))
-    await put(store, keys, assignment("hub", "hf://mlx-community/Qwen3-0.6B-4bit"))
-    await store.put(keys.assignment(NODE, "default", "garbage"), b'{"generation": 7, "name": ')
-    await store.put(keys.assignment(NODE, "default", "partial"),
+    await put(store, keys, assignment("bucket", "s3://models/Qwen3-0.6B-4bit"))
+    await store.put(keys.assignment(NODE, "default", "garbage", "r1"),
+                    b'{"generation": 7, "name": ')
+    await store.put(keys.assignment(NODE, "default", "partial", "r1"),
                     b'{"generation": 3, "namespace": "default", "name": "partial"}')
-    expected = {"missing": "ModelNotFound", "hub": "UnsupportedSource",
-                "garbage": "InvalidAssignment", "partial": "InvalidAssignment"}
+    # the key names revision r1, the body revision r2
+    await store.put(keys.assignment(NODE, "default", "mismatch", "r1"),
+                    assignment("mismatch", tmp_path, revision="r2", generation=4).to_json())
+    expected = {"missing": "ModelNotFound", "bucket": "UnsupportedSource",
+                "garbage": "InvalidAssignment", "partial": "InvalidAssignment",
+                "mismatch": "InvalidAssignment"}
     for name, reason in expected.items():
-        r = await wait_report(store, keys.report(NODE, "default", name), settled)
+        r = await wait_report(store, keys.report(NODE, "default", name, "r1"), settled)
         assert r is not None and r.state == AssignmentState.FAILED, name
         assert r.reason == reason and r.message, (name, r)
-    partial = await wait_report(store, keys.report(NODE, "default", "partial"), settled)
+    partial = await wait_report(store, keys.report(NODE, "default", "partial", "r1"), settled)
     assert partial is not None and partial.generation == 3
+    mismatch = await wait_report(store, keys.report(NODE, "default", "mismatch", "r1"), settled)
+    assert mismatch is not None and mismatch.generation == 4 and "revision r2" in mismatch.message
     assert core.models() == []
     # a wrong URI is not retried; a missing model (maybe a disk not mounted yet) is
-    hub = await wait_report(store, keys.report(NODE, "default", "hub"), settled)
-    assert hub is not None and "attempt" not in hub.message
-    missing = await wait_report(store, keys.report(NODE, "default", "missing"), settled)
+    bucket = await wait_report(store, keys.report(NODE, "default", "bucket", "r1"), settled)
+    assert bucket is not None and "attempt" not in bucket.message
+    missing = await wait_report(store, keys.report(NODE, "default", "missing", "r1"), settled)
     assert missing is not None and "(attempt 1; retrying in 2s)" in missing.message
 
     # a new generation of a failed assignment with the same spec: the report follows
     await put(store, keys, assignment("missing", str(tmp_path / "nope"), generation=2))
-    r = await wait_report(store, keys.report(NODE, "default", "missing"),
+    r = await wait_report(store, keys.report(NODE, "default", "missing", "r1"),
                           lambda r: r is not None and r.generation == 2)
     assert r is not None and r.state == AssignmentState.FAILED and r.reason == "ModelNotFound"
 
     # the controller survived and still converges: deleting a failed assignment drops its report
-    await store.delete(keys.assignment(NODE, "default", "garbage"))
-    assert await wait_report(store, keys.report(NODE, "default", "garbage"),
+    await store.delete(keys.assignment(NODE, "default", "garbage", "r1"))
+    assert await wait_report(store, keys.report(NODE, "default", "garbage", "r1"),
                              lambda r: r is None) is None
 
 
@@ -305,7 +387,7 @@ async def test_failed_load_is_retried_until_the_model_appears(
     model_dir = tmp_path / "disk" / "model"  # not there yet: a disk that isn't mounted
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED, retry_backoff=(0.05, 0.2))
-    rkey = keys.report(NODE, "default", "late")
+    rkey = keys.report(NODE, "default", "late", "r1")
     await ctl.start()
     try:
         start = (await store.list(keys.root + "/")).revision + 1
@@ -338,13 +420,13 @@ def settled_ready(r: AssignmentReport | None) -> bool:
 async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core: ServingCore,
                                               flaky: FlakyStore, controller: Controller,
                                               test_model_dir: Path) -> None:
-    ka, kb = keys.report(NODE, "default", "a"), keys.report(NODE, "default", "b")
+    ka, kb = keys.report(NODE, "default", "a", "r1"), keys.report(NODE, "default", "b", "r1")
     await put(store, keys, assignment("a", test_model_dir))
     assert (await wait_report(store, ka, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
     assert controller.snapshots == 1
 
     flaky.disconnect()  # the controller's watch breaks and can't come back yet
-    await store.delete(keys.assignment(NODE, "default", "a"))
+    await store.delete(keys.assignment(NODE, "default", "a", "r1"))
     rev = await put(store, keys, assignment("b", test_model_dir))
     await store._client.compact(rev)  # the events above are gone from etcd's history
     flaky.reconnect()
@@ -352,7 +434,7 @@ async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core
     assert (await wait_report(store, kb, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
     assert await wait_report(store, ka, lambda r: r is None) is None
     assert controller.snapshots == 2  # resumed, hit the compaction, re-listed
-    assert [m.model_id for m in core.models()] == ["b"]
+    await wait_for(lambda: [m.model_id for m in core.models()] == ["b"], TIMEOUT)
 
 
 async def test_callback_bug_restarts_the_follower_which_converges(
@@ -380,7 +462,7 @@ async def test_callback_bug_restarts_the_follower_which_converges(
     try:
         await asyncio.wait_for(listed.wait(), TIMEOUT)
         await put(store, keys, assignment("x", test_model_dir))  # arrives as a watch event
-        r = await wait_report(store, keys.report(NODE, "default", "x"), settled)
+        r = await wait_report(store, keys.report(NODE, "default", "x", "r1"), settled)
         assert r is not None and r.state == AssignmentState.READY
         follow = ctl.tasks[0]
         assert bugs == 1 and follow.restarts == 1
@@ -453,19 +535,22 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
         assert rec.capacity.memory_total_bytes == 64 * 2**30
 
         a = assignment("chat", test_model_dir, model="tiny")
-        await store.put(keys.assignment("e2e", "default", "chat"), a.to_json())
-        r = await wait_report(store, keys.report("e2e", "default", "chat"), settled)
+        await store.put(keys.assignment("e2e", "default", "chat", "r1"), a.to_json())
+        r = await wait_report(store, keys.report("e2e", "default", "chat", "r1"), settled)
         assert r is not None and r.state == AssignmentState.READY and r.endpoint == agent.url
 
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{agent.url}/health") as resp:
                 body = await resp.json()
                 assert resp.status == 200, body
-                assert body["assignments"]["default/chat"]["state"] == "Ready"
+                assert body["assignments"]["default/chat/r1"]["state"] == "Ready"
+                assert {"controller:follow", "traffic:follow", "traffic:stats"} <= {
+                    t["name"] for t in body["tasks"]}
             async with http.post(f"{r.endpoint}/v1/chat/completions", json={
                     "model": "tiny", "max_tokens": 3,
                     "messages": [{"role": "user", "content": "Hello"}]}) as resp:
                 assert resp.status == 200, await resp.text()
+                assert resp.headers["X-Model-Revision"] == "r1"
                 out = await resp.json()
                 assert out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "assistant"
 
@@ -477,7 +562,7 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                 raise RuntimeError("injected converge bug")
 
             monkeypatch.setattr(agent.controller, "_converge", converge_bug)
-            await store.put(keys.assignment("e2e", "default", "chat"),
+            await store.put(keys.assignment("e2e", "default", "chat", "r1"),
                             a.model_copy(update={"generation": 2}).to_json())
             await asyncio.wait_for(crashed.wait(), TIMEOUT)
             async with http.get(f"{agent.url}/health") as resp:
@@ -485,7 +570,7 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                 assert resp.status == 503, body
                 assert body["reasons"] == ["task controller:converge failed "
                                            "(RuntimeError: injected converge bug); restarting"]
-                assert body["assignments"]["default/chat"]["state"] == "Ready"
+                assert body["assignments"]["default/chat/r1"]["state"] == "Ready"
 
             # the serving core stops: /health says so too
             await agent.core.close()

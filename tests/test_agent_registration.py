@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mlx_fleet.contract import (AssignmentReport, AssignmentState, Keys, NodeCapacity, NodeHealth,
-                                NodeRecord)
+from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS, AssignmentReport,
+                                AssignmentState, Histogram, Keys, NodeCapacity, NodeHealth,
+                                NodeRecord, RevisionStats, StatsReport)
 from mlx_fleet.store import EtcdStore, WatchEvent
 from mlx_fleet.supervise import Supervised
 from node_agent.registration import Registration, next_deadline
@@ -135,46 +136,71 @@ async def test_record_rewritten_on_material_change(store: EtcdStore, keys: Keys)
         await reg.stop()
 
 
+def stats_report(node: str, requests: int) -> StatsReport:
+    def hist(bounds: tuple[float, ...]) -> Histogram:
+        return Histogram(bounds=bounds, counts=[0] * (len(bounds) + 1))
+
+    rs = RevisionStats(revision="r2", started_unix=1.0, requests=requests,
+                       latency_seconds=hist(LATENCY_BOUNDS_SECONDS),
+                       ttft_seconds=hist(LATENCY_BOUNDS_SECONDS),
+                       tokens_per_second=hist(TOKENS_PER_SECOND_BOUNDS))
+    return StatsReport(node=node, namespace="default", name="llama", canary_uid="u1",
+                       revisions={"r2": rs})
+
+
 async def test_lost_lease_reregisters_with_reports(store: EtcdStore, keys: Keys,
                                                    reg: Registration) -> None:
     await reg.start()
-    rkey = keys.report("mac-1", "default", "llama")
-    report = AssignmentReport(node="mac-1", namespace="default", name="llama",
+    rkey = keys.report("mac-1", "default", "llama", "r1")
+    report = AssignmentReport(node="mac-1", namespace="default", name="llama", revision="r1",
                               state=AssignmentState.READY, reason="ModelLoaded")
     await reg.put_report(rkey, report)
+    # a canary's per-deployment statistics are lease-bound too (contract v2)
+    skey = keys.stats("mac-1", "default", "llama")
+    await reg.put_report(skey, stats_report("mac-1", 7))
     kv = await store.get(rkey)
     assert kv is not None and kv.lease == reg.lease_id
+    skv = await store.get(skey)
+    assert skv is not None and skv.lease == reg.lease_id
     old_lease = reg.lease_id
 
     # Behind the agent's back: the lease is revoked (as if it had expired in a partition).
     await store.revoke_lease(old_lease)
-    # Two DELETEs (revocation) then two PUTs (re-registration) under the test's root.
-    evs = await events(store, keys.root + "/", kv.mod_revision + 1, 4, timeout=10)
-    assert [e.type for e in evs[:2]] == ["DELETE", "DELETE"]
-    puts = {e.kv.key: e.kv for e in evs[2:]}
-    assert set(puts) == {keys.node("mac-1"), rkey}
+    # Three DELETEs (revocation) then three PUTs (re-registration) under the test's root.
+    evs = await events(store, keys.root + "/", skv.mod_revision + 1, 6, timeout=10)
+    assert [e.type for e in evs[:3]] == ["DELETE"] * 3
+    puts = {e.kv.key: e.kv for e in evs[3:]}
+    assert set(puts) == {keys.node("mac-1"), rkey, skey}
     new_lease = puts[rkey].lease
     assert new_lease != old_lease and puts[keys.node("mac-1")].lease == new_lease
+    assert puts[skey].lease == new_lease
     # A report written after recovery goes under the new lease (put_report waits for the
     # re-registration to finish: both take the registration's write lock).
-    rkey2 = keys.report("mac-1", "default", "other")
-    await reg.put_report(rkey2, report.model_copy(update={"name": "other"}))
+    rkey2 = keys.report("mac-1", "default", "llama", "r2")
+    await reg.put_report(rkey2, report.model_copy(update={"revision": "r2"}))
     kv2 = await store.get(rkey2)
     assert kv2 is not None and kv2.lease == new_lease == reg.lease_id
     assert reg.registrations == 2
     assert AssignmentReport.from_json(puts[rkey].value).state == AssignmentState.READY
+    assert StatsReport.from_json(puts[skey].value).revisions["r2"].requests == 7
     assert reg.healthy
 
 
 async def test_delete_report_and_revoke_on_stop(store: EtcdStore, keys: Keys,
                                                 reg: Registration) -> None:
     await reg.start()
-    k1, k2 = keys.report("mac-1", "ns", "a"), keys.report("mac-1", "ns", "b")
-    for k, n in ((k1, "a"), (k2, "b")):
-        await reg.put_report(k, AssignmentReport(node="mac-1", namespace="ns", name=n,
-                                                 state=AssignmentState.LOADING))
+    # two revisions of one deployment have a report each: deleting one keeps the other
+    k1, k2 = keys.report("mac-1", "ns", "a", "r1"), keys.report("mac-1", "ns", "a", "r2")
+    for k, rev in ((k1, "r1"), (k2, "r2")):
+        await reg.put_report(k, AssignmentReport(node="mac-1", namespace="ns", name="a",
+                                                 revision=rev, state=AssignmentState.LOADING))
+    skey = keys.stats("mac-1", "ns", "a")
+    await reg.put_report(skey, stats_report("mac-1", 1))
     await reg.delete_report(k1)
     assert await store.get(k1) is None and await store.get(k2) is not None
+    assert reg.report(k1) is None and reg.report(k2) is not None
+    await reg.delete_report(skey)
+    assert await store.get(skey) is None
     await reg.stop()
     listing = await store.list(keys.root + "/")
     assert listing.items == []
@@ -321,8 +347,8 @@ async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdS
     health = [NodeHealth.HEALTHY]
     reg = Registration(wrapped, keys, node_name="mac-4", address="http://h:1",  # type: ignore[arg-type]
                        capacity=cap, health=lambda: health[0], ttl=3)
-    rkey = keys.report("mac-4", "default", "llama")
-    report = AssignmentReport(node="mac-4", namespace="default", name="llama",
+    rkey = keys.report("mac-4", "default", "llama", "r1")
+    report = AssignmentReport(node="mac-4", namespace="default", name="llama", revision="r1",
                               state=AssignmentState.LOADING)
     try:
         await reg.start()
@@ -360,4 +386,51 @@ async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdS
         assert NodeRecord.from_json(rec_kv.value).capacity.memory_available_bytes == 8 * GiB
     finally:
         wrapped.release.set()
+        await reg.stop()
+
+
+class AnsweredOnCue:
+    """The real store, except that a put's answer is held back until the test releases it
+    (``answer``)."""
+
+    def __init__(self, inner: EtcdStore) -> None:
+        self._inner = inner
+        self.waiting = asyncio.Event()
+        self._answer: asyncio.Future | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        revision = await self._inner.put(key, value, lease=lease)
+        self._answer = asyncio.get_running_loop().create_future()
+        self.waiting.set()
+        await self._answer  # the answer arrives when the test says so
+        return revision
+
+    def answer(self) -> None:
+        assert self._answer is not None
+        self._answer.set_result(None)
+
+
+async def test_a_write_cancelled_as_etcd_answers_is_still_cancelled(store: EtcdStore,
+                                                                    keys: Keys) -> None:
+    # Supervised.stop() cancels a task and waits for it: a cancellation lost inside a bounded
+    # write (asyncio.wait_for on Python 3.11 returns the result when the call completes in the
+    # same loop iteration) would leave e.g. the converge worker running and stop() hanging.
+    cued = AnsweredOnCue(store)
+    reg = Registration(cued, keys, node_name="mac-5", address="http://h:1",  # type: ignore[arg-type]
+                       capacity=Capacity(), ttl=3)
+    try:
+        await reg.start()  # the record goes in by a transaction, not a put
+        rkey = keys.report("mac-5", "default", "llama", "r1")
+        writing = asyncio.create_task(reg.put_report(rkey, AssignmentReport(
+            node="mac-5", namespace="default", name="llama", revision="r1",
+            state=AssignmentState.LOADING)))
+        await asyncio.wait_for(cued.waiting.wait(), 10)
+        cued.answer()      # etcd answers ...
+        writing.cancel()   # ... in the very loop iteration the writer is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(writing, 10)
+    finally:
         await reg.stop()

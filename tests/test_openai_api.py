@@ -4,10 +4,12 @@ official ``openai`` client and raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -15,14 +17,23 @@ import openai
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_agent.openai_api import build_app
+from mlx_fleet.contract import Keys, NodeCapacity, Role, TrafficSplit
+from mlx_fleet.store import EtcdStore
+from mlx_fleet.testmodel import Fault, make_test_model
+from node_agent.controller import ServedModel
+from node_agent.openai_api import PIN_HEADER, REVISION_HEADER, SESSION_HEADER, build_app
+from node_agent.registration import Registration
+from node_agent.serving import GenerationAborted, ServingCore
+from node_agent.split import bucket
+from node_agent.traffic import TrafficManager
 from serving_fixtures import (MODEL_ID, REVISION, Agent, agent, close_agent,  # noqa: F401
-                              make_agent, tiny_model_path, wait_for)
+                              make_agent, other_model_path, tiny_model_path, wait_for)
 
 LONG = 4000
 CHAT = "/v1/chat/completions"
@@ -473,3 +484,252 @@ async def test_fuzzed_bodies_never_crash_the_agent(agent: Agent, path: str, body
     if resp.status != 200:
         await error_of(resp)
     assert (await agent.client.get("/health")).status == 200
+
+
+# -- revisions: the X-Model-Revision header, the canary split, forwarding ---------------------
+
+CANARY_MODEL = "canary-tiny"
+NS, DEP = "default", "canary"
+FAULT_AFTER = 2  # the faulty revision fails every generation after this many tokens
+
+
+@pytest.fixture(scope="module")
+def faulty_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_test_model(tmp_path_factory.mktemp("models") / "faulty",
+                           fault=Fault("raise", after_tokens=FAULT_AFTER))
+
+
+@pytest_asyncio.fixture(scope="module")
+async def canary_core(tiny_model_path: Path, other_model_path: Path,  # noqa: F811
+                      faulty_model_path: Path) -> AsyncIterator[ServingCore]:
+    """One core holding three revisions of CANARY_MODEL: r1, r2 (other weights), bad (faulty).
+    Each test node below serves the subset its ``served`` says (as the controller would)."""
+    core = ServingCore(registry=CollectorRegistry())
+    await core.start()
+    for rev, path in (("r1", tiny_model_path), ("r2", other_model_path),
+                      ("bad", faulty_model_path)):
+        await core.load_model(CANARY_MODEL, path, revision=rev, max_context_tokens=8192)
+    yield core
+    await core.close()
+
+
+async def _capacity() -> NodeCapacity:
+    return NodeCapacity(memory_total_bytes=64 * 2**30, memory_available_bytes=48 * 2**30,
+                        chip="Apple M3 Max", chip_generation=3, simulated=True)
+
+
+@dataclasses.dataclass
+class Recorded:
+    revision: str
+    failed: bool
+
+
+@dataclasses.dataclass
+class Node:
+    """One agent's HTTP side: the real app over ``canary_core``, routed by a real
+    TrafficManager following ``keys``' traffic splits in etcd. ``recorded``: the outcomes the
+    app reported to the traffic manager (``record`` is spied on, then does its real work)."""
+
+    tm: TrafficManager
+    client: TestClient
+    recorded: list[Recorded]
+
+    @property
+    def url(self) -> str:
+        return str(self.client.make_url("")).rstrip("/")
+
+
+NodeFactory = Callable[..., Awaitable[Node]]
+
+
+@pytest_asyncio.fixture
+async def start_node(store: EtcdStore, canary_core: ServingCore) -> AsyncIterator[NodeFactory]:
+    started: list[tuple[Registration, TrafficManager, TestClient]] = []
+
+    async def start(keys: Keys, name: str, served: dict[str, Role]) -> Node:
+        reg = Registration(store, keys, node_name=name, address="http://unused", ttl=5,
+                           capacity=_capacity)
+        await reg.start()
+        tm = TrafficManager(store, keys, node_name=name, registration=reg,
+                            served=lambda: {CANARY_MODEL: ServedModel(NS, DEP, dict(served))},
+                            crashes=canary_core.crashes, memory_bytes=canary_core.memory_bytes)
+        recorded: list[Recorded] = []
+        real_record = tm.record
+
+        def record(routed, **kw) -> None:
+            recorded.append(Recorded(routed.route.revision, kw["failed"]))
+            real_record(routed, **kw)
+
+        tm.record = record  # type: ignore[method-assign]
+        await tm.start()
+        await asyncio.wait_for(tm.synced.wait(), 30)  # the splits written so far are in
+        app = build_app(canary_core, health=lambda: (True, {}),
+                        registry=canary_core.registry, router=lambda: tm)
+        client = TestClient(TestServer(app, host="127.0.0.1"))
+        await client.start_server()
+        started.append((reg, tm, client))
+        return Node(tm, client, recorded)
+
+    yield start
+    for reg, tm, client in reversed(started):
+        await client.close()
+        await tm.stop()
+        await reg.stop()
+
+
+def canary_split(weight: int, candidate: str = "r2", endpoints: tuple[str, ...] = ()
+                 ) -> TrafficSplit:
+    return TrafficSplit(namespace=NS, name=DEP, served_model_name=CANARY_MODEL,
+                        stable_revision="r1", candidate_revision=candidate, weight=weight,
+                        canary="c", canary_uid="uid-1", candidate_endpoints=list(endpoints))
+
+
+async def put_split(store: EtcdStore, keys: Keys, split: TrafficSplit) -> None:
+    await store.put(keys.traffic(NS, DEP), split.to_json())
+
+
+def sessions(side: str, weight: int, n: int) -> list[str]:
+    """``n`` session keys whose bucket is on ``side`` ("stable"/"candidate") at ``weight``."""
+    out = [k for k in (f"session-{i}" for i in range(10_000))
+           if (bucket(f"{NS}/{DEP}", k) < weight * 100) == (side == "candidate")]
+    assert len(out) >= n
+    return out[:n]
+
+
+async def test_every_response_names_the_revision_that_served_it(
+        agent: Agent, store: EtcdStore, keys: Keys, start_node: NodeFactory,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # without a router: the model's only revision
+    for path, body in ((CHAT, {"messages": msgs()}), (COMPLETIONS, {"prompt": "Hi"})):
+        for stream in (False, True):
+            async with agent.client.post(path, json={"model": MODEL_ID, "max_tokens": 2,
+                                                     "stream": stream, **body}) as resp:
+                assert resp.status == 200
+                assert resp.headers[REVISION_HEADER] == REVISION, (path, stream)
+                await (sse_events(resp) if stream else resp.json())
+
+    # the MLX thread ends between routing and admission (GenerationAborted): 503, naming it
+    async def aborted(*args, **kwargs):
+        raise GenerationAborted("the serving core closed")
+
+    with monkeypatch.context() as m:
+        m.setattr(agent.core, "generate", aborted)
+        resp = await agent.client.post(CHAT, json={"model": MODEL_ID, "messages": msgs()})
+        assert resp.status == 503 and resp.headers[REVISION_HEADER] == REVISION
+        assert (await error_of(resp))["code"] == "unavailable"
+
+    # a revision that fails mid-generation (GenerationAborted): 503, still naming it
+    node = await start_node(keys, "n1", {"bad": Role.STABLE})
+    resp = await node.client.post(COMPLETIONS, json={
+        "model": CANARY_MODEL, "prompt": "Hi", "max_tokens": FAULT_AFTER + 4})
+    assert resp.status == 503 and resp.headers[REVISION_HEADER] == "bad"
+    err = await error_of(resp)
+    assert (err["type"], err["code"]) == ("server_error", "unavailable")
+    async with node.client.post(CHAT, json={"model": CANARY_MODEL, "messages": msgs(),
+                                            "max_tokens": FAULT_AFTER + 4,
+                                            "stream": True}) as resp:
+        assert resp.status == 200 and resp.headers[REVISION_HEADER] == "bad"
+        last = (await resp.read()).decode().split("\n\n")[-2]
+    assert json.loads(last.removeprefix("data: "))["error"]["code"] == "unavailable"
+    # both outcomes went to the router as server-side failures of that revision
+    assert node.recorded == [Recorded("bad", True), Recorded("bad", True)]
+
+
+async def test_sessions_go_to_the_revision_their_bucket_says(
+        store: EtcdStore, keys: Keys, start_node: NodeFactory) -> None:
+    await put_split(store, keys, canary_split(30))
+    node = await start_node(keys, "n1", {"r1": Role.STABLE, "r2": Role.CANDIDATE})
+    assert node.tm.splits[(NS, DEP)].weight == 30  # a node started mid-canary has the split
+    want = {k: "r2" for k in sessions("candidate", 30, 4)}
+    want |= {k: "r1" for k in sessions("stable", 30, 4)}
+
+    async def served_by(headers: dict[str, str], **body) -> str:
+        resp = await node.client.post(CHAT, headers=headers, json={
+            "model": CANARY_MODEL, "messages": msgs(), "max_tokens": 1, **body})
+        assert resp.status == 200, await resp.text()
+        await resp.json()
+        return resp.headers[REVISION_HEADER]
+
+    for key, rev in want.items():
+        assert await served_by({SESSION_HEADER: key}) == rev, key
+        assert await served_by({SESSION_HEADER: key}) == rev, key  # sticky
+        assert await served_by({}, user=key) == rev, key            # the fallback key
+    cand, stable = sessions("candidate", 30, 1)[0], sessions("stable", 30, 1)[0]
+    assert await served_by({SESSION_HEADER: cand}, user=stable) == "r2"  # the header wins
+    assert await served_by({SESSION_HEADER: stable}, user=cand) == "r1"
+    # every one of them was counted for the split, on the revision that served it
+    assert len(node.recorded) == 3 * len(want) + 2
+    assert not any(r.failed for r in node.recorded)
+    assert sum(r.revision == "r2" for r in node.recorded) == 3 * 4 + 1
+
+
+async def test_candidate_held_elsewhere_is_forwarded_streaming_pinned(
+        store: EtcdStore, keys: Keys, start_node: NodeFactory,
+        canary_core: ServingCore) -> None:
+    # the node that holds the candidate follows no split of its own (another key root): it
+    # serves r2 only when the forwarded request pins it
+    back = await start_node(Keys(keys.root + "-back"), "holder",
+                            {"r1": Role.STABLE, "r2": Role.CANDIDATE})
+    await put_split(store, keys, canary_split(100, endpoints=(back.url,)))
+    front = await start_node(keys, "front", {"r1": Role.STABLE})
+    body = {"model": CANARY_MODEL, "prompt": "Once upon a time", "max_tokens": 6,
+            "temperature": 0}
+
+    direct = await back.client.post(COMPLETIONS, json=body)
+    assert direct.headers[REVISION_HEADER] == "r1"  # unpinned: its stable revision
+    pinned = await back.client.post(COMPLETIONS, json=body, headers={PIN_HEADER: "r2"})
+    assert pinned.headers[REVISION_HEADER] == "r2"
+    want = (await pinned.json())["choices"][0]["text"]
+    assert want != (await direct.json())["choices"][0]["text"]  # two different models
+
+    # forwarded, JSON and SSE: served by r2 on the back node, the answer relayed as is
+    resp = await front.client.post(COMPLETIONS, json=body)
+    assert resp.status == 200 and resp.headers[REVISION_HEADER] == "r2"
+    assert (await resp.json())["choices"][0]["text"] == want
+    async with front.client.post(COMPLETIONS, json={**body, "stream": True}) as resp:
+        assert resp.status == 200 and resp.headers[REVISION_HEADER] == "r2"
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await sse_events(resp)
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want
+    # each node reports the outcome of what it served or forwarded
+    assert back.recorded == [Recorded("r1", False)] + [Recorded("r2", False)] * 3
+    assert front.recorded == [Recorded("r2", False)] * 2
+
+    def hung_up() -> float:  # forwarded requests carry no model label on the forwarding node
+        return canary_core.registry.get_sample_value("mlxfleet_agent_requests_total", {
+            "model": "unknown", "revision": "unknown", "endpoint": COMPLETIONS,
+            "code": "499"}) or 0
+
+    # streaming is preserved: events arrive while the back node is still generating
+    before = hung_up()
+    resp = await front.client.post(COMPLETIONS, json={**body, "max_tokens": LONG,
+                                                      "stream": True})
+    try:
+        assert resp.status == 200
+        for _ in range(3):
+            await resp.content.readuntil(b"\n\n")
+        assert canary_core.active_sequences(CANARY_MODEL, "r2") == 1
+    finally:
+        resp.close()  # the client hangs up: the forward is dropped, the back node stops
+    await wait_for(lambda: canary_core.inflight_requests(CANARY_MODEL) == 0)
+    await wait_for(lambda: hung_up() == before + 1)  # the forwarding handler has ended
+    # a hang-up is not a failure of the candidate (and is not counted at all)
+    assert front.recorded == [Recorded("r2", False)] * 2
+
+
+async def test_unreachable_forward_target_is_a_503(store: EtcdStore, keys: Keys,
+                                                   start_node: NodeFactory) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    await put_split(store, keys, canary_split(100, endpoints=(f"http://127.0.0.1:{port}",)))
+    front = await start_node(keys, "front", {"r1": Role.STABLE})
+    for stream in (False, True):
+        resp = await front.client.post(CHAT, json={"model": CANARY_MODEL, "messages": msgs(),
+                                                   "max_tokens": 2, "stream": stream})
+        assert resp.status == 503
+        err = await error_of(resp)
+        assert (err["type"], err["code"]) == ("server_error", "unavailable")
+        assert "r2" in err["message"]
+    # the client saw a server error: a failure of the candidate
+    assert front.recorded == [Recorded("r2", True)] * 2

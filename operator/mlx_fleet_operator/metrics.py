@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from mlx_fleet.contract import NodeRecord
 
 from .fleet_metrics import FleetCollector
 
