@@ -346,17 +346,17 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
-        answer back as it comes. A node that can't be reached is a 503 (and a candidate
-        failure for the statistics: the client saw a server error). Like a local request,
-        an answer with a client-error status (4xx) and a client that hangs up are not
-        counted in the statistics."""
+        answer back as it comes. The serving node counts the request in its statistics (it
+        sees the tokens); this node counts only what the serving node cannot see — a node that
+        can't be reached or drops the connection: a 503 here, a candidate failure for the
+        statistics (the client saw a server error)."""
         import aiohttp
 
         t0 = time.perf_counter()
         url = routed.route.forward.rstrip("/") + request.path
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
         resp: web.StreamResponse | None = None
-        failed: bool | None = None  # None: not counted (client error, client gone)
+        failed = False  # counted here only when the serving node could not be reached
         try:
             session = await client_session()
             async with session.post(url, data=body, headers=headers) as up:
@@ -368,7 +368,6 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 async for part in up.content.iter_any():
                     await resp.write(part)
                 await resp.write_eof()
-                failed = None if 400 <= up.status < 500 else up.status >= 500
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failed = True
@@ -379,7 +378,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                           code="unavailable")
         finally:
             tm = router()
-            if tm is not None and failed is not None:
+            if tm is not None and failed:
                 tm.record(routed, latency_s=time.perf_counter() - t0, ttft_s=None,
                           completion_tokens=0, decode_seconds=None, failed=failed)
 

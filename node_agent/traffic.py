@@ -239,6 +239,8 @@ class TrafficManager:
             loaded = served.get(model)
             revisions = set(loaded.revisions) if loaded and (loaded.namespace, loaded.name) == dep \
                 else set()
+            if not revisions and not stats.has_counts():
+                continue  # this node neither serves nor forwarded for it: nothing to report
             for rev in revisions:
                 count = self._crashes(model, rev)
                 seen = self._crash_seen.get((dep, rev), 0)

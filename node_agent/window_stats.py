@@ -115,6 +115,11 @@ class DeploymentStats:
             c = self._revisions[revision] = RevisionCounters(revision, now)
         return c
 
+    def has_counts(self) -> bool:
+        """Whether any revision has counted anything (a node that forwarded requests for a
+        deployment it doesn't serve still reports them)."""
+        return any(c.requests or c.crashes for c in self._revisions.values())
+
     def due(self, now: float, interval_seconds: float) -> bool:
         """Whether a periodic write is due: the first at once, then at most one per
         ``interval_seconds`` after :meth:`mark_written`. A wall clock that stepped back before the
