@@ -106,6 +106,15 @@ def test_children_die_with_a_sigkilled_parent(tmp_path: Path) -> None:
     child = int(parent.stdout.readline())
     pidfd = os.pidfd_open(child)  # readable once the process has exited
     try:
+        # The death signal is armed by setpriv (prctl PR_SET_PDEATHSIG) just before it execs the
+        # command; a parent killed before that instant can't be noticed by anyone (the kernel
+        # offers no event for it). Kill only once the command runs: there is no event for an
+        # exec either, so look at /proc for a bounded time.
+        import time
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}/comm").read_text().strip() != "sleep":
+            assert time.monotonic() < deadline, "the child never started its command"
+            time.sleep(0.01)
         assert select.select([pidfd], [], [], 0)[0] == []  # running
         parent.kill()
         parent.wait()

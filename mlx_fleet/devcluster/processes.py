@@ -5,7 +5,9 @@ Every process the local fleet starts (etcd, kube-apiserver, the operator, agents
 terminal's Ctrl-C reaches only us, and we stop children in order), it is asked to exit with
 SIGTERM and killed after a grace period, and on Linux the kernel kills it if the parent dies
 (``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv --pdeathsig KILL`` which then execs the
-command), so even a SIGKILLed test run leaves no process behind.
+command), so even a SIGKILLed test run leaves no process behind. One window remains: a parent
+killed in the instant between the fork and setpriv's ``prctl`` (before the command is exec'd)
+leaves that child running — no mechanism of the kernel's can report it.
 
 No Python code runs between fork and exec (no ``preexec_fn``): the parent has gRPC and MLX
 threads, and running the interpreter in a child forked from such a process is unsafe — it
