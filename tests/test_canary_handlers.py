@@ -600,3 +600,26 @@ async def test_deleting_a_canary_never_touches_another_canarys_target(store, key
     await canary_handlers.canary_deleted(body=other, namespace=NS, name="llm-v3")
     assert (await stored_split(rt)).candidate_revision == "v2"
     assert rt.candidates[T].canary == "llm-v2"
+
+
+async def test_at_full_weight_the_candidate_is_judged_against_the_last_stable_window(
+        store, keys, events):
+    """At 100 % the stable revision gets no requests: a window is judged against the last
+    stable window that had enough of them, so the last step can pass (and fail) at all."""
+    rt = runtime(store, keys)
+    uid = "uid-full"
+    spec = {**CANARY_SPEC, "steps": [{"setWeight": 10}, {"setWeight": 100}]}
+    body = await progressing_canary(rt, uid, spec=spec)
+
+    async def window(at: float, stable: int, candidate: int) -> dict:
+        set_stats(rt, uid, at - 1, stable=stable, candidate=candidate)
+        await tick(rt, body, now=at)
+        return rt.custom_api.statuses("llm-v2")[-1]
+
+    await window(T0 + 1, 100, 100)
+    status = await window(T0 + 61, 200, 200)       # 100 stable, 100 candidate: Pass → 100 %
+    assert (status["currentWeight"], status["lastAnalysis"]["verdict"]) == (100, "Pass")
+    status = await window(T0 + 121, 200, 300)      # no stable request at all in this window
+    assert status["lastAnalysis"]["verdict"] == "Pass"
+    assert status["lastAnalysis"]["stableRequests"] == 100  # the baseline window's
+    assert status["phase"] == "Promoting"

@@ -59,10 +59,12 @@ _RESOURCE = dict(group=GROUP, version=VERSION, plural=CANARY_PLURAL)
 
 @dataclasses.dataclass
 class _Window:
-    """The statistics snapshot the last analysis window ended at."""
+    """The statistics snapshot the last analysis window ended at, and the last stable window
+    that had enough requests to judge against (``baseline``)."""
 
     at: float
     reports: dict[str, StatsReport]
+    baseline: Any = None
 
 
 _windows: dict[str, _Window] = {}  # canary uid → last window end (in-memory; re-armed on restart)
@@ -100,15 +102,22 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
     win = _windows.get(uid)
     if state.phase in (Phase.PROGRESSING, Phase.PAUSED) and (
             win is None or now - win.at >= spec.analysis.interval_seconds):
+        baseline = win.baseline if win is not None else None
         if win is not None:
             stable_w = window_from_reports(stats, win.reports, state.stable_revision
                                            or dspec.model.revision)
             cand_w = window_from_reports(stats, win.reports, cand)
+            # Near 100 % the stable revision gets (almost) no requests: the candidate is then
+            # judged against the last stable window that had enough of them (same canary).
+            if stable_w.requests >= spec.analysis.min_requests:
+                baseline = stable_w
+            elif baseline is not None:
+                stable_w = baseline
             analysis = analyze(spec.analysis, stable_w, cand_w,
                                canary_elapsed_hours=max(now - state.started, 0) / 3600
                                if state.started else 0.0,
                                memory_start=state.memory_baseline_bytes)
-        _windows[uid] = _Window(now, dict(stats))
+        _windows[uid] = _Window(now, dict(stats), baseline)
     cand_mem = max((r.revisions[cand].memory_bytes for r in stats.values()
                     if cand in r.revisions), default=0)
     md_status = rt.last_status.get(target) or {}
