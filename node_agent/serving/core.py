@@ -589,13 +589,19 @@ class ServingCore:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                for res in self._engine.registry:
-                    if res.has_work():
-                        try:
-                            self._engine.step(res)
-                        except Exception as e:  # noqa: BLE001 - contained to this revision
-                            log.exception("generation step of %s@%s failed", *res.key)
-                            self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")
+                self._t_step_all()
+
+    def _t_step_all(self) -> None:
+        """One batch step of every revision with work. A function of its own so that no frame
+        of the step loop keeps the last revision it looked at (and so its weights) alive after
+        that revision is unloaded."""
+        for res in self._engine.registry:
+            if res.has_work():
+                try:
+                    self._engine.step(res)
+                except Exception as e:  # noqa: BLE001 - contained to this revision
+                    log.exception("generation step of %s@%s failed", *res.key)
+                    self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")
 
     def _t_command(self, cmd: tuple) -> None:
         if cmd[0] == "call":
