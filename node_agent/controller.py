@@ -67,6 +67,7 @@ from pydantic import ValidationError
 
 from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment,
                                 AssignmentReport, AssignmentState, DownloadProgress, Keys, Role)
+from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
 from mlx_fleet.supervise import Supervised
@@ -132,15 +133,13 @@ class IdleUnload:
     freed_bytes: int
 
     def message(self) -> str:
-        def mib(n: int) -> str:
-            return f"{n / 2**20:.1f} MiB"
-
         text = (f"no request for {self.idle_seconds:.0f}s (idleUnloadSeconds "
                 f"{self.idle_unload_seconds}): unloaded, memory returned")
         if self.before is not None and self.after is not None:
-            text += (f"; MLX active+cache {mib(self.before.mlx_bytes)} -> "
-                     f"{mib(self.after.mlx_bytes)} (freed {self.freed_bytes} bytes), process "
-                     f"RSS {mib(self.before.rss_bytes)} -> {mib(self.after.rss_bytes)}")
+            b, a = self.before, self.after
+            text += (f"; MLX active+cache {format_bytes(b.mlx_bytes)} -> "
+                     f"{format_bytes(a.mlx_bytes)} (freed {self.freed_bytes} bytes), process "
+                     f"RSS {format_bytes(b.rss_bytes)} -> {format_bytes(a.rss_bytes)}")
         return text + "; the next request reloads it"
 
 
