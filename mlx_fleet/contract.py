@@ -298,6 +298,22 @@ class AssignmentState(str, enum.Enum):
     FAILED = "Failed"
 
 
+#: Report reason of a replica unloaded because it had no request for the assignment's
+#: ``lifecycle.idle_unload_seconds`` (state ``Unloaded``). It is *standby*, not a failure: it
+#: stays assigned and at its endpoint, and the next request reloads it.
+IDLE_UNLOADED = "IdleUnloaded"
+#: Report reason while a standby replica reloads for a waiting request (state ``Loading``).
+RELOADING_ON_DEMAND = "ReloadingOnDemand"
+
+
+def is_standby(state: str, reason: str) -> bool:
+    """True for a replica in standby: unloaded for idleness (``Unloaded``/``IdleUnloaded``) or
+    reloading for a request (``Loading``/``ReloadingOnDemand``). It serves on demand, so it
+    counts as serving for readiness and endpoints."""
+    return ((state == AssignmentState.UNLOADED.value and reason == IDLE_UNLOADED)
+            or (state == AssignmentState.LOADING.value and reason == RELOADING_ON_DEMAND))
+
+
 class DownloadProgress(_Record):
     """A model download under way (state ``Prefetching``). Bytes are bytes on the wire;
     ``bytes_total`` 0 while unknown. ``rate_bytes_per_second``: averaged over the last few
@@ -322,6 +338,10 @@ class AssignmentReport(_Record):
     ``progress``: the download while ``Prefetching`` (written at a bounded rate).
     ``estimated_bytes``: the revision's resident-memory estimate from its files (weights from
     the safetensors headers + KV cache at the assignment's limits), once the files are local.
+    ``freed_bytes``: memory returned by the last idle unload (state ``Unloaded``, reason
+    ``IdleUnloaded``): MLX active + cache memory measured before the unload minus after it
+    (0 when it did not fall); the ``message`` gives both measurements and the process RSS
+    before and after. An idle-unloaded replica stays assigned: a request reloads it.
     """
 
     node: str
@@ -336,6 +356,7 @@ class AssignmentReport(_Record):
     resident_bytes: Annotated[int, Field(ge=0)] = 0
     progress: DownloadProgress | None = None
     estimated_bytes: Annotated[int, Field(ge=0)] = 0
+    freed_bytes: Annotated[int, Field(ge=0)] = 0
     updated_unix: float = Field(default_factory=time.time)
 
 

@@ -35,6 +35,20 @@ retries the report stays ``Failed`` (no ``Loading`` flicker); its message carrie
 count and the next delay, and a successful retry reports ``Ready``. Failures no retry can fix
 (:data:`PERMANENT_REASONS`: the URI or the assignment itself is wrong) wait for a spec change,
 which is always tried at once.
+
+Idle unload and reload on demand (:mod:`.lifecycle`): every request served here calls
+:meth:`Controller.touch`; a *lifecycle* task looks every :data:`LIFECYCLE_INTERVAL_SECONDS` at
+each loaded revision (a revision with requests in flight counts as used now) and unloads those
+idle for their assignment's ``lifecycle.idle_unload_seconds`` (0 = never;
+:func:`~node_agent.lifecycle.idle_unloads`). The unload drops every reference the core holds,
+runs ``gc`` and ``mx.clear_cache()``; MLX's active + cache memory and the process RSS are
+measured before and after (:meth:`~node_agent.serving.ServingCore.memory_usage`) and reported:
+``Unloaded``/``IdleUnloaded`` with ``freed_bytes``, ``resident_bytes`` 0 and the numbers in the
+message. The revision stays assigned and is still listed by :meth:`Controller.served`, as
+*standby*, so routing still picks it; :meth:`Controller.ensure_loaded` reloads it when a request
+arrives (one reload however many requests wait — at most :data:`MAX_RELOAD_WAITERS`, then
+:class:`~node_agent.serving.Overloaded` — reported ``Loading`` then ``Ready``). A reload that
+fails reports ``Failed`` and is retried like any failed load.
 """
 
 from __future__ import annotations
@@ -44,27 +58,31 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
-                                Keys, Role)
+from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment,
+                                AssignmentReport, AssignmentState, DownloadProgress, Keys, Role)
+from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
 from mlx_fleet.supervise import Supervised
 
+from .lifecycle import ModelUse, idle_unloads
 from .registration import Registration
-from .serving import ModelLoadError, ServingCore
+from .serving import MemoryUsage, ModelLoadError, ModelNotLoaded, Overloaded, ServingCore
 from .fetch import default_model_cache, fetch
 from .sources import SourceError, is_remote, resolve_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "ServedModel", "RETRY_INITIAL_BACKOFF", "RETRY_MAX_BACKOFF",
-           "PERMANENT_REASONS", "DRAIN_SECONDS"]
+__all__ = ["Controller", "ServedModel", "IdleUnload", "RETRY_INITIAL_BACKOFF",
+           "RETRY_MAX_BACKOFF", "PERMANENT_REASONS", "DRAIN_SECONDS",
+           "LIFECYCLE_INTERVAL_SECONDS", "MAX_RELOAD_WAITERS"]
 
 #: Delay before the first retry of a failed load, in seconds; it doubles with every failure.
 #: Short, so a replica whose disk was a moment late comes up quickly.
@@ -80,15 +98,49 @@ _PROGRESS_REPORT_SECONDS = 0.5
 #: How long an unassigned revision may finish its running requests before it is unloaded
 #: (seconds). Generous: a long completion on a loaded Mac can take a minute.
 DRAIN_SECONDS = 60.0
+#: How often the lifecycle task looks for idle revisions (seconds): an idle unload happens at
+#: most this late.
+LIFECYCLE_INTERVAL_SECONDS = 1.0
+#: Requests that may wait for one revision's reload on demand; one more gets
+#: :class:`~node_agent.serving.Overloaded` (429 with ``Retry-After``).
+MAX_RELOAD_WAITERS = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
-    """A served model name on this node: its deployment and the loaded revisions → role."""
+    """A served model name on this node: its deployment and the revisions it serves → role.
+    ``standby``: those of them that were unloaded for idleness (a request reloads them first,
+    :meth:`Controller.ensure_loaded`); the others are resident."""
 
     namespace: str
     name: str
     revisions: dict[str, Role]
+    standby: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class IdleUnload:
+    """One idle unload of a revision: ``idle_seconds`` without a request (policy
+    ``idle_unload_seconds``), memory ``before`` and ``after`` it (None when it could not be
+    measured), ``freed_bytes``: MLX active + cache bytes before − after (≥ 0)."""
+
+    model_id: str
+    revision: str
+    idle_seconds: float
+    idle_unload_seconds: int
+    before: MemoryUsage | None
+    after: MemoryUsage | None
+    freed_bytes: int
+
+    def message(self) -> str:
+        text = (f"no request for {self.idle_seconds:.0f}s (idleUnloadSeconds "
+                f"{self.idle_unload_seconds}): unloaded, memory returned")
+        if self.before is not None and self.after is not None:
+            b, a = self.before, self.after
+            text += (f"; MLX active+cache {format_bytes(b.mlx_bytes)} -> "
+                     f"{format_bytes(a.mlx_bytes)} (freed {self.freed_bytes} bytes), process "
+                     f"RSS {format_bytes(b.rss_bytes)} -> {format_bytes(a.rss_bytes)}")
+        return text + "; the next request reloads it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +182,16 @@ class _Failure:
 
 @dataclasses.dataclass
 class _Loaded:
+    """A revision this controller loaded for an assignment. ``last_used``: clock time of its
+    last request (or of its load); ``standby``: unloaded for idleness since (``unload`` says
+    how), still served on demand; ``load_seconds``: how long its last load took."""
+
     spec: _Spec
     resident_bytes: int
+    last_used: float = 0.0
+    standby: bool = False
+    unload: IdleUnload | None = None
+    load_seconds: float = 0.0
 
 
 def _weights_bytes(path: Path) -> int:
@@ -156,6 +216,10 @@ class Controller:
     (default :data:`RETRY_INITIAL_BACKOFF`, :data:`RETRY_MAX_BACKOFF`). ``model_cache``: where
     ``https://`` sources are downloaded (default :func:`~node_agent.fetch.default_model_cache`,
     ``$MLX_FLEET_CACHE/models``); ``hf://`` ones use the Hugging Face cache.
+    ``lifecycle_interval``: seconds between two looks for idle revisions (default
+    :data:`LIFECYCLE_INTERVAL_SECONDS`); ``max_reload_waiters``: requests that may wait for one
+    reload (default :data:`MAX_RELOAD_WAITERS`); ``clock``: monotonic seconds for idle times
+    (injectable for tests).
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
@@ -163,7 +227,10 @@ class Controller:
                  resolve: Callable[[str], Path] = resolve_source,
                  retry_backoff: tuple[float, float] = (RETRY_INITIAL_BACKOFF,
                                                        RETRY_MAX_BACKOFF),
-                 model_cache: Path | None = None) -> None:
+                 model_cache: Path | None = None,
+                 lifecycle_interval: float = LIFECYCLE_INTERVAL_SECONDS,
+                 max_reload_waiters: int = MAX_RELOAD_WAITERS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._keys = keys
         self.node_name = node_name
@@ -180,15 +247,30 @@ class Controller:
         self._reported: set[str] = set()            # assignment keys with a report written
         self._draining: dict[tuple[str, str], asyncio.Task] = {}  # (model id, revision)
         self._changed = asyncio.Event()
-        # Both run under supervision: a bug (e.g. in a watch callback) is logged and the task
+        self._lifecycle_interval = lifecycle_interval
+        self.max_reload_waiters = max_reload_waiters
+        self._clock = clock
+        # One lock per assignment key: a load, an idle unload, a reload and converging one
+        # assignment never interleave (the lifecycle task skips a key that is busy).
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._reloads: dict[tuple[str, str], asyncio.Task] = {}   # (model id, revision)
+        self._reload_waiters: dict[tuple[str, str], int] = {}
+        # All run under supervision: a bug (e.g. in a watch callback) is logged and the task
         # restarts after a back-off; a restarted follower re-lists, so nothing is missed.
         self._tasks = [
             Supervised("controller:follow", lambda: follow_prefix(
                 self._store, self.prefix, self._on_snapshot, self._on_event)),
             Supervised("controller:converge", self._worker),
+            Supervised("controller:lifecycle", self._lifecycle),
         ]
         #: Number of snapshots (initial list + re-lists after compaction) applied.
         self.snapshots = 0
+        #: Number of passes of the lifecycle task (idle checks) completed.
+        self.lifecycle_passes = 0
+        #: Number of reloads on demand started (single-flight: one per standby period).
+        self.reloads = 0
+        #: The latest idle unload of each (model id, revision).
+        self.idle_unloaded: dict[tuple[str, str], IdleUnload] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -202,21 +284,38 @@ class Controller:
             await t.stop()
         for t in self._draining.values():
             t.cancel()
+        for t in list(self._reloads.values()):
+            t.cancel()
 
     def served(self) -> dict[str, ServedModel]:
-        """served model name → its deployment and the revisions loaded now (not draining)."""
-        out: dict[str, ServedModel] = {}
+        """served model name → its deployment and the revisions it serves: those loaded now
+        (not draining) and those unloaded for idleness (``standby``: reloaded on demand)."""
+        deps: dict[str, tuple[str, str]] = {}
+        revisions: dict[str, dict[str, Role]] = {}
+        standby: dict[str, set[str]] = {}
         for key, loaded in self._loaded.items():
             d = self._desired.get(key)
             if not isinstance(d, Assignment):
                 continue
-            entry = out.setdefault(loaded.spec.model_id, ServedModel(d.namespace, d.name, {}))
-            entry.revisions[loaded.spec.revision] = d.role
-        return out
+            model = loaded.spec.model_id
+            deps.setdefault(model, (d.namespace, d.name))
+            revisions.setdefault(model, {})[loaded.spec.revision] = d.role
+            if loaded.standby:
+                standby.setdefault(model, set()).add(loaded.spec.revision)
+        return {m: ServedModel(*deps[m], revisions[m], frozenset(standby.get(m, ())))
+                for m in revisions}
+
+    def touch(self, model_id: str, revision: str) -> None:
+        """A request for ``model_id`` revision ``revision`` is being served: it is not idle."""
+        now = self._clock()
+        for loaded in self._loaded.values():
+            if loaded.spec.model_id == model_id and loaded.spec.revision == revision:
+                loaded.last_used = now
 
     @property
     def tasks(self) -> list[Supervised]:
-        """The supervised background tasks (follower and converge worker), for ``/health``."""
+        """The supervised background tasks (follower, converge worker, lifecycle), for
+        ``/health``."""
         return list(self._tasks)
 
     def states(self) -> dict[str, dict]:
@@ -320,24 +419,40 @@ class Controller:
 
     async def _report(self, key: str, state: AssignmentState, *, namespace: str, name: str,
                       generation: int, revision: str = "", reason: str = "", message: str = "",
-                      endpoint: str = "", resident_bytes: int = 0) -> None:
+                      endpoint: str = "", resident_bytes: int = 0,
+                      freed_bytes: int = 0) -> None:
         await self._reg.put_report(self._report_key(key), AssignmentReport(
             node=self.node_name, namespace=namespace, name=name, generation=generation,
             revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
-            resident_bytes=resident_bytes))
+            resident_bytes=resident_bytes, freed_bytes=freed_bytes))
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
 
     async def _converge(self) -> None:
         desired = dict(self._desired)
 
         # 1. drain and unload what is no longer assigned (or is now served under another name)
-        for key, loaded in list(self._loaded.items()):
-            d = desired.get(key)
-            if isinstance(d, Assignment) and d.served_model_name == loaded.spec.model_id:
-                continue  # same name: a changed spec reloads in place below
-            log.info("draining %s revision %s (assignment %s %s)", loaded.spec.model_id,
-                     loaded.spec.revision, key, "removed" if d is None else "changed")
-            del self._loaded[key]
-            self._drain(loaded.spec)
+        for key in list(self._loaded):
+            async with self._lock(key):  # a reload of it finishes first
+                loaded = self._loaded.get(key)
+                if loaded is None:
+                    continue
+                d = desired.get(key)
+                if isinstance(d, Assignment) and d.served_model_name == loaded.spec.model_id:
+                    continue  # same name: a changed spec reloads in place below
+                del self._loaded[key]
+                if loaded.standby:  # unloaded already
+                    log.info("forgetting standby %s revision %s (assignment %s %s)",
+                             loaded.spec.model_id, loaded.spec.revision, key,
+                             "removed" if d is None else "changed")
+                    continue
+                log.info("draining %s revision %s (assignment %s %s)", loaded.spec.model_id,
+                         loaded.spec.revision, key, "removed" if d is None else "changed")
+                self._drain(loaded.spec)
         for key in list(self._failed):
             if key not in desired:
                 del self._failed[key]
@@ -345,46 +460,60 @@ class Controller:
         for key in {*self._reported, *self._loaded} - desired.keys():
             await self._reg.delete_report(self._report_key(key))
             self._reported.discard(key)
+        for key in set(self._locks) - desired.keys():
+            if not self._locks[key].locked():
+                del self._locks[key]
 
         # 2. load what is missing or changed; newest desired state wins
         for key, d in desired.items():
             if self._changed.is_set():
                 return  # the worker runs again at once with the latest desired set
-            self._reported.add(key)
-            if isinstance(d, _Invalid):
-                self._failed.pop(key, None)
-                await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
-                                   name=d.name, generation=d.generation,
-                                   reason="InvalidAssignment", message=d.message)
-                continue
-            spec = _Spec.of(d)
-            loaded = self._loaded.get(key)
-            if loaded is not None and loaded.spec == spec:
-                await self._ready(key, d, loaded)  # no-op unless e.g. the generation moved
-                continue
-            failed = self._failed.get(key)
-            if failed is not None and failed.spec != spec:
-                failed = None  # a new spec: load it at once, attempts start over
-            if failed is not None and (failed.retry_at is None
-                                       or time.monotonic() < failed.retry_at):
-                # waiting to retry (or not retried); the report follows the generation
-                await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
-                                   name=d.name, generation=d.generation, revision=spec.revision,
-                                   reason=failed.reason, message=failed.message)
-                continue
-            owner = next((k for k, v in self._loaded.items()
-                          if v.spec.model_id == spec.model_id
-                          and self._keys.parse_assignment(k)[1:3] != (d.namespace, d.name)),
-                         None)
-            if owner is not None:
-                self._failed.pop(key, None)  # re-evaluated on every pass instead
-                await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
-                                   name=d.name, generation=d.generation,
-                                   revision=spec.revision, reason="ModelNameConflict",
-                                   message=f"model name {spec.model_id!r} is already served "
-                                           f"for assignment {owner}")
-                continue
-            await self._load(key, d, spec, retry=failed)
+            async with self._lock(key):
+                if self._changed.is_set():
+                    return  # changed while a reload of this key held it
+                await self._converge_one(key, d)
+
+    async def _converge_one(self, key: str, d: Assignment | _Invalid) -> None:
+        """Bring one assignment to its desired state (under its key's lock)."""
+        self._reported.add(key)
+        if isinstance(d, _Invalid):
+            self._failed.pop(key, None)
+            await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
+                               name=d.name, generation=d.generation,
+                               reason="InvalidAssignment", message=d.message)
+            return
+        spec = _Spec.of(d)
+        loaded = self._loaded.get(key)
+        if loaded is not None and loaded.spec == spec:
+            # no-op unless e.g. the generation moved
+            if loaded.standby:
+                await self._standby(key, d, loaded)
+            else:
+                await self._ready(key, d, loaded)
+            return
+        failed = self._failed.get(key)
+        if failed is not None and failed.spec != spec:
+            failed = None  # a new spec: load it at once, attempts start over
+        if failed is not None and (failed.retry_at is None
+                                   or time.monotonic() < failed.retry_at):
+            # waiting to retry (or not retried); the report follows the generation
+            await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
+                               name=d.name, generation=d.generation, revision=spec.revision,
+                               reason=failed.reason, message=failed.message)
+            return
+        owner = next((k for k, v in self._loaded.items()
+                      if v.spec.model_id == spec.model_id
+                      and self._keys.parse_assignment(k)[1:3] != (d.namespace, d.name)),
+                     None)
+        if owner is not None:
+            self._failed.pop(key, None)  # re-evaluated on every pass instead
+            await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
+                               name=d.name, generation=d.generation,
+                               revision=spec.revision, reason="ModelNameConflict",
+                               message=f"model name {spec.model_id!r} is already served "
+                                       f"for assignment {owner}")
+            return
+        await self._load(key, d, spec, retry=failed)
 
     def _drain(self, spec: _Spec) -> None:
         """Unload ``spec``'s revision after its running requests finish (in the background, so a
@@ -413,17 +542,197 @@ class Controller:
                            message=f"serving {loaded.spec.model_id} from {loaded.spec.uri}",
                            resident_bytes=loaded.resident_bytes)
 
+    async def _standby(self, key: str, a: Assignment, loaded: _Loaded) -> None:
+        """Report an idle-unloaded revision: ``Unloaded``/``IdleUnloaded``, still at its
+        endpoint (a request reloads it), nothing resident, the bytes its unload freed."""
+        unload = loaded.unload
+        await self._report(key, AssignmentState.UNLOADED, namespace=a.namespace, name=a.name,
+                           generation=a.generation, revision=loaded.spec.revision,
+                           reason=IDLE_UNLOADED, endpoint=self.advertise_url,
+                           message=unload.message() if unload is not None else
+                           "unloaded while idle; the next request reloads it",
+                           resident_bytes=0,
+                           freed_bytes=unload.freed_bytes if unload is not None else 0)
+
+    # -- idle unload and reload on demand ----------------------------------------------------
+    async def _lifecycle(self) -> None:
+        """Every ``lifecycle_interval`` seconds, unload the revisions idle for long enough."""
+        while True:
+            await asyncio.sleep(self._lifecycle_interval)
+            await self.unload_idle()
+            self.lifecycle_passes += 1
+
+    async def unload_idle(self) -> list[tuple[str, str]]:
+        """One lifecycle pass: unload every loaded revision that has had no request for its
+        assignment's ``idle_unload_seconds`` (0 = never), has none in flight and is not being
+        loaded or reloaded. Returns the ``(model id, revision)`` unloaded."""
+        now = self._clock()
+        uses: list[ModelUse] = []
+        for key, loaded in self._loaded.items():
+            d = self._desired.get(key)
+            if (loaded.standby or not isinstance(d, Assignment) or _Spec.of(d) != loaded.spec
+                    or self._lock(key).locked()):
+                continue
+            in_flight = self._core.inflight_requests(loaded.spec.model_id, loaded.spec.revision)
+            if in_flight:
+                loaded.last_used = now  # so idleness counts from its last request's end
+            uses.append(ModelUse(key, loaded.last_used, in_flight,
+                                 d.lifecycle.idle_unload_seconds,
+                                 resident_bytes=loaded.resident_bytes))
+        done: list[tuple[str, str]] = []
+        for key in idle_unloads(uses, now):
+            unload = await self._idle_unload(key)  # type: ignore[arg-type]
+            if unload is not None:
+                done.append((unload.model_id, unload.revision))
+        return done
+
+    async def _idle_unload(self, key: str) -> IdleUnload | None:
+        """Unload ``key``'s revision for idleness, measuring memory before and after, and report
+        it ``Unloaded``/``IdleUnloaded``. None when it no longer qualifies (used meanwhile,
+        reassigned, busy)."""
+        lock = self._lock(key)
+        if lock.locked():
+            return None
+        async with lock:
+            loaded = self._loaded.get(key)
+            if loaded is None or loaded.standby:
+                return None
+            spec = loaded.spec
+            before: MemoryUsage | None = None
+            try:
+                before = await self._core.memory_usage()
+            except Exception as e:  # noqa: BLE001 - a measurement: unload anyway
+                log.warning("cannot measure memory before unloading %s revision %s: %s",
+                            spec.model_id, spec.revision, e)
+            # checked again after the await, and nothing awaits from here to the unload: no
+            # request can be admitted in between (it would see the revision in standby and
+            # wait for this lock to reload it)
+            d = self._desired.get(key)
+            now = self._clock()
+            if (self._loaded.get(key) is not loaded or not isinstance(d, Assignment)
+                    or _Spec.of(d) != spec or d.lifecycle.idle_unload_seconds <= 0
+                    or self._core.inflight_requests(spec.model_id, spec.revision)
+                    or now - loaded.last_used < d.lifecycle.idle_unload_seconds):
+                return None
+            loaded.standby = True
+            try:
+                # nothing is in flight: the drain ends at once; it is only a safety net
+                await self._core.unload_model(spec.model_id, spec.revision,
+                                              drain_seconds=DRAIN_SECONDS)
+            except Exception:  # noqa: BLE001 - logged; the core stays usable
+                log.exception("unloading idle %s revision %s failed", spec.model_id,
+                              spec.revision)
+            after: MemoryUsage | None = None
+            try:
+                after = await self._core.memory_usage()
+            except Exception as e:  # noqa: BLE001
+                log.warning("cannot measure memory after unloading %s revision %s: %s",
+                            spec.model_id, spec.revision, e)
+            freed = (max(before.mlx_bytes - after.mlx_bytes, 0)
+                     if before is not None and after is not None else 0)
+            unload = IdleUnload(spec.model_id, spec.revision, now - loaded.last_used,
+                                d.lifecycle.idle_unload_seconds, before, after, freed)
+            loaded.unload = unload
+            self.idle_unloaded[(spec.model_id, spec.revision)] = unload
+            log.info("%s revision %s (assignment %s): %s", spec.model_id, spec.revision, key,
+                     unload.message())
+            await self._standby(key, d, loaded)
+            return unload
+
+    async def ensure_loaded(self, model_id: str, revision: str) -> None:
+        """Make sure ``model_id`` revision ``revision`` is resident before a request uses it:
+        a revision unloaded for idleness (standby) is reloaded — once, however many requests
+        wait for it (single flight) — and this returns when it is Ready. Counts as a use.
+
+        Raises :class:`~node_agent.serving.ModelNotLoaded` when the revision is not served
+        here (or its assignment went away meanwhile), :class:`~node_agent.serving.Overloaded`
+        when ``max_reload_waiters`` requests already wait for its reload (``retry_after_seconds``:
+        the last load's duration, at least 1), :class:`~node_agent.serving.ModelLoadError` when
+        the reload failed (the report says ``Failed``; it is retried like any failed load)."""
+        ident = (model_id, revision)
+        found = next(((k, v) for k, v in self._loaded.items()
+                      if (v.spec.model_id, v.spec.revision) == ident), None)
+        task = self._reloads.get(ident)
+        if task is None:
+            if found is None or not found[1].standby:
+                if found is not None and self._core.is_loaded(model_id, revision):
+                    found[1].last_used = self._clock()
+                    return
+                raise ModelNotLoaded(model_id, revision)
+        waiting = self._reload_waiters.get(ident, 0)
+        if waiting >= self.max_reload_waiters:
+            seconds = found[1].load_seconds if found is not None else 0.0
+            raise Overloaded(f"{waiting} requests are already waiting for revision {revision} "
+                             f"of {model_id} to reload (limit {self.max_reload_waiters})",
+                             retry_after_seconds=max(1, math.ceil(seconds)))
+        if task is None:
+            assert found is not None
+            self.reloads += 1
+            task = asyncio.create_task(self._reload(found[0], found[1].spec),
+                                       name=f"reload {model_id}@{revision}")
+            self._reloads[ident] = task
+
+            def done(t: asyncio.Task) -> None:
+                if self._reloads.get(ident) is t:
+                    del self._reloads[ident]
+                if not t.cancelled():
+                    t.exception()  # retrieved: the waiters got it (or left)
+
+            task.add_done_callback(done)
+        self._reload_waiters[ident] = waiting + 1
+        try:
+            await asyncio.shield(task)  # a waiter that leaves does not cancel the reload
+        finally:
+            n = self._reload_waiters[ident] - 1
+            if n:
+                self._reload_waiters[ident] = n
+            else:
+                del self._reload_waiters[ident]
+        self.touch(model_id, revision)
+
+    async def _reload(self, key: str, spec: _Spec) -> None:
+        """Load a standby revision again (under its key's lock): ``Loading``, then ``Ready``;
+        raises if it did not come back."""
+        async with self._lock(key):
+            loaded = self._loaded.get(key)
+            if (loaded is not None and not loaded.standby
+                    and self._core.is_loaded(spec.model_id, spec.revision)):
+                return  # loaded meanwhile
+            d = self._desired.get(key)
+            if loaded is None or not isinstance(d, Assignment) or _Spec.of(d) != spec:
+                raise ModelNotLoaded(spec.model_id, spec.revision)  # reassigned meanwhile
+            log.info("reloading %s revision %s on demand (assignment %s)", spec.model_id,
+                     spec.revision, key)
+            await self._load(key, d, spec, on_demand=True)
+            now = self._loaded.get(key)
+            if now is not None and not now.standby and self._core.is_loaded(spec.model_id,
+                                                                            spec.revision):
+                return
+            self._changed.set()  # the converge worker schedules the retry (or what replaced it)
+            failure = self._failed.get(key)
+            if failure is not None:
+                raise ModelLoadError(failure.reason, failure.message)
+            raise ModelLoadError("LoadFailed", f"revision {spec.revision} of {spec.model_id} "
+                                 "could not be reloaded")
+
     async def _load(self, key: str, a: Assignment, spec: _Spec, *,
-                    retry: _Failure | None = None) -> None:
+                    retry: _Failure | None = None, on_demand: bool = False) -> None:
         """Load ``spec`` for ``key``; ``retry``: the failure this attempt retries (the report
         then stays Failed until the load succeeds, unless a download shows progress).
         A remote source (``hf://``, ``https://``) is downloaded first: ``Prefetching`` with
         ``progress`` (written at most every :data:`_PROGRESS_REPORT_SECONDS`), then
-        ``Loading``, then ``Ready``."""
+        ``Loading``, then ``Ready``. ``on_demand``: a reload of an idle-unloaded revision for a
+        waiting request: ``Loading`` at once (its files are normally local already; should
+        they download again, ``Prefetching`` shows it once bytes flow)."""
         common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
                       revision=spec.revision)
         remote = is_remote(spec.uri)
-        if retry is None:
+        t0 = time.monotonic()
+        if on_demand:
+            await self._report(key, AssignmentState.LOADING, reason=RELOADING_ON_DEMAND,
+                               message=f"reloading {spec.model_id} from {spec.uri} on demand "
+                                       "(it was unloaded while idle)", **common)
+        elif retry is None:
             if remote:
                 await self._report_prefetch(key, spec, DownloadProgress(), common)
             else:
@@ -440,7 +749,8 @@ class Controller:
             await asyncio.shield(draining)
         try:
             if remote:
-                fetched = await self._prefetch(key, spec, common, shown=retry is None)
+                fetched = await self._prefetch(key, spec, common,
+                                               shown=retry is None and not on_demand)
                 if fetched is None:
                     return  # the assignment changed or went away; the next pass takes over
                 path, shown = fetched
@@ -465,7 +775,8 @@ class Controller:
             await self._fail(key, spec, "LoadFailed", f"{type(e).__name__}: {e}", common)
             return
         self._failed.pop(key, None)
-        self._loaded[key] = loaded = _Loaded(spec, resident)
+        self._loaded[key] = loaded = _Loaded(spec, resident, last_used=self._clock(),
+                                             load_seconds=time.monotonic() - t0)
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._ready(key, a, loaded)
 

@@ -315,7 +315,9 @@ class Agent:
         self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
                                       registration=self.registration,
                                       served=self.controller.served, crashes=self.core.crashes,
-                                      memory_bytes=self.core.memory_bytes)
+                                      memory_bytes=self.core.memory_bytes,
+                                      touch=self.controller.touch,
+                                      ensure_loaded=self.controller.ensure_loaded)
         await self.traffic.start()
 
     def _bound_port(self) -> int:

@@ -32,6 +32,13 @@ in the ``X-Model-Revision`` header, and the outcome of a request under a split (
 failure or not, latency, time to first token, tokens/s) feeds the per-revision statistics and
 the local guard.
 
+Idle unload (scale from zero): a request routed to a revision that was unloaded for idleness
+(``Routed.standby``) waits for the router's ``ensure_loaded`` — one reload, shared by every
+request waiting for it — and is then served as usual; too many waiting requests get 429 with
+``Retry-After``, a reload that fails 503 ``server_error`` (``code`` ``model_reload_failed``).
+Every request served here tells the router it used its revision (``touch``), which resets the
+revision's idle time.
+
 Run the app with ``handler_cancellation=True`` (as ``node_agent.main`` and
 ``aiohttp.test_utils.TestServer`` do) so a client disconnect cancels the handler; the handler
 additionally notices a closed transport between tokens (a failed write while streaming, a
@@ -53,8 +60,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelNotLoaded,
-                      Overloaded, ServingCore)
+from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
+                      ModelNotLoaded, Overloaded, ServingCore)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
            "UNKNOWN_LABEL", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
@@ -425,6 +432,23 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             if routed.route.forward:
                 return await forward(request, routed, await request.read())
             revision = routed.route.revision
+            if routed.standby:  # unloaded while idle: reload it (once), then serve
+                try:
+                    await tm.ensure_loaded(req.model, revision)
+                except Overloaded as e:
+                    return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
+                                  code="overloaded",
+                                  headers={"Retry-After": str(e.retry_after_seconds),
+                                           REVISION_HEADER: revision})
+                except ModelNotLoaded:
+                    return not_found
+                except ModelLoadError as e:
+                    return _error(503, f"revision {revision} of model '{req.model}' was "
+                                  f"unloaded while idle and could not be reloaded: {e.reason}: "
+                                  f"{e.message}", type_="server_error",
+                                  code="model_reload_failed",
+                                  headers={REVISION_HEADER: revision})
+            tm.touch(req.model, revision)
         try:
             info = core.model_info(req.model, revision)
         except ModelNotLoaded:

@@ -13,7 +13,11 @@
   stable revision, and a :class:`~mlx_fleet.contract.StatsReport` with ``guard_tripped`` is
   written at once (the operator rolls back fleet-wide on it);
 * a writer task writes each deployment's cumulative :class:`StatsReport` at most once per
-  ``stats_interval_seconds`` (the analysis interval), under the agent's lease.
+  ``stats_interval_seconds`` (the analysis interval), under the agent's lease;
+* :meth:`TrafficManager.touch` and :meth:`TrafficManager.ensure_loaded` pass a served request on
+  to the controller's idle tracking and reload on demand: a route to a revision in standby
+  (unloaded for idleness) says so (:attr:`Routed.standby`), and the HTTP layer awaits
+  ``ensure_loaded`` before generating.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
@@ -33,6 +37,7 @@ from mlx_fleet.supervise import Supervised
 from .controller import ServedModel
 from .guard import CandidateGuard
 from .registration import Registration
+from .serving import ModelNotLoaded
 from .routing import Route, route
 from .split import session_key
 from .window_stats import DeploymentStats
@@ -48,14 +53,18 @@ WRITER_TICK_SECONDS = 0.5
 
 
 class Routed:
-    """One routed request: where it goes (``route``), its deployment and model name."""
+    """One routed request: where it goes (``route``), its deployment and model name.
+    ``standby``: the revision it goes to here was unloaded for idleness; it must be reloaded
+    (:meth:`TrafficManager.ensure_loaded`) before generating."""
 
-    __slots__ = ("route", "deployment", "model")
+    __slots__ = ("route", "deployment", "model", "standby")
 
-    def __init__(self, r: Route, deployment: DeploymentKey, model: str) -> None:
+    def __init__(self, r: Route, deployment: DeploymentKey, model: str,
+                 standby: bool = False) -> None:
         self.route = r
         self.deployment = deployment
         self.model = model
+        self.standby = standby
 
 
 class TrafficManager:
@@ -64,13 +73,19 @@ class TrafficManager:
     ``served()``: served model name → :class:`~.controller.ServedModel` (the controller's view
     of loaded revisions). ``crashes(model, revision)`` / ``memory_bytes(model, revision)``:
     the serving core's cumulative crash count and resident-bytes estimate of a revision.
-    ``clock``: unix seconds (injectable for tests).
+    ``clock``: unix seconds (injectable for tests). ``touch(model, revision)``: a request is
+    served by that revision here (the controller's :meth:`~.controller.Controller.touch`);
+    ``ensure_loaded(model, revision)``: reload a standby revision and wait for it
+    (:meth:`~.controller.Controller.ensure_loaded`). Without them nothing is tracked and a
+    standby revision cannot be reloaded (:class:`~node_agent.serving.ModelNotLoaded`).
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str,
                  registration: Registration, served: Callable[[], dict[str, ServedModel]],
                  crashes: Callable[[str, str], int], memory_bytes: Callable[[str, str], int],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 touch: Callable[[str, str], None] | None = None,
+                 ensure_loaded: Callable[[str, str], Awaitable[None]] | None = None) -> None:
         self._store = store
         self._keys = keys
         self.node_name = node_name
@@ -79,6 +94,8 @@ class TrafficManager:
         self._crashes = crashes
         self._memory = memory_bytes
         self._clock = clock
+        self._touch = touch
+        self._ensure_loaded = ensure_loaded
         self.splits: dict[DeploymentKey, TrafficSplit] = {}
         self._guards: dict[DeploymentKey, CandidateGuard] = {}
         self._stats: dict[DeploymentKey, DeploymentStats] = {}
@@ -181,7 +198,22 @@ class TrafficManager:
         key, _ = session_key(session_header, user)
         r = route(dict(served.revisions), split, key,
                   guard_tripped=guard is not None and guard.tripped, pinned=pinned)
-        return Routed(r, dep, model) if r is not None else None
+        if r is None:
+            return None
+        return Routed(r, dep, model, standby=not r.forward and r.revision in served.standby)
+
+    def touch(self, model: str, revision: str) -> None:
+        """A request is being served by ``model`` revision ``revision`` here (not idle)."""
+        if self._touch is not None:
+            self._touch(model, revision)
+
+    async def ensure_loaded(self, model: str, revision: str) -> None:
+        """Reload ``model`` revision ``revision`` if it is in standby and wait until it is
+        Ready. Raises as :meth:`~.controller.Controller.ensure_loaded`
+        (:class:`~node_agent.serving.Overloaded`, ``ModelLoadError``, ``ModelNotLoaded``)."""
+        if self._ensure_loaded is None:
+            raise ModelNotLoaded(model, revision)
+        await self._ensure_loaded(model, revision)
 
     def record(self, routed: Routed, *, latency_s: float, ttft_s: float | None,
                completion_tokens: int, decode_seconds: float | None, failed: bool) -> None:

@@ -412,3 +412,112 @@ def test_replicas_is_observed_not_desired():
                                            unplaced=2, placement_message="1/1 nodes fit"), None, T0)
     assert status["replicas"] == 1 and status["readyReplicas"] == 0
     assert "0/3 replicas ready" in {c["type"]: c for c in status["conditions"]}["Ready"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# idle-unloaded replicas (standby)
+# ---------------------------------------------------------------------------------------------
+
+U = AssignmentState.UNLOADED
+
+
+def idle(node: str, gen: int = 2, revision: str = "v1") -> AssignmentReport:
+    return rep(node, U, gen=gen, revision=revision, reason="IdleUnloaded", freed_bytes=4096,
+               message="no request for 300s (idleUnloadSeconds 300): unloaded")
+
+
+def reloading(node: str) -> AssignmentReport:
+    return rep(node, L, reason="ReloadingOnDemand", message="reloading on demand")
+
+
+STANDBY_CASES = [
+    # id, assignments, reports, replicas, ready, updated, endpoints, conditions, states
+    ("idle-unloaded counts as ready", {SA: asg(), SB: asg()},
+     {SA: rep("a", R), SB: idle("b")}, 2, 2, 2, ["http://a:8000", "http://b:8000"],
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete"),
+      "Degraded": ("False", "AsExpected")}, {SA: "Ready", SB: "Unloaded"}),
+    ("every replica idle-unloaded", {SA: asg()}, {SA: idle("a")}, 1, 1, 1, ["http://a:8000"],
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete"),
+      "Degraded": ("False", "AsExpected")}, {SA: "Unloaded"}),
+    ("reloading on demand is not starting", {SA: asg()}, {SA: reloading("a")}, 1, 1, 1,
+     ["http://a:8000"],
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete")},
+     {SA: "Loading"}),
+    ("an ordinary load is starting", {SA: asg()}, {SA: rep("a", L, reason="LoadingModel")},
+     1, 0, 0, [], {"Ready": ("False", "ReplicasNotReady"),
+                   "Progressing": ("True", "ReplicasStarting")}, {SA: "Loading"}),
+    ("Unloaded for another reason is not serving", {SA: asg()},
+     {SA: rep("a", U, reason="Evicted")}, 1, 0, 0, [],
+     {"Ready": ("False", "ReplicasNotReady")}, {SA: "Unloaded"}),
+    ("stale standby report does not count", {SA: asg(3)}, {SA: idle("a", gen=2)}, 1, 0, 0, [],
+     {"Ready": ("False", "ReplicasNotReady")}, {SA: "Pending"}),
+    ("standby previous revision serves during a rollout",
+     {SA: asg(role=Role.PREVIOUS), ("a", "v2"): asg(revision="v2")},
+     {SA: idle("a"), ("a", "v2"): rep("a", L, revision="v2", reason="LoadingModel")},
+     1, 1, 0, ["http://a:8000"],
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("True", "ReplicasStarting")},
+     {SA: "Unloaded", ("a", "v2"): "Loading"}),
+    ("a standby candidate changes nothing", {SA: asg(), ("a", "v2"): asg(revision="v2",
+                                                                       role=Role.CANDIDATE)},
+     {SA: rep("a", R), ("a", "v2"): idle("a", revision="v2")}, 1, 1, 1, ["http://a:8000"],
+     {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Complete")},
+     {SA: "Ready", ("a", "v2"): "Unloaded"}),
+]
+
+
+@pytest.mark.parametrize("assignments, reports, replicas, ready, updated, endpoints, "
+                         "want_conds, states", [c[1:] for c in STANDBY_CASES],
+                         ids=[c[0] for c in STANDBY_CASES])
+def test_standby_replicas(assignments, reports, replicas, ready, updated, endpoints, want_conds,
+                          states):
+    gen = max(a.generation for a in assignments.values())
+    status, _ = compute_status(StatusInput(generation=gen, replicas=replicas,
+                                           assignments=assignments, reports=reports), None, T0)
+    assert (status["readyReplicas"], status["updatedReplicas"]) == (ready, updated)
+    assert status["endpoints"] == endpoints
+    got = conds(status)
+    for k, v in want_conds.items():
+        assert got[k] == v, k
+    # listed with its real state
+    assert {(n["name"], n["revision"]): n["state"] for n in status["nodes"]} == states
+
+
+def test_standby_is_listed_with_its_reason_and_named_in_the_ready_message():
+    status, _ = compute_status(StatusInput(generation=2, replicas=2,
+                                           assignments={SA: asg(), SB: asg()},
+                                           reports={SA: rep("a", R), SB: idle("b")}), None, T0)
+    b = next(n for n in status["nodes"] if n["name"] == "b")
+    assert (b["state"], b["reason"]) == ("Unloaded", "IdleUnloaded")
+    assert "idleUnloadSeconds 300" in b["message"] and b["endpoint"] == "http://b:8000"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == ("2/2 replicas ready (1 in standby: unloaded while idle, "
+                                "reloaded on demand)")
+
+
+def test_idle_unload_and_reload_cycle_keeps_ready_and_posts_its_own_events():
+    def inp(report):
+        return StatusInput(generation=2, replicas=1, assignments={SA: asg()},
+                           reports={SA: report})
+
+    s0, _ = compute_status(inp(rep("a", R)), None, T0)
+    steps = [(idle("a"), [("Normal", "ReplicaIdleUnloaded")]),
+             (reloading("a"), []),
+             (rep("a", R), [("Normal", "ReplicaReloaded")]),
+             (idle("a"), [("Normal", "ReplicaIdleUnloaded")]),
+             (rep("a", R), [("Normal", "ReplicaReloaded")])]  # a reload whose Loading was missed
+    prev, t = s0, T0
+    for report, want in steps:
+        t += dt.timedelta(minutes=5)
+        status, events = compute_status(inp(report), prev, t)
+        assert [(e.type, e.reason) for e in events] == want, report.state
+        # Ready, Progressing and Degraded never move: no transition time changes
+        assert [(c["type"], c["status"], c["lastTransitionTime"])
+                for c in status["conditions"]] == [
+            (c["type"], c["status"], c["lastTransitionTime"]) for c in s0["conditions"]]
+        prev = status
+    _, events = compute_status(inp(idle("a")), None, T0)
+    assert [e.reason for e in events] == ["Placed", "ReplicaIdleUnloaded"]
+    # a standby replica that fails to reload is a failure like any other
+    _, events = compute_status(inp(rep("a", F, reason="ModelNotFound", message="gone")),
+                               compute_status(inp(idle("a")), None, T0)[0], T1)
+    assert [(e.type, e.reason) for e in events] == [("Warning", "ReplicaFailed")]

@@ -12,9 +12,9 @@ from .core import ServingCore
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                      ModelNotLoaded, Overloaded)
 from .generation import Generation
-from .types import Chunk, ModelInfo
+from .types import Chunk, MemoryUsage, ModelInfo
 
 __all__ = [
     "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
-    "GenerationAborted", "ModelInfo", "Chunk", "Generation", "ServingCore",
+    "GenerationAborted", "MemoryUsage", "ModelInfo", "Chunk", "Generation", "ServingCore",
 ]

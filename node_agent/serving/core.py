@@ -66,7 +66,7 @@ from .admission import admit
 from .engine import Engine, Events
 from .errors import GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
 from .generation import Generation, Request
-from .types import ModelInfo, ModelKey
+from .types import MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
 __all__ = ["ServingCore"]
@@ -74,6 +74,16 @@ __all__ = ["ServingCore"]
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size in bytes (0 when it cannot be read)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - a measurement, never a failure
+        return 0
 
 
 class _Drain:
@@ -367,6 +377,15 @@ class ServingCore:
         s = self._engine.registry.stats.get((model_id, revision))
         return s.memory_bytes if s is not None else 0
 
+    async def memory_usage(self) -> MemoryUsage:
+        """Measure the process's memory now: MLX's active and cache bytes — read on the MLX
+        thread, between two steps, so no step is half done — and the process RSS. Raises
+        :class:`GenerationAborted` when the core is not running."""
+        if not self._started or self._closed:
+            raise GenerationAborted("the serving core is not running")
+        active, cache = await self._call(self._engine.memory)
+        return MemoryUsage(active, cache, _rss_bytes())
+
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, model_id: str, *, revision: str | None = None,
                        prompt: str | None = None,
@@ -570,13 +589,19 @@ class ServingCore:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                for res in self._engine.registry:
-                    if res.has_work():
-                        try:
-                            self._engine.step(res)
-                        except Exception as e:  # noqa: BLE001 - contained to this revision
-                            log.exception("generation step of %s@%s failed", *res.key)
-                            self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")
+                self._t_step_all()
+
+    def _t_step_all(self) -> None:
+        """One batch step of every revision with work. A function of its own so that no frame
+        of the step loop keeps the last revision it looked at (and so its weights) alive after
+        that revision is unloaded."""
+        for res in self._engine.registry:
+            if res.has_work():
+                try:
+                    self._engine.step(res)
+                except Exception as e:  # noqa: BLE001 - contained to this revision
+                    log.exception("generation step of %s@%s failed", *res.key)
+                    self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")
 
     def _t_command(self, cmd: tuple) -> None:
         if cmd[0] == "call":

@@ -121,6 +121,12 @@ class Engine:
         if not len(self.registry):
             self._restore_wired_limit()
 
+    def memory(self) -> tuple[int, int]:
+        """``(active, cache)`` bytes of MLX's allocator right now."""
+        import mlx.core as mx
+
+        return int(mx.get_active_memory()), int(mx.get_cache_memory())
+
     def unload_all(self, reason: str, *, crashed: bool = False) -> None:
         """Unload every revision; ``crashed``: count it as a crash of each (a core failure)."""
         for res in self.registry:

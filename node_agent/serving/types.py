@@ -1,11 +1,11 @@
-"""Plain values the serving core hands out: a loaded revision's :class:`ModelInfo` and a
-generation's :class:`Chunk`."""
+"""Plain values the serving core hands out: a loaded revision's :class:`ModelInfo`, a
+generation's :class:`Chunk` and a :class:`MemoryUsage` measurement."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelKey", "ModelInfo", "Chunk"]
+__all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
 ModelKey = tuple[str, str]
@@ -38,3 +38,20 @@ class Chunk:
     text: str
     completion_tokens: int
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """The process's memory at one moment (:meth:`ServingCore.memory_usage`). ``active_bytes``:
+    ``mlx.core.get_active_memory()`` (arrays alive now); ``cache_bytes``:
+    ``mlx.core.get_cache_memory()`` (freed buffers MLX keeps for reuse); ``rss_bytes``: the
+    process's resident set size (``psutil``; 0 when it cannot be read)."""
+
+    active_bytes: int
+    cache_bytes: int
+    rss_bytes: int
+
+    @property
+    def mlx_bytes(self) -> int:
+        """What MLX holds: active + cache bytes."""
+        return self.active_bytes + self.cache_bytes

@@ -17,9 +17,22 @@ Ready. ``endpoints``: every node with a Ready Stable or Previous revision — so
 never empties it. Candidate replicas are listed but belong to the Canary's status: they never
 change the ModelDeployment's conditions.
 
+Idle-unloaded replicas (standby)
+--------------------------------
+A replica with no request for ``spec.lifecycle.idleUnloadSeconds`` is unloaded by its agent
+and reported ``Unloaded`` with reason ``IdleUnloaded`` (``freedBytes`` in the agent's report);
+while a request reloads it, ``Loading`` with reason ``ReloadingOnDemand``
+(:func:`mlx_fleet.contract.is_standby`). It stays assigned and its agent answers requests for
+it (the first one waits for the reload), so a standby replica is *not* a failure and *not*
+starting: it counts as serving — in ``readyReplicas``, ``updatedReplicas`` and ``endpoints``
+— and never flips ``Ready`` to False or ``Progressing`` to True. It is listed in
+``status.nodes`` with its real state and reason (``Unloaded``/``IdleUnloaded``). Any other
+``Unloaded`` replica is not serving.
+
 Conditions
 ----------
-``Ready``        True when ``readyReplicas >= replicas`` (``ScaledToZero`` when replicas is 0).
+``Ready``        True when ``readyReplicas >= replicas`` (``ScaledToZero`` when replicas is 0);
+                 standby replicas count as ready.
 ``Progressing``  True while placed replicas are still being fetched or loaded
                  (``ReplicasStarting``) or a revision edit is rolling out (``RollingUpdate``);
                  False with ``Complete``, ``RolloutStalled`` (the new revision failed; the
@@ -38,7 +51,8 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, NodeRecord, Role
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, NodeRecord, Role,
+                                is_standby)
 
 Slot = tuple[str, str]  # (node, revision)
 
@@ -128,7 +142,9 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     with a new reason), Warning ``FailedPlacement`` when replicas become unplaceable or the
     explanation changes, Warning ``InvalidSpec`` when the spec becomes invalid, Warning
     ``RolloutStalled`` / ``RolloutBlocked`` when Progressing turns to that reason, Normal
-    ``RolloutComplete`` when the last Previous replica of a rollout is gone.
+    ``RolloutComplete`` when the last Previous replica of a rollout is gone, Normal
+    ``ReplicaIdleUnloaded`` when a replica is unloaded for idleness (standby) and Normal
+    ``ReplicaReloaded`` (instead of ``ReplicaReady``) when a standby replica is Ready again.
     """
     previous = previous or {}
     stamp = now_rfc3339(now)
@@ -141,11 +157,16 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     entries = [_node_entry(slot[0], inp.assignments[slot], inp.reports.get(slot),
                            inp.nodes.get(slot[0])) for slot in sorted(inp.assignments)]
     serving = [e for e in entries if e["role"] != Role.CANDIDATE.value]
-    ready = [e for e in serving if e["state"] == AssignmentState.READY.value]
+    # Ready, or standby (idle-unloaded / reloading for a request): serves on demand
+    ready = [e for e in serving if e["state"] == AssignmentState.READY.value
+             or is_standby(e["state"], e["reason"])]
     failed = [e for e in serving if e["state"] == AssignmentState.FAILED.value]
     starting = [e for e in serving if e["state"] not in (AssignmentState.READY.value,
-                                                        AssignmentState.FAILED.value)]
+                                                        AssignmentState.FAILED.value)
+                and not is_standby(e["state"], e["reason"])]
     n_ready = len({e["name"] for e in ready})
+    standby_nodes = {e["name"] for e in ready if is_standby(e["state"], e["reason"])} - {
+        e["name"] for e in ready if e["state"] == AssignmentState.READY.value}
     n_updated = len({e["name"] for e in ready if e["role"] == Role.STABLE.value})
     desired = inp.replicas
 
@@ -159,11 +180,15 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     else:
         if desired == 0:
             ready_c = cond("Ready", "True", "ScaledToZero", "0 replicas requested")
-        elif n_ready >= desired:
-            ready_c = cond("Ready", "True", "ReplicasReady", f"{n_ready}/{desired} replicas ready")
         else:
-            ready_c = cond("Ready", "False", "ReplicasNotReady",
-                           f"{n_ready}/{desired} replicas ready")
+            detail = (f" ({len(standby_nodes)} in standby: unloaded while idle, reloaded on "
+                      "demand)" if standby_nodes else "")
+            if n_ready >= desired:
+                ready_c = cond("Ready", "True", "ReplicasReady",
+                               f"{n_ready}/{desired} replicas ready{detail}")
+            else:
+                ready_c = cond("Ready", "False", "ReplicasNotReady",
+                               f"{n_ready}/{desired} replicas ready{detail}")
         if inp.rollout_reason == "Stalled":
             prog_c = cond("Progressing", "False", "RolloutStalled", inp.rollout_message)
         elif starting:
@@ -199,10 +224,22 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         if before is None:
             events.append(Event("Normal", "Placed", f"Assigned {what} to node {e['name']}"))
         before_state = before.get("state") if before else None
+        was_standby = before is not None and is_standby(before_state or "",
+                                                        before.get("reason") or "")
         if e["state"] == AssignmentState.READY.value and before_state != e["state"]:
-            events.append(Event("Normal", "ReplicaReady",
-                                f"Replica of {what} on node {e['name']} is Ready at "
-                                f"{e['endpoint']}"))
+            if was_standby:
+                events.append(Event("Normal", "ReplicaReloaded",
+                                    f"Replica of {what} on node {e['name']} was reloaded on "
+                                    f"demand and is Ready at {e['endpoint']}"))
+            else:
+                events.append(Event("Normal", "ReplicaReady",
+                                    f"Replica of {what} on node {e['name']} is Ready at "
+                                    f"{e['endpoint']}"))
+        if (e["state"] == AssignmentState.UNLOADED.value and is_standby(e["state"], e["reason"])
+                and not was_standby):
+            events.append(Event("Normal", "ReplicaIdleUnloaded",
+                                f"Replica of {what} on node {e['name']} was unloaded while "
+                                f"idle (standby; the next request reloads it): {e['message']}"))
         if e["state"] == AssignmentState.FAILED.value and (
                 before_state != e["state"] or (before or {}).get("reason") != e["reason"]):
             events.append(Event("Warning", "ReplicaFailed",
