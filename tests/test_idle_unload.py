@@ -196,7 +196,8 @@ async def test_idle_revision_is_unloaded_and_its_memory_returned(
                                                    - unload.after.mlx_bytes)
     weights = safetensors_bytes(test_model_dir)
     assert unload.freed_bytes >= weights // 2
-    assert unload.after.active_bytes < weights // 2  # no reference kept the weights alive
+    # (MLX memory is per process: other tests' models may be resident, so the decrease is what
+    # is asserted — at least half the weights came back, so no reference kept them alive)
     assert unload.before.rss_bytes > 0 and unload.after.rss_bytes > 0
     assert unload.idle_seconds >= 1
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import kopf
 
-from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit
+from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit, is_standby
 from mlx_fleet.store import Compare, Delete, Put, StoreError
 
 from . import metrics
@@ -86,10 +86,12 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
     reports = rt.reports.get(target, {})
 
     def state_of(slot: tuple[str, str]) -> AssignmentState | None:
+        """The slot's state for the stored record's generation; a standby replica (idle-
+        unloaded, reloading on demand) counts as Ready: it serves on demand."""
         r, a = reports.get(slot), placed.get(slot)
         if r is None or a is None or r.generation != a.generation:
             return None
-        return r.state
+        return AssignmentState.READY if is_standby(r.state.value, r.reason) else r.state
 
     cand_slots = [s for s in placed if s[1] == cand]
     stable_slots = [s for s in placed if s[1] == dspec.model.revision and s[1] != cand]
@@ -147,7 +149,9 @@ def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployment
     placed = rt.placed.get(target, {})
     reports = rt.reports.get(target, {})
     endpoints = sorted({reports[s].endpoint for s in placed if s[1] == cand and s in reports
-                        and reports[s].state == AssignmentState.READY and reports[s].endpoint})
+                        and (reports[s].state == AssignmentState.READY
+                             or is_standby(reports[s].state.value, reports[s].reason))
+                        and reports[s].endpoint})
     return TrafficSplit(
         namespace=target[0], name=target[1],
         served_model_name=dspec.model.served_model_name or target[1],

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from pydantic import ValidationError
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeRecord,
-                                PlacementEpoch)
+                                PlacementEpoch, is_standby)
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
 from .placement import PlacementDecision
@@ -178,8 +178,8 @@ def report_slots(view: FleetView, namespace: str, name: str,
         r = reports.get(slot)
         if r is None or stored.assignment is None or r.generation != stored.assignment.generation:
             continue
-        if r.state == AssignmentState.READY:
-            ready.add(slot)
+        if r.state == AssignmentState.READY or is_standby(r.state.value, r.reason):
+            ready.add(slot)  # a standby replica (idle-unloaded) serves on demand
         elif r.state == AssignmentState.FAILED:
             failed.add(slot)
     return ready, failed
