@@ -20,11 +20,15 @@ what is missing or changed (a changed source URI or serving limit reloads; a cha
 does not: promotion is free). Before each load it checks the signal again, so the newest desired
 state wins; a load that is running is never started a second time.
 
-Reports (:class:`~mlx_fleet.contract.AssignmentReport` at ``keys.report(node, ns, name)``) are
-written through :class:`~node_agent.registration.Registration`, bound to its lease:
-``Loading`` → ``Ready`` (``endpoint`` = the agent's advertised URL, ``resident_bytes`` = size of
-the weight files, an estimate of the memory MLX maps) or ``Failed`` (``reason``/``message`` from
-:class:`~node_agent.serving.ModelLoadError` or :class:`~node_agent.sources.SourceError`). The
+Reports (:class:`~mlx_fleet.contract.AssignmentReport` at
+``keys.report(node, ns, name, revision)``) are written through
+:class:`~node_agent.registration.Registration`, bound to its lease: ``Loading`` → ``Ready``
+(``endpoint`` = the agent's advertised URL, ``resident_bytes`` = the weights' bytes from the
+safetensors headers, ``estimated_bytes`` = weights + KV cache at the assignment's limits,
+:mod:`node_agent.memory_estimate`) or ``Failed`` (``reason``/``message`` from
+:class:`~node_agent.serving.ModelLoadError`, :class:`~node_agent.sources.SourceError` or
+:class:`~node_agent.memory_estimate.ModelFileError` — a hostile or malformed safetensors header
+or ``config.json`` is refused before anything is loaded). The
 report is deleted when the assignment goes away. A malformed assignment value is logged and
 reported ``Failed``/``InvalidAssignment``; it never stops the controller.
 
@@ -73,6 +77,7 @@ from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 from mlx_fleet.supervise import Supervised
 
 from .lifecycle import ModelUse, idle_unloads
+from . import memory_estimate
 from .registration import Registration
 from .serving import MemoryUsage, ModelLoadError, ModelNotLoaded, Overloaded, ServingCore
 from .fetch import default_model_cache, fetch
@@ -190,18 +195,9 @@ class _Loaded:
     resident_bytes: int
     last_used: float = 0.0
     standby: bool = False
+    estimated_bytes: int = 0  # weights + KV cache at the assignment's limits (memory_estimate)
     unload: IdleUnload | None = None
     load_seconds: float = 0.0
-
-
-def _weights_bytes(path: Path) -> int:
-    """Total size of the model's weight files in bytes (0 if none are found)."""
-    total = 0
-    for pattern in ("*.safetensors", "*.npz"):
-        for f in path.glob(pattern):
-            with contextlib.suppress(OSError):
-                total += f.stat().st_size
-    return total
 
 
 class Controller:
@@ -420,11 +416,12 @@ class Controller:
     async def _report(self, key: str, state: AssignmentState, *, namespace: str, name: str,
                       generation: int, revision: str = "", reason: str = "", message: str = "",
                       endpoint: str = "", resident_bytes: int = 0,
-                      freed_bytes: int = 0) -> None:
+                      freed_bytes: int = 0, estimated_bytes: int = 0) -> None:
         await self._reg.put_report(self._report_key(key), AssignmentReport(
             node=self.node_name, namespace=namespace, name=name, generation=generation,
             revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
-            resident_bytes=resident_bytes, freed_bytes=freed_bytes))
+            resident_bytes=resident_bytes, freed_bytes=freed_bytes,
+            estimated_bytes=estimated_bytes))
 
     def _lock(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -540,7 +537,8 @@ class Controller:
                            generation=a.generation, revision=loaded.spec.revision,
                            reason="ModelLoaded", endpoint=self.advertise_url,
                            message=f"serving {loaded.spec.model_id} from {loaded.spec.uri}",
-                           resident_bytes=loaded.resident_bytes)
+                           resident_bytes=loaded.resident_bytes,
+                           estimated_bytes=loaded.estimated_bytes)
 
     async def _standby(self, key: str, a: Assignment, loaded: _Loaded) -> None:
         """Report an idle-unloaded revision: ``Unloaded``/``IdleUnloaded``, still at its
@@ -759,11 +757,20 @@ class Controller:
                                        message=f"loading {spec.model_id} from {path}", **common)
             else:
                 path = await asyncio.to_thread(self._resolve, spec.uri)
+            # Read and check the headers before anything is loaded: a hostile or malformed
+            # safetensors header or config.json is refused here with its reason, and the
+            # estimate (weights + KV cache at the assignment's limits) goes into the reports.
+            est = await asyncio.to_thread(
+                memory_estimate.estimate, path, max_context_tokens=spec.max_context_tokens,
+                max_concurrent_sequences=spec.max_concurrent_sequences)
             await self._core.load_model(
                 spec.model_id, path, revision=spec.revision,
                 max_concurrent_sequences=spec.max_concurrent_sequences,
                 max_context_tokens=spec.max_context_tokens)
-            resident = await asyncio.to_thread(_weights_bytes, path)
+            resident = est.weights_bytes
+        except memory_estimate.ModelFileError as e:
+            await self._fail(key, spec, e.reason, e.message, common)
+            return
         except (SourceError, ModelLoadError) as e:
             await self._fail(key, spec, e.reason, e.message, common)
             return
@@ -776,7 +783,8 @@ class Controller:
             return
         self._failed.pop(key, None)
         self._loaded[key] = loaded = _Loaded(spec, resident, last_used=self._clock(),
-                                             load_seconds=time.monotonic() - t0)
+                                             load_seconds=time.monotonic() - t0,
+                                             estimated_bytes=est.total_bytes)
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._ready(key, a, loaded)
 

@@ -791,3 +791,45 @@ def test_status_shows_a_progress_bar_for_prefetching_rows() -> None:
     console = Console(record=True, width=250, color_system=None)
     render(FleetView(nodes={"mac-a": node}, assignments={}, reports={}), console)
     assert "Progress" not in console.export_text()  # the column only while downloading
+
+
+
+async def test_a_hostile_safetensors_header_is_refused_before_loading(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        tmp_path: Path, monkeypatch) -> None:
+    """The controller reads every header before the load: a header claiming more bytes than
+    the file holds fails the assignment with the parser's reason, and nothing reaches the
+    core; a sound model's report carries the estimate (weights + KV cache)."""
+    import struct
+
+    from mlx_fleet.testmodel import make_test_model
+
+    loads: list[str] = []
+    real = core.load_model
+
+    async def counting(model_id, *a, **kw):
+        loads.append(model_id)
+        return await real(model_id, *a, **kw)
+
+    monkeypatch.setattr(core, "load_model", counting)
+    model = make_test_model(tmp_path / "hostile")
+    weights = next(model.glob("model*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", len(data) * 10) + data[8:])
+    start = (await store.list(keys.root + "/")).revision + 1
+    a = https_assignment("hostile", f"file://{model}")
+    await store.put(keys.assignment(NODE, "default", "hostile", "r1"), a.to_json())
+    seen = await report_events(store, keys.report(NODE, "default", "hostile", "r1"), start,
+                               settled)
+    assert seen[-1] is not None and seen[-1].state == AssignmentState.FAILED
+    assert seen[-1].reason == "HeaderBeyondFile" and weights.name in seen[-1].message
+    assert loads == []
+
+    sound = make_test_model(tmp_path / "sound")
+    a = https_assignment("sound", f"file://{sound}")
+    await store.put(keys.assignment(NODE, "default", "sound", "r1"), a.to_json())
+    seen = await report_events(store, keys.report(NODE, "default", "sound", "r1"), start,
+                               settled)
+    ready = seen[-1]
+    assert ready is not None and ready.state == AssignmentState.READY and loads == ["sound"]
+    assert 0 < ready.resident_bytes < ready.estimated_bytes  # + the KV cache
