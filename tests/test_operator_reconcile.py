@@ -194,7 +194,7 @@ async def test_other_deployments_memory_from_etcd(store, keys):
                              assignment("big", mem_gib=7).to_json())])
     res = await rc.reconcile(store, keys, intent(mem_gib=2, replicas=2))
     assert res.decision.nodes == ("b",) and res.decision.unplaced == 1
-    assert "1 insufficient memory (needs 2.0GiB, 1.0GiB free)" in res.decision.message
+    assert "1 insufficient memory (needs 2.0GiB: a 1.0GiB free of 8.0GiB)" in res.decision.message
 
 
 class _RacyStore:

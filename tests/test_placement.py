@@ -39,11 +39,11 @@ CASES = [
     ("fits", req(), [node("a")], {}, ("a",), 0, ""),
     ("no nodes", req(), [], {}, (), 1, "no nodes registered"),
     ("memory too small", req(mem_gib=9), [node("a", 10)], {}, (), 1,
-     "0/1 nodes fit: 1 insufficient memory (needs 9.0GiB, 8.0GiB free)"),
+     "0/1 nodes fit: 1 insufficient memory (needs 9.0GiB: a 8.0GiB free of 8.0GiB)"),
     ("exactly the watermark", req(mem_gib=8), [node("a", 10)], {}, ("a",), 0, ""),
     ("mixed reasons", req(mem_gib=2, min_chip_generation=4),
      [node("a", 10, gen=3), node("b", 10, gen=3), node("c", 2, gen=4)], {}, (), 1,
-     "0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB, 1.6GiB free)"),
+     "0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB: c 1.6GiB free of 1.6GiB)"),
     ("selector", req(node_selector={"rack": "r1"}),
      [node("a", rack="r2"), node("b", rack="r1"), node("c")], {}, ("b",), 0, ""),
     ("selector none match", req(node_selector={"rack": "r1"}), [node("a", rack="r2")], {}, (), 1,
@@ -60,7 +60,7 @@ CASES = [
     ("scale up keeps existing", req(replicas=3), [node("a"), node("b"), node("c"), node("d", 5)],
      {"c": [asg("llm", 2)]}, ("a", "b", "c"), 0, ""),
     ("scale up short", req(replicas=3), [node("a"), node("b", 1)], {}, ("a",), 2,
-     "1/2 nodes fit: 1 insufficient memory (needs 2.0GiB, 819.2MiB free); 2 of 3 replicas unplaced"),
+     "1/2 nodes fit: 1 insufficient memory (needs 2.0GiB: b 819.2MiB free of 819.2MiB); 2 of 3 replicas unplaced"),
     ("scale down: most loaded first", req(replicas=1), [node("a"), node("b"), node("c")],
      {"a": [asg("llm", 2), asg("other", 4)], "b": [asg("llm", 2)], "c": [asg("llm", 2), asg("x", 1)]},
      ("b",), 0, ""),
@@ -75,7 +75,7 @@ CASES = [
     ("other deployments count", req(mem_gib=4), [node("a", 10), node("b", 10)],
      {"a": [asg("x", 5)], "b": [asg("y", 3)]}, ("b",), 0, ""),
     ("other deployments fill it", req(mem_gib=4), [node("a", 10)], {"a": [asg("x", 5)]}, (), 1,
-     "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB, 3.0GiB free)"),
+     "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB: a 3.0GiB free of 8.0GiB)"),
     ("same name other namespace counts", req(mem_gib=4), [node("a", 10)],
      {"a": [asg("llm", 5, ns="prod", served="prod-llm")]}, (), 1, "insufficient memory"),
     # Served model names: one node's OpenAI API serves each `model` id once.
@@ -101,7 +101,7 @@ CASES = [
     # Revisions: (deployment, revision) is the identity; other revisions of it are resident too.
     ("another revision of the same deployment counts", req(mem_gib=4, revision="v2"),
      [node("a", 10)], {"a": [asg("llm", 5, revision="v1")]}, (), 1,
-     "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB, 3.0GiB free)"),
+     "0/1 nodes fit: 1 insufficient memory (needs 4.0GiB: a 3.0GiB free of 8.0GiB)"),
     ("both revisions fit on one node", req(mem_gib=3, revision="v2"), [node("a", 10)],
      {"a": [asg("llm", 5, revision="v1")]}, ("a",), 0, ""),
     ("another revision is not a placed replica of this one", req(revision="v2"),
@@ -282,3 +282,15 @@ def test_properties(scenario):
     for n in d.nodes:
         again.setdefault(n, []).append(asg("llm", r.memory_bytes / GiB, revision=r.revision))
     assert place(r, nodes, again).nodes == d.nodes
+
+
+def test_insufficient_memory_names_the_numbers_per_node_most_free_first():
+    nodes = [node(f"m{i}", 8) for i in range(7)]  # 6.4 GiB budget each
+    used = {f"m{i}": [asg(f"other{i}", i * 0.5, ns="x", served=f"o{i}")] for i in range(7)}
+    d = place(PlacementRequest(namespace="ns", name="big", replicas=1,
+                               memory_bytes=int(7 * GiB)), nodes, used)
+    assert d.unplaced == 1
+    assert d.message == ("0/7 nodes fit: 7 insufficient memory (needs 7.0GiB: "
+                         "m0 6.4GiB free of 6.4GiB, m1 5.9GiB free of 6.4GiB, "
+                         "m2 5.4GiB free of 6.4GiB, m3 4.9GiB free of 6.4GiB, "
+                         "m4 4.4GiB free of 6.4GiB, 2 more)")

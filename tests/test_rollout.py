@@ -184,7 +184,7 @@ def test_no_room_blocked_message_has_the_numbers():
     assert p.rollout.reason == "Blocked"
     msg = p.rollout.message
     assert "0/2 replicas Ready at revision v2" in msg and "maxUnavailable=0" in msg
-    assert "2 insufficient memory (needs 5.0GiB, 3.0GiB free)" in msg
+    assert "2 insufficient memory (needs 5.0GiB: a 3.0GiB free of 8.0GiB, b 3.0GiB free of 8.0GiB)" in msg
     assert "v1 on a, v1 on b" in msg
     assert p.stable.unplaced == 2
 
@@ -290,7 +290,7 @@ def test_candidate_counts_against_memory():
     other = PlacementRequest(namespace="ns", name="other", replicas=3, memory_bytes=1 * GiB,
                              revision="x")
     d = place(other, THREE, after)
-    assert d.nodes == ("b", "c") and "insufficient memory (needs 1.0GiB, 0B free)" in d.message
+    assert d.nodes == ("b", "c") and "insufficient memory (needs 1.0GiB: a 0B free of 8.0GiB)" in d.message
     for n in THREE:
         assert sum(a.memory_bytes for a in after.get(n.name, [])) <= node_budget_bytes(n)
 
@@ -306,7 +306,8 @@ def test_candidate_unplaced_with_the_numbers():
     assert triples(p) == {("a", "v1", S), ("b", "v1", S)}
     assert p.candidate is not None and p.candidate.nodes == () and p.candidate.unplaced == 1
     assert p.candidate.message == ("0/2 nodes fit: 2 insufficient memory "
-                                   "(needs 5.0GiB, 3.0GiB free)")
+                                   "(needs 5.0GiB: a 3.0GiB free of 8.0GiB, b 3.0GiB free of "
+                                   "8.0GiB)")
 
 
 def test_stored_candidate_is_not_displaced_by_the_stable():

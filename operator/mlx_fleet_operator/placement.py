@@ -83,8 +83,9 @@ class PlacementDecision:
     ``removed``: the diff against the current placement (``removed`` includes nodes that
     vanished). ``unplaced``: replicas that could not be placed. ``reasons``: one fragment per
     cause, e.g. ``"2 below chip generation M4"``; ``message``: the whole sentence, e.g.
-    ``"0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB, 1.1GiB
-    free)"``; both empty when every replica is placed.
+    ``"0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB: mac-a
+    1.1GiB free of 6.4GiB)"`` (per node, most free first, at most five named); both empty when
+    every replica is placed.
     """
 
     nodes: tuple[str, ...]
@@ -130,6 +131,9 @@ def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assi
                and (a.namespace, a.name) != (request.namespace, request.name)
                for a in assignments)
 
+
+#: Nodes named (with their numbers) in an insufficient-memory reason; the rest are counted.
+_MAX_NODES_NAMED = 5
 
 # Order of the checks, which is also the order of the reasons in the message.
 _UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY = range(5)
@@ -239,9 +243,13 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
             verb = "serves" if k == 1 else "serve"
             parts.append(f"{k} already {verb} model name {request.model_name!r}")
         elif kind == _MEMORY:
-            best = max(free[n] for n in names)
-            parts.append(f"{k} insufficient memory (needs {_fmt(request.memory_bytes)}, "
-                         f"{_fmt(best)} free)")
+            # the numbers per node (needed vs free of the budget), most free first
+            shown = sorted(names, key=lambda n: (-free[n], n))[:_MAX_NODES_NAMED]
+            per = ", ".join(f"{n} {_fmt(free[n])} free of {_fmt(node_budget_bytes(by_name[n]))}"
+                            for n in shown)
+            more = f", {k - len(shown)} more" if k > len(shown) else ""
+            parts.append(f"{k} insufficient memory (needs {_fmt(request.memory_bytes)}: "
+                         f"{per}{more})")
     message = f"{fit}/{total} nodes fit: {', '.join(parts)}"
     if fit:  # the fitting nodes already host one replica each
         message += f"; {unplaced} of {request.replicas} replicas unplaced (one per node)"
