@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import time
+from decimal import Decimal
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,6 +41,35 @@ ROOT = "/mlx-fleet/v2"
 
 #: The first Apple-Silicon generation mlx-fleet supports (seed 004: M3 or later).
 MIN_CHIP_GENERATION = 3
+
+#: Fraction of a Mac's unified memory that resident models may take; the rest is left to macOS,
+#: the agent and KV-cache growth. Source: seed 004's node budget, "watermark 80%".
+WATERMARK = 0.8
+
+
+def node_budget_bytes(memory_total_bytes: int, wired_limit_bytes: int,
+                      watermark: float = WATERMARK) -> int:
+    """Bytes the node's resident models may take::
+
+        min(floor(memory_total_bytes × watermark), wired_limit_bytes if wired_limit_bytes else ∞)
+
+    ``memory_total_bytes``: unified memory (``hw.memsize``); ``wired_limit_bytes``: the GPU
+    wired-memory limit (macOS ``iogpu.wired_limit_mb``, which caps what the GPU may wire; 0 =
+    the OS default, no extra cap here); ``watermark``: share in (0, 1], default
+    :data:`WATERMARK` (seed 004: 80 %). The product is exact (decimal), floored.
+    Raises ``ValueError`` for negative bytes or a watermark outside (0, 1].
+    """
+    if not (isinstance(memory_total_bytes, int) and not isinstance(memory_total_bytes, bool) and memory_total_bytes >= 0):
+        raise ValueError(f"memory_total_bytes must be a non-negative integer, "
+                         f"got {memory_total_bytes!r}")
+    if not (isinstance(wired_limit_bytes, int) and not isinstance(wired_limit_bytes, bool) and wired_limit_bytes >= 0):
+        raise ValueError(f"wired_limit_bytes must be a non-negative integer, "
+                         f"got {wired_limit_bytes!r}")
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
+            0 < watermark <= 1):
+        raise ValueError(f"watermark must be in (0, 1], got {watermark!r}")
+    budget = int(Decimal(memory_total_bytes) * Decimal(str(watermark)))
+    return min(budget, wired_limit_bytes) if wired_limit_bytes else budget
 
 
 def _check_segment(value: str, what: str) -> str:

@@ -40,11 +40,11 @@ import dataclasses
 import json
 import os
 import struct
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from mlx_fleet.contract import NodeCapacity
+from mlx_fleet.contract import WATERMARK, NodeCapacity
+from mlx_fleet.contract import node_budget_bytes as contract_node_budget_bytes
 
 __all__ = [
     "DEFAULT_KV_DTYPE_BYTES", "DEFAULT_WATERMARK", "DTYPE_BITS", "KV_CACHE_STEP_TOKENS",
@@ -80,7 +80,7 @@ DEFAULT_KV_DTYPE_BYTES = 2
 
 #: The share of unified memory resident models may take (seed 004: "Total memory watermark:
 #: 80%"; the operator's placement uses the same 0.8).
-DEFAULT_WATERMARK = 0.8
+DEFAULT_WATERMARK = WATERMARK
 
 #: Bits per element of the 22 dtypes the safetensors format defines (the reference
 #: implementation's ``Dtype`` enum: ``BOOL U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ
@@ -509,31 +509,11 @@ def estimate(model_dir: str | os.PathLike, *, max_context_tokens: int,
     return MemoryEstimate(weights_bytes=weights, kv_cache_bytes=kv, total_bytes=weights + kv)
 
 
-def node_budget_bytes(memory_total_bytes: int, wired_limit_bytes: int,
-                      watermark: float = DEFAULT_WATERMARK) -> int:
-    """Bytes the node's resident models may take::
-
-        min(floor(memory_total_bytes × watermark), wired_limit_bytes if wired_limit_bytes else ∞)
-
-    ``memory_total_bytes``: unified memory (``hw.memsize``); ``wired_limit_bytes``: the GPU
-    wired-memory limit (macOS ``iogpu.wired_limit_mb``, which caps what the GPU may wire; 0 =
-    the OS default, no extra cap here); ``watermark``: share in (0, 1], default
-    :data:`DEFAULT_WATERMARK` (seed 004: 80 %). The product is exact (decimal), floored.
-    Raises ``ValueError`` for negative bytes or a watermark outside (0, 1].
-    """
-    if not (_is_int(memory_total_bytes) and memory_total_bytes >= 0):
-        raise ValueError(f"memory_total_bytes must be a non-negative integer, "
-                         f"got {memory_total_bytes!r}")
-    if not (_is_int(wired_limit_bytes) and wired_limit_bytes >= 0):
-        raise ValueError(f"wired_limit_bytes must be a non-negative integer, "
-                         f"got {wired_limit_bytes!r}")
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
-            0 < watermark <= 1):
-        raise ValueError(f"watermark must be in (0, 1], got {watermark!r}")
-    budget = int(Decimal(memory_total_bytes) * Decimal(str(watermark)))
-    return min(budget, wired_limit_bytes) if wired_limit_bytes else budget
-
-
 def node_budget_for(capacity: NodeCapacity, watermark: float = DEFAULT_WATERMARK) -> int:
     """:func:`node_budget_bytes` of a node's :class:`~mlx_fleet.contract.NodeCapacity`."""
     return node_budget_bytes(capacity.memory_total_bytes, capacity.wired_limit_bytes, watermark)
+
+
+#: One definition for agent and operator alike (placement uses it too): see
+#: :func:`mlx_fleet.contract.node_budget_bytes`.
+node_budget_bytes = contract_node_budget_bytes

@@ -294,3 +294,15 @@ def test_insufficient_memory_names_the_numbers_per_node_most_free_first():
                          "m0 6.4GiB free of 6.4GiB, m1 5.9GiB free of 6.4GiB, "
                          "m2 5.4GiB free of 6.4GiB, m3 4.9GiB free of 6.4GiB, "
                          "m4 4.4GiB free of 6.4GiB, 2 more)")
+
+
+def test_the_budget_is_capped_by_the_gpu_wired_limit():
+    """One budget rule for operator and agent (mlx_fleet.contract.node_budget_bytes): 80 % of
+    unified memory, and never more than the GPU may wire (iogpu.wired_limit_mb)."""
+    capped = node("w", 64).model_copy(update={"capacity": node("w", 64).capacity.model_copy(
+        update={"wired_limit_bytes": 40 * GiB})})
+    assert node_budget_bytes(capped) == 40 * GiB
+    assert node_budget_bytes(node("u", 64)) == int(64 * GiB * 0.8)  # 0 = the OS default
+    d = place(PlacementRequest(namespace="ns", name="m", replicas=1,
+                               memory_bytes=int(45 * GiB)), [capped], {})
+    assert d.unplaced == 1 and "w 40.0GiB free of 40.0GiB" in d.message

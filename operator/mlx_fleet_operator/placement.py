@@ -15,7 +15,8 @@ Rules
   ``chip_generation >= minChipGeneration``, hosts no assignment of *another* deployment with
   the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
   a second one would fail there with ``ModelNameConflict`` forever) and its memory budget
-  fits. The budget is ``memory_total_bytes × WATERMARK`` minus the ``memory_bytes`` of every
+  fits. The budget is ``memory_total_bytes × WATERMARK`` (capped by the GPU wired limit)
+  minus the ``memory_bytes`` of every
   other assignment on that node — other deployments *and other revisions of this one* (both
   sides of a canary, or of a surge, are resident at once); only the revision being placed does
   not count against itself.
@@ -34,16 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from decimal import Decimal
 from typing import Literal
 
-from mlx_fleet.contract import MIN_CHIP_GENERATION, Assignment, NodeHealth, NodeRecord
+from mlx_fleet.contract import (MIN_CHIP_GENERATION, WATERMARK, Assignment, NodeHealth,
+                                NodeRecord)
+from mlx_fleet.contract import node_budget_bytes as contract_budget
 from mlx_fleet.quantity import format_bytes
 
-#: Fraction of a Mac's unified memory that assignments may reserve. The rest is left to macOS,
-#: the agent and the KV-cache growth of loaded models. Source: seed 004's node budget,
-#: "watermark 80%" (DESIGN.md, "Lifecycle on unified memory").
-WATERMARK = 0.8
 
 Strategy = Literal["Spread", "Binpack"]
 
@@ -98,8 +96,11 @@ class PlacementDecision:
 
 
 def node_budget_bytes(node: NodeRecord) -> int:
-    """Bytes assignments may reserve on ``node``: ``memory_total_bytes × WATERMARK``, floored."""
-    return int(Decimal(node.capacity.memory_total_bytes) * Decimal(str(WATERMARK)))
+    """Bytes assignments may reserve on ``node``: :func:`mlx_fleet.contract.node_budget_bytes`
+    of its capacity — ``memory_total_bytes × WATERMARK`` (80 %), floored, capped by the GPU
+    wired-memory limit when the node reports one (the same rule the agent uses)."""
+    c = node.capacity
+    return contract_budget(c.memory_total_bytes, c.wired_limit_bytes)
 
 
 def is_mine(request: PlacementRequest, a: Assignment) -> bool:
