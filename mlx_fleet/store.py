@@ -264,6 +264,14 @@ class EtcdStore:
             raise StoreError(f"etcd watch {prefix}: {e}") from e
         try:
             async for ev in watch:
+                if not ev.kv.key.startswith(key):
+                    # aetcd matches a "created" answer to the oldest pending create: under load
+                    # a watch can end up bound to another watch's stream (seen in a test: an
+                    # assignment delivered to a watch of reports/). Such a watch is broken —
+                    # its own events may never come — so end it: the caller resumes from its
+                    # last revision on a fresh watch (follow_prefix does).
+                    raise StoreError(f"etcd watch {prefix}: received {ev.kv.key!r}, outside "
+                                     f"the prefix (a misrouted watch); resuming")
                 yield WatchEvent(type="PUT" if ev.kind == "PUT" else "DELETE",
                                  kv=KV(key=ev.kv.key.decode(), value=bytes(ev.kv.value),
                                        mod_revision=ev.kv.mod_revision,

@@ -77,7 +77,8 @@ def deployment(name: str, namespace: str, model_dir: Path, revision: str) -> str
 #: scheduling jitter alone, often by more than the default 1.5× in a 2-second window. These tests
 #: are about the step machine on real parts, so latency is judged by absolute limits here; the
 #: relative rules are table-tested (tests/test_analysis.py).
-CPU_NOISE = {"latencyP95": {"maxSeconds": 5}, "ttftP95": {"maxSeconds": 5}}
+CPU_NOISE = {"latencyP95": {"maxSeconds": 5}, "ttftP95": {"maxSeconds": 5},
+             "tokensPerSecond": {"min": 1}}
 
 
 def canary(name: str, namespace: str, target: str, revision: str, source: Path | None,
@@ -98,9 +99,12 @@ def get(cp: ControlPlane, kind: str, namespace: str, name: str) -> dict:
 
 def wait_for(cp: ControlPlane, kind: str, namespace: str, name: str, cond: str,
              timeout: int = 120) -> dict:
-    cp.kubectl("wait", f"--for={cond}", f"{kind}/{name}", "-n", namespace,
-               f"--timeout={timeout}s", timeout=timeout + 10)
-    return get(cp, kind, namespace, name)
+    done = cp.kubectl("wait", f"--for={cond}", f"{kind}/{name}", "-n", namespace,
+                      f"--timeout={timeout}s", timeout=timeout + 10, check=False)
+    obj = get(cp, kind, namespace, name)
+    assert done.returncode == 0, (f"{kind}/{name} never reached {cond}: "
+                                  f"{json.dumps(obj.get('status'), indent=1)}")
+    return obj
 
 
 async def test_revision_edit_under_load_fails_no_request(

@@ -181,3 +181,49 @@ async def test_parsed_endpoint_connects(etcd_server) -> None:
     host, port = parse_endpoint(etcd_server.client_url)
     async with EtcdStore(f"http://{host}:{port}") as s:
         assert (await s.list("/nothing-here/")).items == []
+
+
+async def test_a_watch_never_yields_a_key_outside_its_prefix(store, keys) -> None:
+    """A misrouted watch (aetcd bound it to another watch's stream) ends with StoreError, so
+    follow_prefix resumes on a fresh one instead of yielding foreign keys or going silent."""
+    from mlx_fleet.store import StoreError
+
+    class Misrouted:
+        def __init__(self, events):
+            self._events = events
+
+        def __aiter__(self):
+            return self._aiter()
+
+        async def _aiter(self):
+            for e in self._events:
+                yield e
+
+        async def cancel(self):
+            return None
+
+    class Kv:
+        def __init__(self, key: bytes):
+            self.key, self.value = key, b"{}"
+            self.mod_revision = self.create_revision = self.version = 1
+            self.lease = 0
+
+    class Ev:
+        kind = "PUT"
+
+        def __init__(self, key: bytes):
+            self.kv = Kv(key)
+
+    prefix = keys.reports_prefix
+    inside = (prefix + "n/ns/d/v1").encode()
+    outside = (keys.assignments_prefix + "n/ns/d/v1").encode()
+
+    async def fake_watch(key, range_end, start_revision):
+        return Misrouted([Ev(inside), Ev(outside)])
+
+    store._client.watch = fake_watch  # type: ignore[attr-defined]
+    seen = []
+    with pytest.raises(StoreError, match="outside the prefix"):
+        async for ev in store.watch(prefix, 1):
+            seen.append(ev.kv.key)
+    assert seen == [inside.decode()]
