@@ -306,3 +306,31 @@ def test_the_budget_is_capped_by_the_gpu_wired_limit():
     d = place(PlacementRequest(namespace="ns", name="m", replicas=1,
                                memory_bytes=int(45 * GiB)), [capped], {})
     assert d.unplaced == 1 and "w 40.0GiB free of 40.0GiB" in d.message
+
+
+# -- cordoned nodes (MacNode spec.unschedulable) ------------------------------------------------
+
+@pytest.mark.parametrize("cordoned, current, replicas, want, unplaced, message", [
+    # a cordoned node takes no new replica; the reason names it
+    ({"a"}, {}, 1, (), 1, "0/1 nodes fit: 1 cordoned"),
+    # another node is used instead
+    ({"a"}, {}, 1, ("b",), 0, ""),
+    # an existing replica on a cordoned node stays (like a cordoned Kubernetes node's pods)
+    ({"a"}, {"a": [asg("llm", 2)]}, 1, ("a",), 0, ""),
+    # ... but scale up does not add one there
+    ({"a", "b"}, {"a": [asg("llm", 2)]}, 2, ("a",), 1, "0/2 nodes fit: 2 cordoned"),
+    # a reason that would make the node ineligible anyway is given instead of the cordon
+    ({"a"}, {}, 1, (), 1, "0/1 nodes fit: 1 below chip generation M9"),
+    # uncordoned: placed again
+    (set(), {}, 1, ("a",), 0, ""),
+], ids=["alone", "elsewhere", "existing stays", "no scale up there", "other reason first",
+        "uncordoned"])
+def test_cordoned_nodes_take_no_new_replicas(cordoned, current, replicas, want, unplaced, message):
+    nodes = [node("a")] if want != ("b",) else [node("a"), node("b")]
+    if len(cordoned) == 2:
+        nodes = [node("a"), node("b")]
+    kw = {"min_chip_generation": 9} if "M9" in message else {}
+    d = place(req(replicas, cordoned=frozenset(cordoned), **kw), nodes, current)
+    assert d.nodes == want and d.unplaced == unplaced
+    assert d.message.startswith(message) if message else d.message == ""
+    assert any(r.endswith(" cordoned") for r in d.reasons) == ("cordoned" in message)

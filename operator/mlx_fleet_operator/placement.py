@@ -15,7 +15,9 @@ Rules
   ``chip_generation >= minChipGeneration``, hosts no assignment of *another* deployment with
   the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
   a second one would fail there with ``ModelNameConflict`` forever) and its memory budget
-  fits. The budget is ``memory_total_bytes × WATERMARK`` (capped by the GPU wired limit)
+  fits; and, for a *new* replica, is not cordoned (``MacNode`` ``spec.unschedulable``; a replica
+  already there stays, like a cordoned Kubernetes node keeps its pods). The budget is
+  ``memory_total_bytes × WATERMARK`` (capped by the GPU wired limit)
   minus the ``memory_bytes`` of every
   other assignment on that node — other deployments *and other revisions of this one* (both
   sides of a canary, or of a surge, are resident at once); only the revision being placed does
@@ -54,6 +56,7 @@ class PlacementRequest:
     must all carry. ``min_chip_generation``: 3 for M3 ... ``strategy``: Spread or Binpack.
     ``served_model_name``: the OpenAI ``model`` id; empty means ``name`` (as in the spec).
     ``revision``: the revision placed. ``preferred``: nodes tried first when adding replicas.
+    ``cordoned``: nodes that take no new replica (their existing replicas stay).
     """
 
     namespace: str
@@ -66,6 +69,7 @@ class PlacementRequest:
     strategy: Strategy = "Spread"
     served_model_name: str = ""
     preferred: frozenset[str] = frozenset()
+    cordoned: frozenset[str] = frozenset()
 
     @property
     def model_name(self) -> str:
@@ -137,7 +141,7 @@ def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assi
 _MAX_NODES_NAMED = 5
 
 # Order of the checks, which is also the order of the reasons in the message.
-_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY = range(5)
+_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _CORDONED = range(6)
 
 
 def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
@@ -152,6 +156,8 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
         return _NAME
     if free < request.memory_bytes:
         return _MEMORY
+    if node.name in request.cordoned:  # otherwise fit: may keep a replica, takes no new one
+        return _CORDONED
     return None
 
 
@@ -180,7 +186,7 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
         for name, n in by_name.items()}
     eligible = {name for name, v in verdict.items() if v is None}
 
-    kept = [n for n in current if n in eligible]
+    kept = [n for n in current if n in eligible or verdict.get(n) == _CORDONED]
     # Scale down: drop from the most loaded nodes first (least free; ties: last name first).
     if len(kept) > request.replicas:
         kept.sort(key=lambda n: (free[n], _neg(n)))
@@ -243,6 +249,8 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
         elif kind == _NAME:
             verb = "serves" if k == 1 else "serve"
             parts.append(f"{k} already {verb} model name {request.model_name!r}")
+        elif kind == _CORDONED:
+            parts.append(f"{k} cordoned")
         elif kind == _MEMORY:
             # the numbers per node (needed vs free of the budget), most free first
             shown = sorted(names, key=lambda n: (-free[n], n))[:_MAX_NODES_NAMED]
