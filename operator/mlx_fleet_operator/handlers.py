@@ -16,6 +16,10 @@ this module only moves data between the Kubernetes API, etcd and them.
   followers, by a spec change, or ~:data:`CONFLICT_RETRY_SECONDS` after a reconcile gave up on
   etcd conflicts) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
   :func:`sync` again, so node churn re-places replicas and agents' reports reach ``status``.
+* MacNode mirror (supervised, like the GC): every :data:`MACNODE_SECONDS` and on node events,
+  each node record becomes a cluster-scoped ``MacNode`` (status only, :mod:`.macnodes`); the
+  MacNodes' ``spec.unschedulable`` (cordons) are read back into ``Runtime.cordoned``, which
+  placement honours for new replicas.
 * ``on.delete``: removes the deployment's assignments (fenced), then kopf drops the finalizer.
 
 Why status is patched with the ``kubernetes`` client: kopf 1.45 applies a daemon's ``patch``
@@ -43,7 +47,7 @@ from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, S
 from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, dead, supervise
 
-from . import metrics
+from . import macnodes, metrics
 from .placement import PlacementRequest
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
                         reconcile, remove_deployment)
@@ -61,6 +65,9 @@ GC_SECONDS = 60.0
 #: After a reconcile gave up on etcd conflicts, its daemon is woken again after a delay
 #: uniform in [0.5, 1.5] × this (jittered, so the losers do not collide again in lockstep).
 CONFLICT_RETRY_SECONDS = 1.0
+#: Seconds between MacNode mirror rounds (node events wake it sooner).
+MACNODE_SECONDS = 5.0
+MACNODE_PLURAL = "macnodes"
 
 log = logging.getLogger(__name__)
 DeploymentKey = tuple[str, str]
@@ -140,6 +147,11 @@ class Runtime:
         self.nodes_synced = asyncio.Event()
         self.reports_synced = asyncio.Event()
         self.custom_api: Any = None
+        #: Nodes cordoned through their MacNode's ``spec.unschedulable`` (no new replicas).
+        self.cordoned: frozenset[str] = frozenset()
+        #: MacNode name → the status last written (or read); wakes the mirror on node events.
+        self.macnode_status: dict[str, dict[str, Any]] = {}
+        self.macnode_wake = asyncio.Event()
 
     def wakeup(self, key: DeploymentKey) -> asyncio.Event:
         return self.wakeups.setdefault(key, asyncio.Event())
@@ -224,6 +236,7 @@ class Runtime:
         old = {n: self._placement_view(r) for n, r in self.nodes.items()}
         self.nodes = nodes
         self.nodes_synced.set()
+        self.macnode_wake.set()
         if old != {n: self._placement_view(r) for n, r in nodes.items()}:
             self.wake_all()
 
@@ -237,6 +250,7 @@ class Runtime:
             self.nodes.pop(name, None)
         else:
             self.nodes[name] = rec
+        self.macnode_wake.set()
         if before != self._placement_view(rec):
             log.info("node %s %s; re-placing deployments", name,
                      "gone" if rec is None else "changed" if before else "appeared")
@@ -317,6 +331,21 @@ class Runtime:
             await collect_orphans(self)
             await asyncio.sleep(self.gc_interval)
 
+    # -- MacNode mirror ----------------------------------------------------------------------
+    def start_macnodes(self) -> None:
+        """Start the MacNode mirror (:func:`mirror_macnodes`) once the node view is loaded."""
+        health = self.followers["macnode mirror"] = TaskHealth("macnode mirror")
+        self.tasks.append(asyncio.create_task(supervise(health, self._macnode_loop),
+                                              name="macnode mirror"))
+
+    async def _macnode_loop(self) -> None:
+        await self.nodes_synced.wait()  # never mark every MacNode Gone before etcd was read
+        while True:
+            self.macnode_wake.clear()
+            await mirror_macnodes(self)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.macnode_wake.wait(), timeout=MACNODE_SECONDS)
+
     async def close(self) -> None:
         for t in self.tasks:
             t.cancel()
@@ -376,6 +405,83 @@ async def collect_orphans(rt: Runtime) -> list[str]:
     except ListingError as e:
         log.warning("garbage collection skipped: cannot list ModelDeployments: %s", e)
     return []
+
+
+def _macnode_round(api: Any, nodes: Mapping[str, NodeRecord],
+                   on_node: Mapping[str, list[Any]], cache: dict[str, dict[str, Any]],
+                   cordoned_before: frozenset[str]) -> frozenset[str]:
+    """One blocking mirror round: list the MacNodes, create the missing ones, patch changed
+    statuses (``cache`` is updated); returns the cordoned node names."""
+    import kubernetes
+
+    items = api.list_cluster_custom_object(GROUP, VERSION, MACNODE_PLURAL,
+                                           _request_timeout=30)["items"]
+    cordoned = macnodes.cordoned(items)
+    existing = {o["metadata"]["name"]: o for o in items}
+
+    def patch(name: str, status: dict[str, Any]) -> None:
+        try:
+            api.patch_cluster_custom_object_status(
+                GROUP, VERSION, MACNODE_PLURAL, name, {"status": status},
+                _content_type="application/merge-patch+json", _request_timeout=30)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:  # deleted meanwhile: recreated next round
+                raise
+            cache.pop(name, None)
+            return
+        cache[name] = status
+
+    for name, rec in sorted(nodes.items()):
+        if name not in existing:
+            try:
+                api.create_cluster_custom_object(GROUP, VERSION, MACNODE_PLURAL,
+                                                 macnodes.new_macnode(name), _request_timeout=30)
+                log.info("MacNode %s created", name)
+            except kubernetes.client.ApiException as e:
+                if e.status != 409:
+                    raise
+            cache.pop(name, None)
+        status = macnodes.macnode_status(rec, on_node.get(name, ()),
+                                         unschedulable=name in cordoned)
+        previous = cache.get(name) or (existing.get(name) or {}).get("status")
+        if macnodes.status_changed(previous, status):
+            patch(name, status)
+    for name, obj in sorted(existing.items()):
+        labels = obj["metadata"].get("labels") or {}
+        if name in nodes or labels.get(macnodes.MANAGED_LABEL) != macnodes.MANAGED_VALUE:
+            continue
+        previous = cache.get(name) or obj.get("status") or {}
+        status = macnodes.gone_status(previous, unschedulable=name in cordoned)
+        if macnodes.status_changed(previous, status):
+            if previous.get("health") != macnodes.GONE:
+                log.info("MacNode %s: node record gone; health Gone (kept for its cordon)", name)
+            patch(name, status)
+    for name in set(cache) - set(existing) - set(nodes):
+        cache.pop(name, None)
+    return cordoned
+
+
+async def mirror_macnodes(rt: Runtime) -> None:
+    """Mirror ``rt.nodes`` (and ``rt.placed`` for reserved memory and models) into MacNodes and
+    read their cordons into ``rt.cordoned`` (a change wakes every deployment). API errors (no
+    MacNode CRD, no permission ...) are logged and retried next round, never fatal."""
+    if rt.custom_api is None:
+        return
+    on_node: dict[str, list[Any]] = {}
+    for placed in rt.placed.values():
+        for (node, _rev), a in placed.items():
+            on_node.setdefault(node, []).append(a)
+    try:
+        cordoned = await asyncio.to_thread(_macnode_round, rt.custom_api, dict(rt.nodes),
+                                           on_node, rt.macnode_status, rt.cordoned)
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        log.warning("MacNode mirror round failed: %s: %s", type(e).__name__, first_line)
+        return
+    if cordoned != rt.cordoned:
+        log.info("cordoned nodes: %s", ", ".join(sorted(cordoned)) or "none")
+        rt.cordoned = cordoned
+        rt.wake_all()
 
 
 def runtime() -> Runtime:
@@ -441,6 +547,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         rt.start_followers()
         rt.start_gc()
+        rt.start_macnodes()
         try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
             await asyncio.wait_for(asyncio.gather(rt.nodes_synced.wait(),
                                                   rt.reports_synced.wait()), timeout=30)
@@ -567,7 +674,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
 
         rt.deployments[key] = (spec, generation, meta.get("uid", ""))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
-                                   candidate=rt.candidates.get(key))
+                                   candidate=rt.candidates.get(key), cordoned=rt.cordoned)
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer)
@@ -584,6 +691,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         rt.placed[key] = dict(result.assignments)
+        if result.written:
+            rt.macnode_wake.set()  # reserved memory / models changed
         rt.wake_canary(key)
 
         reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
@@ -599,7 +708,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
 
 
 def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: int,
-                      candidate: CandidateIntent | None) -> Intent:
+                      candidate: CandidateIntent | None,
+                      cordoned: frozenset[str] = frozenset()) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
     revision itself — the moment of a promotion)."""
@@ -608,7 +718,7 @@ def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: in
         namespace=key[0], name=key[1], replicas=spec.replicas, revision=spec.model.revision,
         memory_bytes=spec.resources.memory_bytes, node_selector=spec.placement.node_selector,
         min_chip_generation=spec.placement.min_chip_generation,
-        strategy=spec.placement.strategy, served_model_name=served)
+        strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned))
     stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
                                                    generation=generation))
     cand = None
