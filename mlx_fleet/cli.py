@@ -7,6 +7,7 @@ Commands:
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
   status            print nodes, assignments and agent reports from etcd
   canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
+  cordon / uncordon NODE  stop / resume placing new replicas on a Mac (its MacNode)
 """
 
 from __future__ import annotations
@@ -255,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     canarycli.add_arguments(c)
     c.set_defaults(func=canarycli.run)
+
+    from mlx_fleet import nodecli
+
+    for action, what in (("cordon", "take no new replicas on a Mac (spec.unschedulable)"),
+                         ("uncordon", "place new replicas on a Mac again")):
+        n = sub.add_parser(action, help=what, description=nodecli.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        nodecli.add_arguments(n)
+        n.set_defaults(func=nodecli.run)
     return p
 
 

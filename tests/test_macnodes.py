@@ -1,0 +1,160 @@
+"""MacNode: the pure status mirror (table tests) and, on the real control plane, the operator
+mirroring a node record into a MacNode and honouring its cordon. No fixed sleeps: the API server
+is awaited with ``kubectl wait``, etcd with a watch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+
+import pytest
+
+from fleet_helpers import node_record, until_assignments
+from mlx_fleet.contract import (Assignment, ModelSource, NodeCapacity, NodeHealth, NodeRecord,
+                                node_budget_bytes)
+from mlx_fleet.store import EtcdStore
+from mlx_fleet_operator import macnodes
+from mlx_fleet_operator.macnodes import gone_status, macnode_status, status_changed
+
+GiB = 1024**3
+
+
+def rec(health: NodeHealth = NodeHealth.HEALTHY, wired: int = 0, beat: float = 1_700_000_000.0,
+        simulated: bool = True) -> NodeRecord:
+    return NodeRecord(name="mac-a", address="http://mac-a:8000", health=health,
+                      heartbeat_unix=beat,
+                      capacity=NodeCapacity(memory_total_bytes=64 * GiB,
+                                            memory_available_bytes=60 * GiB,
+                                            wired_limit_bytes=wired, chip="Apple M4 Max",
+                                            chip_generation=4, simulated=simulated))
+
+
+def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assignment:
+    return Assignment(namespace=ns, name=name, served_model_name=name,
+                      source=ModelSource(uri="/m", revision=revision), memory_bytes=gib * GiB)
+
+
+@pytest.mark.parametrize("record, assignments, want", [
+    (rec(), [], {"health": "Healthy", "memoryReservedBytes": 0, "loadedModels": [],
+                 "modelCount": 0, "memoryBudgetBytes": node_budget_bytes(64 * GiB, 0)}),
+    (rec(), [asg("b", 4), asg("a", 2, "v2"), asg("a", 2, "v1")],
+     {"memoryReservedBytes": 8 * GiB, "modelCount": 3,
+      "loadedModels": ["default/a@v1", "default/a@v2", "default/b@v1"]}),
+    (rec(wired=32 * GiB), [], {"memoryBudgetBytes": 32 * GiB}),
+    (rec(NodeHealth.DRAINING, simulated=False), [], {"health": "Draining", "simulated": False}),
+    (rec(), [], {"chip": "Apple M4 Max", "chipGeneration": 4, "memoryTotalBytes": 64 * GiB,
+                 "address": "http://mac-a:8000", "simulated": True,
+                 "lastSeen": "2023-11-14T22:13:20Z", "unschedulable": False}),
+], ids=["empty", "reserved and models", "wired cap", "health", "static fields"])
+def test_macnode_status(record, assignments, want):
+    got = macnode_status(record, assignments)
+    assert {k: got[k] for k in want} == want
+
+
+def test_gone_keeps_the_last_facts_and_clears_the_load():
+    live = macnode_status(rec(), [asg("a", 2)], unschedulable=True)
+    gone = gone_status(live, unschedulable=True)
+    assert gone["health"] == "Gone" and gone["chip"] == "Apple M4 Max"
+    assert (gone["memoryReservedBytes"], gone["loadedModels"], gone["modelCount"]) == (0, [], 0)
+    assert gone["lastSeen"] == live["lastSeen"] and gone["unschedulable"] is True
+
+
+@pytest.mark.parametrize("old, new, changed", [
+    (None, {"health": "Healthy"}, True),
+    ({"health": "Healthy", "lastSeen": "2024-01-01T00:00:00Z"},
+     {"health": "Healthy", "lastSeen": "2024-01-01T00:00:10Z"}, False),  # a heartbeat only
+    ({"health": "Healthy", "lastSeen": "2024-01-01T00:00:00Z"},
+     {"health": "Healthy", "lastSeen": "2024-01-01T00:01:00Z"}, True),  # refreshed each minute
+    ({"health": "Healthy", "lastSeen": "2024-01-01T00:00:00Z"},
+     {"health": "Degraded", "lastSeen": "2024-01-01T00:00:00Z"}, True),
+    ({"health": "Healthy"}, {"health": "Healthy"}, False),
+], ids=["new", "heartbeat", "minute", "health", "same"])
+def test_status_changed(old, new, changed):
+    assert status_changed(old, new) is changed
+
+
+def test_cordoned_reads_spec_unschedulable():
+    objs = [{"metadata": {"name": "a"}, "spec": {"unschedulable": True}},
+            {"metadata": {"name": "b"}, "spec": {"unschedulable": False}},
+            {"metadata": {"name": "c"}}]
+    assert macnodes.cordoned(objs) == frozenset({"a"})
+
+
+def test_cli_cordon_of_an_unknown_node_is_a_readable_error(control_plane, capsys):
+    from mlx_fleet.cli import main
+
+    os.environ.setdefault("KUBECONFIG", str(control_plane.kubeconfig))
+    code = main(["cordon", "no-such-mac", "--kubeconfig", str(control_plane.kubeconfig)])
+    assert code == 1
+    assert "macnode 'no-such-mac' not found" in capsys.readouterr().err
+
+
+# -- on the real control plane --------------------------------------------------------------
+
+async def kwait(control_plane, obj: str, condition: str, namespace: str | None = None) -> None:
+    ns = ["-n", namespace] if namespace else []
+    r = await asyncio.to_thread(control_plane.kubectl, "wait", obj, *ns, f"--for={condition}",
+                                "--timeout=60s", check=False, timeout=90)
+    if r.returncode != 0:
+        last = await asyncio.to_thread(control_plane.kubectl, "get", obj, *ns, "-o", "json",
+                                       check=False)
+        raise AssertionError(f"kubectl wait {obj} --for={condition}: {r.stderr.strip()}; "
+                             f"last: {last.stdout}")
+
+
+def manifest(name: str, namespace: str) -> str:
+    return json.dumps({
+        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
+                 "replicas": 1, "resources": {"memory": "1Gi"}}})
+
+
+@pytest.mark.integration
+async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_path):
+    from test_operator_kopf import running_operator
+
+    mac = f"mac-{uuid.uuid4().hex[:6]}"
+    kc = str(control_plane.kubeconfig)
+    from mlx_fleet.cli import main as cli
+
+    with running_operator(control_plane, keys, namespace, tmp_path / "operator.log"):
+        async with EtcdStore(control_plane.etcd_url) as store:
+            lease = await store.grant_lease(60)
+            await store.put(keys.node(mac), node_record(mac).to_json(), lease=lease)
+            try:
+                await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.health}=Healthy")
+                r = await asyncio.to_thread(control_plane.kubectl, "get", "macnodes", mac)
+                row = r.stdout.splitlines()
+                assert row[0].split()[:4] == ["NAME", "CHIP", "GEN", "HEALTH"], r.stdout
+                assert mac in row[1] and "Apple M4 Max" in row[1] and "Healthy" in row[1]
+
+                # cordon: once the operator applies it, a new deployment is not placed there
+                assert await asyncio.to_thread(cli, ["cordon", mac, "--kubeconfig", kc]) == 0
+                await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.unschedulable}=true")
+                name = f"llm-{uuid.uuid4().hex[:6]}"
+                await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
+                                        input=manifest(name, namespace))
+                await kwait(control_plane, f"modeldeployment/{name}",
+                            "condition=Degraded", namespace)
+                obj = json.loads((await asyncio.to_thread(
+                    control_plane.kubectl, "get", "modeldeployment", name, "-n", namespace,
+                    "-o", "json")).stdout)
+                [deg] = [c for c in obj["status"]["conditions"] if c["type"] == "Degraded"]
+                assert deg["reason"] == "FailedPlacement" and "1 cordoned" in deg["message"]
+                assert not (await store.list(keys.assignments_prefix)).items
+
+                # uncordon: placed
+                assert await asyncio.to_thread(cli, ["uncordon", mac, "--kubeconfig", kc]) == 0
+                placed = await until_assignments(store, keys, lambda v: mac in v)
+                assert placed[mac].name == name
+                await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.modelCount}=1")
+
+                # the record expires: the MacNode stays, Gone
+                await store.revoke_lease(lease)
+                await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.health}=Gone")
+            finally:
+                await asyncio.to_thread(control_plane.kubectl, "delete", "macnode", mac,
+                                        "--wait=false", check=False)
