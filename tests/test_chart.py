@@ -99,7 +99,7 @@ def test_include_crds_renders_the_crds_of_crds_dir(helm: Path) -> None:
                       key=lambda d: d["metadata"]["name"])
     ours = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "crds").glob("*.yaml"))]
     assert rendered == sorted(ours, key=lambda d: d["metadata"]["name"])
-    assert {d["spec"]["names"]["kind"] for d in rendered} == {"ModelDeployment", "Canary"}
+    assert {d["spec"]["names"]["kind"] for d in rendered} == {"ModelDeployment", "Canary", "MacNode"}
 
 
 # --- CRDs ----------------------------------------------------------------------------------------
