@@ -35,6 +35,21 @@ pytestmark = pytest.mark.integration
 SESSIONS = [f"user-{i}" for i in range(6)]
 
 
+def balanced_sessions(namespace: str, name: str, weight: int = 50, each: int = 3) -> list[str]:
+    """Session keys with ``each`` on both sides of ``weight`` for this deployment (the namespace
+    is random per run, so a fixed list could leave a side without traffic — every window then
+    Inconclusive, and the canary rightly holds)."""
+    sides: dict[bool, list[str]] = {True: [], False: []}
+    for i in range(10_000):
+        key = f"user-{i}"
+        side = bucket(f"{namespace}/{name}", key) < weight * 100
+        if len(sides[side]) < each:
+            sides[side].append(key)
+        if all(len(v) == each for v in sides.values()):
+            return sides[True] + sides[False]
+    raise AssertionError("no balanced sessions found")
+
+
 @pytest.fixture(scope="module")
 def canary_keys() -> Keys:
     return Keys(f"/mlx-fleet-canary/{uuid.uuid4().hex[:8]}")
@@ -154,7 +169,8 @@ async def test_healthy_candidate_is_promoted_through_every_step(
     control_plane.kubectl("apply", "-f", "-", input=deployment(name, namespace, test_model_dir, "v1"))
     md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
     endpoints = list(md["status"]["endpoints"])
-    async with LoadGenerator(lambda: endpoints, name, sessions=SESSIONS) as load:
+    async with LoadGenerator(lambda: endpoints, name,
+                             sessions=balanced_sessions(namespace, name)) as load:
         await load.wait_for(6)
         control_plane.kubectl("apply", "-f", "-", input=canary(
             can, namespace, name, "v2", None, [{"setWeight": 50}, {"setWeight": 100}]))
@@ -224,7 +240,8 @@ async def test_manual_pause_promote_and_abort_with_the_cli(
     control_plane.kubectl("apply", "-f", "-", input=deployment(name, namespace, test_model_dir, "v1"))
     md = wait_for(control_plane, "modeldeployment", namespace, name, "condition=Ready")
     endpoints = list(md["status"]["endpoints"])
-    async with LoadGenerator(lambda: endpoints, name, sessions=SESSIONS) as load:
+    async with LoadGenerator(lambda: endpoints, name,
+                             sessions=balanced_sessions(namespace, name)) as load:
         await load.wait_for(6)
         control_plane.kubectl("apply", "-f", "-", input=canary(
             can, namespace, name, "v2", None,
