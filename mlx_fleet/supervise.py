@@ -134,3 +134,20 @@ class Supervised:
         """A JSON-able summary for ``/health``."""
         return {"name": self.name, "restarts": self.restarts, "backing_off": self.backing_off,
                 "last_error": self.last_error}
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait until ``event`` is set or ``timeout`` seconds pass; True when it was set.
+
+    Use this, not ``asyncio.wait_for(event.wait(), timeout)``, in long-lived loops: on Python
+    3.11 ``wait_for`` returns the result instead of raising when the awaited call finishes in the
+    same loop step as a cancellation, so the task's cancel is lost and whoever awaits the
+    cancelled task (a clean shutdown) waits forever. ``asyncio.timeout`` has no such gap.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return event.is_set()
+

@@ -37,6 +37,7 @@ import kopf
 
 from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit, is_standby
 from mlx_fleet.store import Compare, Delete, Put, StoreError
+from mlx_fleet.supervise import wait_event
 
 from . import metrics
 from .analysis import AnalysisResult, analyze, window_from_reports
@@ -356,8 +357,7 @@ async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: lo
     delay = TICK_SECONDS
     try:
         while not stopped:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=delay)
+            await wait_event(wake, delay)
             wake.clear()
             if stopped:
                 break

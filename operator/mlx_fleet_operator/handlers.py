@@ -45,7 +45,7 @@ import kopf
 
 from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, StatsReport
 from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
-from mlx_fleet.supervise import TaskHealth, dead, supervise
+from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics
 from .placement import PlacementRequest
@@ -343,8 +343,7 @@ class Runtime:
         while True:
             self.macnode_wake.clear()
             await mirror_macnodes(self)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.macnode_wake.wait(), timeout=MACNODE_SECONDS)
+            await wait_event(self.macnode_wake, MACNODE_SECONDS)
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -760,8 +759,7 @@ async def follow_deployment(stopped: kopf.DaemonStopped, body: kopf.Body, logger
     relay = asyncio.create_task(relay_stop())
     try:
         while not stopped:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=RESYNC_SECONDS)
+            await wait_event(wake, RESYNC_SECONDS)
             wake.clear()
             if stopped:
                 break
