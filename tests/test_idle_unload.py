@@ -21,8 +21,8 @@ from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.traffic import TrafficManager
 from serving_fixtures import safetensors_bytes, wait_for
-from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, Capacity, assignment, complete,
-                                   report_events, wait_report)
+from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, assignment, complete,  # noqa: F401
+                                   core, registration, report_events, wait_report)
 
 MODEL = "tiny"
 CHAT = "/v1/chat/completions"
@@ -53,23 +53,6 @@ class FakeClock:
 # ---------------------------------------------------------------------------------------------
 # fixtures
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-async def core() -> AsyncIterator[ServingCore]:
-    c = ServingCore()
-    await c.start()
-    yield c
-    await c.close()
-
-
-@pytest.fixture
-async def registration(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
-    reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
-                       ttl=5)
-    await reg.start()
-    yield reg
-    await reg.stop()
 
 
 CtlFactory = Callable[..., Awaitable[Controller]]

@@ -28,9 +28,8 @@ from node_agent.fetch import STATE_FILE, fetch, mirror_dir, parse_hf_uri, parse_
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, check_model_dir, is_remote, resolve_source
+from test_agent_controller import ADVERTISED, NODE, Capacity, core  # noqa: F401 - fixture
 
-NODE = "mac-1"
-ADVERTISED = "http://agent.test:8000"
 TIMEOUT = 120  # a model load on two busy CPU cores
 
 
@@ -636,20 +635,6 @@ def test_check_model_dir_root(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # the controller: Prefetching → Loading → Ready
 # ---------------------------------------------------------------------------------------------
-
-
-class Capacity:
-    async def __call__(self) -> NodeCapacity:
-        return NodeCapacity(memory_total_bytes=64 * 2**30, memory_available_bytes=48 * 2**30,
-                            chip="Apple M3 Max", chip_generation=3, simulated=True)
-
-
-@pytest.fixture(scope="module")
-async def core() -> AsyncIterator[ServingCore]:
-    c = ServingCore()
-    await c.start()
-    yield c
-    await c.close()
 
 
 @pytest.fixture

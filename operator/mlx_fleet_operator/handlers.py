@@ -175,14 +175,7 @@ class Runtime:
     # -- stats follower ------------------------------------------------------------------------
     def _parse_stats(self, key: str, value: bytes) -> tuple[tuple[str, str, str] | None,
                                                            StatsReport | None]:
-        parsed = self.keys.parse_stats(key)
-        if parsed is None or not value:
-            return parsed, None
-        try:
-            return parsed, StatsReport.from_json(value)
-        except ValueError as e:
-            log.warning("ignoring malformed stats report %s: %s", key, e)
-            return parsed, None
+        return self._parse_keyed(key, value, self.keys.parse_stats, StatsReport, "stats report")
 
     async def on_stats_snapshot(self, snap: Snapshot) -> None:
         stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
@@ -258,13 +251,21 @@ class Runtime:
 
     def _parse_report(self, key: str, value: bytes) -> tuple[tuple[str, str, str, str] | None,
                                                             AssignmentReport | None]:
-        parsed = self.keys.parse_report(key)
+        return self._parse_keyed(key, value, self.keys.parse_report, AssignmentReport, "report")
+
+    @staticmethod
+    def _parse_keyed(key: str, value: bytes, parse_key: Callable[[str], Any], record: Any,
+                     what: str) -> tuple[Any, Any]:
+        """``(parsed key, record)`` of an agent-written value; ``(parsed, None)`` for a DELETE
+        (empty value) or a malformed record (logged and skipped), ``(None, None)`` for a key
+        outside the layout."""
+        parsed = parse_key(key)
         if parsed is None or not value:
             return parsed, None
         try:
-            return parsed, AssignmentReport.from_json(value)
+            return parsed, record.from_json(value)
         except ValueError as e:
-            log.warning("ignoring malformed report %s: %s", key, e)
+            log.warning("ignoring malformed %s %s: %s", what, key, e)
             return parsed, None
 
     @staticmethod
