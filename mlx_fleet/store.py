@@ -186,7 +186,15 @@ class EtcdStore:
             raise StoreError(f"cannot connect to etcd at {self.endpoint}: {e}") from e
 
     async def close(self) -> None:
-        await self._client.close()
+        """Close the client. aetcd's close first shuts its watcher down, which can wait forever
+        on a watch stream that is already broken (its bounded request queue is never drained);
+        after ``CLOSE_TIMEOUT_SECONDS`` the gRPC channel is closed directly instead."""
+        if not await _bounded(self._client.close(), CLOSE_TIMEOUT_SECONDS):
+            log.warning("etcd client for %s did not close in %.0f s; closing its channel",
+                        self.endpoint, CLOSE_TIMEOUT_SECONDS)
+            channel = getattr(self._client, "channel", None)
+            if channel is not None:
+                await channel.close()
 
     @staticmethod
     def _kv(kv) -> KV:  # aetcd KeyValue / protobuf KeyValue
@@ -282,10 +290,12 @@ class EtcdStore:
         except self._aetcd.ClientError as e:
             raise StoreError(f"etcd watch {prefix}: {e}") from e
         finally:
-            try:
-                await asyncio.shield(watch.cancel())
-            except Exception:  # the stream may already be gone
-                pass
+            # Cancelling takes aetcd's watcher lock and a slot in its bounded request queue;
+            # on a broken stream neither may ever come, and an unbounded wait here hangs
+            # whoever cancelled this watch (seen: a test's follower cancel hung for 10 min).
+            if not await _bounded(watch.cancel(), CLOSE_TIMEOUT_SECONDS):
+                log.warning("etcd watch %s: cancel not acknowledged in %.0f s; abandoned",
+                            prefix, CLOSE_TIMEOUT_SECONDS)
 
     async def grant_lease(self, ttl_seconds: int) -> int:
         lease = await self._call(self._client.lease(ttl_seconds))
@@ -305,12 +315,30 @@ class EtcdStore:
 # ---------------------------------------------------------------------------------------------
 
 
+CLOSE_TIMEOUT_SECONDS = 5.0
+"""Longest wait for a watch cancel or a client close before giving up on a clean goodbye."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """Every key under the prefix at ``revision``; replaces whatever the follower held."""
 
     items: list[KV]
     revision: int
+
+
+async def _bounded(aw: Awaitable, seconds: float) -> bool:
+    """Run ``aw`` to completion in its own task, waiting at most ``seconds``; True if it
+    finished (its errors are swallowed: this is for best-effort clean-up). On timeout the task
+    is cancelled and False returned. The caller's own cancellation still propagates."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        return False
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed clean-up is not an unhandled task error
+    return True
 
 
 async def follow_prefix(store: Store, prefix: str,

@@ -227,3 +227,32 @@ async def test_a_watch_never_yields_a_key_outside_its_prefix(store, keys) -> Non
         async for ev in store.watch(prefix, 1):
             seen.append(ev.kv.key)
     assert seen == [inside.decode()]
+
+
+async def test_cancelling_a_watch_is_bounded_when_the_client_is_stuck(store, keys, monkeypatch) -> None:
+    """aetcd's watch cancel takes its watcher's lock (and a slot in a bounded request queue);
+    on a broken stream that never comes. Cancelling the consumer must still finish, and close
+    must still close: seen in CI as a follower cancel that hung a test for 10 minutes."""
+    import mlx_fleet.store as store_module
+
+    monkeypatch.setattr(store_module, "CLOSE_TIMEOUT_SECONDS", 0.2)
+    prefix = keys.nodes_prefix
+    first = asyncio.Event()
+
+    revision = await store.put(prefix + "x", b"1")
+
+    async def consume() -> None:
+        async for _ in store.watch(prefix, revision):
+            first.set()
+
+    consumer = asyncio.create_task(consume())
+    async with asyncio.timeout(10):
+        await first.wait()  # the watch exists and delivers
+    watcher = store._client._watcher  # type: ignore[attr-defined]
+    await watcher._lock.acquire()  # what a stuck response handler holds
+    consumer.cancel()
+    async with asyncio.timeout(5):
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await store.close()  # its watcher shutdown waits on the same lock: bounded too
+    watcher._lock.release()
