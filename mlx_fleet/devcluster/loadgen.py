@@ -27,7 +27,8 @@ __all__ = ["Outcome", "LoadGenerator"]
 class Outcome:
     """One request: ``started``/``ended`` (``time.monotonic()``), ``session``, ``endpoint``,
     ``status`` (0 when no HTTP answer came), ``revision`` (``X-Model-Revision``, "" if none),
-    ``failed`` and ``error`` (why, "" when it succeeded)."""
+    ``failed`` and ``error`` (why, "" when it succeeded), ``first_token``: when the first
+    streamed chunk with content arrived (``time.monotonic()``; ``None`` if none did)."""
 
     started: float
     ended: float
@@ -37,6 +38,12 @@ class Outcome:
     revision: str
     failed: bool
     error: str = ""
+    first_token: float | None = None
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        """Time to first token as the client saw it (seconds), ``None`` without one."""
+        return None if self.first_token is None else self.first_token - self.started
 
 
 class LoadGenerator:
@@ -114,7 +121,7 @@ class LoadGenerator:
                     text = (await r.text())[:200]
                     return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
                                    True, f"HTTP {status}: {text}")
-                done = False
+                done, first = False, None
                 async for raw in r.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -125,11 +132,21 @@ class LoadGenerator:
                         continue
                     if b'"error"' in data and "error" in json.loads(data):
                         return Outcome(t0, time.monotonic(), session, endpoint, status,
-                                       revision, True, json.loads(data)["error"]["message"])
+                                       revision, True, json.loads(data)["error"]["message"],
+                                       first)
+                    if first is None and b'"content"' in data and _has_content(data):
+                        first = time.monotonic()
                 if not done:
                     return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
-                                   True, "stream ended without [DONE]")
-                return Outcome(t0, time.monotonic(), session, endpoint, status, revision, False)
+                                   True, "stream ended without [DONE]", first)
+                return Outcome(t0, time.monotonic(), session, endpoint, status, revision, False,
+                               "", first)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return Outcome(t0, time.monotonic(), session, endpoint, status, revision, True,
                            f"{type(e).__name__}: {e}")
+
+
+def _has_content(data: bytes) -> bool:
+    """Whether an SSE chunk of a chat completion carries generated text."""
+    chunk = json.loads(data)
+    return any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ())
