@@ -4,7 +4,8 @@ model, same machine, same run).
 Two servers run as their own processes on 127.0.0.1: **ours** — the node agent's
 :class:`~node_agent.serving.ServingCore` behind its OpenAI app (:func:`node_agent.openai_api.build_app`),
 the code an agent serves with, started by this script with ``--serve-ours`` — and the
-**reference**, ``python -m mlx_lm server`` from the pinned mlx-lm with the same batch limit. A
+**reference**, ``mlx_lm.server``'s own ``main`` from the pinned mlx-lm with the same batch limit
+(``--decode-concurrency``); both with the same MLX buffer-cache limit (``--cache-limit-gb``). A
 third process, the load generator (this script with ``--client``), drives one server at a time
 with streamed ``/v1/chat/completions`` requests, so neither server shares a process with the
 client. After a warm-up round on each, rounds alternate A B, B A, … per workload and
@@ -177,14 +178,23 @@ async def run_client(url: str, bodies: list[dict], concurrency: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-async def serve_ours(model: Path, port: int, max_sequences: int) -> None:
+#: Started as the reference server: mlx_lm.server's own main, after the same MLX buffer-cache
+#: limit as ours (two processes sharing one GPU each keep freed buffers cached up to the device's
+#: size by default, and the second one then runs out of memory).
+_REFERENCE = ("import sys, mlx.core as mx; mx.set_cache_limit(int(float(sys.argv.pop(1)) * 1e9)); "
+              "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()")
+
+
+async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float) -> None:
     """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else."""
+    import mlx.core as mx
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
     from node_agent.openai_api import build_app
     from node_agent.serving import ServingCore
 
+    mx.set_cache_limit(int(cache_limit_gb * 1e9))
     core = ServingCore(registry=CollectorRegistry(), max_queued_requests=4 * max_sequences)
     await core.start()
     await core.load_model(MODEL_ID, model, revision="bench",
@@ -334,9 +344,11 @@ def run(args: argparse.Namespace) -> dict:
     max_seq = max(args.concurrency + [DUPLICATES])
     here = str(Path(__file__).resolve())
     ours = Server("ours", [sys.executable, here, "--serve-ours", str(model), "--port",
-                           str(_free_port()), "--max-sequences", str(max_seq)], logs / "ours.log",
+                           str(_free_port()), "--max-sequences", str(max_seq),
+                           "--cache-limit-gb", str(args.cache_limit_gb)], logs / "ours.log",
                   MODEL_ID)
-    ref = Server("reference", [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+    ref = Server("reference", [sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb),
+                               "--model", str(model),
                                "--port", str(_free_port()), "--decode-concurrency", str(max_seq),
                                "--log-level", "WARNING"], logs / "reference.log",
                  "default_model")
@@ -392,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=1024, help="generated vocabulary")
     p.add_argument("--bandwidth-gbs", type=float, default=0.0,
                    help="the device's memory bandwidth in GB/s (report the fraction reached)")
+    p.add_argument("--cache-limit-gb", type=float, default=8.0,
+                   help="MLX buffer-cache limit of each server process, GB (default 8): both "
+                        "servers share the device")
     p.add_argument("--logs", default="/tmp/mlx-fleet-serving-bench", help="server logs")
     p.add_argument("--output", type=Path, help="default benchmarks/results/serving-<device>.json")
     # internal modes
@@ -402,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency-client", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_ours:
-        asyncio.run(serve_ours(args.serve_ours, args.port, args.max_sequences))
+        asyncio.run(serve_ours(args.serve_ours, args.port, args.max_sequences,
+                               args.cache_limit_gb))
         return 0
     if args.client:
         bodies = json.load(sys.stdin)
