@@ -290,7 +290,10 @@ def summarise(rounds: list[dict]) -> dict:
                                if any(x[k] is not None for x in rs) else None for k in keys}
                 med[server]["errors"] = sum(x["errors"] for x in rs)
             o, ref = med.get("ours"), med.get("reference")
-            if o and ref:
+            if o and ref and (o["errors"] or ref["errors"]):
+                med["tokens_per_second_ratio"] = med["ttft_p50_ratio"] = None
+                med["invalid"] = "a server had errors in this cell: no ratio"
+            elif o and ref:
                 med["tokens_per_second_ratio"] = (o["output_tokens_per_second"] /
                                                   ref["output_tokens_per_second"]
                                                   if ref["output_tokens_per_second"] else None)
@@ -329,7 +332,7 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     return path
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
     from common import machine
     from mlx_fleet.devcluster.binaries import cache_dir
     from mlx_fleet.testmodel import make_test_model
@@ -368,6 +371,8 @@ def run(args: argparse.Namespace) -> dict:
                         r = client_round(servers[name], requests_for(wl, n, args.max_tokens, i), c)
                         rounds.append({"workload": wl, "concurrency": c, "server": name,
                                        "round": i, **r})
+                        if partial is not None:  # what a killed run leaves behind
+                            partial.write_text(json.dumps({"rounds": rounds}) + "\n")
                         print(f"{wl:>14} c={c:<3} {name:>9} round {i}: "
                               f"{r['output_tokens_per_second']:8.1f} tok/s  TTFT p50 "
                               f"{1000 * (r['ttft_p50_seconds'] or 0):7.1f} ms  errors "
@@ -424,16 +429,20 @@ def main(argv: list[str] | None = None) -> int:
         bodies = json.load(sys.stdin)
         print(json.dumps(asyncio.run(run_client(args.client, bodies, args.concurrency_client))))
         return 0
-    result = run(args)
-    device = "gpu" if "gpu" in result["machine"]["mlx_device"] else "cpu"
+    import mlx.core as mx
+
+    device = "gpu" if "gpu" in str(mx.default_device()) else "cpu"
     out = args.output or RESULTS / f"serving-{device}.json"
+    result = run(args, partial=out.with_suffix(".partial.json"))
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     png = plot(result["summary"], out.with_suffix(".png"),
                f"{result['machine']['accelerator'] if device == 'gpu' else result['machine']['cpu']}"
                f" — generated llama h{args.hidden_size}×{args.num_layers}")
     for wl, by_c in result["summary"].items():
-        cells = ", ".join(f"c={c}: ×{m.get('tokens_per_second_ratio') or 0:.2f}"
+        cells = ", ".join(f"c={c}: " + (f"×{m['tokens_per_second_ratio']:.2f}"
+                                          if m.get("tokens_per_second_ratio") else "n/a (errors)")
                           for c, m in sorted(by_c.items(), key=lambda kv: int(kv[0])))
         print(f"{wl:>14}: tokens/s ours ÷ mlx_lm.server  {cells}")
     print(f"→ {out}" + (f" and {png}" if png else ""))
