@@ -1,7 +1,8 @@
 """mlx-fleet: the command line for developers and operators.
 
 Commands:
-  provision         build (once) and cache etcd, kube-apiserver, kubectl and helm from the Go module proxy
+  provision         build (once) and cache etcd, kube-apiserver, kubectl, helm, prometheus and promtool
+                    from the Go module proxy
   dev up / dev down run / stop a local control plane (and optionally operator + agents) on loopback
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
@@ -69,19 +70,23 @@ def progress_builder(console: Console, build: Callable[..., T]) -> T:
 def _cmd_provision(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.binaries import BuildError, ensure_all
     from mlx_fleet.devcluster.helm import ensure_helm
+    from mlx_fleet.devcluster.prombuild import ensure_prometheus
 
     console = make_console(stderr=True)
     try:
         binaries = progress_builder(console, ensure_all)
         helm = progress_builder(console, ensure_helm)  # the chart tests lint and render with it
+        # the dashboards' queries are checked against it; promtool lints the expositions
+        prom = progress_builder(console, ensure_prometheus)
     except BuildError as e:
         console.print(f"[red]build failed:[/] {e}")
         return 1
     if args.print_bin_dir:
-        print(os.pathsep.join(map(str, [*binaries.bin_dirs, helm.parent])))
+        print(os.pathsep.join(map(str, [*binaries.bin_dirs, helm.parent, prom.prometheus.parent])))
     else:
         for name, path in (("etcd", binaries.etcd), ("kube-apiserver", binaries.kube_apiserver),
-                           ("kubectl", binaries.kubectl), ("helm", helm)):
+                           ("kubectl", binaries.kubectl), ("helm", helm),
+                           ("prometheus", prom.prometheus), ("promtool", prom.promtool)):
             console.print(f"[green]✓[/] {name}: {path}")
     return 0
 
@@ -203,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("provision", help="build and cache etcd, kube-apiserver, kubectl, helm",
-                       description="Build etcd, kube-apiserver/kubectl and helm from the Go module proxy into "
+    s = sub.add_parser("provision", help="build and cache etcd, kube-apiserver, kubectl, helm, "
+                                         "prometheus",
+                       description="Build etcd, kube-apiserver/kubectl, helm and prometheus/promtool from "
+                                   "the Go module proxy into "
                                    "$MLX_FLEET_CACHE/bin (default ~/.cache/mlx-fleet). The first build "
                                    "takes many minutes; later calls return at once.")
     s.add_argument("--print-bin-dir", action="store_true",
