@@ -96,10 +96,8 @@ class PrometheusServer:
         """Return once every target has been scraped successfully at least ``n`` times since
         start (``n`` samples of ``up`` and the last one 1), polling the API. Raises
         :class:`ProcessFailed` after ``timeout`` seconds, naming the targets still down."""
-        targets = self.api("targets", state="active")["activeTargets"]
-        expected = len(targets)
-
         def scraped() -> bool:
+            expected = len(self.api("targets", state="active")["activeTargets"])
             ok = self.query(f"count_over_time(up[1h]) >= {n} and on (job, instance) up == 1")
             return expected > 0 and len(ok) >= expected
 
@@ -109,6 +107,18 @@ class PrometheusServer:
             health = [(t["scrapeUrl"], t["health"], t.get("lastError"))
                       for t in self.api("targets", state="active")["activeTargets"]]
             raise ProcessFailed(f"{e}\ntargets: {health}") from None
+
+    def wait_for_next_scrape(self, *, timeout: float = 30.0) -> None:
+        """Return once every active target has been scraped again (its ``lastScrape`` moved
+        on), polling the API. Raises :class:`ProcessFailed` after ``timeout`` seconds."""
+        def last() -> dict[str, str]:
+            return {t["scrapeUrl"]: t["lastScrape"]
+                    for t in self.api("targets", state="active")["activeTargets"]}
+
+        before = last()
+        self.process.wait_until(
+            lambda: bool(before) and all(now != before.get(url) for url, now in last().items()),
+            timeout=timeout, what="scraped again", interval=0.2)
 
     def stop(self) -> None:
         self.process.stop()
