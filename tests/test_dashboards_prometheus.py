@@ -10,7 +10,9 @@ series with a finite value, for at most ``DATA_TIMEOUT`` seconds; the failure me
 queries that stayed empty. A panel naming a metric the code does not export never returns data,
 so it fails here (and earlier, in tests/test_dashboards.py).
 
-``MLX_FLEET_DASHBOARD_SAMPLE=<file>``: also write every query's range result to that JSON file
+``MLX_FLEET_DASHBOARD_SAMPLE=<file>``: after the check, keep the load going
+(``MLX_FLEET_DASHBOARD_SAMPLE_REQUESTS`` more requests, default 200), promote the canary, keep it
+going again, then write every query's range result over the whole run to that JSON file
 (scripts/render_dashboards.py draws docs/dashboards/*.png from it).
 """
 
@@ -20,6 +22,7 @@ import asyncio
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -112,12 +115,30 @@ async def test_every_panel_query_returns_data(control_plane: ControlPlane, names
             if not empty or time.monotonic() > deadline:
                 break
             await asyncio.to_thread(prom.wait_for_next_scrape, timeout=10)
+        sample = os.environ.get("MLX_FLEET_DASHBOARD_SAMPLE")
+        if sample and not empty:
+            # Recording for docs/dashboards/*.png: more traffic, then the canary promoted past
+            # its pause (weight 50 -> 100, Promoting -> Succeeded), then more traffic.
+            extra = int(os.environ.get("MLX_FLEET_DASHBOARD_SAMPLE_REQUESTS", "200"))
+            await load.wait_for(len(load.outcomes) + extra)
+            promote = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mlx_fleet.cli", "canary", "promote", can, "-n", namespace,
+                env={**os.environ, **control_plane.env()})
+            await promote.wait()
+            await load.wait_for(len(load.outcomes) + extra)
     assert not [o for o in load.outcomes if o.failed][:3]
     assert not empty, "panel queries without data:\n" + "\n".join(
         f"  {d} / {p}: {e}" for d, p, _, e in empty)
-    sample = os.environ.get("MLX_FLEET_DASHBOARD_SAMPLE")
     if sample:
+        await asyncio.to_thread(prom.wait_for_next_scrape, timeout=10)
+        end = time.time()
+        window = f"{math.ceil(end - start) + 1}s"
+        records = []
+        for dash, q in queries:
+            expr = expand(q.expr, variables, rate_interval=RATE_INTERVAL, time_range=window)
+            records.append({"dashboard": dash, "panel": q.panel, "legend": q.legend,
+                            "template": q.expr, "expr": expr, "result": await asyncio.to_thread(
+                                prom.query_range, expr, start, end, SCRAPE_SECONDS)})
         Path(sample).write_text(json.dumps({
             "start": start, "end": end, "step": SCRAPE_SECONDS, "variables": variables,
-            "queries": [{"dashboard": d, "panel": p, "legend": lg, "expr": e, "result": r}
-                        for (d, p, lg, e), r in results.items()]}, indent=1))
+            "queries": records}, separators=(",", ":")) + "\n")

@@ -57,10 +57,11 @@ def build() -> dash.Dashboard:
             [(f"mlxfleet_operator_canary_weight{{{_CANARY}}}", "{{name}} → {{target}}")],
             description="Percent of the sessions sent to the candidate revision."))
         .with_panel(timeseries_panel(
-            "Phase transitions over the time range", "none",
-            [(f"sum by (namespace, name, phase) (increase(mlxfleet_operator_canary_transitions_"
-              f'total{{namespace=~"$namespace"}}[$__range]){_OF_TARGET})', "{{name}} {{phase}}")],
-            description="Phases entered: Succeeded = promoted, RolledBack = rolled back by the "
+            "Phases entered (promotions, rollbacks)", "none",
+            [(f"sum by (namespace, name, phase) (mlxfleet_operator_canary_transitions_total"
+              f'{{namespace=~"$namespace"}}{_OF_TARGET})', "{{name}} {{phase}}")],
+            description="Times each phase was entered since the operator started (a step up "
+                        "is a transition): Succeeded = promoted, RolledBack = rolled back by the "
                         "analysis, Aborted = by hand. The reason of each is in the Canary's "
                         "events and status (kubectl describe canary)."))
         .with_panel(state_panel(
