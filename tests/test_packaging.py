@@ -72,3 +72,16 @@ def test_dockerfile_copies_every_package_source_root() -> None:
     assert roots <= copied, roots - copied
     for src in copied:
         assert (REPO / src).exists(), src
+
+
+def test_every_python_package_is_in_the_distribution() -> None:
+    """``pip install .`` (the Dockerfile, the Macs' install) ships only the packages listed in
+    pyproject's ``[tool.setuptools] packages``: every directory with an ``__init__.py`` under a
+    package root must be listed (node_agent.serving once was not)."""
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for name, root in setup["package-dir"].items():
+        for init in (REPO / root).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / root)
+            found.add(".".join([name, *rel.parts]))
+    assert found == set(setup["packages"]), found ^ set(setup["packages"])
