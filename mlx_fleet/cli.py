@@ -1,7 +1,8 @@
 """mlx-fleet: the command line for developers and operators.
 
 Commands:
-  provision         build (once) and cache etcd, kube-apiserver, kubectl and helm from the Go module proxy
+  provision         build (once) and cache etcd, kube-apiserver, kubectl, helm, prometheus and promtool
+                    from the Go module proxy
   dev up / dev down run / stop a local control plane (and optionally operator + agents) on loopback
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
@@ -69,19 +70,23 @@ def progress_builder(console: Console, build: Callable[..., T]) -> T:
 def _cmd_provision(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.binaries import BuildError, ensure_all
     from mlx_fleet.devcluster.helm import ensure_helm
+    from mlx_fleet.devcluster.prombuild import ensure_prometheus
 
     console = make_console(stderr=True)
     try:
         binaries = progress_builder(console, ensure_all)
         helm = progress_builder(console, ensure_helm)  # the chart tests lint and render with it
+        # the dashboards' queries are checked against it; promtool lints the expositions
+        prom = progress_builder(console, ensure_prometheus)
     except BuildError as e:
         console.print(f"[red]build failed:[/] {e}")
         return 1
     if args.print_bin_dir:
-        print(os.pathsep.join(map(str, [*binaries.bin_dirs, helm.parent])))
+        print(os.pathsep.join(map(str, [*binaries.bin_dirs, helm.parent, prom.prometheus.parent])))
     else:
         for name, path in (("etcd", binaries.etcd), ("kube-apiserver", binaries.kube_apiserver),
-                           ("kubectl", binaries.kubectl), ("helm", helm)):
+                           ("kubectl", binaries.kubectl), ("helm", helm),
+                           ("prometheus", prom.prometheus), ("promtool", prom.promtool)):
             console.print(f"[green]✓[/] {name}: {path}")
     return 0
 
@@ -96,6 +101,9 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.binaries import ensure_all
     from mlx_fleet.devcluster.controlplane import start_control_plane
     from mlx_fleet.devcluster.fleet import start_agent, start_operator
+    from mlx_fleet.devcluster.processes import free_port
+    from mlx_fleet.devcluster.prombuild import ensure_prometheus
+    from mlx_fleet.devcluster.promserver import ScrapeTarget, start_prometheus
 
     from mlx_fleet.devcluster.binaries import BuildError
     from mlx_fleet.devcluster.processes import ProcessFailed
@@ -110,24 +118,39 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {e}")
         return 1
     try:
+        prometheus_url = None
         try:
+            targets = []
             if args.operator:
                 with console.status("starting the operator"):
-                    start_operator(cp)
+                    metrics_port = free_port()
+                    start_operator(cp, metrics_port=metrics_port)
+                    targets.append(ScrapeTarget(f"127.0.0.1:{metrics_port}"))
             for i in range(args.agents):
                 with console.status(f"starting agent mac-{i}"):
-                    start_agent(cp, f"mac-{i}")
-        except ProcessFailed as e:
+                    agent = start_agent(cp, f"mac-{i}")
+                    targets.append(ScrapeTarget(agent.url.removeprefix("http://"), node=agent.name))
+            if args.prometheus:
+                prom_bins = progress_builder(console, ensure_prometheus)
+                with console.status("starting Prometheus"):
+                    prom = start_prometheus(cp.workdir / "prometheus", targets, interval="5s",
+                                            binaries=prom_bins)
+                    cp.extra.append(prom.process)
+                prometheus_url = prom.url
+        except (ProcessFailed, BuildError) as e:
             console.print(f"[red]error:[/] {e}")
             return 1
         state = {"pid": os.getpid(), "workdir": str(cp.workdir), "kubeconfig": str(cp.kubeconfig),
-                 "etcd": cp.etcd_url, "apiserver": cp.apiserver_url}
+                 "etcd": cp.etcd_url, "apiserver": cp.apiserver_url, "prometheus": prometheus_url}
         _state_file().parent.mkdir(parents=True, exist_ok=True)
         _state_file().write_text(json.dumps(state, indent=2))
         console.print(f"[green]control plane up[/] — logs in {cp.logs_dir}\n"
                       f"  export KUBECONFIG={cp.kubeconfig}\n"
                       f"  export MLX_FLEET_ETCD_ENDPOINT={cp.etcd_url}\n"
                       f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
+                      + (f"Prometheus (operator + agents, every 5 s): {prometheus_url}  "
+                         f"(HTTP API: {prometheus_url}/api/v1/query?query=up)\n"
+                         if prometheus_url else "") +
                       "Ctrl-C (or `mlx-fleet dev down`) stops everything.")
         stop = False
 
@@ -203,8 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("provision", help="build and cache etcd, kube-apiserver, kubectl, helm",
-                       description="Build etcd, kube-apiserver/kubectl and helm from the Go module proxy into "
+    s = sub.add_parser("provision", help="build and cache etcd, kube-apiserver, kubectl, helm, "
+                                         "prometheus",
+                       description="Build etcd, kube-apiserver/kubectl, helm and prometheus/promtool from "
+                                   "the Go module proxy into "
                                    "$MLX_FLEET_CACHE/bin (default ~/.cache/mlx-fleet). The first build "
                                    "takes many minutes; later calls return at once.")
     s.add_argument("--print-bin-dir", action="store_true",
@@ -219,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workdir", help="directory for data, PKI, logs and the kubeconfig (default: temp)")
     up.add_argument("--operator", action="store_true", help="also run the operator")
     up.add_argument("--agents", type=int, default=0, metavar="N", help="also run N node agents")
+    up.add_argument("--prometheus", action="store_true",
+                    help="also run Prometheus (built once from the Go module proxy) scraping the "
+                         "operator and the agents every 5 s; prints its URL")
     up.add_argument("--keep", action="store_true", help="keep the working directory on exit")
     up.set_defaults(func=_cmd_dev_up)
     down = dev.add_parser("down", help="stop a running `mlx-fleet dev up`")

@@ -2,7 +2,7 @@
 # mlx-fleet developer entry point: idempotent set-up, then one of
 #   demo       bring up a local fleet (etcd, kube-apiserver, operator, two agents), stream a completion
 #   test       run the test suite (unit + integration on the real local control plane); args go to pytest
-#   provision  only build/cache the control-plane binaries (etcd, kube-apiserver, kubectl, helm)
+#   provision  only build/cache the binaries (etcd, kube-apiserver, kubectl, helm, prometheus, promtool)
 #   shell      a shell with the virtualenv activated and the cached binaries on PATH
 # Everything installed is cached outside the repository, under $MLX_FLEET_CACHE
 # (default ~/.cache/mlx-fleet): the virtualenv, the Go-built binaries, generated test models.

@@ -178,14 +178,7 @@ kubectl wait --for=condition=Established --timeout=60s -f "$repo/crds/"
 
 if [ "$build_image" = 1 ]; then
   log "building the operator image $image and loading it into kind"
-  docker build -t "$image" -f - "$repo" <<'EOF'
-FROM python:3.11-slim
-COPY . /src
-RUN pip install --no-cache-dir /src && rm -rf /src
-USER 65532:65532
-ENTRYPOINT []
-CMD ["mlx-fleet-operator", "--help"]
-EOF
+  docker build -t "$image" "$repo"  # the repository's Dockerfile
   kind load docker-image "$image" --name "$cluster"
 fi
 

@@ -1,13 +1,15 @@
 """The Helm chart in charts/mlx-fleet: ``helm lint``, ``helm template``, least-privilege RBAC, the
-operator Deployment, optional pieces, and its CRDs kept identical to crds/.
+operator Deployment, optional pieces, values.schema.json, and its CRDs kept identical to crds/.
 
 helm is built once from the Go module proxy and cached (mlx_fleet.devcluster.helm.ensure_helm);
-these tests build it when it is missing rather than skip. The last test also sends the rendered
-chart to a real kube-apiserver (server-side dry run), so the API server itself validates it.
+these tests build it when it is missing rather than skip. The integration tests send the chart
+to a real kube-apiserver: a server-side dry run, and a real ``helm install`` → ``upgrade`` →
+``uninstall`` whose objects are read back from the API server.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -23,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "mlx-fleet"
 RELEASE, NAMESPACE = "mlx-fleet", "mlx-system"
 FULLNAME = "mlx-fleet"  # the release name contains the chart name, so it is used as is
+DASHBOARDS = ("canary", "fleet", "mac")  # charts/mlx-fleet/dashboards/*.json, sorted
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +85,16 @@ def test_helm_lint_strict_with_every_option_on(helm: Path) -> None:
 def test_default_render_holds_exactly_the_operator_objects(default_docs: list[dict[str, Any]]) -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in default_docs)
     assert kinds == [
-        ("ClusterRole", FULLNAME), ("ClusterRoleBinding", FULLNAME), ("Deployment", FULLNAME),
-        ("Service", f"{FULLNAME}-metrics"), ("ServiceAccount", FULLNAME),
+        ("ClusterRole", FULLNAME), ("ClusterRoleBinding", FULLNAME),
+        *[("ConfigMap", f"{FULLNAME}-dashboard-{d}") for d in DASHBOARDS],
+        ("Deployment", FULLNAME), ("Service", f"{FULLNAME}-metrics"),
+        ("ServiceAccount", FULLNAME),
     ]
     for doc in default_docs:
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/part-of"] == "mlx-fleet"
         assert labels["app.kubernetes.io/instance"] == RELEASE
-        if doc["kind"] in {"Deployment", "Service", "ServiceAccount"}:
+        if doc["kind"] in {"ConfigMap", "Deployment", "Service", "ServiceAccount"}:
             assert doc["metadata"]["namespace"] == NAMESPACE
 
 
@@ -196,6 +201,7 @@ def test_operator_deployment(default_docs: list[dict[str, Any]]) -> None:
                          "--liveness-port=8081", "--standalone"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 8080, "health": 8081}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
 
 
@@ -291,9 +297,36 @@ def test_service_monitor_is_opt_in(helm: Path, default_docs: list[dict[str, Any]
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
 
-def test_dashboards_render_nothing_until_there_are_dashboards(helm: Path) -> None:
-    assert not list((CHART / "dashboards").glob("*.json")), "dashboards landed: replace this test"
-    assert not by_kind(render(helm, "--set", "grafana.dashboards.enabled=true"), "ConfigMap")
+def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path,
+                                                          default_docs: list[dict[str, Any]]) -> None:
+    cms = sorted(by_kind(default_docs, "ConfigMap"), key=lambda d: d["metadata"]["name"])
+    assert [cm["metadata"]["labels"]["grafana_dashboard"] for cm in cms] == ["1"] * len(DASHBOARDS)
+    for cm, name in zip(cms, DASHBOARDS):
+        [(key, text)] = cm["data"].items()
+        assert key == f"{name}.json"
+        assert text.strip() == (CHART / "dashboards" / key).read_text().strip()
+        assert json.loads(text)["uid"] == f"mlx-fleet-{name}"
+    assert not by_kind(render(helm, "--set", "grafana.dashboards.enabled=false"), "ConfigMap")
+    relabelled = render(helm, "--set", "grafana.dashboards.label=dash", "--set",
+                        "grafana.dashboards.labelValue=yes")
+    assert {cm["metadata"]["labels"]["dash"] for cm in by_kind(relabelled, "ConfigMap")} == {"yes"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--set", "replicaCount=-1"), "at '/replicaCount': minimum: got -1, want 0"),
+    (("--set", "metrics.port=http"), "at '/metrics/port': got string, want integer"),
+    (("--set", "image.pullPolicy=Sometimes"), "at '/image/pullPolicy'"),
+    (("--set", "etcd.endpoints={etcd:2379}"), "at '/etcd/endpoints/0'"),
+    (("--set", "serviceMonitor.interval=30"), "at '/serviceMonitor/interval'"),
+    (("--set", "operatr.verbose=true"), "additional properties 'operatr' not allowed"),
+], ids=["negative-replicas", "port-not-int", "pull-policy", "endpoint-scheme", "interval-unit",
+        "typo"])
+def test_values_schema_rejects_bad_values_with_a_message(helm: Path, flags: tuple[str, ...],
+                                                         message: str) -> None:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *flags)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
 
 
 def test_values_defaults() -> None:
@@ -301,7 +334,7 @@ def test_values_defaults() -> None:
     assert values["replicaCount"] == 1
     assert values["metrics"]["port"] == 8080
     assert values["serviceMonitor"]["enabled"] is False
-    assert values["grafana"]["dashboards"]["enabled"] is False
+    assert values["grafana"]["dashboards"]["enabled"] is True
     assert values["etcd"]["tls"]["secretName"] == ""
     assert values["operator"]["peering"] is False
     assert set(values["image"]) == {"repository", "tag", "pullPolicy"}
@@ -341,3 +374,92 @@ def test_notes_say_kopf_peering_crds_must_be_installed() -> None:
     notes = (CHART / "templates" / "NOTES.txt").read_text()
     assert "{{- if .Values.operator.peering }}" in notes
     assert "CRDs (clusterkopfpeerings.kopf.dev, kopfpeerings.kopf.dev) must be installed" in notes.replace("\n", " ")
+
+
+# --- A real helm install / upgrade / uninstall ---------------------------------------------------
+
+#: A stand-in for prometheus-operator's ServiceMonitor CRD (same group, version and kind; any
+#: spec accepted): the real one is not vendored here, and only the object's creation is tested.
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+             "names": {"kind": "ServiceMonitor", "plural": "servicemonitors",
+                       "singular": "servicemonitor", "listKind": "ServiceMonitorList"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+                 "openAPIV3Schema": {"type": "object",
+                                     "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
+@pytest.mark.integration
+def test_helm_install_upgrade_uninstall_on_a_real_api_server(helm: Path, control_plane: Any) -> None:
+    """The objects helm creates are read back from the API server. No kubelet (nor controller
+    manager) runs here: the operator Pod is never created, let alone started; what is proven is
+    that the API server accepts and stores every object as the chart means it."""
+    import uuid
+
+    ns, release = f"chart-{uuid.uuid4().hex[:6]}", f"mlx-fleet-{uuid.uuid4().hex[:6]}"
+    kubectl = control_plane.kubectl
+    kubectl("create", "namespace", ns)
+    kubectl("apply", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
+    kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com",
+            "--timeout=30s")
+
+    def helm_run(*args: str) -> str:
+        proc = run_helm(helm, *args, "--namespace", ns, "--kubeconfig",
+                        str(control_plane.kubeconfig))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    def get(kind: str, name: str = "", *flags: str) -> dict[str, Any]:
+        return json.loads(kubectl("get", kind, *([name] if name else []), "-n", ns, *flags,
+                                  "-o", "json").stdout)
+
+    try:
+        helm_run("install", release, str(CHART), "--set", "serviceMonitor.enabled=true")
+        for crd in ("modeldeployments", "canaries", "macnodes"):
+            assert get("crd", f"{crd}.mlx-fleet.io")["status"]["conditions"]
+        deploy = get("deployment", release)
+        [c] = deploy["spec"]["template"]["spec"]["containers"]
+        assert deploy["spec"]["strategy"]["type"] == "Recreate"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert get("service", f"{release}-metrics")["spec"]["ports"][0]["port"] == 8080
+        assert get("serviceaccount", release)["metadata"]["name"] == release
+        role = json.loads(kubectl("get", "clusterrole", release, "-o", "json").stdout)
+        assert any("modeldeployments" in r.get("resources", []) for r in role["rules"])
+        binding = json.loads(kubectl("get", "clusterrolebinding", release, "-o", "json").stdout)
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": release,
+                                        "namespace": ns}]
+        cms = get("configmaps", "", "-l", "grafana_dashboard=1")["items"]
+        assert sorted(cm["metadata"]["name"] for cm in cms) == [
+            f"{release}-dashboard-{d}" for d in DASHBOARDS]
+        sm = get("servicemonitor", release)
+        assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+
+        helm_run("upgrade", release, str(CHART), "--reuse-values", "--set", "metrics.port=9090")
+        assert get("service", f"{release}-metrics")["spec"]["ports"][0]["port"] == 9090
+        [c] = get("deployment", release)["spec"]["template"]["spec"]["containers"]
+        assert "--metrics-port=9090" in c["args"]
+        assert get("deployment", release)["metadata"]["generation"] == 2
+        history = json.loads(helm_run("history", release, "-o", "json"))
+        assert [h["revision"] for h in history] == [1, 2]
+
+        # A bad value is refused by the schema, and the release stays at revision 2.
+        bad = run_helm(helm, "upgrade", release, str(CHART), "--reuse-values", "--set",
+                       "metrics.port=0", "--namespace", ns, "--kubeconfig",
+                       str(control_plane.kubeconfig))
+        assert bad.returncode != 0 and "at '/metrics/port'" in bad.stderr, bad.stderr
+        assert len(json.loads(helm_run("history", release, "-o", "json"))) == 2
+
+        helm_run("uninstall", release, "--wait", "--timeout", "60s")
+        left = kubectl("get", "deployment,service,serviceaccount,configmap,servicemonitor",
+                       "-n", ns, "-l", f"app.kubernetes.io/instance={release}", "-o", "name").stdout
+        assert left.strip() == ""
+        assert kubectl("get", "clusterrole", release, check=False).returncode != 0
+        # helm never deletes CRDs (they hold users' objects)
+        assert get("crd", "modeldeployments.mlx-fleet.io")
+    finally:
+        run_helm(helm, "uninstall", release, "--namespace", ns, "--kubeconfig",
+                 str(control_plane.kubeconfig))
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)

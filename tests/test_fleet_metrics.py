@@ -428,7 +428,9 @@ def test_no_runtime_yet_exports_empty_families() -> None:
     fams = list(text_string_to_metric_families(generate_latest(registry).decode()))
     assert {f.name for f in fams} == {
         f.name.removesuffix("_total") if f.type == "counter" else f.name for f in FAMILIES}
-    assert [s.value for f in fams for s in f.samples] == [0]  # only the collect-error counter
+    # only "not exporting the fleet (yet)" and the collect-error counter
+    assert [(s.name, s.value) for f in fams for s in f.samples] == [
+        ("mlxfleet_operator_fleet_exporter", 0), ("mlxfleet_operator_fleet_collect_errors_total", 0)]
 
 
 def test_a_failing_collect_is_counted_not_raised(rt: Runtime) -> None:

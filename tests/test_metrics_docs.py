@@ -1,6 +1,6 @@
 """docs/metrics.md is generated from the registered metrics (scripts/gen_metrics_docs.py) and
-is up to date; the expositions follow Prometheus' conventions (always checked here) and pass
-``promtool check metrics`` (when promtool is on PATH, else that test is skipped, saying so).
+is up to date; the expositions follow Prometheus' conventions and pass ``promtool check metrics``
+(the cached promtool, built once like the other binaries: ``mlx-fleet provision``).
 
 The generator runs in a subprocess: it registers the fleet collector on the default registry
 and imports the operator's handlers, which must not leak into this test process.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -121,13 +120,26 @@ def test_exposition_follows_conventions(component: str) -> None:
                 assert counts == sorted(counts), (f.name, key)  # cumulative
 
 
+@pytest.fixture(scope="module")
+def promtool() -> Path:
+    from mlx_fleet.devcluster.prombuild import ensure_prometheus
+
+    return ensure_prometheus().promtool
+
+
 @pytest.mark.parametrize("component", ["operator", "agent"])
-def test_promtool_check_metrics(component: str) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not on PATH: the expositions were not linted by promtool "
-                    "(test_exposition_follows_conventions still ran)")
+def test_promtool_check_metrics(component: str, promtool: Path) -> None:
     text = _run("--exposition", component)
-    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+    res = subprocess.run([str(promtool), "check", "metrics"], input=text, capture_output=True,
                          text=True, timeout=60)
-    assert res.returncode == 0, res.stdout + res.stderr
+    # promtool prints lint findings and exits non-zero on any of them
+    assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
+
+
+def test_promtool_rejects_a_bad_exposition(promtool: Path) -> None:
+    """The check above can fail: promtool flags a counter without ``_total``."""
+    bad = "# HELP mlxfleet_test_things things\n# TYPE mlxfleet_test_things counter\n" \
+          "mlxfleet_test_things 1\n"
+    res = subprocess.run([str(promtool), "check", "metrics"], input=bad, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode != 0 and "_total" in res.stdout + res.stderr, res.stdout + res.stderr

@@ -35,11 +35,13 @@ class AgentProcess:
 
 def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float = 120.0,
                    extra_args: tuple[str, ...] = (),
-                   env: dict[str, str] | None = None) -> ManagedProcess:
+                   env: dict[str, str] | None = None,
+                   metrics_port: int | None = None) -> ManagedProcess:
     """Run ``python -m mlx_fleet_operator`` against ``cp``; returns once its liveness probe
     answers (kopf is connected to the API server and its handlers are registered). ``env`` is
-    merged over ``cp.env()`` (e.g. a ``KUBECONFIG`` with a ServiceAccount's token)."""
-    metrics, liveness = free_port(), free_port()
+    merged over ``cp.env()`` (e.g. a ``KUBECONFIG`` with a ServiceAccount's token).
+    ``metrics_port``: where it serves ``/metrics`` (default: a free port)."""
+    metrics, liveness = metrics_port or free_port(), free_port()
     proc = ManagedProcess("operator", [
         sys.executable, "-m", "mlx_fleet_operator",
         "--etcd-endpoint", cp.etcd_url, "--etcd-prefix", etcd_prefix,

@@ -28,6 +28,12 @@ sum runs over all of them, so the exported sum only grows while the revision is 
 operator restart is an ordinary counter reset). The epochs of a revision are dropped with its
 series.
 
+With kopf peering, only the active replica exports the fleet families: the Runtime's
+``fleet_active`` (kept by the operator from the peering objects, :mod:`.peering`; absent or True
+when standalone) gates them, so two replicas never export the same fleet series twice.
+``mlxfleet_operator_fleet_exporter`` says which replica does; the per-process task families
+(``task_up``, ``task_restarts_total``) and ``fleet_collect_errors_total`` stay on every replica.
+
 Conversions are pure functions (:func:`assignment_state`, :func:`cumulative_buckets`,
 :func:`sum_revision_stats`); the contract's histograms hold per-bucket counts (``counts[i]``
 observations in ``(bounds[i-1], bounds[i]]``), Prometheus wants cumulative ``le`` buckets.
@@ -138,6 +144,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
           "requests with at least two tokens) of the revision, summed over nodes"),
     _spec("canary_guard_tripped_nodes", "gauge", ["namespace", "deployment"],
           "Nodes whose local guard sent all of the deployment's traffic to the stable revision"),
+    _spec("fleet_exporter", "gauge", [],
+          "1 while this operator replica exports the fleet families (standalone, or the active "
+          "kopf peer), 0 while another replica does (kopf peering paused this one)"),
     _spec("task_up", "gauge", ["task"],
           "1 while the operator's supervised background task (etcd follower, assignment GC) "
           "runs, 0 while it backs off after a failure"),
@@ -279,8 +288,12 @@ class FleetCollector(Collector):
         fams = {name: _family(spec) for name, spec in _BY_NAME.items()}
         try:
             rt = self.runtime_getter()
-            if rt is not None:
+            active = rt is not None and getattr(rt, "fleet_active", True)
+            fams["fleet_exporter"].add_metric([], 1 if active else 0)
+            if active:
                 self._fill(rt, fams)
+            if rt is not None:
+                self._fill_tasks(rt, fams)
         except Exception:  # never fail the whole scrape (reconcile metrics share it)
             log.exception("building the fleet metrics failed")
             self._errors += 1
@@ -293,7 +306,6 @@ class FleetCollector(Collector):
         placed = {k: _copy(v) for k, v in _copy(getattr(rt, "placed", None)).items()}
         reports = {k: _copy(v) for k, v in _copy(getattr(rt, "reports", None)).items()}
         stats = {k: _copy(v) for k, v in _copy(getattr(rt, "stats", None)).items()}
-        followers = _copy(getattr(rt, "followers", None))
 
         # -- nodes -------------------------------------------------------------------------
         by_health = {h.value: 0 for h in NodeHealth}
@@ -368,7 +380,10 @@ class FleetCollector(Collector):
                            ("revision_decode_tokens_per_second", totals.tokens_per_second)):
                 fams[fam].add_metric(labels, cumulative_buckets(h), h.total)
 
-        # -- the operator's own background tasks -------------------------------------------
+    @staticmethod
+    def _fill_tasks(rt: Any, fams: dict[str, Metric]) -> None:
+        """The operator's own background tasks: per process, exported by every replica."""
+        followers = _copy(getattr(rt, "followers", None))
         for name, health in sorted(followers.items()):
             fams["task_up"].add_metric([name], 1 if health.alive else 0)
             fams["task_restarts_total"].add_metric([name], health.restarts)

@@ -47,7 +47,7 @@ from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, S
 from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
-from . import macnodes, metrics
+from . import macnodes, metrics, peering
 from .placement import PlacementRequest
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
                         reconcile, remove_deployment)
@@ -85,6 +85,18 @@ class CandidateIntent:
     memory_bytes: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class PeeringConfig:
+    """kopf peering of this replica (``--peering``): the peering object's ``name``, this
+    replica's ``identity`` and ``priority`` as given to kopf, and whether the operator is
+    cluster-wide (one ClusterKopfPeering) or namespaced (a KopfPeering per watched namespace)."""
+
+    name: str
+    identity: str
+    priority: int
+    clusterwide: bool
+
+
 @dataclasses.dataclass
 class OperatorConfig:
     """Runtime configuration, set by :func:`mlx_fleet_operator.main.main` (or read from the
@@ -96,6 +108,7 @@ class OperatorConfig:
     writer: str = DEFAULT_WRITER
     namespaces: tuple[str, ...] = ()  # watched namespaces (globs); empty = cluster-wide
     gc_interval: float = GC_SECONDS  # seconds between orphan collections
+    peering: PeeringConfig | None = None  # None: standalone
 
     def in_scope(self, namespace: str) -> bool:
         """Whether this operator watches ``namespace`` (garbage collection stays inside)."""
@@ -144,6 +157,9 @@ class Runtime:
         self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
         self.tasks: list[asyncio.Task] = []
         self.followers: dict[str, TaskHealth] = {}
+        #: Whether this replica exports the fleet metric families (fleet_metrics): always when
+        #: standalone; with peering, while it is the active peer (:meth:`start_peering`).
+        self.fleet_active = True
         self.nodes_synced = asyncio.Event()
         self.reports_synced = asyncio.Event()
         self.custom_api: Any = None
@@ -331,6 +347,33 @@ class Runtime:
         while True:
             await collect_orphans(self)
             await asyncio.sleep(self.gc_interval)
+
+    # -- kopf peering: which replica exports the fleet metrics --------------------------------
+    def start_peering(self, api: Any, cfg: PeeringConfig, namespaces: tuple[str, ...]) -> None:
+        """Follow kopf's peering objects (every :data:`.peering.POLL_SECONDS`) and keep
+        ``fleet_active`` to :func:`.peering.peering_active` (False until first read). With
+        watched namespaces, the KopfPeering of each one that is not a glob pattern is read."""
+        self.fleet_active = False
+        concrete = [ns for ns in namespaces if not any(c in ns for c in "*?[")]
+
+        def read() -> list[Any]:
+            if cfg.clusterwide:
+                return [api.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings",
+                                                      cfg.name).get("status")]
+            return [api.get_namespaced_custom_object("kopf.dev", "v1", ns, "kopfpeerings",
+                                                     cfg.name).get("status") for ns in concrete]
+
+        async def loop() -> None:
+            import datetime as dt
+
+            while True:
+                statuses = await asyncio.to_thread(read)
+                self.fleet_active = peering.peering_active(
+                    statuses, cfg.identity, cfg.priority, dt.datetime.now(dt.timezone.utc))
+                await asyncio.sleep(peering.POLL_SECONDS)
+
+        health = self.followers["peering"] = TaskHealth("peering")
+        self.tasks.append(asyncio.create_task(supervise(health, loop), name="peering"))
 
     # -- MacNode mirror ----------------------------------------------------------------------
     def start_macnodes(self) -> None:
@@ -548,6 +591,8 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
         rt.start_followers()
         rt.start_gc()
         rt.start_macnodes()
+        if cfg.peering is not None:
+            rt.start_peering(api, cfg.peering, cfg.namespaces)
         try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
             await asyncio.wait_for(asyncio.gather(rt.nodes_synced.wait(),
                                                   rt.reports_synced.wait()), timeout=30)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
+import socket
+import uuid
 import sys
 from collections.abc import Sequence
 
@@ -141,7 +144,11 @@ def kopf_run_kwargs(args: argparse.Namespace) -> dict:
         return {**kw, "standalone": True}
     priority = (args.peering_priority if args.peering_priority is not None
                 else random.SystemRandom().randint(1, 2**31 - 1))
-    return {**kw, "standalone": False, "peering_name": args.peering_name, "priority": priority}
+    # Our own identity (kopf would make one up): the operator reads the peering objects too,
+    # to export the fleet metrics only while it is the active peer (.peering).
+    identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+    return {**kw, "standalone": False, "peering_name": args.peering_name, "priority": priority,
+            "identity": identity}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,11 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               metrics_port=args.metrics_port,
                                               namespaces=tuple(args.namespace),
                                               gc_interval=args.gc_interval)
+    run_kwargs = kopf_run_kwargs(args)
+    if not args.standalone:
+        handlers.CONFIG = dataclasses.replace(
+            handlers.CONFIG, peering=handlers.PeeringConfig(
+                name=args.peering_name, identity=run_kwargs["identity"],
+                priority=run_kwargs["priority"], clusterwide=run_kwargs["clusterwide"]))
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
     try:
-        kopf.run(**kopf_run_kwargs(args), liveness_endpoint=liveness)
+        kopf.run(**run_kwargs, liveness_endpoint=liveness)
     except ActivityError as e:  # the start-up handler failed permanently (already logged)
         causes = "; ".join(str(o.exception) for o in e.outcomes.values() if o.exception)
         print(f"mlx-fleet-operator: error: start-up failed: {causes or e}", file=sys.stderr)

@@ -1,0 +1,117 @@
+"""The Fleet dashboard: Macs by health, memory used vs budget per Mac, models loaded, requests/s,
+decode tokens/s, TTFT and latency percentiles and errors, per ModelDeployment.
+
+Everything but the "responses by status code" panel comes from the operator's ``/metrics`` (the
+one scrape a cluster's Prometheus needs); that panel reads the agents' own ``/metrics`` and shows
+data only where Prometheus also scrapes the Macs (with a ``node`` label per Mac, see
+docs/dashboards.md).
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as dash
+
+from .panels import (TOKENS_PER_SECOND, datasource_variable, deployment_variable,
+                     namespace_variable, node_variable, quantiles, stat_panel, table_panel,
+                     timeseries_panel)
+
+UID = "mlx-fleet-fleet"
+
+_NODE = 'node=~"$node"'
+_DEP = 'namespace=~"$namespace", deployment=~"$deployment"'
+_BY_DEP = "namespace, deployment"
+
+
+def _rate(metric: str, selector: str = _DEP, by: str = _BY_DEP) -> str:
+    return f"sum by ({by}) (rate({metric}{{{selector}}}[$__rate_interval]))"
+
+
+def build() -> dash.Dashboard:
+    requests = _rate("mlxfleet_operator_revision_requests_total")
+    errors = _rate("mlxfleet_operator_revision_errors_total")
+    return (
+        dash.Dashboard("mlx-fleet / Fleet").uid(UID).tags(["mlx-fleet"]).refresh("30s")
+        .time("now-1h", "now").timezone("browser")
+        .description("The Mac fleet and its ModelDeployments, from the mlx-fleet operator's "
+                     "/metrics (docs/metrics.md).")
+        .with_variable(datasource_variable()).with_variable(namespace_variable())
+        .with_variable(deployment_variable()).with_variable(node_variable())
+        .with_row(dash.Row("Macs"))
+        .with_panel(stat_panel(
+            "Macs by health", "none",
+            [("mlxfleet_operator_nodes", "{{health}}")],
+            description="Registered Macs (node records in etcd) by health.", width=8))
+        .with_panel(stat_panel(
+            "Models loaded", "none",
+            [(f'sum(mlxfleet_operator_node_assignments{{state="Ready", {_NODE}}})', "loaded")],
+            description="Assignments in state Ready on the selected Macs.", width=8))
+        .with_panel(stat_panel(
+            "Supervised tasks up", "none",
+            [("sum(mlxfleet_operator_task_up)", "up"), ("count(mlxfleet_operator_task_up)",
+                                                         "of")],
+            description="The operator's etcd followers and assignment GC (1 each while "
+                        "running).", width=8))
+        .with_panel(timeseries_panel(
+            "Memory used vs budget per Mac", "bytes",
+            [(f"mlxfleet_operator_node_memory_total_bytes{{{_NODE}}} - "
+              f"mlxfleet_operator_node_memory_available_bytes{{{_NODE}}}", "{{node}} used"),
+             (f"mlxfleet_operator_node_memory_reserved_bytes{{{_NODE}}}", "{{node}} reserved"),
+             (f"mlxfleet_operator_node_memory_budget_bytes{{{_NODE}}}", "{{node}} budget")],
+            description="Used: total - available as the agent reports it. Reserved: the "
+                        "memory of the assignments placed on the Mac (what placement counts). "
+                        "Budget: total x the placement watermark."))
+        .with_panel(timeseries_panel(
+            "Models loaded per Mac", "none",
+            [(f'mlxfleet_operator_node_assignments{{state="Ready", {_NODE}}}', "{{node}}")],
+            description="Assignments in state Ready per Mac."))
+        .with_row(dash.Row("ModelDeployments"))
+        .with_panel(timeseries_panel(
+            "Requests/s per ModelDeployment", "reqps",
+            [(requests, "{{namespace}}/{{deployment}}")],
+            description="Generation requests, summed over revisions and Macs (the agents count "
+                        "them while a Canary runs)."))
+        .with_panel(timeseries_panel(
+            "Error ratio per ModelDeployment", "percentunit",
+            [(f"{errors} / {requests}", "{{namespace}}/{{deployment}}")],
+            description="Server-side failures (5xx, streams ended by an error) / requests."))
+        .with_panel(timeseries_panel(
+            "Time to first token", "s",
+            quantiles("mlxfleet_operator_revision_time_to_first_token_seconds", _BY_DEP, _DEP,
+                      legend="{{namespace}}/{{deployment}} ")))
+        .with_panel(timeseries_panel(
+            "Request latency", "s",
+            quantiles("mlxfleet_operator_revision_request_duration_seconds", _BY_DEP, _DEP,
+                      legend="{{namespace}}/{{deployment}} ")))
+        .with_panel(timeseries_panel(
+            "Decode tokens/s per sequence", TOKENS_PER_SECOND,
+            quantiles("mlxfleet_operator_revision_decode_tokens_per_second", _BY_DEP, _DEP,
+                      qs=(0.5, 0.05), legend="{{namespace}}/{{deployment}} "),
+            description="Per-sequence decode rate; p5 is the slow tail."))
+        .with_panel(timeseries_panel(
+            "Responses/s by status code (agents)", "reqps",
+            [(f"sum by (code) (rate(mlxfleet_agent_requests_total{{{_NODE}}}"
+              "[$__rate_interval]))", "{{code}}")],
+            description="HTTP responses of the agents' API by status code; needs Prometheus to "
+                        "scrape the Macs' /metrics (docs/dashboards.md)."))
+        .with_panel(timeseries_panel(
+            "Replicas per ModelDeployment", "none",
+            [('mlxfleet_operator_deployment_replicas{namespace=~"$namespace", '
+              'name=~"$deployment"}', "{{namespace}}/{{name}} {{state}}")]))
+        .with_panel(table_panel(
+            "Served models", [
+                (f"mlxfleet_operator_served_model_info{{{_DEP}, {_NODE}}}", "")],
+            description="One row per assignment: ModelDeployment, OpenAI model id, revision, "
+                        "Mac and role."))
+        .with_row(dash.Row("Operator"))
+        .with_panel(timeseries_panel(
+            "Reconciles/s by result", "ops",
+            [("sum by (result) (rate(mlxfleet_operator_reconcile_total[$__rate_interval]))",
+              "{{result}}")]))
+        .with_panel(timeseries_panel(
+            "Reconcile duration (10 min windows)", "s",
+            [(f"histogram_quantile({q}, sum by (le, result) "
+              f"(rate(mlxfleet_operator_reconcile_duration_seconds_bucket[10m])))",
+              f"{{{{result}}}} p{round(q * 100)}") for q in (0.5, 0.99)],
+            description="Reconciles are sparse in a steady fleet (a spec change, a node "
+                        "event): a short window would mostly hold none."))
+    )

@@ -1,0 +1,87 @@
+"""Deployment artefacts that cannot run here, checked statically: the agent's launchd plist
+(well-formed with plistlib, and its arguments accepted by the agent's own parser) and the
+operator's Dockerfile (no Docker engine here: unbuilt; checked against the chart and the
+package's entry points)."""
+
+from __future__ import annotations
+
+import plistlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PLIST = REPO / "deploy" / "launchd" / "io.mlx-fleet.agent.plist"
+
+
+def test_launchd_plist_is_well_formed_and_keeps_the_agent_running() -> None:
+    with PLIST.open("rb") as f:
+        job = plistlib.load(f)
+    assert job["Label"] == "io.mlx-fleet.agent" == PLIST.stem
+    assert job["RunAtLoad"] is True and job["KeepAlive"] is True
+    assert job["ExitTimeOut"] >= 10  # time to revoke the lease and drain on SIGTERM
+    assert job["StandardOutPath"] == job["StandardErrorPath"]
+    assert job["StandardErrorPath"].startswith("/Library/Logs/")
+    assert job["ProgramArguments"][0].endswith("/bin/mlx-fleet-agent")
+    assert job["EnvironmentVariables"]["MLX_FLEET_ETCD_ENDPOINT"].startswith("http://")
+
+
+def test_launchd_arguments_parse_with_the_agents_own_cli() -> None:
+    from node_agent.main import build_parser
+
+    with PLIST.open("rb") as f:
+        argv = plistlib.load(f)["ProgramArguments"][1:]
+    args = build_parser().parse_args(argv)  # exits (SystemExit) on an unknown or bad flag
+    assert args.advertise_url == "http://studio-1.lan:8000"
+
+
+def test_plistlib_refuses_a_broken_plist() -> None:
+    """The check above can fail: a truncated file is not a plist."""
+    from xml.parsers.expat import ExpatError
+
+    with pytest.raises((plistlib.InvalidFileException, ExpatError)):
+        plistlib.loads(PLIST.read_bytes()[:-40])
+
+
+def _dockerfile() -> list[str]:
+    return [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_dockerfile_runs_the_operator_as_the_charts_non_root_user() -> None:
+    lines = _dockerfile()
+    values = yaml.safe_load((REPO / "charts" / "mlx-fleet" / "values.yaml").read_text())
+    pod = values["podSecurityContext"]
+    assert f"USER {pod['runAsUser']}:{pod['runAsGroup']}" in lines
+    assert lines[-1] == 'ENTRYPOINT ["mlx-fleet-operator"]'
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "mlx-fleet-operator" in scripts
+    exposed = {int(p) for line in lines if line.startswith("EXPOSE") for p in line.split()[1:]}
+    assert exposed == {values["metrics"]["port"], values["health"]["port"]}
+    assert "HOME=/tmp" in " ".join(lines)  # the chart mounts a writable emptyDir there only
+
+
+def test_dockerfile_copies_every_package_source_root() -> None:
+    copied = {m.group(1) for line in _dockerfile()
+              if (m := re.match(r"COPY (\S+) \./", line))}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    roots = {d.split("/")[0] for d in project["tool"]["setuptools"]["package-dir"].values()}
+    assert roots <= copied, roots - copied
+    for src in copied:
+        assert (REPO / src).exists(), src
+
+
+def test_every_python_package_is_in_the_distribution() -> None:
+    """``pip install .`` (the Dockerfile, the Macs' install) ships only the packages listed in
+    pyproject's ``[tool.setuptools] packages``: every directory with an ``__init__.py`` under a
+    package root must be listed (node_agent.serving once was not)."""
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for name, root in setup["package-dir"].items():
+        for init in (REPO / root).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / root)
+            found.add(".".join([name, *rel.parts]))
+    assert found == set(setup["packages"]), found ^ set(setup["packages"])
