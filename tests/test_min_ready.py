@@ -101,3 +101,12 @@ def test_reconcile_plan_pins_and_then_writes_nothing() -> None:
     assert pins(unpin.desired) == set()
     assert [op.key for op in unpin.ops if hasattr(op, "value") and "assignments" in op.key] == [
         keys.assignment("a", "ns", "llm", "v1")]
+
+
+def test_the_deployment_intent_carries_min_ready() -> None:
+    from mlx_fleet_operator.handlers import deployment_intent
+
+    spec = parse_spec({**BASE, "replicas": 3, "lifecycle": {"minReady": 2}})
+    intent = deployment_intent(spec, ("ns", "llm"), uid="u", generation=1, candidate=None)
+    assert intent.min_ready == 2
+    assert not intent.stable.assignment.lifecycle.pinned  # pinned per node by reconcile.plan
