@@ -259,6 +259,12 @@ class ServingParams(_Record):
     max_context_tokens: Annotated[int, Field(ge=1)] = 4096
 
 
+#: ``LifecyclePolicy.prefetch`` values: fetch and load as soon as assigned, or at the first
+#: request (the CRD's ``spec.lifecycle.prefetch`` enum).
+PREFETCH_EAGER = "Eager"
+PREFETCH_ON_DEMAND = "OnDemand"
+
+
 class LifecyclePolicy(_Record):
     """``idle_unload_seconds``: unload after this long without requests (0 = never; seed 001
     default 300 s). ``prefetch``: ``Eager`` fetches weights as soon as assigned; ``OnDemand``
@@ -267,7 +273,7 @@ class LifecyclePolicy(_Record):
     idle-unloads or evicts a pinned revision."""
 
     idle_unload_seconds: Annotated[int, Field(ge=0)] = 300
-    prefetch: str = "Eager"
+    prefetch: str = PREFETCH_EAGER
     pinned: bool = False
 
 

@@ -53,6 +53,16 @@ message. The revision stays assigned and is still listed by :meth:`Controller.se
 arrives (one reload however many requests wait — at most :data:`MAX_RELOAD_WAITERS`, then
 :class:`~node_agent.serving.Overloaded` — reported ``Loading`` then ``Ready``). A reload that
 fails reports ``Failed`` and is retried like any failed load.
+
+A *pinned* revision (``lifecycle.pinned``: the deployment's ``minReady``) is never unloaded to
+standby. Under memory pressure (``budget_bytes``, :meth:`Controller._make_room`) a load first
+evicts idle, unpinned revisions least recently used first (:func:`~node_agent.lifecycle.evictions`)
+to the same standby, reported ``Unloaded``/``Evicted``; when that is not enough the load fails
+:data:`INSUFFICIENT_MEMORY` with the numbers. Each lifecycle pass (:meth:`Controller.tick`) also
+runs the predictive prefetch (:meth:`Controller.prefetch`) over the requests' arrivals recorded
+by :meth:`Controller.touch`, and sets the lifecycle metrics. ``lifecycle.prefetch: OnDemand``
+loads nothing until the first request: the revision starts in standby
+(``Unloaded``/``AwaitingRequest``).
 """
 
 from __future__ import annotations
@@ -70,7 +80,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
-                                RELOADING_ON_DEMAND, Assignment, AssignmentReport,
+                                PREFETCH_ON_DEMAND, RELOADING_ON_DEMAND, Assignment,
+                                AssignmentReport,
                                 AssignmentState, DownloadProgress, Keys, Role)
 from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
@@ -122,8 +133,6 @@ LOAD_ASSIGNED = "Assigned"
 #: ``reason`` label of an unload because the revision is no longer assigned here, next to
 #: :data:`~mlx_fleet.contract.IDLE_UNLOADED` and :data:`~mlx_fleet.contract.EVICTED`.
 UNLOAD_UNASSIGNED = "Unassigned"
-#: ``lifecycle.prefetch`` value that defers fetching and loading to the first request.
-_ON_DEMAND = "OnDemand"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,7 +603,7 @@ class Controller:
                                message=f"model name {spec.model_id!r} is already served "
                                        f"for assignment {owner}")
             return
-        if d.lifecycle.prefetch == _ON_DEMAND and failed is None and (
+        if d.lifecycle.prefetch == PREFETCH_ON_DEMAND and failed is None and (
                 loaded is None or loaded.standby):
             # OnDemand: nothing is fetched or loaded before the first request (ensure_loaded)
             self._loaded[key] = waiting = _Loaded(spec, 0, last_used=self._clock(),
