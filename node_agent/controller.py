@@ -309,6 +309,8 @@ class Controller:
         self.history = UsageHistory()
         self._prefetches: set[asyncio.Task] = set()
         self._observing: asyncio.Task | None = None
+        self._loading: dict[str, int] = {}  # assignment key → estimate, while the core loads it
+        self._quiet = asyncio.Event()  # set while the converge worker waits for a change
         # One lock per assignment key: a load, an idle unload, a reload and converging one
         # assignment never interleave (the lifecycle task skips a key that is busy).
         self._locks: dict[str, asyncio.Lock] = {}
@@ -352,6 +354,12 @@ class Controller:
         for t in [*self._prefetches, self._observing]:
             if t is not None:
                 t.cancel()
+
+    async def converged(self) -> None:
+        """Return once the converge worker has finished its passes over the desired state it
+        has seen and waits for a change (no pass running, none pending; failed loads may be
+        waiting for their retry). A change that arrives later starts a new pass."""
+        await self._quiet.wait()
 
     def served(self) -> dict[str, ServedModel]:
         """served model name → its deployment and the revisions it serves: those loaded now
@@ -481,6 +489,8 @@ class Controller:
         self._changed.set()  # (re)started: a pass may have been cut short
         while True:
             retry_in = self._next_retry()
+            if not self._changed.is_set() and (retry_in is None or retry_in > 0):
+                self._quiet.set()
             if retry_in is None:
                 await self._changed.wait()
             elif retry_in > 0:
@@ -489,6 +499,7 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(retry_in):
                         await self._changed.wait()
+            self._quiet.clear()
             self._changed.clear()
             await self._converge()
 
@@ -735,8 +746,9 @@ class Controller:
         ``(total bytes, {assignment key: bytes})``. A revision this controller loaded holds
         ``max(its estimate, ServingCore.memory_bytes)`` — the estimate reserves its KV cache at
         the assignment's limits, the core's figure is its parameters plus its prompt cache now;
-        any other revision in the core (one draining) its ``memory_bytes``. ``exclude``: an
-        assignment key left out (the one about to be (re)loaded)."""
+        any other revision in the core (one draining) its ``memory_bytes``; a revision the core
+        is loading now its estimate. ``exclude``: an assignment key left out (the one about to
+        be (re)loaded)."""
         held: dict[str, int] = {}
         tracked: set[tuple[str, str]] = set()
         for key, loaded in self._loaded.items():
@@ -748,6 +760,7 @@ class Controller:
                 held[key] = max(loaded.estimated_bytes, self._core.memory_bytes(*ident))
         other = sum(self._core.memory_bytes(m.model_id, m.revision) for m in self._core.models()
                     if (m.model_id, m.revision) not in tracked)
+        other += sum(b for k, b in self._loading.items() if k != exclude and k not in held)
         return sum(held.values()) + other, held
 
     async def _make_room(self, key: str, spec: _Spec, need: int, *, evict: bool) -> None:
@@ -1060,10 +1073,16 @@ class Controller:
                 max_concurrent_sequences=spec.max_concurrent_sequences)
             await self._make_room(key, spec, est.total_bytes,
                                   evict=not (on_demand and reason == PREDICTIVE_PREFETCH))
-            await self._core.load_model(
-                spec.model_id, path, revision=spec.revision,
-                max_concurrent_sequences=spec.max_concurrent_sequences,
-                max_context_tokens=spec.max_context_tokens)
+            # reserved until it is resident, so a concurrent load (a reload on demand next to
+            # the converge pass) counts it and cannot over-commit the budget
+            self._loading[key] = est.total_bytes
+            try:
+                await self._core.load_model(
+                    spec.model_id, path, revision=spec.revision,
+                    max_concurrent_sequences=spec.max_concurrent_sequences,
+                    max_context_tokens=spec.max_context_tokens)
+            finally:
+                del self._loading[key]
             resident = est.weights_bytes
         except memory_estimate.ModelFileError as e:
             await self._fail(key, spec, e.reason, e.message, common)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, PREDICTIVE_PREFETCH, Assignment,
-                                AssignmentState, Keys)
+from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
+                                Assignment, AssignmentState, Keys)
 from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import EtcdStore
 from node_agent import memory_estimate
@@ -83,6 +83,7 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
                   reason=EVICTED) == evictions_before + 1
 
     # a request for b reloads it, evicting the least recently used of the others (a)
+    await ctl.converged()
     clock.now += 5
     ctl.touch("c", "r1")
     start = (await store.list(b)).revision + 1
@@ -104,6 +105,7 @@ async def test_pinned_model_is_never_idle_unloaded_nor_evicted(
                            retry_backoff=NO_RETRY)
     a = await assign_and_wait_ready(store, keys, lifecycle(idle_assignment(
         test_model_dir, idle=1, name="a", model="a"), pinned=True))
+    await ctl.converged()
     clock.now += 10_000  # far past its idleUnloadSeconds
     assert await ctl.unload_idle() == []
 
@@ -118,6 +120,17 @@ async def test_pinned_model_is_never_idle_unloaded_nor_evicted(
     assert core.is_loaded("a") and not core.is_loaded("b") and ctl.evicted == {}
     assert (await wait_report(store, a, ready)) is not None
 
+    # unpinned (minReady lowered): no reload, and now its idleness unloads it
+    await store.put(keys.assignment("mac-1", "default", "a", "r1"),
+                    lifecycle(idle_assignment(test_model_dir, idle=1, name="a", model="a",
+                                              generation=2), pinned=False).to_json())
+    assert (await wait_report(store, a, lambda r: r is not None and r.generation == 2)).state \
+        == AssignmentState.READY
+    await ctl.converged()
+    assert await ctl.unload_idle() == [("a", "r1")]
+    ra = await wait_report(store, a, standby)
+    assert ra is not None and ra.reason == IDLE_UNLOADED
+
 
 async def test_predictive_prefetch_reloads_a_periodic_model_before_its_next_request(
         store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
@@ -129,6 +142,7 @@ async def test_predictive_prefetch_reloads_a_periodic_model_before_its_next_requ
         test_model_dir, idle=60, name="a", model="a"))
     b = await assign_and_wait_ready(store, keys, idle_assignment(
         test_model_dir, idle=60, name="b", model="b"))
+    await ctl.converged()  # the pass that loaded b let go of it
     # a: a request every 120 s (a cron job); b: irregular
     for t in (0, 120, 240, 360):
         clock.now = t0 + t
