@@ -259,13 +259,22 @@ class ServingParams(_Record):
     max_context_tokens: Annotated[int, Field(ge=1)] = 4096
 
 
+#: ``LifecyclePolicy.prefetch`` values: fetch and load as soon as assigned, or at the first
+#: request (the CRD's ``spec.lifecycle.prefetch`` enum).
+PREFETCH_EAGER = "Eager"
+PREFETCH_ON_DEMAND = "OnDemand"
+
+
 class LifecyclePolicy(_Record):
     """``idle_unload_seconds``: unload after this long without requests (0 = never; seed 001
     default 300 s). ``prefetch``: ``Eager`` fetches weights as soon as assigned; ``OnDemand``
-    waits for the first request."""
+    waits for the first request. ``pinned``: this replica is one of the deployment's first
+    ``spec.lifecycle.minReady`` (the operator pins them by node name); the agent never
+    idle-unloads or evicts a pinned revision."""
 
     idle_unload_seconds: Annotated[int, Field(ge=0)] = 300
-    prefetch: str = "Eager"
+    prefetch: str = PREFETCH_EAGER
+    pinned: bool = False
 
 
 class Role(str, enum.Enum):
@@ -332,16 +341,31 @@ class AssignmentState(str, enum.Enum):
 #: ``lifecycle.idle_unload_seconds`` (state ``Unloaded``). It is *standby*, not a failure: it
 #: stays assigned and at its endpoint, and the next request reloads it.
 IDLE_UNLOADED = "IdleUnloaded"
+#: Report reason of a replica unloaded to make room for another load on its node (memory
+#: pressure; least recently used first; state ``Unloaded``). Standby like ``IdleUnloaded``.
+EVICTED = "Evicted"
+#: Report reason of a replica with ``lifecycle.prefetch: OnDemand`` that has not been fetched
+#: nor loaded yet (state ``Unloaded``): the first request fetches and loads it. Standby.
+AWAITING_REQUEST = "AwaitingRequest"
 #: Report reason while a standby replica reloads for a waiting request (state ``Loading``).
 RELOADING_ON_DEMAND = "ReloadingOnDemand"
+#: Report reason while a standby replica is reloaded ahead of a request the agent's usage
+#: history predicts (predictive prefetch; state ``Loading``).
+PREDICTIVE_PREFETCH = "PredictivePrefetch"
+
+#: ``Unloaded`` reasons of a standby replica (assigned, not resident, reloaded on demand).
+STANDBY_UNLOADED_REASONS = frozenset({IDLE_UNLOADED, EVICTED, AWAITING_REQUEST})
+#: ``Loading`` reasons of a standby replica coming back.
+STANDBY_LOADING_REASONS = frozenset({RELOADING_ON_DEMAND, PREDICTIVE_PREFETCH})
 
 
 def is_standby(state: str, reason: str) -> bool:
-    """True for a replica in standby: unloaded for idleness (``Unloaded``/``IdleUnloaded``) or
-    reloading for a request (``Loading``/``ReloadingOnDemand``). It serves on demand, so it
-    counts as serving for readiness and endpoints."""
-    return ((state == AssignmentState.UNLOADED.value and reason == IDLE_UNLOADED)
-            or (state == AssignmentState.LOADING.value and reason == RELOADING_ON_DEMAND))
+    """True for a replica in standby: unloaded (``Unloaded`` with reason ``IdleUnloaded``,
+    ``Evicted`` or ``AwaitingRequest``) or coming back (``Loading`` with reason
+    ``ReloadingOnDemand`` or ``PredictivePrefetch``). It serves on demand, so it counts as
+    serving for readiness and endpoints."""
+    return ((state == AssignmentState.UNLOADED.value and reason in STANDBY_UNLOADED_REASONS)
+            or (state == AssignmentState.LOADING.value and reason in STANDBY_LOADING_REASONS))
 
 
 class DownloadProgress(_Record):
@@ -368,10 +392,11 @@ class AssignmentReport(_Record):
     ``progress``: the download while ``Prefetching`` (written at a bounded rate).
     ``estimated_bytes``: the revision's resident-memory estimate from its files (weights from
     the safetensors headers + KV cache at the assignment's limits), once the files are local.
-    ``freed_bytes``: memory returned by the last idle unload (state ``Unloaded``, reason
-    ``IdleUnloaded``): MLX active + cache memory measured before the unload minus after it
-    (0 when it did not fall); the ``message`` gives both measurements and the process RSS
-    before and after. An idle-unloaded replica stays assigned: a request reloads it.
+    ``freed_bytes``: memory returned by the last unload to standby (state ``Unloaded``, reason
+    ``IdleUnloaded`` or ``Evicted``): MLX active + cache memory measured before the unload minus
+    after it (0 when it did not fall); the ``message`` gives both measurements and the process
+    RSS before and after (an eviction's also names the load it made room for). A standby
+    replica stays assigned: a request reloads it (:func:`is_standby`).
     """
 
     node: str

@@ -53,6 +53,16 @@ message. The revision stays assigned and is still listed by :meth:`Controller.se
 arrives (one reload however many requests wait — at most :data:`MAX_RELOAD_WAITERS`, then
 :class:`~node_agent.serving.Overloaded` — reported ``Loading`` then ``Ready``). A reload that
 fails reports ``Failed`` and is retried like any failed load.
+
+A *pinned* revision (``lifecycle.pinned``: the deployment's ``minReady``) is never unloaded to
+standby. Under memory pressure (``budget_bytes``, :meth:`Controller._make_room`) a load first
+evicts idle, unpinned revisions least recently used first (:func:`~node_agent.lifecycle.evictions`)
+to the same standby, reported ``Unloaded``/``Evicted``; when that is not enough the load fails
+:data:`INSUFFICIENT_MEMORY` with the numbers. Each lifecycle pass (:meth:`Controller.tick`) also
+runs the predictive prefetch (:meth:`Controller.prefetch`) over the requests' arrivals recorded
+by :meth:`Controller.touch`, and sets the lifecycle metrics. ``lifecycle.prefetch: OnDemand``
+loads nothing until the first request: the revision starts in standby
+(``Unloaded``/``AwaitingRequest``).
 """
 
 from __future__ import annotations
@@ -69,14 +79,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment,
-                                AssignmentReport, AssignmentState, DownloadProgress, Keys, Role)
+from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
+                                PREFETCH_ON_DEMAND, RELOADING_ON_DEMAND, Assignment,
+                                AssignmentReport,
+                                AssignmentState, DownloadProgress, Keys, Role)
 from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
 from mlx_fleet.supervise import Supervised
 
-from .lifecycle import ModelUse, idle_unloads
+from .lifecycle import (DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS, ModelUse,
+                        UsageHistory, evictions, idle_unloads, predict_prefetch)
 from . import memory_estimate
 from .registration import Registration
 from .serving import MemoryUsage, ModelLoadError, ModelNotLoaded, Overloaded, ServingCore
@@ -85,9 +98,10 @@ from .sources import SourceError, is_remote, resolve_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "ServedModel", "IdleUnload", "RETRY_INITIAL_BACKOFF",
+__all__ = ["Controller", "ServedModel", "IdleUnload", "StandbyModel", "RETRY_INITIAL_BACKOFF",
            "RETRY_MAX_BACKOFF", "PERMANENT_REASONS", "DRAIN_SECONDS",
-           "LIFECYCLE_INTERVAL_SECONDS", "MAX_RELOAD_WAITERS"]
+           "LIFECYCLE_INTERVAL_SECONDS", "MAX_RELOAD_WAITERS", "INSUFFICIENT_MEMORY",
+           "LOAD_ASSIGNED", "UNLOAD_UNASSIGNED"]
 
 #: Delay before the first retry of a failed load, in seconds; it doubles with every failure.
 #: Short, so a replica whose disk was a moment late comes up quickly.
@@ -109,12 +123,23 @@ LIFECYCLE_INTERVAL_SECONDS = 1.0
 #: Requests that may wait for one revision's reload on demand; one more gets
 #: :class:`~node_agent.serving.Overloaded` (429 with ``Retry-After``).
 MAX_RELOAD_WAITERS = 32
+#: Failure reason of a load whose estimate does not fit the node's budget even after evicting
+#: every idle, unpinned revision (the message gives the numbers). Retried: memory frees up.
+INSUFFICIENT_MEMORY = "InsufficientMemory"
+#: ``reason`` label of a load for an assignment (first load, spec change, retry), next to the
+#: standby reloads' :data:`~mlx_fleet.contract.RELOADING_ON_DEMAND` and
+#: :data:`~mlx_fleet.contract.PREDICTIVE_PREFETCH`.
+LOAD_ASSIGNED = "Assigned"
+#: ``reason`` label of an unload because the revision is no longer assigned here, next to
+#: :data:`~mlx_fleet.contract.IDLE_UNLOADED` and :data:`~mlx_fleet.contract.EVICTED`.
+UNLOAD_UNASSIGNED = "Unassigned"
 
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     """A served model name on this node: its deployment and the revisions it serves → role.
-    ``standby``: those of them that were unloaded for idleness (a request reloads them first,
+    ``standby``: those of them that are not resident — unloaded for idleness, evicted, or
+    ``OnDemand`` and not loaded yet (a request loads them first,
     :meth:`Controller.ensure_loaded`); the others are resident."""
 
     namespace: str
@@ -125,9 +150,10 @@ class ServedModel:
 
 @dataclasses.dataclass(frozen=True)
 class IdleUnload:
-    """One idle unload of a revision: ``idle_seconds`` without a request (policy
-    ``idle_unload_seconds``), memory ``before`` and ``after`` it (None when it could not be
-    measured), ``freed_bytes``: MLX active + cache bytes before − after (≥ 0)."""
+    """One unload of a revision to standby: ``reason`` ``IdleUnloaded`` (no request for
+    ``idle_seconds`` ≥ its policy's ``idle_unload_seconds``) or ``Evicted`` (to make room for
+    the load ``cause`` names, with the numbers); memory ``before`` and ``after`` it (None when
+    it could not be measured), ``freed_bytes``: MLX active + cache bytes before − after (≥ 0)."""
 
     model_id: str
     revision: str
@@ -136,16 +162,35 @@ class IdleUnload:
     before: MemoryUsage | None
     after: MemoryUsage | None
     freed_bytes: int
+    reason: str = IDLE_UNLOADED
+    cause: str = ""
 
     def message(self) -> str:
-        text = (f"no request for {self.idle_seconds:.0f}s (idleUnloadSeconds "
-                f"{self.idle_unload_seconds}): unloaded, memory returned")
+        if self.reason == EVICTED:
+            text = (f"evicted after {self.idle_seconds:.0f}s without a request (least recently "
+                    f"used) to make room for {self.cause}: unloaded, memory returned")
+        else:
+            text = (f"no request for {self.idle_seconds:.0f}s (idleUnloadSeconds "
+                    f"{self.idle_unload_seconds}): unloaded, memory returned")
         if self.before is not None and self.after is not None:
             b, a = self.before, self.after
             text += (f"; MLX active+cache {format_bytes(b.mlx_bytes)} -> "
                      f"{format_bytes(a.mlx_bytes)} (freed {self.freed_bytes} bytes), process "
                      f"RSS {format_bytes(b.rss_bytes)} -> {format_bytes(a.rss_bytes)}")
         return text + "; the next request reloads it"
+
+
+@dataclasses.dataclass(frozen=True)
+class StandbyModel:
+    """A revision assigned here but not resident (``GET /v1/models`` lists it): ``reason`` is
+    its report's (``IdleUnloaded``, ``Evicted``, ``AwaitingRequest``); ``created_unix``: when it
+    was last loaded or assigned (seconds since the epoch)."""
+
+    model_id: str
+    revision: str
+    max_context_tokens: int
+    reason: str
+    created_unix: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +232,11 @@ class _Failure:
 
 @dataclasses.dataclass
 class _Loaded:
-    """A revision this controller loaded for an assignment. ``last_used``: clock time of its
-    last request (or of its load); ``standby``: unloaded for idleness since (``unload`` says
-    how), still served on demand; ``load_seconds``: how long its last load took."""
+    """A revision this controller loaded (or holds in standby) for an assignment.
+    ``last_used``: clock time of its last request (or of its load); ``standby``: not resident
+    — unloaded since (``unload`` says how) or never loaded (``OnDemand``: ``standby_reason``
+    ``AwaitingRequest``) — still served on demand; ``load_seconds``: how long its last load
+    took."""
 
     spec: _Spec
     resident_bytes: int
@@ -198,6 +245,8 @@ class _Loaded:
     estimated_bytes: int = 0  # weights + KV cache at the assignment's limits (memory_estimate)
     unload: IdleUnload | None = None
     load_seconds: float = 0.0
+    standby_reason: str = ""
+    created_unix: float = dataclasses.field(default_factory=time.time)
 
 
 class Controller:
@@ -215,7 +264,10 @@ class Controller:
     ``lifecycle_interval``: seconds between two looks for idle revisions (default
     :data:`LIFECYCLE_INTERVAL_SECONDS`); ``max_reload_waiters``: requests that may wait for one
     reload (default :data:`MAX_RELOAD_WAITERS`); ``clock``: monotonic seconds for idle times
-    (injectable for tests).
+    and the usage history (injectable for tests). ``budget_bytes``: memory the node's resident
+    revisions may take (:func:`mlx_fleet.contract.node_budget_bytes`; None: no check, no
+    eviction). ``prefetch_window_seconds`` / ``max_prefetches``: the predictive prefetch's
+    window and the most reloads it runs at once (:mod:`.lifecycle`, seed 001: 30 s, 2).
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
@@ -226,7 +278,10 @@ class Controller:
                  model_cache: Path | None = None,
                  lifecycle_interval: float = LIFECYCLE_INTERVAL_SECONDS,
                  max_reload_waiters: int = MAX_RELOAD_WAITERS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 budget_bytes: int | None = None,
+                 prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS,
+                 max_prefetches: int = DEFAULT_MAX_PREFETCHES) -> None:
         self._store = store
         self._keys = keys
         self.node_name = node_name
@@ -246,6 +301,16 @@ class Controller:
         self._lifecycle_interval = lifecycle_interval
         self.max_reload_waiters = max_reload_waiters
         self._clock = clock
+        self.budget_bytes = budget_bytes
+        self._prefetch_window = prefetch_window_seconds
+        self._max_prefetches = max_prefetches
+        self._metrics = core.metrics
+        #: Request arrivals per served (model id, revision), for the predictive prefetch.
+        self.history = UsageHistory()
+        self._prefetches: set[asyncio.Task] = set()
+        self._observing: asyncio.Task | None = None
+        self._loading: dict[str, int] = {}  # assignment key → estimate, while the core loads it
+        self._quiet = asyncio.Event()  # set while the converge worker waits for a change
         # One lock per assignment key: a load, an idle unload, a reload and converging one
         # assignment never interleave (the lifecycle task skips a key that is busy).
         self._locks: dict[str, asyncio.Lock] = {}
@@ -267,6 +332,10 @@ class Controller:
         self.reloads = 0
         #: The latest idle unload of each (model id, revision).
         self.idle_unloaded: dict[tuple[str, str], IdleUnload] = {}
+        #: The latest eviction (unload under memory pressure) of each (model id, revision).
+        self.evicted: dict[tuple[str, str], IdleUnload] = {}
+        #: Number of predictive prefetches (reloads ahead of a predicted request) started.
+        self.prefetches = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -282,6 +351,15 @@ class Controller:
             t.cancel()
         for t in list(self._reloads.values()):
             t.cancel()
+        for t in [*self._prefetches, self._observing]:
+            if t is not None:
+                t.cancel()
+
+    async def converged(self) -> None:
+        """Return once the converge worker has finished its passes over the desired state it
+        has seen and waits for a change (no pass running, none pending; failed loads may be
+        waiting for their retry). A change that arrives later starts a new pass."""
+        await self._quiet.wait()
 
     def served(self) -> dict[str, ServedModel]:
         """served model name → its deployment and the revisions it serves: those loaded now
@@ -302,11 +380,33 @@ class Controller:
                 for m in revisions}
 
     def touch(self, model_id: str, revision: str) -> None:
-        """A request for ``model_id`` revision ``revision`` is being served: it is not idle."""
+        """A request for ``model_id`` revision ``revision`` is being served: it is not idle, and
+        its arrival goes into the usage history (:meth:`prefetch`). Called once per request."""
+        if self._mark_used(model_id, revision):
+            self.history.record((model_id, revision), self._clock())
+
+    def _mark_used(self, model_id: str, revision: str) -> bool:
         now = self._clock()
+        found = False
         for loaded in self._loaded.values():
             if loaded.spec.model_id == model_id and loaded.spec.revision == revision:
                 loaded.last_used = now
+                found = True
+        return found
+
+    def standby_models(self) -> list[StandbyModel]:
+        """The revisions assigned here that are not resident (idle-unloaded, evicted, or
+        ``OnDemand`` and not loaded yet), ordered by model id and revision: a request loads
+        them (``GET /v1/models`` lists them with ``status: standby``)."""
+        out = []
+        for key, loaded in self._loaded.items():
+            d = self._desired.get(key)
+            if loaded.standby and isinstance(d, Assignment) and _Spec.of(d) == loaded.spec:
+                out.append(StandbyModel(loaded.spec.model_id, loaded.spec.revision,
+                                        loaded.spec.max_context_tokens,
+                                        self._standby_reason(loaded),
+                                        int(loaded.created_unix)))
+        return sorted(out, key=lambda m: (m.model_id, m.revision))
 
     @property
     def tasks(self) -> list[Supervised]:
@@ -389,6 +489,8 @@ class Controller:
         self._changed.set()  # (re)started: a pass may have been cut short
         while True:
             retry_in = self._next_retry()
+            if not self._changed.is_set() and (retry_in is None or retry_in > 0):
+                self._quiet.set()
             if retry_in is None:
                 await self._changed.wait()
             elif retry_in > 0:
@@ -397,6 +499,7 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(retry_in):
                         await self._changed.wait()
+            self._quiet.clear()
             self._changed.clear()
             await self._converge()
 
@@ -446,6 +549,7 @@ class Controller:
                     log.info("forgetting standby %s revision %s (assignment %s %s)",
                              loaded.spec.model_id, loaded.spec.revision, key,
                              "removed" if d is None else "changed")
+                    self._forget(loaded.spec)
                     continue
                 log.info("draining %s revision %s (assignment %s %s)", loaded.spec.model_id,
                          loaded.spec.revision, key, "removed" if d is None else "changed")
@@ -510,7 +614,25 @@ class Controller:
                                message=f"model name {spec.model_id!r} is already served "
                                        f"for assignment {owner}")
             return
+        if d.lifecycle.prefetch == PREFETCH_ON_DEMAND and failed is None and (
+                loaded is None or loaded.standby):
+            # OnDemand: nothing is fetched or loaded before the first request (ensure_loaded)
+            self._loaded[key] = waiting = _Loaded(spec, 0, last_used=self._clock(),
+                                                  standby=True, standby_reason=AWAITING_REQUEST)
+            log.info("%s revision %s (assignment %s) is OnDemand: standby until the first "
+                     "request", spec.model_id, spec.revision, key)
+            await self._standby(key, d, waiting)
+            return
         await self._load(key, d, spec, retry=failed)
+
+    def _forget(self, spec: _Spec) -> None:
+        """``spec``'s revision is no longer assigned here: drop its usage history and every
+        metric series labelled with it (none is left behind), unless it is assigned again."""
+        ident = (spec.model_id, spec.revision)
+        if any((v.spec.model_id, v.spec.revision) == ident for v in self._loaded.values()):
+            return
+        self.history.forget(ident)
+        self._metrics.remove_revision(*ident)
 
     def _drain(self, spec: _Spec) -> None:
         """Unload ``spec``'s revision after its running requests finish (in the background, so a
@@ -522,9 +644,11 @@ class Controller:
             try:
                 await self._core.unload_model(spec.model_id, spec.revision,
                                               drain_seconds=DRAIN_SECONDS)
+                self._metrics.model_unloads.labels(UNLOAD_UNASSIGNED).inc()
             except Exception:  # noqa: BLE001 - logged; the core stays usable
                 log.exception("unloading %s revision %s failed", *ident)
             finally:
+                self._forget(spec)  # after the core's last write to its series
                 if self._draining.get(ident) is task:
                     del self._draining[ident]
                     self._changed.set()
@@ -540,53 +664,145 @@ class Controller:
                            resident_bytes=loaded.resident_bytes,
                            estimated_bytes=loaded.estimated_bytes)
 
+    @staticmethod
+    def _standby_reason(loaded: _Loaded) -> str:
+        if loaded.unload is not None:
+            return loaded.unload.reason
+        return loaded.standby_reason or IDLE_UNLOADED
+
     async def _standby(self, key: str, a: Assignment, loaded: _Loaded) -> None:
-        """Report an idle-unloaded revision: ``Unloaded``/``IdleUnloaded``, still at its
-        endpoint (a request reloads it), nothing resident, the bytes its unload freed."""
+        """Report a standby revision: ``Unloaded`` with reason ``IdleUnloaded``, ``Evicted`` or
+        ``AwaitingRequest`` (:func:`~mlx_fleet.contract.is_standby`), still at its endpoint (a
+        request loads it), nothing resident, the bytes its unload freed."""
         unload = loaded.unload
+        reason = self._standby_reason(loaded)
+        if unload is not None:
+            message = unload.message()
+        elif reason == AWAITING_REQUEST:
+            message = (f"lifecycle.prefetch is OnDemand: {loaded.spec.model_id} is fetched and "
+                       f"loaded from {loaded.spec.uri} at the first request")
+        else:
+            message = "unloaded while idle; the next request reloads it"
         await self._report(key, AssignmentState.UNLOADED, namespace=a.namespace, name=a.name,
                            generation=a.generation, revision=loaded.spec.revision,
-                           reason=IDLE_UNLOADED, endpoint=self.advertise_url,
-                           message=unload.message() if unload is not None else
-                           "unloaded while idle; the next request reloads it",
+                           reason=reason, endpoint=self.advertise_url, message=message,
                            resident_bytes=0,
-                           freed_bytes=unload.freed_bytes if unload is not None else 0)
+                           freed_bytes=unload.freed_bytes if unload is not None else 0,
+                           estimated_bytes=loaded.estimated_bytes)
 
-    # -- idle unload and reload on demand ----------------------------------------------------
+    # -- idle unload, eviction, predictive prefetch and reload on demand --------------------
     async def _lifecycle(self) -> None:
-        """Every ``lifecycle_interval`` seconds, unload the revisions idle for long enough."""
+        """Every ``lifecycle_interval`` seconds, one :meth:`tick`."""
         while True:
             await asyncio.sleep(self._lifecycle_interval)
-            await self.unload_idle()
+            await self.tick()
             self.lifecycle_passes += 1
 
+    async def tick(self) -> list[asyncio.Task]:
+        """One lifecycle pass: :meth:`unload_idle`, then :meth:`prefetch`, then the memory and
+        idle-time gauges (:meth:`observe`, in the background: measuring MLX memory waits for
+        the MLX thread, which must never hold up the pass). Returns the prefetch reloads
+        started (tasks; await them to wait until the revisions are resident)."""
+        await self.unload_idle()
+        started = self.prefetch()
+        if self._observing is None or self._observing.done():
+            self._observing = asyncio.create_task(self.observe(), name="controller:observe")
+        return started
+
     async def unload_idle(self) -> list[tuple[str, str]]:
-        """One lifecycle pass: unload every loaded revision that has had no request for its
-        assignment's ``idle_unload_seconds`` (0 = never), has none in flight and is not being
-        loaded or reloaded. Returns the ``(model id, revision)`` unloaded."""
+        """Unload every loaded revision that has had no request for its assignment's
+        ``idle_unload_seconds`` (0 = never), has none in flight, is not pinned
+        (``lifecycle.pinned``, the deployment's ``minReady``) and is not being loaded or
+        reloaded. Returns the ``(model id, revision)`` unloaded."""
         now = self._clock()
-        uses: list[ModelUse] = []
-        for key, loaded in self._loaded.items():
-            d = self._desired.get(key)
-            if (loaded.standby or not isinstance(d, Assignment) or _Spec.of(d) != loaded.spec
-                    or self._lock(key).locked()):
-                continue
-            in_flight = self._core.inflight_requests(loaded.spec.model_id, loaded.spec.revision)
-            if in_flight:
-                loaded.last_used = now  # so idleness counts from its last request's end
-            uses.append(ModelUse(key, loaded.last_used, in_flight,
-                                 d.lifecycle.idle_unload_seconds,
-                                 resident_bytes=loaded.resident_bytes))
         done: list[tuple[str, str]] = []
-        for key in idle_unloads(uses, now):
-            unload = await self._idle_unload(key)  # type: ignore[arg-type]
+        for key in idle_unloads(self._uses(now).values(), now):
+            unload = await self._to_standby(key, IDLE_UNLOADED)  # type: ignore[arg-type]
             if unload is not None:
                 done.append((unload.model_id, unload.revision))
         return done
 
-    async def _idle_unload(self, key: str) -> IdleUnload | None:
-        """Unload ``key``'s revision for idleness, measuring memory before and after, and report
-        it ``Unloaded``/``IdleUnloaded``. None when it no longer qualifies (used meanwhile,
+    def _uses(self, now: float) -> dict[str, ModelUse]:
+        """Assignment key → the lifecycle facts of each resident revision that is currently
+        assigned as loaded and not busy (a revision with requests in flight counts as used
+        now). ``resident_bytes``: its reservation (:meth:`_in_use`)."""
+        _, held = self._in_use()
+        uses: dict[str, ModelUse] = {}
+        for key, loaded in self._loaded.items():
+            d = self._desired.get(key)
+            if (loaded.standby or key not in held or not isinstance(d, Assignment)
+                    or _Spec.of(d) != loaded.spec or self._lock(key).locked()):
+                continue
+            in_flight = self._core.inflight_requests(loaded.spec.model_id, loaded.spec.revision)
+            if in_flight:
+                loaded.last_used = now  # so idleness counts from its last request's end
+            uses[key] = ModelUse(key, loaded.last_used, in_flight,
+                                 d.lifecycle.idle_unload_seconds, pinned=d.lifecycle.pinned,
+                                 resident_bytes=held[key])
+        return uses
+
+    def _in_use(self, exclude: str | None = None) -> tuple[int, dict[str, int]]:
+        """Memory the node's resident revisions hold, as the serving core accounts it:
+        ``(total bytes, {assignment key: bytes})``. A revision this controller loaded holds
+        ``max(its estimate, ServingCore.memory_bytes)`` — the estimate reserves its KV cache at
+        the assignment's limits, the core's figure is its parameters plus its prompt cache now;
+        any other revision in the core (one draining) its ``memory_bytes``; a revision the core
+        is loading now its estimate. ``exclude``: an assignment key left out (the one about to
+        be (re)loaded)."""
+        held: dict[str, int] = {}
+        tracked: set[tuple[str, str]] = set()
+        for key, loaded in self._loaded.items():
+            ident = (loaded.spec.model_id, loaded.spec.revision)
+            if loaded.standby or not self._core.is_loaded(*ident):
+                continue
+            tracked.add(ident)
+            if key != exclude:
+                held[key] = max(loaded.estimated_bytes, self._core.memory_bytes(*ident))
+        other = sum(self._core.memory_bytes(m.model_id, m.revision) for m in self._core.models()
+                    if (m.model_id, m.revision) not in tracked)
+        other += sum(b for k, b in self._loading.items() if k != exclude and k not in held)
+        return sum(held.values()) + other, held
+
+    async def _make_room(self, key: str, spec: _Spec, need: int, *, evict: bool) -> None:
+        """Before loading ``spec`` (estimate ``need`` bytes) for ``key``: when it does not fit
+        what :meth:`_in_use` leaves of :attr:`budget_bytes`, evict idle, unpinned revisions with
+        nothing in flight, least recently used first (:func:`~.lifecycle.evictions`), to
+        standby (``Unloaded``/``Evicted``; a request reloads them). Raises
+        :class:`ModelLoadError` (:data:`INSUFFICIENT_MEMORY`, with the numbers) when even that
+        is not enough, or when it does not fit and ``evict`` is False (a prefetch never
+        evicts). No budget: nothing to check."""
+        budget = self.budget_bytes
+        if budget is None:
+            return
+        used, held = self._in_use(exclude=key)
+        if need <= budget - used:
+            return
+        victims: list | None = None
+        if evict:
+            uses = [u for k, u in self._uses(self._clock()).items() if k != key]
+            victims = evictions(uses, need, budget - used, self._clock())
+        if victims:
+            cause = (f"{spec.model_id} revision {spec.revision} (needs {format_bytes(need)}; "
+                     f"{format_bytes(max(budget - used, 0))} free of the node's budget "
+                     f"{format_bytes(budget)})")
+            for victim in victims:
+                await self._to_standby(victim, EVICTED, cause=cause)  # type: ignore[arg-type]
+            used, held = self._in_use(exclude=key)
+            if need <= budget - used:
+                return
+        raise ModelLoadError(INSUFFICIENT_MEMORY, (
+            f"{spec.model_id} revision {spec.revision} needs {format_bytes(need)} ({need} "
+            f"bytes) but only {format_bytes(max(budget - used, 0))} of the node's budget "
+            f"{format_bytes(budget)} is free: {format_bytes(used)} is held by {len(held)} "
+            "resident revision(s) that "
+            + ("cannot be evicted (pinned by minReady, serving requests or busy)" if evict
+               else "a prefetch does not evict")))
+
+    async def _to_standby(self, key: str, reason: str, *, cause: str = "") -> IdleUnload | None:
+        """Unload ``key``'s revision to standby — ``reason`` :data:`IDLE_UNLOADED` (it must
+        still be idle for its policy) or :data:`EVICTED` (``cause``: the load it makes room
+        for) — measuring memory before and after, and report it ``Unloaded`` with that reason
+        and the freed bytes. None when it no longer qualifies (used meanwhile, pinned,
         reassigned, busy)."""
         lock = self._lock(key)
         if lock.locked():
@@ -608,8 +824,11 @@ class Controller:
             d = self._desired.get(key)
             now = self._clock()
             if (self._loaded.get(key) is not loaded or not isinstance(d, Assignment)
-                    or _Spec.of(d) != spec or d.lifecycle.idle_unload_seconds <= 0
-                    or self._core.inflight_requests(spec.model_id, spec.revision)
+                    or _Spec.of(d) != spec or d.lifecycle.pinned
+                    or self._core.inflight_requests(spec.model_id, spec.revision)):
+                return None
+            if reason == IDLE_UNLOADED and (
+                    d.lifecycle.idle_unload_seconds <= 0
                     or now - loaded.last_used < d.lifecycle.idle_unload_seconds):
                 return None
             loaded.standby = True
@@ -618,8 +837,8 @@ class Controller:
                 await self._core.unload_model(spec.model_id, spec.revision,
                                               drain_seconds=DRAIN_SECONDS)
             except Exception:  # noqa: BLE001 - logged; the core stays usable
-                log.exception("unloading idle %s revision %s failed", spec.model_id,
-                              spec.revision)
+                log.exception("unloading %s revision %s (%s) failed", spec.model_id,
+                              spec.revision, reason)
             after: MemoryUsage | None = None
             try:
                 after = await self._core.memory_usage()
@@ -629,13 +848,86 @@ class Controller:
             freed = (max(before.mlx_bytes - after.mlx_bytes, 0)
                      if before is not None and after is not None else 0)
             unload = IdleUnload(spec.model_id, spec.revision, now - loaded.last_used,
-                                d.lifecycle.idle_unload_seconds, before, after, freed)
+                                d.lifecycle.idle_unload_seconds, before, after, freed,
+                                reason=reason, cause=cause)
             loaded.unload = unload
-            self.idle_unloaded[(spec.model_id, spec.revision)] = unload
+            (self.evicted if reason == EVICTED else self.idle_unloaded)[
+                (spec.model_id, spec.revision)] = unload
+            self._metrics.model_unloads.labels(reason).inc()
+            self._metrics.unload_freed_bytes.labels(reason).inc(freed)
             log.info("%s revision %s (assignment %s): %s", spec.model_id, spec.revision, key,
                      unload.message())
             await self._standby(key, d, loaded)
             return unload
+
+    def prefetch(self) -> list[asyncio.Task]:
+        """Predictive prefetch: reload the standby revisions that
+        :func:`~.lifecycle.predict_prefetch` expects a request for within the prefetch window
+        (their usage history is periodic), at most ``max_prefetches`` running at once, only
+        those whose last estimate fits the node's free budget (a prefetch never evicts).
+        Reported ``Loading``/``PredictivePrefetch`` then ``Ready``. Returns the reloads
+        started (a request arriving meanwhile waits for the same reload)."""
+        allowance = self._max_prefetches - len(self._prefetches)
+        if allowance <= 0:
+            return []
+        standby: dict[tuple[str, str], str] = {}
+        for key, loaded in self._loaded.items():
+            ident = (loaded.spec.model_id, loaded.spec.revision)
+            d = self._desired.get(key)
+            if (loaded.standby and isinstance(d, Assignment) and _Spec.of(d) == loaded.spec
+                    and ident not in self._reloads and not self._lock(key).locked()):
+                standby[ident] = key
+        if not standby:
+            return []
+        started: list[asyncio.Task] = []
+        reserved = 0  # estimates of the prefetches started in this pass
+        for ident in predict_prefetch(self.history, self._clock(), unloaded=standby,
+                                      window_s=self._prefetch_window,
+                                      max_prefetches=allowance):
+            key = standby[ident]  # type: ignore[index]
+            loaded = self._loaded[key]
+            if self.budget_bytes is not None:
+                free = self.budget_bytes - self._in_use(exclude=key)[0] - reserved
+                if loaded.estimated_bytes > free:
+                    log.info("not prefetching %s revision %s: its estimate %s does not fit the "
+                             "%s free (a prefetch does not evict)", *ident,
+                             format_bytes(loaded.estimated_bytes), format_bytes(max(free, 0)))
+                    continue
+            reserved += loaded.estimated_bytes
+            log.info("prefetching %s revision %s (assignment %s): a request is expected within "
+                     "%gs", *ident, key, self._prefetch_window)
+            task = self._start_reload(key, loaded.spec, PREDICTIVE_PREFETCH)
+            self._prefetches.add(task)
+            task.add_done_callback(self._prefetches.discard)
+            self.prefetches += 1
+            started.append(task)
+        return started
+
+    async def observe(self) -> None:
+        """Set the memory gauges (``mlxfleet_agent_memory_bytes`` by kind: ``weights`` of the
+        resident revisions from their safetensors headers, ``kv_cache`` = what the core
+        accounts beyond the weights (prompt/KV caches), ``mlx_cache`` = MLX's buffer cache,
+        ``free`` = budget − :meth:`_in_use`) and each assigned revision's idle seconds."""
+        now = self._clock()
+        weights = kv_cache = 0
+        for key, loaded in self._loaded.items():
+            if not isinstance(self._desired.get(key), Assignment):
+                continue
+            ident = (loaded.spec.model_id, loaded.spec.revision)
+            self._metrics.model_idle_seconds.labels(*ident).set(max(now - loaded.last_used, 0))
+            if not loaded.standby and self._core.is_loaded(*ident):
+                weights += loaded.resident_bytes
+                kv_cache += max(self._core.memory_bytes(*ident) - loaded.resident_bytes, 0)
+        self._metrics.memory_bytes.labels("weights").set(weights)
+        self._metrics.memory_bytes.labels("kv_cache").set(kv_cache)
+        try:
+            usage = await self._core.memory_usage()
+            self._metrics.memory_bytes.labels("mlx_cache").set(usage.cache_bytes)
+        except Exception as e:  # noqa: BLE001 - a measurement
+            log.debug("cannot measure memory: %s", e)
+        if self.budget_bytes is not None:
+            self._metrics.memory_bytes.labels("free").set(
+                max(self.budget_bytes - self._in_use()[0], 0))
 
     async def ensure_loaded(self, model_id: str, revision: str) -> None:
         """Make sure ``model_id`` revision ``revision`` is resident before a request uses it:
@@ -654,7 +946,7 @@ class Controller:
         if task is None:
             if found is None or not found[1].standby:
                 if found is not None and self._core.is_loaded(model_id, revision):
-                    found[1].last_used = self._clock()
+                    found[1].last_used = self._clock()  # a use; touch() records the arrival
                     return
                 raise ModelNotLoaded(model_id, revision)
         waiting = self._reload_waiters.get(ident, 0)
@@ -666,17 +958,7 @@ class Controller:
         if task is None:
             assert found is not None
             self.reloads += 1
-            task = asyncio.create_task(self._reload(found[0], found[1].spec),
-                                       name=f"reload {model_id}@{revision}")
-            self._reloads[ident] = task
-
-            def done(t: asyncio.Task) -> None:
-                if self._reloads.get(ident) is t:
-                    del self._reloads[ident]
-                if not t.cancelled():
-                    t.exception()  # retrieved: the waiters got it (or left)
-
-            task.add_done_callback(done)
+            task = self._start_reload(found[0], found[1].spec, RELOADING_ON_DEMAND)
         self._reload_waiters[ident] = waiting + 1
         try:
             await asyncio.shield(task)  # a waiter that leaves does not cancel the reload
@@ -686,11 +968,29 @@ class Controller:
                 self._reload_waiters[ident] = n
             else:
                 del self._reload_waiters[ident]
-        self.touch(model_id, revision)
+        self._mark_used(model_id, revision)
 
-    async def _reload(self, key: str, spec: _Spec) -> None:
-        """Load a standby revision again (under its key's lock): ``Loading``, then ``Ready``;
-        raises if it did not come back."""
+    def _start_reload(self, key: str, spec: _Spec, reason: str) -> asyncio.Task:
+        """Start the single-flight reload of ``key``'s standby revision (registered so that
+        every request for it waits for this one)."""
+        ident = (spec.model_id, spec.revision)
+        task = asyncio.create_task(self._reload(key, spec, reason),
+                                   name=f"reload {spec.model_id}@{spec.revision}")
+        self._reloads[ident] = task
+
+        def done(t: asyncio.Task) -> None:
+            if self._reloads.get(ident) is t:
+                del self._reloads[ident]
+            if not t.cancelled():
+                t.exception()  # retrieved: the waiters got it (or left)
+
+        task.add_done_callback(done)
+        return task
+
+    async def _reload(self, key: str, spec: _Spec, reason: str = RELOADING_ON_DEMAND) -> None:
+        """Load a standby revision again (under its key's lock): ``Loading`` with ``reason``
+        (:data:`RELOADING_ON_DEMAND` for a waiting request, :data:`PREDICTIVE_PREFETCH`), then
+        ``Ready``; raises if it did not come back."""
         async with self._lock(key):
             loaded = self._loaded.get(key)
             if (loaded is not None and not loaded.standby
@@ -699,9 +999,9 @@ class Controller:
             d = self._desired.get(key)
             if loaded is None or not isinstance(d, Assignment) or _Spec.of(d) != spec:
                 raise ModelNotLoaded(spec.model_id, spec.revision)  # reassigned meanwhile
-            log.info("reloading %s revision %s on demand (assignment %s)", spec.model_id,
-                     spec.revision, key)
-            await self._load(key, d, spec, on_demand=True)
+            log.info("reloading %s revision %s (%s, assignment %s)", spec.model_id,
+                     spec.revision, reason, key)
+            await self._load(key, d, spec, on_demand=True, reason=reason)
             now = self._loaded.get(key)
             if now is not None and not now.standby and self._core.is_loaded(spec.model_id,
                                                                             spec.revision):
@@ -714,22 +1014,30 @@ class Controller:
                                  "could not be reloaded")
 
     async def _load(self, key: str, a: Assignment, spec: _Spec, *,
-                    retry: _Failure | None = None, on_demand: bool = False) -> None:
+                    retry: _Failure | None = None, on_demand: bool = False,
+                    reason: str = RELOADING_ON_DEMAND) -> None:
         """Load ``spec`` for ``key``; ``retry``: the failure this attempt retries (the report
         then stays Failed until the load succeeds, unless a download shows progress).
         A remote source (``hf://``, ``https://``) is downloaded first: ``Prefetching`` with
         ``progress`` (written at most every :data:`_PROGRESS_REPORT_SECONDS`), then
         ``Loading``, then ``Ready``. ``on_demand``: a reload of an idle-unloaded revision for a
         waiting request: ``Loading`` at once (its files are normally local already; should
-        they download again, ``Prefetching`` shows it once bytes flow)."""
+        they download again, ``Prefetching`` shows it once bytes flow); ``reason``: its
+        ``Loading`` reason (:data:`RELOADING_ON_DEMAND`, :data:`PREDICTIVE_PREFETCH`).
+        Before the core loads anything, :meth:`_make_room` checks the estimate against the
+        node's budget, evicting idle revisions if needed (a prefetch never evicts)."""
         common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
                       revision=spec.revision)
         remote = is_remote(spec.uri)
         t0 = time.monotonic()
         if on_demand:
-            await self._report(key, AssignmentState.LOADING, reason=RELOADING_ON_DEMAND,
-                               message=f"reloading {spec.model_id} from {spec.uri} on demand "
-                                       "(it was unloaded while idle)", **common)
+            before = self._loaded.get(key)
+            why = ("a request is expected soon (predictive prefetch)"
+                   if reason == PREDICTIVE_PREFETCH else "on demand")
+            was = (self._standby_reason(before) if before is not None else IDLE_UNLOADED)
+            await self._report(key, AssignmentState.LOADING, reason=reason,
+                               message=f"loading {spec.model_id} from {spec.uri} {why} "
+                                       f"(standby: {was})", **common)
         elif retry is None:
             if remote:
                 await self._report_prefetch(key, spec, DownloadProgress(), common)
@@ -763,10 +1071,18 @@ class Controller:
             est = await asyncio.to_thread(
                 memory_estimate.estimate, path, max_context_tokens=spec.max_context_tokens,
                 max_concurrent_sequences=spec.max_concurrent_sequences)
-            await self._core.load_model(
-                spec.model_id, path, revision=spec.revision,
-                max_concurrent_sequences=spec.max_concurrent_sequences,
-                max_context_tokens=spec.max_context_tokens)
+            await self._make_room(key, spec, est.total_bytes,
+                                  evict=not (on_demand and reason == PREDICTIVE_PREFETCH))
+            # reserved until it is resident, so a concurrent load (a reload on demand next to
+            # the converge pass) counts it and cannot over-commit the budget
+            self._loading[key] = est.total_bytes
+            try:
+                await self._core.load_model(
+                    spec.model_id, path, revision=spec.revision,
+                    max_concurrent_sequences=spec.max_concurrent_sequences,
+                    max_context_tokens=spec.max_context_tokens)
+            finally:
+                del self._loading[key]
             resident = est.weights_bytes
         except memory_estimate.ModelFileError as e:
             await self._fail(key, spec, e.reason, e.message, common)
@@ -785,6 +1101,7 @@ class Controller:
         self._loaded[key] = loaded = _Loaded(spec, resident, last_used=self._clock(),
                                              load_seconds=time.monotonic() - t0,
                                              estimated_bytes=est.total_bytes)
+        self._metrics.model_loads.labels(reason if on_demand else LOAD_ASSIGNED).inc()
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._ready(key, a, loaded)
 
@@ -812,9 +1129,16 @@ class Controller:
         latest: list[DownloadProgress] = []
         arrived = asyncio.Event()
 
+        labels = (spec.model_id, spec.revision)
+        counted = [0]  # bytes_done already added to the download counter
+
         def on_progress(p: DownloadProgress) -> None:
             latest[:] = [p]
             arrived.set()
+            if p.bytes_done > counted[0]:
+                self._metrics.download_bytes.labels(*labels).inc(p.bytes_done - counted[0])
+            counted[0] = p.bytes_done
+            self._metrics.download_rate.labels(*labels).set(p.rate_bytes_per_second)
 
         task = asyncio.ensure_future(fetch(spec.uri, self._model_cache, progress=on_progress))
         written: DownloadProgress | None = None
@@ -852,6 +1176,7 @@ class Controller:
                 await self._report_prefetch(key, spec, latest[0], common)  # complete
             return path, shown
         finally:
+            self._metrics.download_rate.labels(*labels).set(0)  # not downloading now
             if not task.done():
                 task.cancel()
                 try:

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from mlx_fleet.contract import ROOT, Keys, NodeHealth
+from mlx_fleet.contract import ROOT, Keys, NodeHealth, node_budget_bytes
 from mlx_fleet.store import EtcdStore, StoreError, parse_endpoint
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
+from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL, Registration
 
 log = logging.getLogger("node_agent")
@@ -78,6 +79,28 @@ def positive_int(text: str) -> int:
     return n
 
 
+def non_negative_int(text: str) -> int:
+    """A whole number ≥ 0 (``--max-prefetches``); raises ``ValueError``."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"must be at least 0, got {n}")
+    return n
+
+
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds ≥ 0 (``--prefetch-window-seconds``); raises ``ValueError``."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {text!r}") from None
+    if not (x >= 0 and x != float("inf")):
+        raise ValueError(f"must be a finite number >= 0, got {text!r}")
+    return x
+
+
 def etcd_endpoint(text: str) -> str:
     """An etcd client URL the store accepts (``http://host:port``); raises ``ValueError``."""
     parse_endpoint(text)
@@ -123,6 +146,8 @@ class AgentConfig:
     simulated_chip: str | None = None
     simulated_memory_bytes: int | None = None
     max_queued_requests: int = 64
+    prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
+    max_prefetches: int = DEFAULT_MAX_PREFETCHES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="requests waiting for a batch slot, across all models, before the API "
                         "answers 429 with Retry-After (at least 1; default: %(default)s)")
+    p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
+                   default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
+                   help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "
+                        "whose requests arrive periodically when its next request is expected "
+                        "within this many seconds (default: %(default)s, seed 001 "
+                        "prefetch_window_sec)")
+    p.add_argument("--max-prefetches", type=_argtype(non_negative_int),
+                   default=DEFAULT_MAX_PREFETCHES, metavar="N",
+                   help="predictive prefetch: most reloads ahead of a predicted request running "
+                        "at once on this node (0 turns it off; default: %(default)s, seed 001 "
+                        "max_prefetch_per_gpu)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
@@ -179,7 +215,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        advertise_url=args.advertise_url, labels=dict(args.label),
                        lease_ttl=args.lease_ttl, simulated_chip=args.simulated_chip,
                        simulated_memory_bytes=args.simulated_memory,
-                       max_queued_requests=args.max_queued_requests)
+                       max_queued_requests=args.max_queued_requests,
+                       prefetch_window_seconds=args.prefetch_window_seconds,
+                       max_prefetches=args.max_prefetches)
 
 
 class Agent:
@@ -268,7 +306,9 @@ class Agent:
                      format_bytes(cap.wired_limit_bytes) if cap.wired_limit_bytes else "default")
         await self.core.start()
         app = build_app(self.core, health=self.health, registry=self.registry,
-                        router=lambda: self.traffic)
+                        router=lambda: self.traffic,
+                        standby=lambda: (self.controller.standby_models()
+                                         if self.controller is not None else ()))
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -308,9 +348,13 @@ class Agent:
                             self.config.node_name, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+        cap = await self.probe.read()  # the budget's inputs are static (hw.memsize, wired limit)
+        budget = node_budget_bytes(cap.memory_total_bytes, cap.wired_limit_bytes)
         self.controller = Controller(self.store, self.keys, node_name=self.config.node_name,
                                      core=self.core, registration=self.registration,
-                                     advertise_url=self.url)
+                                     advertise_url=self.url, budget_bytes=budget,
+                                     prefetch_window_seconds=self.config.prefetch_window_seconds,
+                                     max_prefetches=self.config.max_prefetches)
         await self.controller.start()
         self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
                                       registration=self.registration,

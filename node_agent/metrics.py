@@ -7,6 +7,7 @@ global one), so several agents can share one process (tests, simulations).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["AgentMetrics"]
 
@@ -34,6 +35,21 @@ class AgentMetrics:
     * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
     * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
     * ``mlxfleet_agent_model_load_seconds`` histogram: duration of ``mlx_lm.load``
+    * ``mlxfleet_agent_model_idle_seconds`` gauge: seconds since the revision's last request
+      (resident or standby)
+    * ``mlxfleet_agent_download_bytes_total`` counter / ``mlxfleet_agent_download_rate_bytes``
+      gauge: a remote source's bytes received and the current rate in bytes/s (0 when not
+      downloading)
+
+    Per node (no model labels): ``mlxfleet_agent_model_loads_total{reason}`` (``Assigned``,
+    ``ReloadingOnDemand``, ``PredictivePrefetch``), ``mlxfleet_agent_model_unloads_total{reason}``
+    (``IdleUnloaded``, ``Evicted``, ``Unassigned``) and
+    ``mlxfleet_agent_model_unload_freed_bytes_total{reason}`` (MLX memory measured freed by the
+    unloads to standby), ``mlxfleet_agent_memory_bytes{kind}`` (``weights``, ``kv_cache``,
+    ``mlx_cache``, ``free`` of the node's budget; set by the controller's lifecycle pass).
+
+    A revision's series exist while it is assigned to the node; :meth:`remove_revision` drops
+    every one of them when it goes (none is left behind).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -69,3 +85,50 @@ class AgentMetrics:
         self.model_load_seconds = Histogram("mlxfleet_agent_model_load_seconds",
                                             "Duration of loading a model", mr,
                                             buckets=_LOAD_BUCKETS, registry=registry)
+        self.model_idle_seconds = Gauge("mlxfleet_agent_model_idle_seconds",
+                                        "Seconds since the revision's last request", mr,
+                                        registry=registry)
+        self.download_bytes = Counter("mlxfleet_agent_download_bytes",
+                                      "Bytes of a remote model source received", mr,
+                                      registry=registry)
+        self.download_rate = Gauge("mlxfleet_agent_download_rate_bytes",
+                                   "Current download rate of a remote model source in bytes per "
+                                   "second, averaged over the last few seconds (0 when not "
+                                   "downloading)", mr, registry=registry)
+        self.model_loads = Counter("mlxfleet_agent_model_loads",
+                                   "Model revision loads by reason (Assigned, ReloadingOnDemand, "
+                                   "PredictivePrefetch)", ["reason"], registry=registry)
+        self.model_unloads = Counter("mlxfleet_agent_model_unloads",
+                                     "Model revision unloads by reason (IdleUnloaded, Evicted, "
+                                     "Unassigned)", ["reason"], registry=registry)
+        self.unload_freed_bytes = Counter("mlxfleet_agent_model_unload_freed_bytes",
+                                          "MLX memory measured freed by unloads to standby, by "
+                                          "reason", ["reason"], registry=registry)
+        self.memory_bytes = Gauge("mlxfleet_agent_memory_bytes",
+                                  "Node memory by kind: weights and kv_cache of the resident "
+                                  "revisions, mlx_cache (MLX's buffer cache), free (of the "
+                                  "node's budget)", ["kind"], registry=registry)
+
+    def remove_revision(self, model: str, revision: str) -> None:
+        """Remove every series labelled ``model``/``revision`` from every family (the revision
+        is no longer assigned here)."""
+        for metric in vars(self).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            names = metric._labelnames  # noqa: SLF001 - the label order of .remove()
+            if names[:2] != ("model", "revision"):
+                continue
+            for values in _label_values(metric):
+                if values[:2] == (model, revision):
+                    metric.remove(*values)
+
+
+def _label_values(metric: MetricWrapperBase) -> set[tuple[str, ...]]:
+    """The label-value tuples of ``metric``'s series, from its collected samples."""
+    names = metric._labelnames  # noqa: SLF001
+    out: set[tuple[str, ...]] = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if all(n in sample.labels for n in names):
+                out.add(tuple(sample.labels[n] for n in names))
+    return out

@@ -54,7 +54,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Awaitable, Callable, Literal
+from typing import Annotated, Any, Awaitable, Callable, Iterable, Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -273,7 +273,8 @@ class _Outcome:
 
 def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
               registry: CollectorRegistry,
-              router: Callable[[], Any] = lambda: None) -> web.Application:
+              router: Callable[[], Any] = lambda: None,
+              standby: Callable[[], Iterable[Any]] = tuple) -> web.Application:
     """Build the OpenAI-compatible app over ``core``.
 
     ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
@@ -282,7 +283,10 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     :class:`~node_agent.traffic.TrafficManager`, or None while there is none (then a request is
     served by the model's only, or most recently loaded, revision). Request counts go to ``core.metrics``, labelled
     with the model and revision only when the request names a loaded model, else with
-    :data:`UNKNOWN_LABEL` for both.
+    :data:`UNKNOWN_LABEL` for both. ``standby()`` returns the revisions assigned here
+    but not resident (the controller's
+    :meth:`~node_agent.controller.Controller.standby_models`: ``model_id``, ``revision``,
+    ``max_context_tokens``, ``reason``, ``created_unix``); ``GET /v1/models`` lists them too.
     """
     metrics = core.metrics
 
@@ -569,11 +573,20 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         return resp
 
     async def list_models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": m.model_id, "object": "model", "created": m.created_unix,
-             "owned_by": "mlx-fleet", "revision": m.revision,
-             "max_context_tokens": m.max_context_tokens}
-            for m in core.models()]})
+        """OpenAI's model list: every resident revision (``status: loaded``) and every standby
+        one (``status: standby``, ``standby_reason``: ``IdleUnloaded``, ``Evicted`` or
+        ``AwaitingRequest``) — a request for a standby model loads it first."""
+        data = [{"id": m.model_id, "object": "model", "created": m.created_unix,
+                 "owned_by": "mlx-fleet", "revision": m.revision,
+                 "max_context_tokens": m.max_context_tokens, "status": "loaded"}
+                for m in core.models()]
+        resident = {(m["id"], m["revision"]) for m in data}
+        data += [{"id": m.model_id, "object": "model", "created": m.created_unix,
+                  "owned_by": "mlx-fleet", "revision": m.revision,
+                  "max_context_tokens": m.max_context_tokens, "status": "standby",
+                  "standby_reason": m.reason}
+                 for m in standby() if (m.model_id, m.revision) not in resident]
+        return web.json_response({"object": "list", "data": data})
 
     async def health_handler(request: web.Request) -> web.Response:
         ok, details = health()

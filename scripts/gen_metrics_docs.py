@@ -255,8 +255,15 @@ def exposition(component: str) -> bytes:
             h.labels(*mr).observe(0.2)
         for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits, m.prompt_cache_tokens):
             c.labels(*mr).inc(3)
-        for g in (m.queue_depth, m.batch_occupancy, m.model_loaded):
+        for g in (m.queue_depth, m.batch_occupancy, m.model_loaded, m.model_idle_seconds,
+                  m.download_rate):
             g.labels(*mr).set(1)
+        m.download_bytes.labels(*mr).inc(4096)
+        m.model_loads.labels("Assigned").inc()
+        m.model_unloads.labels("IdleUnloaded").inc()
+        m.unload_freed_bytes.labels("IdleUnloaded").inc(4096)
+        for kind in ("weights", "kv_cache", "mlx_cache", "free"):
+            m.memory_bytes.labels(kind).set(4096)
         return generate_latest(registry)
     raise SystemExit(f"unknown component {component!r}: operator or agent")
 

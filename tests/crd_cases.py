@@ -58,7 +58,7 @@ def valid_examples() -> list[dict[str, Any]]:
         placement={"nodeSelector": {"mlx-fleet.io/rack": "a"}, "minChipGeneration": "M4",
                    "strategy": "Binpack"},
         serving={"maxConcurrentSequences": 256, "maxContextTokens": 1048576},
-        lifecycle={"idleUnloadSeconds": 0, "prefetch": "OnDemand"},
+        lifecycle={"idleUnloadSeconds": 0, "prefetch": "OnDemand", "minReady": 3},
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 2, "maxUnavailable": "50%"}},
     )
     full["model"]["servedModelName"] = "llama"
@@ -71,6 +71,7 @@ def valid_examples() -> list[dict[str, Any]]:
         _with("ok-revision-chars", "model.revision", "2024-01-01_rc.1"),
         _with("ok-revision-128", "model.revision", "r" * 128),
         _with("ok-replicas-zero", "replicas", 0),
+        _with("ok-min-ready-one", "lifecycle.minReady", 1),  # replicas defaults to 1
         _with("ok-replicas-max", "replicas", 1000),
         _with("ok-memory-int", "resources.memory", 268435456),
         _with("ok-memory-decimal", "resources.memory", "1.5Gi"),
@@ -128,6 +129,12 @@ def invalid_examples() -> list[tuple[dict[str, Any], str]]:
          "spec.serving.maxContextTokens"),
         (_with("bad-idle-negative", "lifecycle.idleUnloadSeconds", -1), "spec.lifecycle.idleUnloadSeconds"),
         (_with("bad-prefetch", "lifecycle.prefetch", "Lazy"), "spec.lifecycle.prefetch"),
+        (_with("bad-min-ready-negative", "lifecycle.minReady", -1), "spec.lifecycle.minReady"),
+        (_with("bad-min-ready-over-default-replicas", "lifecycle.minReady", 2),
+         "spec.lifecycle.minReady"),
+        (make("bad-min-ready-over-replicas", {**base_spec(), "replicas": 2,
+                                              "lifecycle": {"minReady": 3}}),
+         "spec.lifecycle.minReady"),
         (_with("bad-served-name-empty", "model.servedModelName", ""), "spec.model.servedModelName"),
         (_with("bad-served-name-too-long", "model.servedModelName", "n" * 129), "spec.model.servedModelName"),
         (_with("bad-served-name-chars", "model.servedModelName", "my model!"), "spec.model.servedModelName"),

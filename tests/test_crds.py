@@ -106,6 +106,10 @@ CEL_EQUIVALENTS = {
      f"self.maxUnavailable.matches('{ZERO_PERCENT_RE}')))"):
         lambda v: "maxSurge" not in v or "maxUnavailable" not in v
         or not (_is_zero(v["maxSurge"]) and _is_zero(v["maxUnavailable"])),
+    ("!has(self.lifecycle) || !has(self.lifecycle.minReady) || self.lifecycle.minReady == 0 || "
+     "self.lifecycle.minReady <= (has(self.replicas) ? self.replicas : 1)"):
+        lambda v: (v.get("lifecycle", {}).get("minReady", 0) == 0
+                   or v.get("lifecycle", {}).get("minReady", 0) <= v.get("replicas", 1)),
     f"self.all(k, k.matches('{LABEL_KEY_RE}') && (!k.contains('/') || k.indexOf('/') <= 253))":
         lambda v: all(re.search(LABEL_KEY_RE, k) and ("/" not in k or k.index("/") <= 253) for k in v),
 }
@@ -214,8 +218,8 @@ def _cel_errors(schema: dict[str, Any], value: Any, path: str, cel: dict[str, An
         for i, item in enumerate(value):
             errors += _cel_errors(schema["items"], item, f"{path}[{i}]", cel)
     for rule in schema.get("x-kubernetes-validations", []):
-        if not cel[rule["rule"]](value):
-            errors.append(f"{path}: Invalid value: {rule['message']}")
+        if not cel[rule["rule"]](value):  # the API server reports it at path + fieldPath
+            errors.append(f"{path}{rule.get('fieldPath', '')}: Invalid value: {rule['message']}")
     return errors
 
 
@@ -321,7 +325,8 @@ def test_spec_fields_match_the_contract() -> None:
     assert set(prop("spec.model")["properties"]) == {"source", "revision", "servedModelName"}
     assert set(prop("spec.placement")["properties"]) == {"nodeSelector", "minChipGeneration", "strategy"}
     assert set(prop("spec.serving")["properties"]) == {"maxConcurrentSequences", "maxContextTokens"}
-    assert set(prop("spec.lifecycle")["properties"]) == {"idleUnloadSeconds", "prefetch"}
+    assert set(prop("spec.lifecycle")["properties"]) == {"idleUnloadSeconds", "prefetch",
+                                                          "minReady"}
     assert set(prop("spec.strategy")["properties"]) == {"type", "rollingUpdate"}
     assert set(prop("spec.strategy.rollingUpdate")["properties"]) == {"maxSurge", "maxUnavailable"}
     assert prop("spec.placement.nodeSelector")["additionalProperties"] == {
@@ -359,6 +364,7 @@ def test_defaults() -> None:
         "spec.serving.maxContextTokens": 4096,
         "spec.lifecycle.idleUnloadSeconds": 300,
         "spec.lifecycle.prefetch": "Eager",
+        "spec.lifecycle.minReady": 0,
         "spec.strategy.type": "RollingUpdate",
         "spec.strategy.rollingUpdate.maxSurge": "25%",
         "spec.strategy.rollingUpdate.maxUnavailable": 1,
@@ -377,7 +383,7 @@ def test_defaulting_a_minimal_object_fills_every_default() -> None:
         "replicas": 1,
         "placement": {"minChipGeneration": "M3", "strategy": "Spread"},
         "serving": {"maxConcurrentSequences": 8, "maxContextTokens": 4096},
-        "lifecycle": {"idleUnloadSeconds": 300, "prefetch": "Eager"},
+        "lifecycle": {"idleUnloadSeconds": 300, "prefetch": "Eager", "minReady": 0},
         "strategy": {"type": "RollingUpdate",
                      "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 1}},
     }
@@ -389,12 +395,13 @@ def test_enums_and_bounds() -> None:
     assert prop("spec.lifecycle.prefetch")["enum"] == ["Eager", "OnDemand"]
     bounds = {p: (prop(p).get("minimum"), prop(p).get("maximum")) for p in (
         "spec.replicas", "spec.serving.maxConcurrentSequences", "spec.serving.maxContextTokens",
-        "spec.lifecycle.idleUnloadSeconds")}
+        "spec.lifecycle.idleUnloadSeconds", "spec.lifecycle.minReady")}
     assert bounds == {
         "spec.replicas": (0, 1000),
         "spec.serving.maxConcurrentSequences": (1, 256),
         "spec.serving.maxContextTokens": (128, 1048576),
         "spec.lifecycle.idleUnloadSeconds": (0, None),
+        "spec.lifecycle.minReady": (0, None),
     }
 
 

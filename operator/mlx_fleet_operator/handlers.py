@@ -775,7 +775,8 @@ def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: in
                           role=Role.CANDIDATE, source=candidate.source,
                           revision=candidate.revision, memory_bytes=memory))
     surge, unavailable = spec.surge_limits()
-    return Intent(stable=stable, candidate=cand, max_surge=surge, max_unavailable=unavailable)
+    return Intent(stable=stable, candidate=cand, max_surge=surge, max_unavailable=unavailable,
+                  min_ready=spec.lifecycle.min_ready)
 
 
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)

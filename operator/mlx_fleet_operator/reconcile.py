@@ -36,7 +36,9 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, K
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
 from .placement import PlacementDecision
-from .rollout import DeploymentPlan, RevisionTarget, RolloutState, Slot, plan_deployment
+from .rollout import (DeploymentPlan, RevisionTarget, RolloutState, Slot, plan_deployment,
+                      same_for_node)
+from .spec import pin_replicas
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class Intent:
     candidate: RevisionTarget | None = None
     max_surge: int = 1
     max_unavailable: int = 1
+    min_ready: int = 0  # spec.lifecycle.minReady: replicas pinned resident (spec.pin_replicas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +213,10 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
                                 max_unavailable=intent.max_unavailable,
                                 nodes=list(view.nodes.values()), assignments=current,
                                 ready=ready, failed=failed)
+        dplan = dataclasses.replace(dplan, desired=pin_replicas(
+            dplan.desired, revision=intent.stable.request.revision, min_ready=intent.min_ready,
+            stored={slot: s.assignment for slot, s in mine.items() if s.assignment is not None},
+            same=same_for_node))
     ops: list[Put | Delete] = []
     compares = [Compare(keys.placement_epoch, "mod", "==",
                         view.epoch.mod_revision if view.epoch else 0)]

@@ -11,16 +11,17 @@ Pure: imports only the standard library, pydantic and :mod:`mlx_fleet.contract`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, LifecyclePolicy, ModelSource,
                                 Role, ServingParams)
 from mlx_fleet.quantity import format_bytes, parse_quantity
 
 __all__ = ["SpecError", "DeploymentSpec", "parse_spec", "to_assignment", "parse_quantity",
-           "format_bytes", "parse_chip_generation", "resolve_int_or_percent"]
+           "format_bytes", "parse_chip_generation", "resolve_int_or_percent", "pin_replicas"]
 
 
 class SpecError(ValueError):
@@ -79,8 +80,12 @@ class ServingSpec(_Spec):
 
 
 class LifecycleSpec(_Spec):
+    """``minReady``: replicas kept resident whatever their idleness or the node's memory
+    pressure (0..``replicas``; the first ones by node name are pinned, :func:`pin_replicas`)."""
+
     idle_unload_seconds: Annotated[int, Field(ge=0)] = Field(default=300, alias="idleUnloadSeconds")
     prefetch: Literal["Eager", "OnDemand"] = "Eager"
+    min_ready: Annotated[int, Field(ge=0)] = Field(default=0, alias="minReady")
 
 
 IntOrPercent = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=r"^[0-9]{1,3}%$")]
@@ -123,6 +128,13 @@ class DeploymentSpec(_Spec):
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
     strategy: StrategySpec = Field(default_factory=StrategySpec)
 
+    @model_validator(mode="after")
+    def _min_ready(self) -> DeploymentSpec:
+        if self.lifecycle.min_ready > self.replicas:
+            raise ValueError(f"spec.lifecycle.minReady ({self.lifecycle.min_ready}) must not "
+                             f"exceed spec.replicas ({self.replicas})")
+        return self
+
     def surge_limits(self) -> tuple[int, int]:
         """``(max_surge, max_unavailable)`` resolved against ``replicas``. When both come out
         0 (e.g. ``"10%"`` of 1 replica rounded down and ``maxSurge: 0``), a surge of 1 is
@@ -160,7 +172,8 @@ def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
     try:
         return DeploymentSpec.model_validate(dict(spec or {}))
     except ValidationError as e:
-        problems = "; ".join(f"{_field_path(err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(f"{_field_path(err['loc'])}: {err['msg']}" if err["loc"]
+                             else err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise SpecError(f"invalid ModelDeployment spec: {problems}") from None
 
 
@@ -184,3 +197,28 @@ def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str =
         lifecycle=LifecyclePolicy(idle_unload_seconds=spec.lifecycle.idle_unload_seconds,
                                   prefetch=spec.lifecycle.prefetch),
     )
+
+
+def pin_replicas(desired: Mapping[tuple[str, str], Assignment], *, revision: str, min_ready: int,
+                 stored: Mapping[tuple[str, str], Assignment],
+                 same: Callable[[Assignment, Assignment], bool]) -> dict[tuple[str, str], Assignment]:
+    """``desired`` ((node, revision) → assignment) with ``lifecycle.pinned`` set on the first
+    ``min_ready`` Stable assignments of ``revision`` by node name (a stable order: the same
+    replicas stay pinned from one reconcile to the next) and cleared on the others.
+
+    ``stored``: the records etcd holds; where one is ``same`` as the pinned record (e.g.
+    :func:`~mlx_fleet_operator.rollout.same_for_node`: equal but for the generation), it is
+    kept as it is, so pinning writes only when a replica's pin actually changes. Pure.
+    """
+    slots = sorted(s for s, a in desired.items() if s[1] == revision and a.role == Role.STABLE)
+    pinned = set(slots[:max(min_ready, 0)])
+    out = dict(desired)
+    for slot in slots:
+        a = out[slot]
+        if a.lifecycle.pinned == (slot in pinned):
+            continue
+        a = a.model_copy(update={"lifecycle": a.lifecycle.model_copy(
+            update={"pinned": slot in pinned})})
+        have = stored.get(slot)
+        out[slot] = have if have is not None and same(have, a) else a
+    return out
