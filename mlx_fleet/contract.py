@@ -512,12 +512,14 @@ class RevisionStats(_Record):
 
 class StatsReport(_Record):
     """``<root>/stats/<node>/<namespace>/<deployment>``: one node's per-revision counters for a
-    deployment under a canary, written at most once per ``stats_interval_seconds`` (plus once
-    at a guard trip), bound to the agent's lease.
+    deployment it serves (or forwards for, during a canary), bound to the agent's lease. Under a
+    canary written at most once per the split's ``stats_interval_seconds`` (plus once at a guard
+    trip); otherwise at most once per the agent's idle interval (15 s) and only after new
+    requests. Counters restart (a new ``started_unix``) when a canary starts or ends.
 
     ``guard_tripped``: the local guard sent all traffic to stable (``guard_reason`` says why,
     with the numbers); it stays set until the :class:`TrafficSplit` names a new candidate or
-    goes away. ``canary_uid``: the split this report belongs to."""
+    goes away. ``canary_uid``: the split this report belongs to ("" outside a canary)."""
 
     node: str
     namespace: str

@@ -7,13 +7,17 @@
   the last revision, re-lists after a compaction), so a node that joins mid-canary gets the
   current split at once;
 * :meth:`TrafficManager.route` picks the revision for one request (or the node to forward to);
-* :meth:`TrafficManager.record` counts each request's outcome per revision — only while a split
-  exists for its deployment — and feeds the candidate's outcomes to the **local guard**: when
+* :meth:`TrafficManager.record` counts each request's outcome per revision — always: the
+  operator re-exports the counts as the fleet's request metrics — and, while a split exists,
+  feeds the candidate's outcomes to the **local guard**: when
   the candidate fails hard, the guard trips, every later request of that deployment goes to the
   stable revision, and a :class:`~mlx_fleet.contract.StatsReport` with ``guard_tripped`` is
   written at once (the operator rolls back fleet-wide on it);
-* a writer task writes each deployment's cumulative :class:`StatsReport` at most once per
-  ``stats_interval_seconds`` (the analysis interval), under the agent's lease;
+* a writer task writes each deployment's cumulative :class:`StatsReport` under the agent's
+  lease: during a canary at most once per the split's ``stats_interval_seconds`` (the analysis
+  interval); otherwise at most once per :data:`IDLE_STATS_INTERVAL_SECONDS` and only when
+  something was counted since the last write (an idle fleet writes nothing); the key is
+  deleted once this node neither serves the deployment nor runs a split of it;
 * :meth:`TrafficManager.touch` and :meth:`TrafficManager.ensure_loaded` pass a served request on
   to the controller's idle tracking and reload on demand: a route to a revision in standby
   (unloaded for idleness) says so (:attr:`Routed.standby`), and the HTTP layer awaits
@@ -50,6 +54,9 @@ DeploymentKey = tuple[str, str]
 #: How often the writer checks whether a deployment's statistics are due (seconds); the write
 #: rate itself is bounded by the split's ``stats_interval_seconds``.
 WRITER_TICK_SECONDS = 0.5
+#: Write interval of a deployment's statistics while no canary runs (seconds): the resolution of
+#: the operator's fleet request metrics (Prometheus' usual 15 s scrape interval).
+IDLE_STATS_INTERVAL_SECONDS = 15.0
 
 
 class Routed:
@@ -100,7 +107,9 @@ class TrafficManager:
         self._guards: dict[DeploymentKey, CandidateGuard] = {}
         self._stats: dict[DeploymentKey, DeploymentStats] = {}
         self._crash_seen: dict[tuple[DeploymentKey, str], int] = {}
-        self._gone: set[DeploymentKey] = set()  # splits removed: their stats keys go too
+        self._gone: set[DeploymentKey] = set()  # stats keys to delete at the next pass
+        self._models: dict[DeploymentKey, str] = {}  # served model name per counted deployment
+        self._dirty: set[DeploymentKey] = set()  # counted since the last write
         self._urgent = asyncio.Event()
         self.synced = asyncio.Event()
         self._tasks = [
@@ -140,8 +149,9 @@ class TrafficManager:
                 log.info("traffic split of %s/%s removed: all traffic to its stable revision",
                          *dep)
             self._guards.pop(dep, None)
-            if self._stats.pop(dep, None) is not None:
+            if self._stats.pop(dep, None) is not None:  # the canary's epoch ends
                 self._gone.add(dep)
+                self._dirty.discard(dep)
                 self._urgent.set()
             return
         self._gone.discard(dep)
@@ -151,13 +161,7 @@ class TrafficManager:
         guard = self._guards.get(dep)
         if guard is None or new_canary:
             self._guards[dep] = CandidateGuard(split.guard, split.candidate_revision)
-            self._stats[dep] = DeploymentStats()
-            # The core's crash counts are cumulative since each revision was loaded: count
-            # only the crashes from now on (the counters start now), not earlier ones.
-            served = self._served().get(split.served_model_name)
-            if served is not None and (served.namespace, served.name) == dep:
-                for rev in served.revisions:
-                    self._crash_seen[(dep, rev)] = self._crashes(split.served_model_name, rev)
+            self._new_stats(dep, split.served_model_name)  # a canary's counts start afresh
         elif guard.guard != split.guard and not guard.tripped:
             guard.reset(split.guard, split.candidate_revision)
         if before is None or before.weight != split.weight or new_canary:
@@ -183,6 +187,17 @@ class TrafficManager:
             self._apply(dep, None)
         elif split is not None:
             self._apply(dep, split)
+
+    def _new_stats(self, dep: DeploymentKey, model: str) -> DeploymentStats:
+        """Fresh counters for ``dep`` (a new counting epoch). The core's crash counts are
+        cumulative since each revision was loaded: only crashes from now on count."""
+        stats = self._stats[dep] = DeploymentStats()
+        self._models[dep] = model
+        served = self._served().get(model)
+        if served is not None and (served.namespace, served.name) == dep:
+            for rev in served.revisions:
+                self._crash_seen[(dep, rev)] = self._crashes(model, rev)
+        return stats
 
     # -- per request -------------------------------------------------------------------------
     def route(self, model: str, *, session_header: str | None = None, user: str | None = None,
@@ -217,18 +232,19 @@ class TrafficManager:
 
     def record(self, routed: Routed, *, latency_s: float, ttft_s: float | None,
                completion_tokens: int, decode_seconds: float | None, failed: bool) -> None:
-        """Count one finished request (server-side failure or not) of a split deployment; feed
-        the candidate's outcome to the local guard (a trip is written at once)."""
-        if not routed.route.canary:
-            return
+        """Count one finished request (server-side failure or not) of its deployment; during a
+        canary, feed the candidate's outcome to the local guard (a trip is written at once)."""
         dep = routed.deployment
-        stats = self._stats.get(dep)
         split = self.splits.get(dep)
-        if stats is None or split is None:
-            return
+        if routed.route.canary != (split is not None):
+            return  # routed under a split that has changed since: its epoch is gone
+        stats = self._stats.get(dep) or self._new_stats(dep, routed.model)
         now = self._clock()
         stats.counters(routed.route.revision, now).observe(
             latency_s, ttft_s, completion_tokens, decode_seconds, failed)
+        self._dirty.add(dep)
+        if split is None:
+            return
         guard = self._guards.get(dep)
         if guard is not None and routed.route.revision == split.candidate_revision:
             guard.record(time.monotonic(), failed)
@@ -258,16 +274,25 @@ class TrafficManager:
             await self._reg.delete_report(self._keys.stats(self.node_name, *dep))
         now = self._clock()
         served = self._served()
+        served_here = {(m.namespace, m.name) for m in served.values()}
         written = 0
-        for dep, split in list(self.splits.items()):
-            stats = self._stats.get(dep)
+        for dep, stats in list(self._stats.items()):
+            split = self.splits.get(dep)
             guard = self._guards.get(dep)
-            if stats is None:
+            if split is None and dep not in served_here:
+                # neither served here nor split any more: the report goes (its last counts
+                # stay in the operator's sums as an ended epoch)
+                del self._stats[dep]
+                self._dirty.discard(dep)
+                await self._reg.delete_report(self._keys.stats(self.node_name, *dep))
                 continue
             tripped = guard is not None and guard.tripped
-            if not (stats.due(now, split.stats_interval_seconds) or (force_tripped and tripped)):
+            if split is None:
+                if dep not in self._dirty or not stats.due(now, IDLE_STATS_INTERVAL_SECONDS):
+                    continue  # nothing new, or not yet due
+            elif not (stats.due(now, split.stats_interval_seconds) or (force_tripped and tripped)):
                 continue
-            model = split.served_model_name
+            model = split.served_model_name if split is not None else self._models[dep]
             loaded = served.get(model)
             revisions = set(loaded.revisions) if loaded and (loaded.namespace, loaded.name) == dep \
                 else set()
@@ -279,11 +304,13 @@ class TrafficManager:
                 for _ in range(max(count - seen, 0)):
                     stats.counters(rev, now).crash()
                 self._crash_seen[(dep, rev)] = count
-            report = stats.report(self.node_name, dep[0], dep[1], split.canary_uid,
+            report = stats.report(self.node_name, dep[0], dep[1],
+                                  split.canary_uid if split is not None else "",
                                   {rev: self._memory(model, rev) for rev in revisions},
                                   tripped, guard.reason if guard is not None and tripped else "",
                                   now)
             await self._reg.put_report(self._keys.stats(self.node_name, *dep), report)
             stats.mark_written(now)
+            self._dirty.discard(dep)
             written += 1
         return written

@@ -308,25 +308,41 @@ async def test_statistics_under_the_lease_at_most_once_per_interval(
     skey = keys.stats(NODE, NS, DEP)
     watch = StatsWatch(store, skey, (await store.list(keys.root + "/")).revision + 1)
     try:
-        # no split: outcomes are not counted (and nothing is written)
-        for k in KEYS[:3]:
-            await serve(tm, core, k)
+        # no split: outcomes are counted all the same (the fleet's request metrics): the first
+        # write at once, then only when something new was counted and the idle interval passed
+        await serve(tm, core, KEYS[0])
+        await watch.until(lambda: len(watch.puts()) == 1)
+        idle = watch.puts()[0]
+        assert idle.canary_uid == "" and watch.ours()[0].kv.lease == registration.lease_id
+        assert {r: (s.requests, s.crashes) for r, s in idle.revisions.items()} == {
+            "r1": (1, 0), "r2": (0, 0)}  # the earlier crashes are not this epoch's
+        for k in KEYS[1:3]:
+            await serve(tm, core, k)                            # new, but not due
         await tick.passes(3)
         await watch.settle()
-        assert watch.ours() == []
+        assert len(watch.puts()) == 1
+        clock.now += traffic_module.IDLE_STATS_INTERVAL_SECONDS
+        await watch.until(lambda: len(watch.puts()) == 2)
+        assert watch.puts()[1].revisions["r1"].requests == 3
+        clock.now += traffic_module.IDLE_STATS_INTERVAL_SECONDS
+        await tick.passes(3)                                    # due, but nothing new
+        await watch.settle()
+        assert len(watch.puts()) == 2
+        n0 = 2
 
-        # a split: its statistics are written at once, then at most once per interval
+        # a split: a new epoch, its statistics written at once, then at most once per interval
         await store.put(keys.traffic(NS, DEP), split(50, interval=10.0).to_json())
-        await watch.until(lambda: len(watch.puts()) == 1)
-        first = watch.ours()[0]
+        await watch.until(lambda: len(watch.puts()) == n0 + 1)
+        first = watch.ours()[n0]
         assert first.kv.lease == registration.lease_id and keys.parse_stats(skey) == (
             NODE, NS, DEP)
-        report = watch.puts()[0]
+        report = watch.puts()[n0]
         assert (report.node, report.namespace, report.name, report.canary_uid) == (
             NODE, NS, DEP, "uid-1")
+        assert report.revisions["r1"].started_unix > idle.revisions["r1"].started_unix
         assert not report.guard_tripped and report.updated_unix == clock.now
         assert {r: (s.requests, s.errors, s.crashes) for r, s in report.revisions.items()} == {
-            "r1": (0, 0, 0), "r2": (0, 0, 0)}   # the 3 above and the earlier crashes: not counted
+            "r1": (0, 0, 0), "r2": (0, 0, 0)}   # the requests before and the earlier crashes
         assert all(s.memory_bytes > 0 for s in report.revisions.values())
 
         served = {"r1": 0, "r2": 0}
@@ -335,12 +351,12 @@ async def test_statistics_under_the_lease_at_most_once_per_interval(
         assert served["r1"] and served["r2"]
         await tick.passes(5)  # each pass would write the changed counters if it were due
         await watch.settle()
-        assert len(watch.puts()) == 1
+        assert len(watch.puts()) == n0 + 1
 
         earlier["r1"] += 1                                      # a crash during the canary
         clock.now += 10.0                                       # one interval later
-        await watch.until(lambda: len(watch.puts()) == 2)
-        report = watch.puts()[1]
+        await watch.until(lambda: len(watch.puts()) == n0 + 2)
+        report = watch.puts()[n0 + 1]
         assert report.updated_unix == clock.now
         assert {r: (s.requests, s.errors, s.crashes) for r, s in report.revisions.items()} == {
             r: (n, 0, int(r == "r1")) for r, n in served.items()}
@@ -353,20 +369,32 @@ async def test_statistics_under_the_lease_at_most_once_per_interval(
         await serve(tm, core, KEYS[0])
         await tick.passes(5)
         await watch.settle()
-        assert len(watch.puts()) == 2
+        assert len(watch.puts()) == n0 + 2
 
-        # the split goes away: its statistics key too, and routing returns to stable
+        # the split goes away: the canary's statistics key too, and routing returns to stable
         under_split = tm.route(MODEL, session_header=KEYS[0])
         assert under_split is not None and under_split.route.canary
         await store.delete(keys.traffic(NS, DEP))
         await watch.until(lambda: watch.ours()[-1].type == "DELETE")
         assert set(routes(tm).values()) == {("r1", False)}
         tm.record(under_split, latency_s=0.1, ttft_s=0.01, completion_tokens=3,
-                  decode_seconds=0.05, failed=False)            # counts no more
+                  decode_seconds=0.05, failed=False)            # its epoch is gone: not counted
         clock.now += 60.0
         await tick.passes(5)
         await watch.settle()
-        assert [e.type for e in watch.ours()] == ["PUT", "PUT", "DELETE"]
+        assert [e.type for e in watch.ours()] == ["PUT"] * (n0 + 2) + ["DELETE"]
+        assert await store.get(skey) is None
+
+        # requests after the canary count in a new epoch; once the node serves the deployment
+        # no more, its statistics key goes
+        await serve(tm, core, KEYS[1])
+        await watch.until(lambda: watch.ours()[-1].type == "PUT")
+        after = watch.puts()[-1]
+        assert after.canary_uid == "" and after.revisions["r1"].requests == 1
+        for rev in ("r1", "r2"):
+            await store.delete(keys.assignment(NODE, NS, DEP, rev))
+        await wait_for(lambda: MODEL not in ctl.served(), TIMEOUT)
+        await watch.until(lambda: watch.ours()[-1].type == "DELETE")
         assert await store.get(skey) is None
     finally:
         await watch.close()

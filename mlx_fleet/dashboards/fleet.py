@@ -68,8 +68,8 @@ def build() -> dash.Dashboard:
         .with_panel(timeseries_panel(
             "Requests/s per ModelDeployment", "reqps",
             [(requests, "{{namespace}}/{{deployment}}")],
-            description="Generation requests, summed over revisions and Macs (the agents count "
-                        "them while a Canary runs)."))
+            description="Generation requests, summed over revisions and Macs (the agents' "
+                        "statistics: every 15 s, or a canary's analysis interval)."))
         .with_panel(timeseries_panel(
             "Error ratio per ModelDeployment", "percentunit",
             [(f"{errors} / {requests}", "{{namespace}}/{{deployment}}")],

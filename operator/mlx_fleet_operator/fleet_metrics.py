@@ -16,7 +16,7 @@ Sources, and what bounds each label (no request ids, prompts or session keys any
   ModelDeployment: (node, revision) → :class:`~mlx_fleet.contract.Assignment`) joined with the
   agents' reports; one series per assignment (deployment × revision × node), ``role`` = enum;
 * revision families: the agents' cumulative :class:`~mlx_fleet.contract.StatsReport` counters
-  (written while a Canary runs), summed over nodes, for the revisions that are still assigned.
+  (every 15 s after new requests, or at a canary's analysis interval), summed over nodes, for the revisions that are still assigned.
 
 The state an assignment is in follows the ModelDeployment status (:mod:`.status`): the agent's
 reported state when its report is for the assignment's generation, else ``Pending``.
@@ -126,8 +126,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
           "Total bytes of the assignment's model download (only while a download is reported "
           "and its size is known)"),
     _spec("revision_requests_total", "counter", _REVISION,
-          "Generation requests routed to the revision, summed over nodes (agents count while "
-          "a Canary runs; client errors and hang-ups excluded)"),
+          "Generation requests routed to the revision, summed over nodes (client errors and "
+          "hang-ups excluded)"),
     _spec("revision_errors_total", "counter", _REVISION,
           "Requests to the revision that failed on the server side (5xx, stream ended by an "
           "error), summed over nodes"),
