@@ -502,7 +502,7 @@ def test_conditions_schema() -> None:
         "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     # A list-map key must be required.
     assert "type" in item["required"] and "status" in item["required"]
-    assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded"]
+    assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled"]
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert item["properties"]["observedGeneration"]["type"] == "integer"

@@ -16,7 +16,10 @@ Rules
   the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
   a second one would fail there with ``ModelNameConflict`` forever) and its memory budget
   fits; and, for a *new* replica, is not cordoned (``MacNode`` ``spec.unschedulable``; a replica
-  already there stays, like a cordoned Kubernetes node keeps its pods). The budget is
+  already there stays, like a cordoned Kubernetes node keeps its pods) and not *draining*
+  (``MacNode`` ``spec.drain``: its replicas are replicas to replace — they are left out of the
+  decision and placed elsewhere; :mod:`.rollout` keeps the drained one serving until its
+  replacement is Ready). The budget is
   ``memory_total_bytes × WATERMARK`` (capped by the GPU wired limit)
   minus the ``memory_bytes`` of every
   other assignment on that node — other deployments *and other revisions of this one* (both
@@ -57,6 +60,8 @@ class PlacementRequest:
     ``served_model_name``: the OpenAI ``model`` id; empty means ``name`` (as in the spec).
     ``revision``: the revision placed. ``preferred``: nodes tried first when adding replicas.
     ``cordoned``: nodes that take no new replica (their existing replicas stay).
+    ``draining``: nodes being drained: they take no new replica and their replicas are placed
+    elsewhere (left out of ``nodes``; the caller keeps them until the replacement serves).
     """
 
     namespace: str
@@ -70,6 +75,7 @@ class PlacementRequest:
     served_model_name: str = ""
     preferred: frozenset[str] = frozenset()
     cordoned: frozenset[str] = frozenset()
+    draining: frozenset[str] = frozenset()
 
     @property
     def model_name(self) -> str:
@@ -141,7 +147,7 @@ def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assi
 _MAX_NODES_NAMED = 5
 
 # Order of the checks, which is also the order of the reasons in the message.
-_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _CORDONED = range(6)
+_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _DRAINING, _CORDONED = range(7)
 
 
 def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
@@ -156,6 +162,8 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
         return _NAME
     if free < request.memory_bytes:
         return _MEMORY
+    if node.name in request.draining:  # its replicas are moved elsewhere
+        return _DRAINING
     if node.name in request.cordoned:  # otherwise fit: may keep a replica, takes no new one
         return _CORDONED
     return None
@@ -249,6 +257,8 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
         elif kind == _NAME:
             verb = "serves" if k == 1 else "serve"
             parts.append(f"{k} already {verb} model name {request.model_name!r}")
+        elif kind == _DRAINING:
+            parts.append(f"{k} draining")
         elif kind == _CORDONED:
             parts.append(f"{k} cordoned")
         elif kind == _MEMORY:
