@@ -29,8 +29,9 @@ Drain (``PlacementRequest.draining``, a MacNode's ``spec.drain``)
 ------------------------------------------------------------------
 A replica on a draining node is a replica to replace, with the same surge: placement leaves
 the draining node out and adds the replacement elsewhere, and the drained replica keeps serving
-(``DrainState.moving``) while the revision is Ready on fewer than ``replicas`` other nodes —
-so a drain never lowers serving capacity, and where nothing else fits it stays where it is
+(``DrainState.moving``, Ready ones only) while the revision is Ready on fewer than
+``replicas`` other nodes — so a drain never lowers serving capacity, and where nothing else
+fits it stays where it is
 (``DrainState.blocked`` says why, with placement's numbers). This holds for every revision on
 the node: stable, candidate (same rule, against the candidate's replicas) and a rollout's
 previous one (kept until the stable revision is Ready on ``replicas`` nodes; never removed "to
@@ -261,11 +262,12 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
 
 def _handover(mine: Mapping[Slot, Assignment], revision: str, draining: Collection[str],
               replicas: int, ready_elsewhere: int, ready: Collection[Slot]) -> list[Slot]:
-    """The slots of ``revision`` on draining nodes kept serving: as many as the revision lacks
-    Ready replicas elsewhere (``replicas - ready_elsewhere``), Ready ones first, then by name."""
-    drained = sorted((slot for slot in mine if slot[1] == revision and slot[0] in draining),
-                     key=lambda slot: (slot not in ready, slot))
-    return sorted(drained[:max(replicas - ready_elsewhere, 0)])
+    """The slots of ``revision`` on draining nodes kept serving: Ready ones (a replica that does
+    not serve is no capacity to keep), as many as the revision lacks Ready replicas elsewhere
+    (``replicas - ready_elsewhere``), by node name."""
+    drained = sorted(slot for slot in mine if slot[1] == revision and slot[0] in draining
+                     and slot in ready)
+    return drained[:max(replicas - ready_elsewhere, 0)]
 
 
 def _stuck(moving: Sequence[Slot], unplaced_message: str) -> str:
