@@ -16,7 +16,8 @@ this module only moves data between the Kubernetes API, etcd and them.
   followers, by a spec change, or ~:data:`CONFLICT_RETRY_SECONDS` after a reconcile gave up on
   etcd conflicts) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
   :func:`sync` again, so node churn re-places replicas and agents' reports reach ``status``.
-* MacNode mirror (supervised, like the GC): every :data:`MACNODE_SECONDS` and on node events,
+* MacNode mirror (supervised, like the GC): every :data:`MACNODE_SECONDS`, on node events and
+  when a MacNode's cordon or drain changes (``on.event``, :func:`macnode_event`),
   each node record becomes a cluster-scoped ``MacNode`` (status only, :mod:`.macnodes`); the
   MacNodes' ``spec.unschedulable`` (cordons) and ``spec.drain`` (drains) are read back into
   ``Runtime.cordoned`` / ``Runtime.draining``, which placement honours: no new replica on a
@@ -516,6 +517,20 @@ async def mirror_macnodes(rt: Runtime) -> None:
                  ", ".join(sorted(draining)) or "none")
         rt.cordoned, rt.draining = cordoned, draining
         rt.wake_all()
+
+
+@kopf.on.event(GROUP, VERSION, MACNODE_PLURAL)
+async def macnode_event(name: str, spec: Mapping[str, Any], **_: Any) -> None:
+    """A MacNode changed: when its cordon or drain is not what the operator applies, wake the
+    mirror at once (``mlx-fleet drain`` should not wait for the next round). A silent watch:
+    kopf stores nothing on the object for event handlers."""
+    rt = RUNTIME
+    if rt is None:
+        return
+    spec = spec or {}
+    cordon, drain = spec.get("unschedulable") is True, spec.get("drain") is True
+    if (cordon, cordon and drain) != (name in rt.cordoned, name in rt.draining):
+        rt.macnode_wake.set()
 
 
 def runtime() -> Runtime:
