@@ -52,7 +52,7 @@ from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics
-from .placement import PlacementRequest
+from .placement import PlacementRequest, resolve_memory, revision_estimates
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
                         reconcile, remove_deployment)
 from .rollout import DrainState, RevisionTarget
@@ -724,7 +724,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         rt.deployments[key] = (spec, generation, meta.get("uid", ""))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
                                    candidate=rt.candidates.get(key), cordoned=rt.cordoned,
-                                   draining=rt.draining)
+                                   draining=rt.draining,
+                                   estimates=revision_estimates(rt.reports.get(key, {})))
         published = rt.withdrawn.get(key, {})
         released = {slot for slot, at in published.items()
                     if time.monotonic() - at >= ENDPOINT_GRACE_SECONDS}
@@ -755,7 +756,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
             placement_message=result.decision.message, revision=spec.model.revision,
             rollout_reason=result.rollout.reason, rollout_message=result.rollout.message,
-            withdrawn=frozenset(result.drain.withdraw)), previous)
+            withdrawn=frozenset(result.drain.withdraw), waiting=result.decision.waiting),
+            previous)
         await _publish(rt, body, key, status, events, spec.replicas)
         # withdrawn from the endpoints now that this status is published: removed after the grace
         now = time.monotonic()
@@ -770,24 +772,33 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
 def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: int,
                       candidate: CandidateIntent | None,
                       cordoned: frozenset[str] = frozenset(),
-                      draining: frozenset[str] = frozenset()) -> Intent:
+                      draining: frozenset[str] = frozenset(),
+                      estimates: Mapping[str, int] | None = None) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
-    revision itself — the moment of a promotion)."""
+    revision itself — the moment of a promotion). ``estimates``: revision → the agents'
+    largest memory estimate (:func:`~.placement.revision_estimates`), used where
+    ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`)."""
+    estimates = estimates or {}
     served = spec.model.served_model_name or key[1]
+    memory = resolve_memory(spec.resources.memory_bytes,
+                            [estimates.get(spec.model.revision, 0)])
     request = PlacementRequest(
         namespace=key[0], name=key[1], replicas=spec.replicas, revision=spec.model.revision,
-        memory_bytes=spec.resources.memory_bytes, node_selector=spec.placement.node_selector,
+        memory_bytes=memory or 0, estimate_pending=memory is None,
+        node_selector=spec.placement.node_selector,
         min_chip_generation=spec.placement.min_chip_generation,
         strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned),
         draining=frozenset(draining))
     stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
-                                                   generation=generation))
+                                                   generation=generation, memory_bytes=memory))
     cand = None
     if candidate is not None and candidate.revision != spec.model.revision:
-        memory = candidate.memory_bytes or spec.resources.memory_bytes
+        memory = candidate.memory_bytes or resolve_memory(
+            spec.resources.memory_bytes, [estimates.get(candidate.revision, 0)])
         cand = RevisionTarget(
-            dataclasses.replace(request, revision=candidate.revision, memory_bytes=memory),
+            dataclasses.replace(request, revision=candidate.revision, memory_bytes=memory or 0,
+                                estimate_pending=memory is None),
             to_assignment(spec, namespace=key[0], name=key[1], uid=uid, generation=generation,
                           role=Role.CANDIDATE, source=candidate.source,
                           revision=candidate.revision, memory_bytes=memory))

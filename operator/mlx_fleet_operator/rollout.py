@@ -113,14 +113,16 @@ def same_for_node(stored: Assignment, wanted: Assignment) -> bool:
 
 def _pick(stored: Assignment | None, wanted: Assignment) -> Assignment:
     """The record a node should hold: the stored one when nothing but the generation differs;
-    when only the ``role`` changes too (a promoted candidate turning Stable), the wanted one
+    when only the ``role`` (a promoted candidate turning Stable) or the reserved
+    ``memory_bytes`` (an agent's estimate replacing "not known yet") change too, the wanted one
     *with the stored generation*, so the agent's Ready report stays current (no reload, no
     Pending flicker in status)."""
     if stored is None:
         return wanted
     if same_for_node(stored, wanted):
         return stored
-    if same_for_node(stored.model_copy(update={"role": wanted.role}), wanted):
+    if same_for_node(stored.model_copy(update={"role": wanted.role,
+                                               "memory_bytes": wanted.memory_bytes}), wanted):
         return wanted.model_copy(update={"generation": stored.generation})
     return wanted
 
@@ -171,7 +173,7 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
     stalled = sorted(n for n in s_nodes if (n, s_rev) in failed)
     serving = ready_s | {n for n, r in prev if (n, r) in ready}
     min_available = max(req.replicas - max_unavailable, 0)
-    unplaced_s = req.replicas - len(s_nodes)
+    unplaced_s = req.replicas - dec_s.waiting - len(s_nodes)
     kept_prev: dict[Slot, Assignment] = {}
     made_room: list[Slot] = []  # removed this round so that the stable revision fits there
     blocked = False
@@ -256,7 +258,8 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
                                  tuple(sorted(kept_prev)))
     stuck_s = _stuck(moving_s, dec_s.message if dec_s.unplaced else "")
     return DeploymentPlan(desired=desired, stable=dataclasses.replace(
-        dec_s, nodes=tuple(sorted(s_nodes)), unplaced=max(req.replicas - len(s_nodes), 0),
+        dec_s, nodes=tuple(sorted(s_nodes)),
+        unplaced=max(req.replicas - dec_s.waiting - len(s_nodes), 0),
         message=stuck_s or dec_s.message), candidate=dec_c, rollout=rollout, drain=drain)
 
 

@@ -43,6 +43,8 @@ Conditions
                  and placement's explanation — needed vs free memory per candidate node, like
                  the kube-scheduler's ``FailedScheduling`` — while some cannot be (also while a
                  drained replica cannot move: it keeps serving where it is); False with
+                 ``AwaitingEstimate`` while replicas wait for the agents' memory estimate
+                 (``spec.resources.memory`` unset: one replica is placed first); False with
                  ``InvalidSpec`` for an invalid spec.
 
 Drained replicas
@@ -93,6 +95,7 @@ class StatusInput:
     ``spec_error``: set when the spec is invalid (nothing is re-placed then; ``assignments``
     are those still stored from the last valid spec, still served, so still reported).
     ``withdrawn``: drained slots replaced elsewhere, on their way out (module docstring).
+    ``waiting``: replicas held back until the revision's memory estimate exists.
     """
 
     generation: int
@@ -107,6 +110,7 @@ class StatusInput:
     rollout_reason: str = "Complete"
     rollout_message: str = ""
     withdrawn: frozenset[Slot] = frozenset()
+    waiting: int = 0
 
 
 def now_rfc3339(now: dt.datetime | None = None) -> str:
@@ -242,6 +246,11 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
             deg_c = cond("Degraded", "False", "AsExpected", "no failed or unplaced replicas")
         if inp.unplaced > 0:
             sched_c = cond("Scheduled", "False", "Unschedulable", inp.placement_message)
+        elif inp.waiting > 0:
+            sched_c = cond("Scheduled", "False", "AwaitingEstimate",
+                           f"{desired - inp.waiting}/{desired} replicas placed; {inp.waiting} "
+                           f"wait for the agents' memory estimate of revision {inp.revision} "
+                           "(spec.resources.memory is not set)")
         else:
             sched_c = cond("Scheduled", "True", "Scheduled",
                            f"{desired}/{desired} replicas placed")
