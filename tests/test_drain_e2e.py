@@ -6,7 +6,9 @@ processes serving a generated MLX model, under a steady streamed load.
 * a deployment that fits nowhere is refused: ``Scheduled=False``/``Unschedulable`` with the
   numbers, visible with kubectl;
 * a drain that cannot finish (nowhere else fits) leaves the replica serving where it is, and
-  ``mlx-fleet drain --timeout`` exits 1 with the reason on one line.
+  ``mlx-fleet drain --timeout`` exits 1 with the reason on one line;
+* a deployment without ``resources.memory`` gets one replica first, then the rest with the
+  agent's reported estimate as the reservation.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet_helpers import watch_until
 from mlx_fleet.contract import Keys
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
@@ -176,3 +179,43 @@ async def test_unschedulable_deployment_and_a_drain_that_cannot_finish(
     bad = control_plane.kubectl("patch", "macnode", B, "--type=merge", "-p",
                                 '{"spec": {"drain": true}}', check=False)
     assert bad.returncode != 0 and "spec.drain requires spec.unschedulable" in bad.stderr
+
+
+async def test_deployment_without_memory_is_placed_from_the_agents_estimate(
+        control_plane: ControlPlane, drain_fleet: dict[str, AgentProcess], drain_keys: Keys,
+        test_model_dir: Path, namespace: str) -> None:
+    for mac in (A, B):
+        code, _, err = await cli(control_plane, "uncordon", mac)
+        assert code == 0, err
+    name = "estimated"
+    obj = json.loads(deployment(name, namespace, test_model_dir))
+    del obj["spec"]["resources"]
+    obj["spec"]["replicas"] = 2
+    prefix = drain_keys.assignments_prefix
+    seen: list[dict[str, int]] = []  # every state of this deployment's assignments, in order
+    listed = asyncio.Event()
+
+    def record(raw: dict[str, bytes]) -> bool:
+        listed.set()  # first called on the initial listing: the watch follows from there
+        mine = {drain_keys.parse_assignment(k)[0]: json.loads(v)["memory_bytes"]
+                for k, v in raw.items() if drain_keys.parse_assignment(k)[2] == name}
+        if not seen or seen[-1] != mine:
+            seen.append(mine)
+        return len(mine) == 2 and all(mine.values())
+
+    async with EtcdStore(control_plane.etcd_url) as store:
+        placed = asyncio.create_task(watch_until(store, prefix, record, timeout=90))
+        await listed.wait()
+        control_plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+        await placed
+        md = await asyncio.to_thread(wait_for, control_plane, "modeldeployment", name,
+                                     "jsonpath={.status.readyReplicas}=2", namespace)
+        reports = {n: json.loads((await store.get(drain_keys.report(n, namespace, name, "v1"))).value)
+                   for n in (A, B)}
+    # one replica first, reserving nothing yet; the second once the first one's estimate came
+    first = next(s for s in seen if s)
+    assert len(first) == 1 and list(first.values()) == [0], seen
+    estimate = max(r["estimated_bytes"] for r in reports.values())
+    assert estimate > 0
+    assert seen[-1] == {A: estimate, B: estimate}, seen
+    assert condition(md, "Scheduled")["reason"] == "Scheduled"
