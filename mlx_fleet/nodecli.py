@@ -25,9 +25,19 @@ from collections.abc import Mapping
 from typing import Any
 
 GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "macnodes"
-#: Default ``--timeout`` of ``mlx-fleet drain`` (seconds), as ``kubectl drain``'s is unbounded
-#: but a loading model takes minutes at most.
+#: Default ``--timeout`` of ``mlx-fleet drain`` in seconds (``kubectl drain`` waits forever by
+#: default; a bounded wait ends with the reason instead: a model load takes minutes at most).
 DRAIN_TIMEOUT_SECONDS = 300.0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_drain_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
-    p.add_argument("--timeout", type=float, default=DRAIN_TIMEOUT_SECONDS, metavar="S",
+    p.add_argument("--timeout", type=_positive_seconds, default=DRAIN_TIMEOUT_SECONDS, metavar="S",
                    help=f"seconds to wait for the drain (default {DRAIN_TIMEOUT_SECONDS:.0f})")
 
 

@@ -217,3 +217,13 @@ def macnode(cond: dict | None, models: int = 1) -> dict:
 def test_cli_reads_the_drain_of_its_own_generation(obj, generation, want):
     p = drain_progress(obj, generation)
     assert (p.observed, p.done, p.reason) == want
+
+
+@pytest.mark.parametrize("timeout", ["0", "-3", "nan", "inf", "soon"])
+def test_cli_drain_timeout_must_be_positive_seconds(timeout, capsys):
+    from mlx_fleet.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["drain", "mac-a", "--timeout", timeout])
+    assert e.value.code == 2
+    assert "--timeout: must be a finite number of seconds > 0" in capsys.readouterr().err
