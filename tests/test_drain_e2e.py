@@ -123,6 +123,10 @@ async def test_drain_under_load_moves_the_replica_and_fails_no_request(
     assert {o.endpoint for o in outcomes} == {a_url, b_url}  # served on A, then on B
     assert outcomes[-1].endpoint == b_url
     assert all(s.get("endpoints") for s in watch.statuses if s.get("readyReplicas"))
+    # before its assignment went, A was withdrawn: still listed, out of the endpoints
+    withdrawn = [s for s in watch.statuses
+                 if any(n.get("reason") == "Withdrawn" for n in s.get("nodes", []))]
+    assert withdrawn and all(s["endpoints"] == [b_url] for s in withdrawn), watch.statuses
     md = get(control_plane, "modeldeployment", name, namespace)
     assert [(n["name"], n["state"]) for n in md["status"]["nodes"]] == [(B, "Ready")]
     async with EtcdStore(control_plane.etcd_url) as store:
