@@ -9,6 +9,7 @@ Commands:
   status            print nodes, assignments and agent reports from etcd
   canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
   cordon / uncordon NODE  stop / resume placing new replicas on a Mac (its MacNode)
+  drain NODE        move every replica off a Mac (replacement Ready first), then wait
 """
 
 from __future__ import annotations
@@ -293,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         nodecli.add_arguments(n)
         n.set_defaults(func=nodecli.run)
+    d = sub.add_parser("drain", help="move every replica off a Mac, then wait (spec.drain)",
+                       description=nodecli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    nodecli.add_drain_arguments(d)
+    d.set_defaults(func=nodecli.run)
     return p
 
 

@@ -76,6 +76,8 @@ def valid_examples() -> list[dict[str, Any]]:
         _with("ok-memory-int", "resources.memory", 268435456),
         _with("ok-memory-decimal", "resources.memory", "1.5Gi"),
         _with("ok-memory-si", "resources.memory", "2G"),
+        _with("ok-resources-missing", "resources", ...),  # memory from the agents' estimates
+        _with("ok-memory-missing", "resources.memory", ...),
         _with("ok-serving-min", "serving", {"maxConcurrentSequences": 1, "maxContextTokens": 128}),
         _with("ok-served-name-chars", "model.servedModelName", "mlx-community/Llama-3.2:1b_v2.0"),
         _with("ok-served-name-128", "model.servedModelName", "n" * 128),
@@ -109,8 +111,6 @@ def invalid_examples() -> list[tuple[dict[str, Any], str]]:
         (_with("bad-replicas-negative", "replicas", -1), "spec.replicas"),
         (_with("bad-replicas-too-many", "replicas", 1001), "spec.replicas"),
         (_with("bad-replicas-string", "replicas", "two"), "spec.replicas"),
-        (_with("bad-resources-missing", "resources", ...), "spec.resources"),
-        (_with("bad-memory-missing", "resources.memory", ...), "spec.resources.memory"),
         (_with("bad-memory-lots", "resources.memory", "lots"), "spec.resources.memory"),
         (_with("bad-memory-unit", "resources.memory", "2GB"), "spec.resources.memory"),
         (_with("bad-memory-zero", "resources.memory", "0"), "spec.resources.memory"),

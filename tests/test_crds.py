@@ -313,9 +313,9 @@ def test_schema_is_structural() -> None:
 
 def test_required_fields() -> None:
     assert SCHEMA["required"] == ["spec"]
-    assert SPEC["required"] == ["model", "resources"]
+    assert SPEC["required"] == ["model"]
     assert prop("spec.model")["required"] == ["source", "revision"]
-    assert prop("spec.resources")["required"] == ["memory"]
+    assert "required" not in prop("spec.resources")  # memory: the user's override, optional
     assert "servedModelName" in prop("spec.model")["properties"]
 
 
@@ -372,7 +372,8 @@ def test_defaults() -> None:
     assert {p: prop(p).get("default") for p in expected} == expected
     # Empty-object defaults on the optional sections make their field defaults apply when the
     # section is omitted altogether.
-    for section in ("placement", "serving", "lifecycle", "strategy", "strategy.rollingUpdate"):
+    for section in ("resources", "placement", "serving", "lifecycle", "strategy",
+                    "strategy.rollingUpdate"):
         assert prop(f"spec.{section}")["default"] == {}
 
 
@@ -509,7 +510,7 @@ def test_conditions_schema() -> None:
         "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     # A list-map key must be required.
     assert "type" in item["required"] and "status" in item["required"]
-    assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded"]
+    assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled"]
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert item["properties"]["observedGeneration"]["type"] == "integer"

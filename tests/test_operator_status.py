@@ -533,3 +533,50 @@ def test_idle_unload_and_reload_cycle_keeps_ready_and_posts_its_own_events():
     _, events = compute_status(inp(rep("a", F, reason="ModelNotFound", message="gone")),
                                compute_status(inp(idle("a")), None, T0)[0], T1)
     assert [(e.type, e.reason) for e in events] == [("Warning", "ReplicaFailed")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduled condition and drained (withdrawn) replicas
+# ---------------------------------------------------------------------------------------------
+
+UNFIT = ("0/2 nodes fit: 1 cordoned, 1 insufficient memory (needs 8.0GiB: b 3.2GiB free of "
+         "6.4GiB)")
+
+
+@pytest.mark.parametrize("inp, want", [
+    (StatusInput(generation=2, replicas=2, assignments={SA: asg(), SB: asg()}),
+     ("True", "Scheduled", "2/2 replicas placed")),
+    (StatusInput(generation=2, replicas=0), ("True", "Scheduled", "0/0 replicas placed")),
+    (StatusInput(generation=2, replicas=2, assignments={SA: asg()}, unplaced=1,
+                 placement_message=UNFIT), ("False", "Unschedulable", UNFIT)),
+    (StatusInput(generation=2, replicas=1, spec_error="spec.replicas: bad"),
+     ("False", "InvalidSpec", "spec.replicas: bad")),
+], ids=["placed", "scaled to zero", "unschedulable", "invalid spec"])
+def test_scheduled_condition(inp, want):
+    status, _ = compute_status(inp, None, T0)
+    [c] = [c for c in status["conditions"] if c["type"] == "Scheduled"]
+    assert (c["status"], c["reason"], c["message"]) == want
+
+
+def test_unschedulable_is_cleared_once_placed():
+    unfit = StatusInput(generation=2, replicas=1, unplaced=1, placement_message=UNFIT)
+    status, events = compute_status(unfit, None, T0)
+    assert conds(status)["Scheduled"] == ("False", "Unschedulable")
+    assert [e.reason for e in events if e.type == "Warning"] == ["FailedPlacement"]
+    placed_ = StatusInput(generation=2, replicas=1, assignments={SA: asg()})
+    status, _ = compute_status(placed_, status, T1)
+    [c] = [c for c in status["conditions"] if c["type"] == "Scheduled"]
+    assert (c["status"], c["reason"]) == ("True", "Scheduled")
+    assert c["lastTransitionTime"] == "2025-01-01T00:05:00Z"
+
+
+def test_withdrawn_replica_leaves_the_endpoints_and_the_counts():
+    inp = StatusInput(generation=2, replicas=1, assignments={SA: asg(), SB: asg()},
+                      reports={SA: rep("a", R), SB: rep("b", R)}, withdrawn=frozenset({SA}))
+    status, _ = compute_status(inp, None, T0)
+    assert status["endpoints"] == ["http://b:8000"]
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (1, 1, 1)
+    entry = {n["name"]: n for n in status["nodes"]}["a"]
+    assert (entry["state"], entry["reason"]) == ("Ready", "Withdrawn")
+    assert conds(status)["Ready"] == ("True", "ReplicasReady")
+    assert conds(status)["Progressing"] == ("False", "Complete")

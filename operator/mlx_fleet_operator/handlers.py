@@ -16,10 +16,14 @@ this module only moves data between the Kubernetes API, etcd and them.
   followers, by a spec change, or ~:data:`CONFLICT_RETRY_SECONDS` after a reconcile gave up on
   etcd conflicts) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
   :func:`sync` again, so node churn re-places replicas and agents' reports reach ``status``.
-* MacNode mirror (supervised, like the GC): every :data:`MACNODE_SECONDS` and on node events,
+* MacNode mirror (supervised, like the GC): every :data:`MACNODE_SECONDS`, on node events and
+  when a MacNode's cordon or drain changes (``on.event``, :func:`macnode_event`),
   each node record becomes a cluster-scoped ``MacNode`` (status only, :mod:`.macnodes`); the
-  MacNodes' ``spec.unschedulable`` (cordons) are read back into ``Runtime.cordoned``, which
-  placement honours for new replicas.
+  MacNodes' ``spec.unschedulable`` (cordons) and ``spec.drain`` (drains) are read back into
+  ``Runtime.cordoned`` / ``Runtime.draining``, which placement honours: no new replica on a
+  cordoned node, every replica of a draining one replaced elsewhere (:mod:`.rollout`, *Drain*).
+  A drained replica whose replacement is Ready is first withdrawn from ``status.endpoints``; its
+  assignment goes :data:`ENDPOINT_GRACE_SECONDS` after that status is published.
 * ``on.delete``: removes the deployment's assignments (fenced), then kopf drops the finalizer.
 
 Why status is patched with the ``kubernetes`` client: kopf 1.45 applies a daemon's ``patch``
@@ -48,10 +52,10 @@ from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics, peering
-from .placement import PlacementRequest
+from .placement import PlacementRequest, resolve_memory, revision_estimates
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
                         reconcile, remove_deployment)
-from .rollout import RevisionTarget
+from .rollout import DrainState, RevisionTarget
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
 
@@ -68,6 +72,10 @@ CONFLICT_RETRY_SECONDS = 1.0
 #: Seconds between MacNode mirror rounds (node events wake it sooner).
 MACNODE_SECONDS = 5.0
 MACNODE_PLURAL = "macnodes"
+#: Seconds a drained replica stays assigned after the status that withdraws it from
+#: ``status.endpoints`` is published, so that clients following the endpoints stop sending to
+#: it before its agent stops taking requests (the role of a Pod's preStop delay in Kubernetes).
+ENDPOINT_GRACE_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
 DeploymentKey = tuple[str, str]
@@ -165,6 +173,13 @@ class Runtime:
         self.custom_api: Any = None
         #: Nodes cordoned through their MacNode's ``spec.unschedulable`` (no new replicas).
         self.cordoned: frozenset[str] = frozenset()
+        #: Nodes drained through their MacNode's ``spec.drain`` (replicas moved elsewhere).
+        self.draining: frozenset[str] = frozenset()
+        #: ModelDeployment → the state of its replicas on draining nodes, as last reconciled.
+        self.drains: dict[DeploymentKey, DrainState] = {}
+        #: ModelDeployment → withdrawn (node, revision) → ``time.monotonic()`` when the status
+        #: leaving it out of ``endpoints`` was published.
+        self.withdrawn: dict[DeploymentKey, dict[Slot, float]] = {}
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
@@ -452,15 +467,23 @@ async def collect_orphans(rt: Runtime) -> list[str]:
 
 def _macnode_round(api: Any, nodes: Mapping[str, NodeRecord],
                    on_node: Mapping[str, list[Any]], cache: dict[str, dict[str, Any]],
-                   cordoned_before: frozenset[str]) -> frozenset[str]:
+                   blocked: Mapping[str, str]) -> tuple[frozenset[str], frozenset[str]]:
     """One blocking mirror round: list the MacNodes, create the missing ones, patch changed
-    statuses (``cache`` is updated); returns the cordoned node names."""
+    statuses (``cache`` is updated); returns the cordoned and the draining node names.
+    ``blocked``: node → why replicas on it cannot move (drain)."""
     import kubernetes
+
+    from .status import now_rfc3339
 
     items = api.list_cluster_custom_object(GROUP, VERSION, MACNODE_PLURAL,
                                            _request_timeout=30)["items"]
     cordoned = macnodes.cordoned(items)
+    draining = macnodes.draining(items)
     existing = {o["metadata"]["name"]: o for o in items}
+    now = now_rfc3339()
+
+    def generation(name: str) -> int:
+        return int(((existing.get(name) or {}).get("metadata") or {}).get("generation") or 0)
 
     def patch(name: str, status: dict[str, Any]) -> None:
         try:
@@ -484,9 +507,11 @@ def _macnode_round(api: Any, nodes: Mapping[str, NodeRecord],
                 if e.status != 409:
                     raise
             cache.pop(name, None)
-        status = macnodes.macnode_status(rec, on_node.get(name, ()),
-                                         unschedulable=name in cordoned)
         previous = cache.get(name) or (existing.get(name) or {}).get("status")
+        status = macnodes.macnode_status(rec, on_node.get(name, ()),
+                                         unschedulable=name in cordoned,
+                                         draining=name in draining, blocked=blocked.get(name, ""),
+                                         generation=generation(name), previous=previous, now=now)
         if macnodes.status_changed(previous, status):
             patch(name, status)
     for name, obj in sorted(existing.items()):
@@ -494,37 +519,61 @@ def _macnode_round(api: Any, nodes: Mapping[str, NodeRecord],
         if name in nodes or labels.get(macnodes.MANAGED_LABEL) != macnodes.MANAGED_VALUE:
             continue
         previous = cache.get(name) or obj.get("status") or {}
-        status = macnodes.gone_status(previous, unschedulable=name in cordoned)
+        status = macnodes.gone_status(previous, unschedulable=name in cordoned,
+                                      draining=name in draining, generation=generation(name),
+                                      now=now)
         if macnodes.status_changed(previous, status):
             if previous.get("health") != macnodes.GONE:
                 log.info("MacNode %s: node record gone; health Gone (kept for its cordon)", name)
             patch(name, status)
     for name in set(cache) - set(existing) - set(nodes):
         cache.pop(name, None)
-    return cordoned
+    return cordoned, draining
 
 
 async def mirror_macnodes(rt: Runtime) -> None:
-    """Mirror ``rt.nodes`` (and ``rt.placed`` for reserved memory and models) into MacNodes and
-    read their cordons into ``rt.cordoned`` (a change wakes every deployment). API errors (no
-    MacNode CRD, no permission ...) are logged and retried next round, never fatal."""
+    """Mirror ``rt.nodes`` (and ``rt.placed`` for reserved memory and models, ``rt.drains`` for
+    a drain's progress) into MacNodes and read their cordons and drains into ``rt.cordoned`` /
+    ``rt.draining`` (a change wakes every deployment). API errors (no MacNode CRD, no
+    permission ...) are logged and retried next round, never fatal."""
     if rt.custom_api is None:
         return
     on_node: dict[str, list[Any]] = {}
     for placed in rt.placed.values():
         for (node, _rev), a in placed.items():
             on_node.setdefault(node, []).append(a)
+    why: dict[str, list[str]] = {}
+    for (ns, name), drain in sorted(rt.drains.items()):
+        for node in sorted({n for n, _ in drain.moving}) if drain.blocked else ():
+            why.setdefault(node, []).append(f"{ns}/{name}: {drain.blocked}")
+    blocked = {node: "; ".join(texts) for node, texts in why.items()}
     try:
-        cordoned = await asyncio.to_thread(_macnode_round, rt.custom_api, dict(rt.nodes),
-                                           on_node, rt.macnode_status, rt.cordoned)
+        cordoned, draining = await asyncio.to_thread(_macnode_round, rt.custom_api,
+                                                     dict(rt.nodes), on_node, rt.macnode_status,
+                                                     blocked)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
         log.warning("MacNode mirror round failed: %s: %s", type(e).__name__, first_line)
         return
-    if cordoned != rt.cordoned:
-        log.info("cordoned nodes: %s", ", ".join(sorted(cordoned)) or "none")
-        rt.cordoned = cordoned
+    if cordoned != rt.cordoned or draining != rt.draining:
+        log.info("cordoned nodes: %s; draining: %s", ", ".join(sorted(cordoned)) or "none",
+                 ", ".join(sorted(draining)) or "none")
+        rt.cordoned, rt.draining = cordoned, draining
         rt.wake_all()
+
+
+@kopf.on.event(GROUP, VERSION, MACNODE_PLURAL)
+async def macnode_event(name: str, spec: Mapping[str, Any], **_: Any) -> None:
+    """A MacNode changed: when its cordon or drain is not what the operator applies, wake the
+    mirror at once (``mlx-fleet drain`` should not wait for the next round). A silent watch:
+    kopf stores nothing on the object for event handlers."""
+    rt = RUNTIME
+    if rt is None:
+        return
+    spec = spec or {}
+    cordon, drain = spec.get("unschedulable") is True, spec.get("drain") is True
+    if (cordon, cordon and drain) != (name in rt.cordoned, name in rt.draining):
+        rt.macnode_wake.set()
 
 
 def runtime() -> Runtime:
@@ -719,10 +768,15 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
 
         rt.deployments[key] = (spec, generation, meta.get("uid", ""))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
-                                   candidate=rt.candidates.get(key), cordoned=rt.cordoned)
+                                   candidate=rt.candidates.get(key), cordoned=rt.cordoned,
+                                   draining=rt.draining,
+                                   estimates=revision_estimates(rt.reports.get(key, {})))
+        published = rt.withdrawn.get(key, {})
+        released = {slot for slot, at in published.items()
+                    if time.monotonic() - at >= ENDPOINT_GRACE_SECONDS}
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
-                                     writer=rt.writer)
+                                     writer=rt.writer, released=released)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -736,8 +790,9 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         rt.placed[key] = dict(result.assignments)
-        if result.written:
-            rt.macnode_wake.set()  # reserved memory / models changed
+        if result.written or rt.drains.get(key, DrainState()) != result.drain:
+            rt.macnode_wake.set()  # reserved memory / models / drain progress changed
+        rt.drains[key] = result.drain
         rt.wake_canary(key)
 
         reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
@@ -745,32 +800,50 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             generation=generation, replicas=spec.replicas, assignments=result.assignments,
             reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
             placement_message=result.decision.message, revision=spec.model.revision,
-            rollout_reason=result.rollout.reason, rollout_message=result.rollout.message),
+            rollout_reason=result.rollout.reason, rollout_message=result.rollout.message,
+            withdrawn=frozenset(result.drain.withdraw), waiting=result.decision.waiting),
             previous)
         await _publish(rt, body, key, status, events, spec.replicas)
+        # withdrawn from the endpoints now that this status is published: removed after the grace
+        now = time.monotonic()
+        rt.withdrawn[key] = {slot: published.get(slot, now) for slot in result.drain.withdraw}
+        if rt.withdrawn[key]:
+            due = min(rt.withdrawn[key].values()) + ENDPOINT_GRACE_SECONDS - now
+            rt.rearm(key, max(due, 0.0) + 0.05)
         metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
 
 
 def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: int,
                       candidate: CandidateIntent | None,
-                      cordoned: frozenset[str] = frozenset()) -> Intent:
+                      cordoned: frozenset[str] = frozenset(),
+                      draining: frozenset[str] = frozenset(),
+                      estimates: Mapping[str, int] | None = None) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
-    revision itself — the moment of a promotion)."""
+    revision itself — the moment of a promotion). ``estimates``: revision → the agents'
+    largest memory estimate (:func:`~.placement.revision_estimates`), used where
+    ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`)."""
+    estimates = estimates or {}
     served = spec.model.served_model_name or key[1]
+    memory = resolve_memory(spec.resources.memory_bytes,
+                            [estimates.get(spec.model.revision, 0)])
     request = PlacementRequest(
         namespace=key[0], name=key[1], replicas=spec.replicas, revision=spec.model.revision,
-        memory_bytes=spec.resources.memory_bytes, node_selector=spec.placement.node_selector,
+        memory_bytes=memory or 0, estimate_pending=memory is None,
+        node_selector=spec.placement.node_selector,
         min_chip_generation=spec.placement.min_chip_generation,
-        strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned))
+        strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned),
+        draining=frozenset(draining))
     stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
-                                                   generation=generation))
+                                                   generation=generation, memory_bytes=memory))
     cand = None
     if candidate is not None and candidate.revision != spec.model.revision:
-        memory = candidate.memory_bytes or spec.resources.memory_bytes
+        memory = candidate.memory_bytes or resolve_memory(
+            spec.resources.memory_bytes, [estimates.get(candidate.revision, 0)])
         cand = RevisionTarget(
-            dataclasses.replace(request, revision=candidate.revision, memory_bytes=memory),
+            dataclasses.replace(request, revision=candidate.revision, memory_bytes=memory or 0,
+                                estimate_pending=memory is None),
             to_assignment(spec, namespace=key[0], name=key[1], uid=uid, generation=generation,
                           role=Role.CANDIDATE, source=candidate.source,
                           revision=candidate.revision, memory_bytes=memory))
@@ -841,5 +914,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     rt.locks.pop(key, None)
     rt.deployments.pop(key, None)
     rt.placed.pop(key, None)
+    rt.drains.pop(key, None)
+    rt.withdrawn.pop(key, None)
     rt.wake_canary(key)  # a Canary of a deleted target fails
     metrics.forget_deployment(namespace, name)

@@ -2,9 +2,17 @@
 
 The operator mirrors every node agent's etcd record into a cluster-scoped MacNode (the I/O
 lives in :mod:`.handlers`, :func:`~.handlers.mirror_macnodes`). The agent stays the source of
-truth: the status is informational, and only ``spec.unschedulable`` (a cordon) is read back.
+truth: the status is informational, and only ``spec.unschedulable`` (a cordon) and
+``spec.drain`` (a drain; the CRD requires ``unschedulable`` with it) are read back.
 When a record is gone (its lease expired), the MacNode is kept with ``health: Gone`` so a cordon
 survives an agent restart.
+
+The ``Drained`` condition (:func:`drained_condition`) tells how a drain stands: False
+``DrainNotRequested`` without ``spec.drain``; False ``Draining`` while replicas are still
+assigned (their replacements load elsewhere); False ``DrainBlocked`` when some cannot move
+(nowhere else fits: they keep serving, the message says why with placement's numbers); True
+``Drained`` once nothing is assigned to the Mac. ``observedGeneration`` is the MacNode's
+``metadata.generation`` the operator acted on, so ``mlx-fleet drain`` waits for its own request.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mlx_fleet.contract import Assignment, NodeRecord, node_budget_bytes
+
+from .status import condition
 
 GONE = "Gone"
 #: Label on every MacNode the operator creates (no ownerReference: a MacNode outlives nothing).
@@ -32,12 +42,43 @@ def _parse(ts: str) -> float:
         tzinfo=dt.timezone.utc).timestamp()
 
 
+def _models(assignments: Iterable[Assignment]) -> list[str]:
+    return sorted({f"{a.namespace}/{a.name}@{a.revision}" for a in assignments})
+
+
+def drained_condition(draining: bool, models: Iterable[str], blocked: str = "", *,
+                      generation: int = 0, previous: Mapping[str, Any] | None = None,
+                      now: str = "") -> dict[str, Any]:
+    """The ``Drained`` condition (module docstring). ``models``: what is still assigned to the
+    Mac (``ns/name@revision``); ``blocked``: why some of it cannot move ("" when it can);
+    ``previous``: the MacNode's current status (keeps ``lastTransitionTime``); ``now``:
+    RFC 3339 time of this observation."""
+    left = sorted(models)
+    if not draining:
+        args = ("False", "DrainNotRequested", "spec.drain is not set")
+    elif not left:
+        args = ("True", "Drained", "no replica is assigned to the Mac")
+    elif blocked:
+        args = ("False", "DrainBlocked",
+                f"{len(left)} replica(s) left ({', '.join(left)}): {blocked}")
+    else:
+        args = ("False", "Draining", f"{len(left)} replica(s) left ({', '.join(left)}); "
+                "each is removed once its replacement is Ready elsewhere")
+    prev = {c.get("type"): c for c in (previous or {}).get("conditions") or []
+            if isinstance(c, Mapping)}
+    return condition("Drained", *args, generation, prev, now or _rfc3339(0))
+
+
 def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
-                   unschedulable: bool = False) -> dict[str, Any]:
-    """The MacNode ``status`` of a live node ``record`` with the ``assignments`` on it."""
+                   unschedulable: bool = False, draining: bool = False, blocked: str = "",
+                   generation: int = 0, previous: Mapping[str, Any] | None = None,
+                   now: str = "") -> dict[str, Any]:
+    """The MacNode ``status`` of a live node ``record`` with the ``assignments`` on it.
+    ``draining``/``blocked``/``generation``/``previous``/``now``: see
+    :func:`drained_condition`."""
     asg = list(assignments)
     c = record.capacity
-    models = sorted({f"{a.namespace}/{a.name}@{a.revision}" for a in asg})
+    models = _models(asg)
     return {
         "chip": c.chip, "chipGeneration": c.chip_generation,
         "memoryTotalBytes": c.memory_total_bytes,
@@ -45,15 +86,20 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
         "memoryReservedBytes": sum(a.memory_bytes for a in asg),
         "health": record.health.value, "simulated": c.simulated, "address": record.address,
         "loadedModels": models, "modelCount": len(models), "unschedulable": unschedulable,
-        "lastSeen": _rfc3339(record.heartbeat_unix),
+        "draining": draining, "lastSeen": _rfc3339(record.heartbeat_unix),
+        "conditions": [drained_condition(draining, models, blocked, generation=generation,
+                                         previous=previous, now=now)],
     }
 
 
-def gone_status(previous: Mapping[str, Any], *, unschedulable: bool = False) -> dict[str, Any]:
+def gone_status(previous: Mapping[str, Any], *, unschedulable: bool = False,
+                draining: bool = False, generation: int = 0, now: str = "") -> dict[str, Any]:
     """The status of a MacNode whose record is gone: the last one, ``health: Gone``, nothing
     reserved or loaded (the operator drops a gone node's assignments)."""
     return {**previous, "health": GONE, "memoryReservedBytes": 0, "loadedModels": [],
-            "modelCount": 0, "unschedulable": unschedulable}
+            "modelCount": 0, "unschedulable": unschedulable, "draining": draining,
+            "conditions": [drained_condition(draining, (), generation=generation,
+                                             previous=previous, now=now)]}
 
 
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
@@ -81,8 +127,16 @@ def cordoned(macnodes: Iterable[Mapping[str, Any]]) -> frozenset[str]:
                      if (o.get("spec") or {}).get("unschedulable") is True)
 
 
+def draining(macnodes: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """Names of the MacNodes (API objects) with ``spec.drain: true`` (and the cordon the CRD
+    requires with it: an object that somehow lacks it is not drained)."""
+    return frozenset(o["metadata"]["name"] for o in macnodes
+                     if (o.get("spec") or {}).get("drain") is True
+                     and (o.get("spec") or {}).get("unschedulable") is True)
+
+
 def new_macnode(name: str) -> dict[str, Any]:
     """The body the operator creates for a newly registered node (status is patched after)."""
     return {"apiVersion": "mlx-fleet.io/v1alpha1", "kind": "MacNode",
             "metadata": {"name": name, "labels": {MANAGED_LABEL: MANAGED_VALUE}},
-            "spec": {"unschedulable": False}}
+            "spec": {"unschedulable": False, "drain": False}}

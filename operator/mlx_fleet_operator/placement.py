@@ -16,7 +16,10 @@ Rules
   the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
   a second one would fail there with ``ModelNameConflict`` forever) and its memory budget
   fits; and, for a *new* replica, is not cordoned (``MacNode`` ``spec.unschedulable``; a replica
-  already there stays, like a cordoned Kubernetes node keeps its pods). The budget is
+  already there stays, like a cordoned Kubernetes node keeps its pods) and not *draining*
+  (``MacNode`` ``spec.drain``: its replicas are replicas to replace — they are left out of the
+  decision and placed elsewhere; :mod:`.rollout` keeps the drained one serving until its
+  replacement is Ready). The budget is
   ``memory_total_bytes × WATERMARK`` (capped by the GPU wired limit)
   minus the ``memory_bytes`` of every
   other assignment on that node — other deployments *and other revisions of this one* (both
@@ -31,16 +34,29 @@ Rules
   candidate next to the stable), then by strategy: ``Spread`` = most free budget first,
   ``Binpack`` = least free budget that still fits; ties by node name. At most one replica of a
   revision per node.
+
+Memory per replica (:func:`resolve_memory`)
+-------------------------------------------
+``spec.resources.memory``, when set, is the user's override and wins. When unset, a replica
+needs the **largest estimate any agent reported** for the revision (``AssignmentReport.
+estimated_bytes``: weights from the safetensors headers plus the KV cache at the assignment's
+serving limits, :mod:`node_agent.memory_estimate`; the largest, so a node that computed a
+bigger KV cache is believed). Before any estimate exists (``estimate_pending``), one replica is
+placed — on the node with the most free budget, whatever the strategy — and the others wait
+(``PlacementDecision.waiting``) for its agent's estimate; replicas already placed stay. An agent
+report that carries an estimate counts whatever its state, so a load refused or failed for lack
+of memory re-places the revision with that estimate: a node whose free budget is below it is no
+longer eligible, and its replica moves.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-from mlx_fleet.contract import (MIN_CHIP_GENERATION, WATERMARK, Assignment, NodeHealth,
-                                NodeRecord)
+from mlx_fleet.contract import (MIN_CHIP_GENERATION, WATERMARK, Assignment, AssignmentReport,
+                                NodeHealth, NodeRecord)
 from mlx_fleet.contract import node_budget_bytes as contract_budget
 from mlx_fleet.quantity import format_bytes
 
@@ -57,6 +73,10 @@ class PlacementRequest:
     ``served_model_name``: the OpenAI ``model`` id; empty means ``name`` (as in the spec).
     ``revision``: the revision placed. ``preferred``: nodes tried first when adding replicas.
     ``cordoned``: nodes that take no new replica (their existing replicas stay).
+    ``draining``: nodes being drained: they take no new replica and their replicas are placed
+    elsewhere (left out of ``nodes``; the caller keeps them until the replacement serves).
+    ``estimate_pending``: no memory figure yet (no override, no estimate; ``memory_bytes`` is
+    then 0): at most one replica is added, on the node with most free budget (module docstring).
     """
 
     namespace: str
@@ -70,6 +90,8 @@ class PlacementRequest:
     served_model_name: str = ""
     preferred: frozenset[str] = frozenset()
     cordoned: frozenset[str] = frozenset()
+    draining: frozenset[str] = frozenset()
+    estimate_pending: bool = False
 
     @property
     def model_name(self) -> str:
@@ -83,7 +105,8 @@ class PlacementDecision:
 
     ``nodes``: the nodes that should host a replica, sorted by name. ``kept``/``added``/
     ``removed``: the diff against the current placement (``removed`` includes nodes that
-    vanished). ``unplaced``: replicas that could not be placed. ``reasons``: one fragment per
+    vanished). ``unplaced``: replicas that could not be placed. ``waiting``: replicas held
+    back until the revision's memory estimate exists (not a failure). ``reasons``: one fragment per
     cause, e.g. ``"2 below chip generation M4"``; ``message``: the whole sentence, e.g.
     ``"0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB: mac-a
     1.1GiB free of 6.4GiB)"`` (per node, most free first, at most five named); both empty when
@@ -97,6 +120,25 @@ class PlacementDecision:
     unplaced: int = 0
     reasons: tuple[str, ...] = ()
     message: str = ""
+    waiting: int = 0
+
+
+def resolve_memory(override: int | None, estimates: Iterable[int]) -> int | None:
+    """Bytes one replica needs (module docstring): ``override`` (``spec.resources.memory``)
+    when set, else the largest positive estimate, else None (no figure yet)."""
+    if override:
+        return override
+    return max((e for e in estimates if e > 0), default=None)
+
+
+def revision_estimates(reports: Mapping[tuple[str, str], AssignmentReport]) -> dict[str, int]:
+    """Revision → the largest ``estimated_bytes`` in one deployment's reports ((node, revision)
+    → report, any state; revisions with no estimate are absent)."""
+    out: dict[str, int] = {}
+    for (_node, revision), r in reports.items():
+        if r.estimated_bytes > 0:
+            out[revision] = max(out.get(revision, 0), r.estimated_bytes)
+    return out
 
 
 def node_budget_bytes(node: NodeRecord) -> int:
@@ -141,7 +183,7 @@ def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assi
 _MAX_NODES_NAMED = 5
 
 # Order of the checks, which is also the order of the reasons in the message.
-_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _CORDONED = range(6)
+_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _DRAINING, _CORDONED = range(7)
 
 
 def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
@@ -156,6 +198,8 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
         return _NAME
     if free < request.memory_bytes:
         return _MEMORY
+    if node.name in request.draining:  # its replicas are moved elsewhere
+        return _DRAINING
     if node.name in request.cordoned:  # otherwise fit: may keep a replica, takes no new one
         return _CORDONED
     return None
@@ -194,13 +238,18 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     chosen = set(kept)
 
     candidates = [n for n in eligible if n not in chosen]
-    if request.strategy == "Binpack":
+    wanted = request.replicas
+    if request.estimate_pending:  # one replica first, where most memory is free
+        wanted = min(request.replicas, max(len(chosen), 1))
+        candidates.sort(key=lambda n: (-free[n], n))
+    elif request.strategy == "Binpack":
         candidates.sort(key=lambda n: (n not in request.preferred, free[n], n))
     else:
         candidates.sort(key=lambda n: (n not in request.preferred, -free[n], n))
-    added = candidates[:max(request.replicas - len(chosen), 0)]
+    added = candidates[:max(wanted - len(chosen), 0)]
     chosen.update(added)
-    unplaced = request.replicas - len(chosen)
+    waiting = request.replicas - wanted
+    unplaced = wanted - len(chosen)
 
     reasons: tuple[str, ...] = ()
     message = ""
@@ -209,7 +258,7 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     return PlacementDecision(
         nodes=tuple(sorted(chosen)), kept=tuple(sorted(kept)), added=tuple(sorted(added)),
         removed=tuple(n for n in current if n not in chosen), unplaced=unplaced,
-        reasons=reasons, message=message)
+        reasons=reasons, message=message, waiting=waiting)
 
 
 class _neg(str):
@@ -249,6 +298,8 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
         elif kind == _NAME:
             verb = "serves" if k == 1 else "serve"
             parts.append(f"{k} already {verb} model name {request.model_name!r}")
+        elif kind == _DRAINING:
+            parts.append(f"{k} draining")
         elif kind == _CORDONED:
             parts.append(f"{k} cordoned")
         elif kind == _MEMORY:

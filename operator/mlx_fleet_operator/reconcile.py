@@ -36,8 +36,8 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, K
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
 from .placement import PlacementDecision
-from .rollout import (DeploymentPlan, RevisionTarget, RolloutState, Slot, plan_deployment,
-                      same_for_node)
+from .rollout import (DeploymentPlan, DrainState, RevisionTarget, RolloutState, Slot,
+                      plan_deployment, same_for_node)
 from .spec import pin_replicas
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class Plan:
     # records keep their stored generation, see rollout.same_for_node)
     candidate: PlacementDecision | None = None
     rollout: RolloutState = RolloutState()
+    drain: DrainState = DrainState()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ class ReconcileResult:
     conflicts: int
     candidate: PlacementDecision | None = None
     rollout: RolloutState = RolloutState()
+    drain: DrainState = DrainState()
 
 
 async def read_fleet(store: Store, keys: Keys) -> FleetView:
@@ -189,10 +191,13 @@ def report_slots(view: FleetView, namespace: str, name: str,
 
 
 def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent | None,
-         reports: Mapping[Slot, AssignmentReport] | None = None) -> Plan:
+         reports: Mapping[Slot, AssignmentReport] | None = None,
+         released: Collection[Slot] = ()) -> Plan:
     """Diff the desired assignments of ``namespace/name`` (``intent``; None = remove the
     deployment everywhere) against ``view``. ``reports``: (node, revision) → the agent's
     report, which a rolling update needs (a previous revision goes once the new one is Ready).
+    ``released``: drained slots whose withdrawal from the endpoints is published
+    (:func:`~.rollout.plan_deployment`).
     A stored record that is ``same_for_node`` as the desired one is kept as is (no write)."""
     mine = view.of(namespace, name)
     # Malformed values under this deployment's keys are rewritten or removed too.
@@ -212,7 +217,7 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
         dplan = plan_deployment(intent.stable, intent.candidate, max_surge=intent.max_surge,
                                 max_unavailable=intent.max_unavailable,
                                 nodes=list(view.nodes.values()), assignments=current,
-                                ready=ready, failed=failed)
+                                ready=ready, failed=failed, released=released)
         dplan = dataclasses.replace(dplan, desired=pin_replicas(
             dplan.desired, revision=intent.stable.request.revision, min_ready=intent.min_ready,
             stored={slot: s.assignment for slot, s in mine.items() if s.assignment is not None},
@@ -233,7 +238,7 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
             ops.append(Delete(have.key))
     return Plan(decision=dplan.stable, ops=tuple(ops), compares=tuple(compares),
                 epoch=view.epoch, desired=dplan.desired, candidate=dplan.candidate,
-                rollout=dplan.rollout)
+                rollout=dplan.rollout, drain=dplan.drain)
 
 
 async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT_WRITER) -> bool:
@@ -252,20 +257,20 @@ async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT
 
 async def _converge(store: Store, keys: Keys, namespace: str, name: str, intent: Intent | None,
                     reports: Mapping[Slot, AssignmentReport] | None, *, writer: str,
-                    max_attempts: int) -> ReconcileResult:
+                    max_attempts: int, released: Collection[Slot] = ()) -> ReconcileResult:
     conflicts = 0
     for attempt in range(1, max_attempts + 1):
         view = await read_fleet(store, keys)
-        p = plan(keys, view, namespace, name, intent, reports)
+        p = plan(keys, view, namespace, name, intent, reports, released)
         if not p.ops:
             return ReconcileResult(p.decision, p.desired, written=False, conflicts=conflicts,
-                                   candidate=p.candidate, rollout=p.rollout)
+                                   candidate=p.candidate, rollout=p.rollout, drain=p.drain)
         if await apply_plan(store, keys, p, writer=writer):
             log.info("%s/%s: assignments now %s%s", namespace, name,
                      [f"{n}:{r}" for n, r in sorted(p.desired)],
                      f"; {p.decision.message}" if p.decision.message else "")
             return ReconcileResult(p.decision, p.desired, written=True, conflicts=conflicts,
-                                   candidate=p.candidate, rollout=p.rollout)
+                                   candidate=p.candidate, rollout=p.rollout, drain=p.drain)
         conflicts += 1
         log.info("%s/%s: placement transaction lost a race (attempt %d/%d); re-reading",
                  namespace, name, attempt, max_attempts)
@@ -277,16 +282,18 @@ async def _converge(store: Store, keys: Keys, namespace: str, name: str, intent:
 
 async def reconcile(store: Store, keys: Keys, intent: Intent,
                     reports: Mapping[Slot, AssignmentReport] | None = None, *,
-                    writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS) -> ReconcileResult:
+                    writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS,
+                    released: Collection[Slot] = ()) -> ReconcileResult:
     """Store the assignments ``intent`` asks for (module docstring). ``reports``: (node,
     revision) → this deployment's agent reports (a rolling update advances on them).
+    ``released``: see :func:`plan`.
 
     Writes nothing when the stored state already matches. Raises :class:`ConflictError` after
     ``max_attempts`` lost races, ``StoreError`` when etcd is unreachable.
     """
     req = intent.stable.request
     return await _converge(store, keys, req.namespace, req.name, intent, reports,
-                           writer=writer, max_attempts=max_attempts)
+                           writer=writer, max_attempts=max_attempts, released=released)
 
 
 async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str, *,

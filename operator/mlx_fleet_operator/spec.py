@@ -50,11 +50,16 @@ class ModelSpec(_Spec):
 
 
 class ResourcesSpec(_Spec):
-    memory_bytes: int = Field(alias="memory")
+    """``memory``: the user's override of a replica's unified memory (bytes); None when unset —
+    placement then uses the agents' estimate (:func:`~.placement.resolve_memory`)."""
+
+    memory_bytes: int | None = Field(default=None, alias="memory")
 
     @field_validator("memory_bytes", mode="before")
     @classmethod
-    def _memory(cls, v: Any) -> int:
+    def _memory(cls, v: Any) -> int | None:
+        if v is None:
+            return None
         n = parse_quantity(v)
         if n <= 0:
             raise ValueError(f"must be greater than zero, got {v!r}")
@@ -122,7 +127,7 @@ class DeploymentSpec(_Spec):
 
     model: ModelSpec
     replicas: Annotated[int, Field(ge=0, le=1000)] = 1
-    resources: ResourcesSpec
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     serving: ServingSpec = Field(default_factory=ServingSpec)
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
@@ -183,6 +188,8 @@ def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str =
     """The assignment every chosen node receives for one revision of this deployment
     (identical per node): by default the spec's own revision as ``Stable``; a Canary's candidate
     passes ``role=Role.CANDIDATE`` and its ``source``/``revision``/``memory_bytes``.
+    ``memory_bytes`` (the bytes placement reserved: the override or the agents' estimate) falls
+    back to ``spec.resources.memory``, else 0 (no figure yet).
 
     ``served_model_name`` defaults to ``name`` (``metadata.name``).
     """
@@ -191,7 +198,7 @@ def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str =
         served_model_name=spec.model.served_model_name or name,
         source=ModelSource(uri=source or spec.model.source,
                            revision=revision or spec.model.revision),
-        memory_bytes=memory_bytes or spec.resources.memory_bytes,
+        memory_bytes=memory_bytes or spec.resources.memory_bytes or 0,
         serving=ServingParams(max_concurrent_sequences=spec.serving.max_concurrent_sequences,
                               max_context_tokens=spec.serving.max_context_tokens),
         lifecycle=LifecyclePolicy(idle_unload_seconds=spec.lifecycle.idle_unload_seconds,

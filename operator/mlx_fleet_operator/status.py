@@ -39,6 +39,21 @@ Conditions
                  previous one keeps serving), ``RolloutBlocked``, ``FailedPlacement`` or
                  ``ReplicaFailed`` otherwise.
 ``Degraded``     True when a replica failed or replicas could not be placed.
+``Scheduled``    True (``Scheduled``) when every replica is placed; False with ``Unschedulable``
+                 and placement's explanation — needed vs free memory per candidate node, like
+                 the kube-scheduler's ``FailedScheduling`` — while some cannot be (also while a
+                 drained replica cannot move: it keeps serving where it is); False with
+                 ``AwaitingEstimate`` while replicas wait for the agents' memory estimate
+                 (``spec.resources.memory`` unset: one replica is placed first); False with
+                 ``InvalidSpec`` for an invalid spec.
+
+Drained replicas
+----------------
+A replica on a draining Mac (``MacNode`` ``spec.drain``) keeps serving, and counts like any
+other, until its replacement is Ready elsewhere. Then it is *withdrawn* (``withdrawn``): listed
+in ``nodes`` with reason ``Withdrawn`` but no longer counted in ``replicas``/``readyReplicas``
+nor listed in ``endpoints`` — clients following ``endpoints`` stop sending to it — and its
+assignment is removed once that status is published (the agent lets running requests finish).
 
 A report counts only when its ``generation`` equals the generation of the assignment stored
 for that node (an older report describes an older spec).
@@ -56,7 +71,7 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, N
 
 Slot = tuple[str, str]  # (node, revision)
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Scheduled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +94,8 @@ class StatusInput:
     edit (``Complete`` when none is rolling out).
     ``spec_error``: set when the spec is invalid (nothing is re-placed then; ``assignments``
     are those still stored from the last valid spec, still served, so still reported).
+    ``withdrawn``: drained slots replaced elsewhere, on their way out (module docstring).
+    ``waiting``: replicas held back until the revision's memory estimate exists.
     """
 
     generation: int
@@ -92,6 +109,8 @@ class StatusInput:
     revision: str = ""
     rollout_reason: str = "Complete"
     rollout_message: str = ""
+    withdrawn: frozenset[Slot] = frozenset()
+    waiting: int = 0
 
 
 def now_rfc3339(now: dt.datetime | None = None) -> str:
@@ -119,8 +138,8 @@ def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
                    "message": report.message, "endpoint": endpoint}
 
 
-def _condition(ctype: str, status: str, reason: str, message: str, generation: int,
-               previous: Mapping[str, Mapping[str, Any]], now: str) -> dict[str, Any]:
+def condition(ctype: str, status: str, reason: str, message: str, generation: int,
+              previous: Mapping[str, Mapping[str, Any]], now: str) -> dict[str, Any]:
     """One condition with every field metav1.Condition (and the CRD) requires: ``type``,
     ``status``, ``lastTransitionTime``, a non-empty ``reason`` and a ``message`` (a string,
     at most 32768 characters)."""
@@ -130,6 +149,9 @@ def _condition(ctype: str, status: str, reason: str, message: str, generation: i
     return {"type": ctype, "status": status, "reason": reason, "message": message,
             "lastTransitionTime": now if changed else prev.get("lastTransitionTime", now),
             "observedGeneration": generation}
+
+
+_condition = condition  # the name other modules import
 
 
 def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
@@ -156,7 +178,13 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
 
     entries = [_node_entry(slot[0], inp.assignments[slot], inp.reports.get(slot),
                            inp.nodes.get(slot[0])) for slot in sorted(inp.assignments)]
-    serving = [e for e in entries if e["role"] != Role.CANDIDATE.value]
+    for e in entries:
+        if (e["name"], e["revision"]) in inp.withdrawn:
+            e.update(reason="Withdrawn", message="the Mac is draining and this replica is "
+                     "replaced elsewhere: out of endpoints; unloaded once that is published and "
+                     "its running requests finish")
+    serving = [e for e in entries if e["role"] != Role.CANDIDATE.value
+               and (e["name"], e["revision"]) not in inp.withdrawn]
     # Ready, or standby (idle-unloaded / reloading for a request): serves on demand
     ready = [e for e in serving if e["state"] == AssignmentState.READY.value
              or is_standby(e["state"], e["reason"])]
@@ -171,12 +199,13 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     desired = inp.replicas
 
     def cond(ctype: str, status: str, reason: str, message: str) -> dict[str, Any]:
-        return _condition(ctype, status, reason, message, gen, prev_conditions, stamp)
+        return condition(ctype, status, reason, message, gen, prev_conditions, stamp)
 
     if inp.spec_error is not None:
         conditions = [cond("Ready", "False", "InvalidSpec", inp.spec_error),
                       cond("Progressing", "False", "InvalidSpec", inp.spec_error),
-                      cond("Degraded", "True", "InvalidSpec", inp.spec_error)]
+                      cond("Degraded", "True", "InvalidSpec", inp.spec_error),
+                      cond("Scheduled", "False", "InvalidSpec", inp.spec_error)]
     else:
         if desired == 0:
             ready_c = cond("Ready", "True", "ScaledToZero", "0 replicas requested")
@@ -215,7 +244,17 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
             deg_c = cond("Degraded", "True", "FailedPlacement", inp.placement_message)
         else:
             deg_c = cond("Degraded", "False", "AsExpected", "no failed or unplaced replicas")
-        conditions = [ready_c, prog_c, deg_c]
+        if inp.unplaced > 0:
+            sched_c = cond("Scheduled", "False", "Unschedulable", inp.placement_message)
+        elif inp.waiting > 0:
+            sched_c = cond("Scheduled", "False", "AwaitingEstimate",
+                           f"{desired - inp.waiting}/{desired} replicas placed; {inp.waiting} "
+                           f"wait for the agents' memory estimate of revision {inp.revision} "
+                           "(spec.resources.memory is not set)")
+        else:
+            sched_c = cond("Scheduled", "True", "Scheduled",
+                           f"{desired}/{desired} replicas placed")
+        conditions = [ready_c, prog_c, deg_c, sched_c]
 
     # -- events on transitions -----------------------------------------------------------------
     for e in entries:
