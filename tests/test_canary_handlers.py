@@ -374,6 +374,11 @@ async def test_pending_until_the_candidate_is_ready_then_the_first_step_split(st
         guard=LocalGuard(enabled=True, window_seconds=3.0, min_failures=2, failure_ratio=0.25))
     assert rt.custom_api.spec_patches() == []
 
+    # a candidate replica withdrawn for a drain (leaving its Mac) is forwarded to no more
+    rt.withdrawn[T] = {(CANDIDATE_NODE, "v2"): 0.0}
+    await tick(rt, body, now=T0 + 11)
+    assert (await stored_split(rt)).candidate_endpoints == []
+
 
 async def progressing_canary(rt: Runtime, uid: str, **kw: Any) -> dict:
     """A canary of v2 against a healthy v1, at its first step (weight 10) since T0."""

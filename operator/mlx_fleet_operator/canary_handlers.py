@@ -149,7 +149,9 @@ def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployment
     cand = spec.candidate.revision
     placed = rt.placed.get(target, {})
     reports = rt.reports.get(target, {})
+    withdrawn = rt.withdrawn.get(target, {})  # drained replicas on their way out: not forwarded to
     endpoints = sorted({reports[s].endpoint for s in placed if s[1] == cand and s in reports
+                        and s not in withdrawn
                         and (reports[s].state == AssignmentState.READY
                              or is_standby(reports[s].state.value, reports[s].reason))
                         and reports[s].endpoint})
