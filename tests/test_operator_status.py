@@ -502,8 +502,7 @@ def test_standby_is_listed_with_its_reason_and_named_in_the_ready_message():
     assert (b["state"], b["reason"]) == ("Unloaded", "IdleUnloaded")
     assert "idleUnloadSeconds 300" in b["message"] and b["endpoint"] == "http://b:8000"
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-    assert ready["message"] == ("2/2 replicas ready (1 in standby: unloaded while idle, "
-                                "reloaded on demand)")
+    assert ready["message"] == "2/2 replicas ready (1 in standby: not resident, loaded on demand)"
 
 
 def test_idle_unload_and_reload_cycle_keeps_ready_and_posts_its_own_events():
@@ -529,6 +528,12 @@ def test_idle_unload_and_reload_cycle_keeps_ready_and_posts_its_own_events():
         prev = status
     _, events = compute_status(inp(idle("a")), None, T0)
     assert [e.reason for e in events] == ["Placed", "ReplicaIdleUnloaded"]
+    # each way into standby has its own event
+    for reason, event in (("Evicted", "ReplicaEvicted"),
+                          ("AwaitingRequest", "ReplicaAwaitingRequest")):
+        _, events = compute_status(inp(idle("a").model_copy(update={"reason": reason})),
+                                   s0, T1)
+        assert [e.reason for e in events] == [event]
     # a standby replica that fails to reload is a failure like any other
     _, events = compute_status(inp(rep("a", F, reason="ModelNotFound", message="gone")),
                                compute_status(inp(idle("a")), None, T0)[0], T1)

@@ -66,8 +66,8 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, NodeRecord, Role,
-                                is_standby)
+from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, Assignment,
+                                AssignmentReport, AssignmentState, NodeRecord, Role, is_standby)
 
 Slot = tuple[str, str]  # (node, revision)
 
@@ -154,6 +154,15 @@ def condition(ctype: str, status: str, reason: str, message: str, generation: in
 _condition = condition  # the name other modules import
 
 
+#: Standby report reason → (what the event says happened, event reason).
+_STANDBY_EVENTS = {
+    IDLE_UNLOADED: ("was unloaded while idle", "ReplicaIdleUnloaded"),
+    EVICTED: ("was evicted to make room for another model's load", "ReplicaEvicted"),
+    AWAITING_REQUEST: ("is not loaded until a request asks for it (prefetch OnDemand)",
+                       "ReplicaAwaitingRequest"),
+}
+
+
 def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                    now: dt.datetime | None = None) -> tuple[dict[str, Any], list[Event]]:
     """→ ``(status, events)``. ``previous``: the object's current ``status`` (or None).
@@ -165,7 +174,9 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     explanation changes, Warning ``InvalidSpec`` when the spec becomes invalid, Warning
     ``RolloutStalled`` / ``RolloutBlocked`` when Progressing turns to that reason, Normal
     ``RolloutComplete`` when the last Previous replica of a rollout is gone, Normal
-    ``ReplicaIdleUnloaded`` when a replica is unloaded for idleness (standby) and Normal
+    ``ReplicaIdleUnloaded`` / ``ReplicaEvicted`` / ``ReplicaAwaitingRequest`` when a replica
+    goes to standby (unloaded for idleness, evicted for another load's memory, not loaded
+    until a request asks: :data:`_STANDBY_EVENTS`) and Normal
     ``ReplicaReloaded`` (instead of ``ReplicaReady``) when a standby replica is Ready again.
     """
     previous = previous or {}
@@ -210,8 +221,8 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         if desired == 0:
             ready_c = cond("Ready", "True", "ScaledToZero", "0 replicas requested")
         else:
-            detail = (f" ({len(standby_nodes)} in standby: unloaded while idle, reloaded on "
-                      "demand)" if standby_nodes else "")
+            detail = (f" ({len(standby_nodes)} in standby: not resident, loaded on demand)"
+                      if standby_nodes else "")
             if n_ready >= desired:
                 ready_c = cond("Ready", "True", "ReplicasReady",
                                f"{n_ready}/{desired} replicas ready{detail}")
@@ -276,9 +287,10 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                                     f"{e['endpoint']}"))
         if (e["state"] == AssignmentState.UNLOADED.value and is_standby(e["state"], e["reason"])
                 and not was_standby):
-            events.append(Event("Normal", "ReplicaIdleUnloaded",
-                                f"Replica of {what} on node {e['name']} was unloaded while "
-                                f"idle (standby; the next request reloads it): {e['message']}"))
+            why, reason = _STANDBY_EVENTS.get(e["reason"], _STANDBY_EVENTS[IDLE_UNLOADED])
+            events.append(Event("Normal", reason,
+                                f"Replica of {what} on node {e['name']} {why} (standby; the "
+                                f"next request reloads it): {e['message']}".rstrip(": ")))
         if e["state"] == AssignmentState.FAILED.value and (
                 before_state != e["state"] or (before or {}).get("reason") != e["reason"]):
             events.append(Event("Warning", "ReplicaFailed",
