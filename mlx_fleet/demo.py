@@ -8,7 +8,9 @@ kube-apiserver → start the operator and agents ``mac-a``/``mac-b`` → ``kubec
 with the official ``openai`` client from the agent named in ``status.endpoints`` → with clients
 sending requests all along: a Canary of a healthy revision v2 steps 25 % → 50 % → 100 % and is
 promoted; a Canary of the faulty revision is rolled back by itself (``kubectl get canaries`` is
-printed at every change) → print the fleet → tear everything down. On failure it says which
+printed at every change) → back to one replica, ``mlx-fleet drain`` of its Mac while clients
+keep sending: the replica moves to the other Mac with no failed request → print the fleet →
+tear everything down. On failure it says which
 step failed and keeps the logs directory.
 """
 
@@ -95,6 +97,13 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
         cp.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=2",
                    "modeldeployment/llama-demo", "--timeout=240s", timeout=260)
         asyncio.run(_canaries(console, cp, model, faulty))
+
+        step = "draining a Mac under load"
+        cp.kubectl("patch", "modeldeployment/llama-demo", "--type=merge",
+                   "-p", '{"spec": {"replicas": 1}}')
+        cp.kubectl("wait", "--for=jsonpath={.status.replicas}=1", "modeldeployment/llama-demo",
+                   "--timeout=240s", timeout=260)
+        asyncio.run(_drain(console, cp, model))
 
         step = "printing the fleet status"
         _print_fleet(console, cp.etcd_url)
@@ -218,6 +227,50 @@ async def _canaries(console: Console, cp, model: str, faulty) -> None:
                   f"{sum(o.failed for o in out if o.session in stable_side)}")
     console.print("$ kubectl get canaries")
     console.print(cp.kubectl("get", "canaries").stdout.rstrip())
+
+
+async def _drain(console: Console, cp, model: str) -> None:
+    """``mlx-fleet drain`` of the Mac serving the one replica, while clients follow
+    ``status.endpoints`` as the API server sends it."""
+    import sys
+
+    from mlx_fleet.devcluster.kwatch import ObjectWatch
+    from mlx_fleet.devcluster.loadgen import LoadGenerator
+
+    md = json.loads(cp.kubectl("get", "modeldeployment/llama-demo", "-o", "json").stdout)
+    first, node = list(md["status"]["endpoints"]), md["status"]["nodes"][0]["name"]
+    watch = ObjectWatch(cp, "modeldeployment", "llama-demo", "default")
+
+    def endpoints() -> list[str]:
+        seen = [s.get("endpoints") for s in watch.statuses if s.get("endpoints") is not None]
+        return seen[-1] if seen else first
+
+    console.print(Panel(f"{node} is drained while 8 clients send requests: its replica is "
+                        "placed on the other Mac first, serves until that one is Ready, then "
+                        "leaves the endpoints, finishes its requests and unloads",
+                        title="Drain a Mac"))
+    console.print(f"$ mlx-fleet drain {node}")
+    try:
+        async with LoadGenerator(endpoints, model, sessions=[f"drain-{i}" for i in range(8)]
+                                 ) as load:
+            await load.wait_for(8)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mlx_fleet.cli", "drain", node, "--timeout", "120",
+                env={**os.environ, **cp.env()}, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT)
+            assert proc.stdout is not None
+            async for line in proc.stdout:
+                console.print(f"  {line.decode().rstrip()}", markup=False, highlight=False)
+            if await proc.wait() != 0:
+                raise DemoFailed(f"mlx-fleet drain {node} failed")
+            await load.wait_for(8)
+    finally:
+        watch.stop()
+    out = load.outcomes
+    console.print(f"[green]✓[/] {node} drained: {len(out)} requests during the drain, "
+                  f"{sum(o.failed for o in out)} failed")
+    console.print("$ kubectl get macnodes")
+    console.print(cp.kubectl("get", "macnodes").stdout.rstrip())
 
 
 def _print_fleet(console: Console, etcd_url: str) -> None:
