@@ -40,7 +40,7 @@ def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assig
     (rec(), [], {"health": "Healthy", "memoryReservedBytes": 0, "loadedModels": [],
                  "modelCount": 0, "memoryBudgetBytes": node_budget_bytes(64 * GiB, 0)}),
     (rec(), [asg("b", 4), asg("a", 2, "v2"), asg("a", 2, "v1")],
-     {"memoryReservedBytes": 8 * GiB, "modelCount": 3,
+     {"memoryReservedBytes": 8 * GiB, "modelCount": 3, "memory": "8.0GiB / 51.2GiB",
       "loadedModels": ["default/a@v1", "default/a@v2", "default/b@v1"]}),
     (rec(wired=32 * GiB), [], {"memoryBudgetBytes": 32 * GiB}),
     (rec(NodeHealth.DRAINING, simulated=False), [], {"health": "Draining", "simulated": False}),
@@ -58,6 +58,7 @@ def test_gone_keeps_the_last_facts_and_clears_the_load():
     gone = gone_status(live, unschedulable=True)
     assert gone["health"] == "Gone" and gone["chip"] == "Apple M4 Max"
     assert (gone["memoryReservedBytes"], gone["loadedModels"], gone["modelCount"]) == (0, [], 0)
+    assert gone["memory"] == "0B / 51.2GiB"
     assert gone["lastSeen"] == live["lastSeen"] and gone["unschedulable"] is True
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mlx_fleet.contract import Assignment, NodeRecord, node_budget_bytes
+from mlx_fleet.quantity import format_bytes
 
 from .status import condition
 
@@ -84,6 +85,8 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
         "memoryTotalBytes": c.memory_total_bytes,
         "memoryBudgetBytes": node_budget_bytes(c.memory_total_bytes, c.wired_limit_bytes),
         "memoryReservedBytes": sum(a.memory_bytes for a in asg),
+        "memory": memory_summary(sum(a.memory_bytes for a in asg),
+                                 node_budget_bytes(c.memory_total_bytes, c.wired_limit_bytes)),
         "health": record.health.value, "simulated": c.simulated, "address": record.address,
         "loadedModels": models, "modelCount": len(models), "unschedulable": unschedulable,
         "draining": draining, "lastSeen": _rfc3339(record.heartbeat_unix),
@@ -92,11 +95,19 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
     }
 
 
+def memory_summary(reserved: int, budget: int) -> str:
+    """``status.memory``, for people (``kubectl get macnodes``): ``"<reserved> / <budget>"`` in
+    binary units (:func:`mlx_fleet.quantity.format_bytes`); the byte fields stay the source."""
+    return f"{format_bytes(reserved)} / {format_bytes(budget)}"
+
+
 def gone_status(previous: Mapping[str, Any], *, unschedulable: bool = False,
                 draining: bool = False, generation: int = 0, now: str = "") -> dict[str, Any]:
     """The status of a MacNode whose record is gone: the last one, ``health: Gone``, nothing
     reserved or loaded (the operator drops a gone node's assignments)."""
-    return {**previous, "health": GONE, "memoryReservedBytes": 0, "loadedModels": [],
+    return {**previous, "health": GONE, "memoryReservedBytes": 0,
+            "memory": memory_summary(0, int(previous.get("memoryBudgetBytes") or 0)),
+            "loadedModels": [],
             "modelCount": 0, "unschedulable": unschedulable, "draining": draining,
             "conditions": [drained_condition(draining, (), generation=generation,
                                              previous=previous, now=now)]}
