@@ -108,19 +108,20 @@ class _Drain:
 
 
 class _Load:
-    """One load handed to the MLX thread. ``fut`` (loop side) resolves when the thread is done
-    with it: ``None`` once the revision is resident, else the error. ``cancelled`` is set by the
-    loop (an unload of the revision, or the caller gave up) and read by the thread before each
-    chunk. The thread sets ``replaced`` (it unloaded a resident copy of the revision) and
-    ``materialization`` (the chunked read, whose ints the loop reads for progress)."""
+    """One model load, from its tokenizer to resident. ``fut`` (loop side) resolves when the
+    load is over: ``None`` once the revision is resident, else the error. ``cancelled`` is set
+    by the loop (an unload of the revision, or the caller gave up) and read by the thread before
+    each chunk. ``queued``: handed to the MLX thread. The thread sets ``replaced`` (it unloaded
+    a resident copy of the revision) and ``materialization`` (the chunked read, whose ints the
+    loop reads for progress)."""
 
-    def __init__(self, info: ModelInfo, tokenizer: Any, fut: asyncio.Future,
-                 tokenizer_seconds: float) -> None:
+    def __init__(self, info: ModelInfo, fut: asyncio.Future) -> None:
         self.info = info
-        self.tokenizer = tokenizer
         self.fut = fut
-        self.tokenizer_seconds = tokenizer_seconds
+        self.tokenizer: Any = None
+        self.tokenizer_seconds = 0.0
         self.cancelled = False
+        self.queued = False
         self.settled = False           # loop side: _settle_load ran
         # thread
         self.replaced = False
@@ -130,9 +131,14 @@ class _Load:
 
     def progress(self) -> LoadProgress:
         m = self.materialization
-        return LoadProgress(self.info.model_id, self.info.revision,
+        state = ("ReadingWeights" if m is not None else "Queued" if self.queued
+                 else "LoadingTokenizer")
+        return LoadProgress(self.info.model_id, self.info.revision, state,
                             m.done_bytes if m else 0, m.total_bytes if m else 0,
                             m.chunks if m else 0)
+
+
+_CANCELLED = "the load was called off by an unload of the revision or by its caller"
 
 
 class ServingCore:
@@ -279,28 +285,23 @@ class ServingCore:
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
                          max_context_tokens)
         self._end_drain(key)
-        t0 = time.perf_counter()
+        assert self._loop is not None
+        job = _Load(info, self._loop.create_future())
+        self._loading.append(job)
+        job.fut.add_done_callback(lambda _: self._settle_load(job))
         try:
-            # pure Python (tokenizers, Jinja): off the MLX thread, which keeps decoding
-            tokenizer = await asyncio.to_thread(load_tokenizer, spath)
-        except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
+            await self._hand_to_thread(job)
+        except BaseException as e:  # it never reached the MLX thread
+            if not job.fut.done():
+                if isinstance(e, ModelLoadError):
+                    job.fut.set_exception(e)
+                else:
+                    job.fut.cancel()
             if existing is not None and self._infos.get(key) is existing:
                 # a replacement that fails leaves the revision unloaded, whatever stage failed
                 self._drop(key)
-                with contextlib.suppress(GenerationAborted):
-                    await self._call(self._engine.unload, key)
-            raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
-        assert self._loop is not None
-        job = _Load(info, tokenizer, self._loop.create_future(), time.perf_counter() - t0)
-        del tokenizer
-        with self._cmd_lock:
-            if self._dead:
-                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
-                                     self._failed_message() if self._failure
-                                     else "the serving core closed")
-            self._cmds.put(("load", job))
-        self._loading.append(job)
-        job.fut.add_done_callback(lambda _: self._settle_load(job))
+                self._post(self._engine.unload, key)
+            raise
         try:
             await asyncio.shield(job.fut)
         except asyncio.CancelledError:
@@ -312,6 +313,28 @@ class ServingCore:
             if job.fut.done():
                 self._settle_load(job)
         return info
+
+    async def _hand_to_thread(self, job: _Load) -> None:
+        """Load ``job``'s tokenizer off the MLX thread, then queue the job on it. Raises
+        :class:`ModelLoadError` (``LoadFailed``, ``Cancelled``, ``CoreFailed``, ``NotStarted``)."""
+        t0 = time.perf_counter()
+        try:
+            # pure Python (tokenizers, Jinja): off the MLX thread, which keeps decoding
+            job.tokenizer = await asyncio.to_thread(load_tokenizer, job.info.path)
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
+            raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        job.tokenizer_seconds = time.perf_counter() - t0
+        if job.cancelled:
+            job.tokenizer = None
+            raise ModelLoadError("Cancelled", _CANCELLED)
+        with self._cmd_lock:
+            if self._dead:
+                job.tokenizer = None
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     self._failed_message() if self._failure
+                                     else "the serving core closed")
+            self._cmds.put(("load", job))
+            job.queued = True
 
     def _settle_load(self, job: _Load) -> None:
         """Loop side, once the thread is done with ``job`` (idempotent): a resident copy it
@@ -605,6 +628,14 @@ class ServingCore:
             self._cmds.put(("call", fn, args, fut))
         return await fut
 
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the MLX thread without waiting for it (``fn`` must not raise;
+        nothing is queued once the thread has ended)."""
+        assert self._loop is not None
+        with self._cmd_lock:
+            if not self._dead:
+                self._cmds.put(("call", fn, args, self._loop.create_future()))
+
     def _on_thread_exit(self) -> None:
         """Loop side, after the MLX thread ended: a failed core serves no model any more."""
         if self._failure is None:
@@ -725,8 +756,7 @@ class ServingCore:
         make it resident. A failure of any stage drops the load (``LoadFailed``)."""
         job = self._loads[0]
         if job.cancelled:
-            self._t_drop_load(ModelLoadError("Cancelled", "the load was called off by an "
-                                             "unload of the revision or by its caller"))
+            self._t_drop_load(ModelLoadError("Cancelled", _CANCELLED))
             return
         try:
             if job.materialization is None:

@@ -60,12 +60,15 @@ class MemoryUsage:
 
 @dataclass(frozen=True)
 class LoadProgress:
-    """A load in progress (:meth:`ServingCore.loads`). ``done_bytes`` of ``total_bytes``: the
-    parameters evaluated so far (``total_bytes`` is 0 until the MLX thread has built the lazy
-    model); ``chunks``: in how many chunks (see :mod:`node_agent.serving.loading`)."""
+    """A load in progress (:meth:`ServingCore.loads`). ``state``: ``LoadingTokenizer`` (off the
+    MLX thread), ``Queued`` (waiting for the MLX thread: one load reads weights at a time) or
+    ``ReadingWeights``; ``done_bytes`` of ``total_bytes``: the parameters evaluated so far (both
+    0 before ``ReadingWeights``); ``chunks``: in how many chunks (see
+    :mod:`node_agent.serving.loading`)."""
 
     model_id: str
     revision: str
+    state: str
     done_bytes: int
     total_bytes: int
     chunks: int
