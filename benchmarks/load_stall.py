@@ -5,14 +5,19 @@ one run, alternating A/B per round.
 What it measures: one greedy streaming request of the *stream* model per phase; every gap
 between two consecutive chunks as its consumer on the event loop sees them. In the ``idle``
 phase nothing else happens; in the ``load`` phase the *load* model (a larger generated llama) is
-loaded, unloaded and loaded again for as long as the stream runs, and a gap counts as "during a
-load" when it overlaps a ``load_model`` call. Reported: p50/p99 of the gaps of each kind, their
-ratio (issue 6's goal: p99 during a load ≤ 2 × idle), and the median seconds of one load of the
-load model while the stream runs and while nothing else does. The claim is the ratio on one
-machine in one run, never an absolute number.
+loaded, unloaded and loaded again for as long as the stream runs (two tokens apart, so no gap
+spans both), and a gap counts as "during a load" when it overlaps a ``load_model`` call, "during
+an unload" when it overlaps an ``unload_model`` call. Reported: p50/p99 of the gaps of each
+kind, the p99 ratio during a load (issue 6's goal: ≤ 2 × idle), and the median seconds of one
+load of the load model while the stream runs and while nothing else does. The claim is the
+ratio on one machine in one run, never an absolute number.
+
+The core reads a load in chunks of whole arrays (:mod:`node_agent.serving.loading`), so the
+stall also depends on the load model's largest array relative to the stream model's decode
+step: ``--load-hidden-size`` sets it (the MLP matrices are hidden × 2·hidden float32).
 
     python benchmarks/load_stall.py --help
-    python benchmarks/load_stall.py --rounds 3 --load-hidden-size 1024 --load-num-layers 8
+    python benchmarks/load_stall.py --rounds 3 --load-hidden-size 512 --load-num-layers 24
 
 Importable: :func:`measure` (the coroutine) and :func:`run` (runs it, returns the result);
 ``benchmarks/lifecycle.py`` reuses them for its ``itl_p99_ratio_during_load``. Results (JSON,
@@ -51,8 +56,8 @@ class Params:
     tokens: int = 400                # tokens streamed per phase
     stream_hidden_size: int = 256
     stream_num_layers: int = 4
-    load_hidden_size: int = 1024
-    load_num_layers: int = 8
+    load_hidden_size: int = 512
+    load_num_layers: int = 24
     vocab_size: int = 1024
     step_fraction: float | None = None   # LoadPacing.step_fraction (None: the core's default)
 
