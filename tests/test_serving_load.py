@@ -328,3 +328,16 @@ async def test_unload_while_the_tokenizer_loads_calls_the_load_off(
         await loading
     assert exc.value.reason == "Cancelled"
     assert core.models() == [] and core.loads() == [] and chunks_of(trace, "y") == []
+
+
+async def test_the_same_load_twice_reads_the_weights_once(
+        core: ServingCore, trace: list[tuple], big_model_path: Path) -> None:
+    first, second = await asyncio.wait_for(asyncio.gather(
+        core.load_model("y", big_model_path, revision="r1", max_concurrent_sequences=2),
+        core.load_model("y", big_model_path, revision="r1", max_concurrent_sequences=3)), BOUND)
+    assert (first.max_concurrent_sequences, second.max_concurrent_sequences) == (2, 3)
+    assert core.model_info("y") == second and second.created_unix == first.created_unix
+    assert ("unload", "y") not in trace                  # not loaded twice (nor replaced)
+    n = len(chunks_of(trace, "y"))
+    await core.load_model("y", big_model_path, revision="r1", max_concurrent_sequences=3)
+    assert len(chunks_of(trace, "y")) == n

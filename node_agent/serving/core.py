@@ -247,7 +247,9 @@ class ServingCore:
         loads, so if that load fails the revision is no longer loaded at all. Loading a
         revision that is draining calls the drain off (it admits requests again and the pending
         :meth:`unload_model` leaves it loaded).
-        Loads queue: one materialises at a time, in call order. An :meth:`unload_model` of the
+        A call for a revision and path whose load is under way joins that load (the weights
+        are read once; its limits are applied after it). Loads queue: one materialises at a
+        time, in call order. An :meth:`unload_model` of the
         revision, or :meth:`close`, calls a load off (queued or half read: what it read is
         freed). If the calling task is cancelled the load is called off too, unless it has
         already completed (then the revision stays loaded).
@@ -264,6 +266,19 @@ class ServingCore:
             raise ValueError("max_concurrent_sequences must be >= 1, max_context_tokens >= 2")
         spath = str(Path(path))
         key = (model_id, revision)
+        joined = next((j for j in self._loading if j.info.key == key and j.info.path == spath
+                       and not j.cancelled and not j.fut.done()), None)
+        if joined is not None:
+            # the same load is under way (e.g. the controller and a reload on demand): wait
+            # for it instead of reading the weights twice, then apply these limits to it
+            try:
+                await asyncio.shield(joined.fut)
+            except GenerationAborted as e:
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     str(e)) from e
+            return await self.load_model(model_id, path, revision=revision,
+                                         max_concurrent_sequences=max_concurrent_sequences,
+                                         max_context_tokens=max_context_tokens)
         existing = self._infos.get(key)
         if existing is not None and existing.path == spath:
             self._end_drain(key)
