@@ -60,6 +60,7 @@ class Params:
     load_num_layers: int = 24
     vocab_size: int = 1024
     step_fraction: float | None = None   # LoadPacing.step_fraction (None: the core's default)
+    freeze: bool = True              # gc.freeze() the imports first, as the agent process does
 
 
 def p(values: list[float], q: float) -> float:
@@ -132,6 +133,13 @@ def _overlaps(gap: tuple[float, float], intervals: list[tuple[float, float]]) ->
 
 async def measure(params: Params = Params()) -> dict:
     """Run the benchmark in this event loop; returns the result dict (see the module doc)."""
+    if params.freeze:
+        try:
+            from node_agent.serving.preload import preload_and_freeze
+        except ImportError:          # an older agent (before/after comparisons)
+            pass
+        else:
+            preload_and_freeze()
     stream_path = _model(params.stream_hidden_size, params.stream_num_layers,
                          params.vocab_size, 0)
     load_path = _model(params.load_hidden_size, params.load_num_layers, params.vocab_size, 1)
@@ -229,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=d.vocab_size)
     ap.add_argument("--step-fraction", type=float, default=None,
                     help="LoadPacing.step_fraction of the core (default: the core's own)")
+    ap.add_argument("--no-freeze", dest="freeze", action="store_false",
+                    help="don't gc.freeze() the imports first (the agent process does)")
     ap.add_argument("--output", type=Path, default=RESULTS / "load_stall.json",
                     help="result JSON (default: %(default)s)")
     args = ap.parse_args(argv)

@@ -356,11 +356,15 @@ async def run(config: AgentConfig) -> int:
     """Run an agent until SIGTERM or SIGINT (returns 0) or until its serving core fails
     (returns :data:`EXIT_CORE_FAILED`), then shut it down gracefully: the lease is revoked in
     both cases."""
+    from .serving.preload import preload_and_freeze
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    # before any model exists: unloads then collect garbage in ~1 ms, not ~100 ms
+    preload_and_freeze()
     agent = Agent(config)
     starting = asyncio.create_task(agent.start())
     waiting = asyncio.create_task(stop.wait())
