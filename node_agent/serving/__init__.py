@@ -4,17 +4,21 @@ Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Ch
 :mod:`.generation` (a request and its streaming handle), :mod:`.admission` (queue limits, pure),
 :mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers),
 :mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's
-work on them), :mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`:
-asyncio API, command channel, step loop).
+work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, chunk planning),
+:mod:`.preload` (the loaders imported and frozen out of the collector's reach),
+:mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`: asyncio API,
+command channel, step loop).
 """
 
 from .core import ServingCore
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                      ModelNotLoaded, Overloaded)
 from .generation import Generation
-from .types import Chunk, MemoryUsage, ModelInfo
+from .loading import LoadPacing
+from .types import Chunk, LoadProgress, MemoryUsage, ModelInfo
 
 __all__ = [
     "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
     "GenerationAborted", "MemoryUsage", "ModelInfo", "Chunk", "Generation", "ServingCore",
+    "LoadPacing", "LoadProgress",
 ]

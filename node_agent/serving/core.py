@@ -15,6 +15,14 @@ still admits requests. Unloading a revision can *drain* it first: it stops admit
 its running and queued requests finish, then it is unloaded (see
 :meth:`ServingCore.unload_model`).
 
+Loading never stalls serving (:mod:`node_agent.serving.loading`): the tokenizer loads on a
+worker thread of the event loop, the model is built with lazy weights on the MLX thread, and
+its parameters are then read one chunk per iteration of the step loop, after the decode step of
+every revision with work; a chunk's read time is kept to a fraction of the last decode step's
+time (:class:`~node_agent.serving.loading.LoadPacing`), so the other revisions keep emitting
+tokens during a load. Loads queue (one materialises at a time); commands (unload, cancel, new
+requests) are served between chunks. A revision becomes visible only once fully read.
+
 Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per loaded
 revision): a request admitted while others decode is inserted into the running generator and
 joins the batch at its next step. Prompt prefixes are reused through mlx-lm's
@@ -50,6 +58,8 @@ calls fail immediately.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -66,7 +76,8 @@ from .admission import admit
 from .engine import Engine, Events
 from .errors import GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
 from .generation import Generation, Request
-from .types import MemoryUsage, ModelInfo, ModelKey
+from .loading import LoadPacing, Materialization, load_tokenizer
+from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
 __all__ = ["ServingCore"]
@@ -96,17 +107,56 @@ class _Drain:
         self.cancelled = False
 
 
+class _Load:
+    """One model load, from its tokenizer to resident. ``fut`` (loop side) resolves when the
+    load is over: ``None`` once the revision is resident, else the error. ``cancelled`` is set
+    by the loop (an unload of the revision, or the caller gave up) and read by the thread before
+    each chunk. ``queued``: handed to the MLX thread. The thread sets ``replaced`` (it unloaded
+    a resident copy of the revision) and ``materialization`` (the chunked read, whose ints the
+    loop reads for progress)."""
+
+    def __init__(self, info: ModelInfo, fut: asyncio.Future) -> None:
+        self.info = info
+        self.fut = fut
+        self.tokenizer: Any = None
+        self.tokenizer_seconds = 0.0
+        self.cancelled = False
+        self.queued = False
+        self.settled = False           # loop side: _settle_load ran
+        # thread
+        self.replaced = False
+        self.model: Any = None
+        self.materialization: Materialization | None = None
+        self.started_at = 0.0
+
+    def progress(self) -> LoadProgress:
+        m = self.materialization
+        state = ("ReadingWeights" if m is not None else "Queued" if self.queued
+                 else "LoadingTokenizer")
+        return LoadProgress(self.info.model_id, self.info.revision, state,
+                            m.done_bytes if m else 0, m.total_bytes if m else 0,
+                            m.chunks if m else 0)
+
+
+_CANCELLED = "the load was called off by an unload of the revision or by its caller"
+
+
 class ServingCore:
     """Loads MLX models and generates with continuous batching on one MLX-owning thread.
 
     All coroutine methods must be awaited on the event loop that called :meth:`start`.
+    ``load_pacing``: how loads are cut into chunks between decode steps (default
+    :class:`~node_agent.serving.loading.LoadPacing`: a chunk read while others decode takes at
+    most half the last decode step's time; 512 MiB chunks while nothing decodes).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
-                 max_queued_requests: int = 64) -> None:
+                 max_queued_requests: int = 64,
+                 load_pacing: LoadPacing | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.max_queued_requests = max_queued_requests
+        self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
         self._started = False
         self._finished = threading.Event()
@@ -115,6 +165,8 @@ class ServingCore:
         self._infos: dict[ModelKey, ModelInfo] = {}
         self._inflight: dict[ModelKey, int] = {}
         self._drains: dict[ModelKey, _Drain] = {}
+        self._loading: list[_Load] = []          # loads handed to the thread, in order
+        self._failed = asyncio.Event()            # set once the MLX thread has failed
         self._closed = False
         self._failure: str | None = None
         # _dead: the MLX thread no longer reads _cmds. Set and read under _cmd_lock so that no
@@ -123,6 +175,7 @@ class ServingCore:
         self._dead = False
         # thread side (its Stats are plain ints, read here)
         self._engine = Engine(self.metrics, self._send, self._forget_threadsafe)
+        self._loads: collections.deque[_Load] = collections.deque()   # thread: the load queue
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,6 +213,15 @@ class ServingCore:
         not (also after a clean :meth:`close`). Once set it never clears: make a new core."""
         return self._failure
 
+    async def wait_failure(self) -> str:
+        """Wait until the MLX thread fails and return :attr:`failure` (at once when it already
+        has). A core that never fails (also one closed cleanly) keeps this waiting: cancel it.
+        The agent process uses it to stop and exit instead of staying registered with a
+        serving core that can no longer serve."""
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
     def _failed_message(self) -> str:
         return f"the serving core failed: {self._failure}"
 
@@ -168,7 +230,9 @@ class ServingCore:
                          max_concurrent_sequences: int = 8,
                          max_context_tokens: int = 4096) -> ModelInfo:
         """Load ``path`` (a local mlx-lm model directory) as revision ``revision`` of
-        ``model_id`` with ``mlx_lm.load``.
+        ``model_id`` (mlx-lm's loader; weights read in chunks between the other revisions'
+        decode steps, see the module docstring). The revision is visible (:meth:`models`,
+        :meth:`generate`) only once all its weights are read.
 
         A revision that is not loaded is added *next to* the other revisions of ``model_id``
         (they keep serving; requests that name no revision go to the newest). Re-loading the
@@ -183,8 +247,16 @@ class ServingCore:
         loads, so if that load fails the revision is no longer loaded at all. Loading a
         revision that is draining calls the drain off (it admits requests again and the pending
         :meth:`unload_model` leaves it loaded).
+        A call for a revision and path whose load is under way joins that load (the weights
+        are read once; its limits are applied after it). Loads queue: one materialises at a
+        time, in call order. An :meth:`unload_model` of the
+        revision, or :meth:`close`, calls a load off (queued or half read: what it read is
+        freed). If the calling task is cancelled the load is called off too, unless it has
+        already completed (then the revision stays loaded).
         Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
-        ``config.json``, ``LoadFailed`` for any error while loading, ``NotStarted``).
+        ``config.json``, ``LoadFailed`` for any error while loading — tokenizer, model build or
+        any chunk of weights; nothing of it stays resident —, ``Cancelled`` when an unload
+        called it off, ``NotStarted`` when the core is closed, ``CoreFailed``).
         """
         if self._failure is not None:
             raise ModelLoadError("CoreFailed", self._failed_message())
@@ -194,6 +266,19 @@ class ServingCore:
             raise ValueError("max_concurrent_sequences must be >= 1, max_context_tokens >= 2")
         spath = str(Path(path))
         key = (model_id, revision)
+        joined = next((j for j in self._loading if j.info.key == key and j.info.path == spath
+                       and not j.cancelled and not j.fut.done()), None)
+        if joined is not None:
+            # the same load is under way (e.g. the controller and a reload on demand): wait
+            # for it instead of reading the weights twice, then apply these limits to it
+            try:
+                await asyncio.shield(joined.fut)
+            except GenerationAborted as e:
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     str(e)) from e
+            return await self.load_model(model_id, path, revision=revision,
+                                         max_concurrent_sequences=max_concurrent_sequences,
+                                         max_context_tokens=max_context_tokens)
         existing = self._infos.get(key)
         if existing is not None and existing.path == spath:
             self._end_drain(key)
@@ -215,21 +300,78 @@ class ServingCore:
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
                          max_context_tokens)
         self._end_drain(key)
+        assert self._loop is not None
+        job = _Load(info, self._loop.create_future())
+        self._loading.append(job)
+        job.fut.add_done_callback(lambda _: self._settle_load(job))
         try:
-            await self._call(self._engine.load, info)
-        except BaseException as e:
-            # the engine drops a resident copy of this revision before loading (so that both
-            # never need memory at once): after a failure it is not loaded any more
+            await self._hand_to_thread(job)
+        except BaseException as e:  # it never reached the MLX thread
+            if not job.fut.done():
+                if isinstance(e, ModelLoadError):
+                    job.fut.set_exception(e)
+                else:
+                    job.fut.cancel()
             if existing is not None and self._infos.get(key) is existing:
+                # a replacement that fails leaves the revision unloaded, whatever stage failed
                 self._drop(key)
-            if isinstance(e, GenerationAborted):  # the thread failed or the core closed
-                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
-                                     str(e)) from e
+                self._post(self._engine.unload, key)
             raise
-        self._infos.pop(key, None)
-        self._infos[key] = info            # last in load order: the newest revision
-        self.metrics.model_loaded.labels(*key).set(1)
+        try:
+            await asyncio.shield(job.fut)
+        except asyncio.CancelledError:
+            job.cancelled = True   # the thread drops it; _settle_load runs when it has
+            raise
+        except GenerationAborted as e:  # the thread failed or the core closed
+            raise ModelLoadError("CoreFailed" if self._failure else "NotStarted", str(e)) from e
+        finally:
+            if job.fut.done():
+                self._settle_load(job)
         return info
+
+    async def _hand_to_thread(self, job: _Load) -> None:
+        """Load ``job``'s tokenizer off the MLX thread, then queue the job on it. Raises
+        :class:`ModelLoadError` (``LoadFailed``, ``Cancelled``, ``CoreFailed``, ``NotStarted``)."""
+        t0 = time.perf_counter()
+        try:
+            # pure Python (tokenizers, Jinja): off the MLX thread, which keeps decoding
+            job.tokenizer = await asyncio.to_thread(load_tokenizer, job.info.path)
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
+            raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        job.tokenizer_seconds = time.perf_counter() - t0
+        if job.cancelled:
+            job.tokenizer = None
+            raise ModelLoadError("Cancelled", _CANCELLED)
+        with self._cmd_lock:
+            if self._dead:
+                job.tokenizer = None
+                raise ModelLoadError("CoreFailed" if self._failure else "NotStarted",
+                                     self._failed_message() if self._failure
+                                     else "the serving core closed")
+            self._cmds.put(("load", job))
+            job.queued = True
+
+    def _settle_load(self, job: _Load) -> None:
+        """Loop side, once the thread is done with ``job`` (idempotent): a resident copy it
+        replaced is no longer served; on success the revision is (last in load order, so the
+        newest)."""
+        if job.settled:
+            return
+        job.settled = True
+        with contextlib.suppress(ValueError):
+            self._loading.remove(job)
+        key = job.info.key
+        if job.replaced:
+            self._drop(key)
+        if job.fut.cancelled() or job.fut.exception() is not None:
+            return      # (exception() also marks the error as retrieved)
+        self._infos.pop(key, None)
+        self._infos[key] = job.info
+        self.metrics.model_loaded.labels(*key).set(1)
+
+    def loads(self) -> list[LoadProgress]:
+        """The loads in progress (queued ones too), in the order they were started."""
+        return [j.progress() for j in self._loading if not j.fut.done()]
 
     async def unload_model(self, model_id: str, revision: str | None = None, *,
                            drain_seconds: float = 0) -> None:
@@ -243,9 +385,20 @@ class ServingCore:
         Without a drain, running requests are aborted at once. A drain is called off for a
         revision that is loaded again meanwhile (it stays loaded). If this call is cancelled
         while it waits, the revisions it started draining admit requests again.
+
+        Loads of the matching revisions in progress or queued are called off first (their
+        :meth:`load_model` raises ``ModelLoadError("Cancelled")``); the call waits until the
+        MLX thread has dropped them (at its next iteration: after at most one chunk).
         """
-        keys = [k for k in self._infos
-                if k[0] == model_id and (revision is None or k[1] == revision)]
+        def matches(k: ModelKey) -> bool:
+            return k[0] == model_id and (revision is None or k[1] == revision)
+
+        loads = [j for j in self._loading if matches(j.info.key) and not j.fut.done()]
+        for j in loads:
+            j.cancelled = True
+        if loads:
+            await asyncio.wait([j.fut for j in loads])
+        keys = [k for k in self._infos if matches(k)]
         if not keys:
             return
         if drain_seconds > 0 and self.healthy:
@@ -490,11 +643,20 @@ class ServingCore:
             self._cmds.put(("call", fn, args, fut))
         return await fut
 
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the MLX thread without waiting for it (``fn`` must not raise;
+        nothing is queued once the thread has ended)."""
+        assert self._loop is not None
+        with self._cmd_lock:
+            if not self._dead:
+                self._cmds.put(("call", fn, args, self._loop.create_future()))
+
     def _on_thread_exit(self) -> None:
         """Loop side, after the MLX thread ended: a failed core serves no model any more."""
         if self._failure is None:
             return
         self._drop_all()
+        self._failed.set()
 
     def _forget(self, info: ModelInfo) -> None:
         """Loop side: the thread dropped ``info``'s revision on its own (it could not recover)."""
@@ -541,6 +703,8 @@ class ServingCore:
                 log.critical("the MLX serving thread failed; the serving core is unusable",
                              exc_info=True)
             reason = self._failed_message() if self._failure else "the serving core closed"
+            while self._loads:
+                self._t_drop_load(GenerationAborted(reason))
             self._engine.unload_all(reason, crashed=self._failure is not None)
         finally:
             self._t_exit()
@@ -558,6 +722,8 @@ class ServingCore:
                     break
                 if isinstance(cmd, tuple) and cmd[0] == "call":
                     self._resolve(cmd[3], error=GenerationAborted(reason))
+                elif isinstance(cmd, tuple) and cmd[0] == "load":
+                    self._resolve(cmd[1].fut, error=GenerationAborted(reason))
             if self._loop is not None:
                 try:
                     self._loop.call_soon_threadsafe(self._on_thread_exit)
@@ -567,8 +733,9 @@ class ServingCore:
             self._finished.set()
 
     def _run(self) -> None:
-        """The step loop: run queued commands, then one batch step of every revision with work;
-        block on the command queue only while no revision has work."""
+        """The step loop: run queued commands, then one batch step of every revision with work,
+        then one chunk of the load in progress; block on the command queue only while no
+        revision has work and no load is queued."""
         import mlx.core as mx
 
         # Like mlx_lm.server: generate on this thread's default stream, so that model, caches
@@ -578,7 +745,7 @@ class ServingCore:
         with mx.stream(stream):
             while True:
                 try:
-                    cmd = self._cmds.get(block=not self._engine.has_work())
+                    cmd = self._cmds.get(block=not (self._engine.has_work() or self._loads))
                 except queue.Empty:
                     cmd = None
                 while cmd is not None:
@@ -589,7 +756,56 @@ class ServingCore:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                self._t_step_all()
+                step_seconds = None
+                if self._engine.has_work():
+                    t0 = time.perf_counter()
+                    self._t_step_all()
+                    step_seconds = time.perf_counter() - t0
+                if self._loads:
+                    self._t_load_step(step_seconds)
+
+    def _t_load_step(self, decode_step_seconds: float | None) -> None:
+        """Advance the load at the head of the queue by one stage: drop it if it was called
+        off, else build its lazy model (cheap) and read one chunk of its weights sized for
+        ``decode_step_seconds`` (None: nothing decoded this iteration), and once all is read
+        make it resident. A failure of any stage drops the load (``LoadFailed``)."""
+        job = self._loads[0]
+        if job.cancelled:
+            self._t_drop_load(ModelLoadError("Cancelled", _CANCELLED))
+            return
+        try:
+            if job.materialization is None:
+                job.started_at = time.perf_counter()
+                if self._engine.registry.get(job.info.key) is not None:
+                    job.replaced = True
+                    self._engine.unload(job.info.key, reason="the model was replaced")
+                job.model = self._engine.begin_load(job.info)
+                job.materialization = Materialization(job.model, self.load_pacing)
+            if not job.materialization.done:
+                job.materialization.step(decode_step_seconds)
+            if job.materialization.done:
+                self._engine.finish_load(
+                    job.info, job.model, job.tokenizer,
+                    job.tokenizer_seconds + time.perf_counter() - job.started_at)
+                self._loads.popleft()
+                job.model = job.tokenizer = None
+                job.materialization.release()
+                self._resolve(job.fut, None)
+        except ModelLoadError as e:
+            self._t_drop_load(e)
+        except Exception as e:  # noqa: BLE001 - a read error of one chunk fails this load only
+            log.exception("loading %s@%s failed", *job.info.key)
+            self._t_drop_load(ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}"))
+
+    def _t_drop_load(self, error: BaseException) -> None:
+        """Drop the load at the head of the queue, free what it read, fail its caller."""
+        job = self._loads.popleft()
+        # keep the materialization's ints for progress(); drop every array reference
+        job.model = job.tokenizer = None
+        if job.materialization is not None:
+            job.materialization.release()
+        self._engine.release_memory("the load of %s@%s" % job.info.key)
+        self._resolve(job.fut, error=error)
 
     def _t_step_all(self) -> None:
         """One batch step of every revision with work. A function of its own so that no frame
@@ -604,7 +820,9 @@ class ServingCore:
                     self._engine.reset(res, f"generation failed: {type(e).__name__}: {e}")
 
     def _t_command(self, cmd: tuple) -> None:
-        if cmd[0] == "call":
+        if cmd[0] == "load":
+            self._loads.append(cmd[1])
+        elif cmd[0] == "call":
             _, fn, args, fut = cmd
             try:
                 result = fn(*args)

@@ -1,4 +1,5 @@
-"""What the MLX thread does to resident revisions: load, limits, unload, tokenize and queue a
+"""What the MLX thread does to resident revisions: load (its first and last steps; the chunks
+between are :mod:`node_agent.serving.loading`), limits, unload, tokenize and queue a
 request, insert it into the revision's mlx-lm ``BatchGenerator``, run one batch step and turn its
 tokens into chunks, and reset a revision's batch after an error.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from ..metrics import AgentMetrics
@@ -57,25 +59,44 @@ class Engine:
         return any(r.has_work() for r in self.registry)
 
     # -- revisions -----------------------------------------------------------------------------
-    def load(self, info: ModelInfo) -> None:
-        """Load ``info``'s revision next to the others; one already resident under the same
-        ``(model_id, revision)`` is unloaded first."""
-        import mlx_lm
-        from mlx_lm.models.cache import LRUPromptCache
+    def begin_load(self, info: ModelInfo) -> Any:
+        """First MLX step of loading ``info``'s revision (the caller unloads a resident copy of
+        it first, so both never need memory at once): ``mlx_lm.utils.load_model(path,
+        lazy=True)`` builds the model with lazy weights; nothing is read yet (see
+        :mod:`node_agent.serving.loading`). Returns the model. Raises :class:`ModelLoadError`
+        (``LoadFailed``)."""
+        from mlx_lm.utils import load_model
 
-        if self.registry.get(info.key) is not None:
-            self.unload(info.key, reason="the model was replaced")
-        t0 = time.perf_counter()
         try:
-            model, tokenizer = mlx_lm.load(info.path)
-            weight_bytes = parameter_bytes(model)   # once: the weights never change
+            model, _ = load_model(Path(info.path), lazy=True)
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        return model
+
+    def finish_load(self, info: ModelInfo, model: Any, tokenizer: Any,
+                    load_seconds: float) -> None:
+        """Last step of a load, once every parameter of ``model`` is evaluated: give the
+        revision its BatchGenerator and prompt cache and make it resident. ``load_seconds``:
+        the load's duration so far (observed in ``mlxfleet_agent_model_load_seconds``)."""
+        from mlx_lm.models.cache import LRUPromptCache
+
+        weight_bytes = parameter_bytes(model)   # once: the weights never change
         generator = self.new_generator(model, tokenizer, info)
-        self.metrics.model_load_seconds.labels(*info.key).observe(time.perf_counter() - t0)
+        self.metrics.model_load_seconds.labels(*info.key).observe(load_seconds)
         stats = self.registry.new_stats(info.key, weight_bytes)
         self.registry.add(Resident(info, model, tokenizer, generator,
                                    LRUPromptCache(max_size=_PROMPT_CACHE_ENTRIES), stats))
+
+    def release_memory(self, what: str) -> None:
+        """Collect garbage and return MLX's cached buffers (after dropping a model or a
+        half-loaded one; never raises)."""
+        import mlx.core as mx
+
+        try:
+            gc.collect()
+            mx.clear_cache()
+        except Exception:  # noqa: BLE001 - memory is returned later at worst
+            log.exception("returning the memory of %s failed", what)
 
     def set_limits(self, info: ModelInfo) -> None:
         """Apply ``info``'s limits to the resident revision of the same key without reloading."""
@@ -93,8 +114,6 @@ class Engine:
 
     def unload(self, key: ModelKey, reason: str = "the model was unloaded") -> None:
         """Abort the revision's requests with ``reason`` and drop it (never raises)."""
-        import mlx.core as mx
-
         res = self.registry.pop(key)
         if res is None:
             return
@@ -113,11 +132,7 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.exception("closing the batch generator of %s@%s failed", *key)
         del res
-        try:
-            gc.collect()
-            mx.clear_cache()
-        except Exception:  # noqa: BLE001 - memory is returned later at worst
-            log.exception("returning the memory of %s@%s failed", *key)
+        self.release_memory("%s@%s" % key)
         if not len(self.registry):
             self._restore_wired_limit()
 

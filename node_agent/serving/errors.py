@@ -8,8 +8,8 @@ __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExcee
 
 class ModelLoadError(Exception):
     """Loading a model failed. ``reason``: CamelCase (``ModelNotFound``, ``LoadFailed``,
-    ``NotStarted``, ``CoreFailed`` once the MLX thread has failed); ``message``: human-readable
-    detail."""
+    ``NotStarted``, ``CoreFailed`` once the MLX thread has failed, ``Cancelled`` when an
+    unload of the revision called the load off); ``message``: human-readable detail."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")

@@ -1,11 +1,12 @@
 """Plain values the serving core hands out: a loaded revision's :class:`ModelInfo`, a
-generation's :class:`Chunk` and a :class:`MemoryUsage` measurement."""
+generation's :class:`Chunk`, a :class:`MemoryUsage` measurement and a load's
+:class:`LoadProgress`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage"]
+__all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage", "LoadProgress"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
 ModelKey = tuple[str, str]
@@ -55,3 +56,19 @@ class MemoryUsage:
     def mlx_bytes(self) -> int:
         """What MLX holds: active + cache bytes."""
         return self.active_bytes + self.cache_bytes
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """A load in progress (:meth:`ServingCore.loads`). ``state``: ``LoadingTokenizer`` (off the
+    MLX thread), ``Queued`` (waiting for the MLX thread: one load reads weights at a time) or
+    ``ReadingWeights``; ``done_bytes`` of ``total_bytes``: the parameters evaluated so far (both
+    0 before ``ReadingWeights``); ``chunks``: in how many chunks (see
+    :mod:`node_agent.serving.loading`)."""
+
+    model_id: str
+    revision: str
+    state: str
+    done_bytes: int
+    total_bytes: int
+    chunks: int
