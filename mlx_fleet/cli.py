@@ -8,6 +8,7 @@ Commands:
   status            print nodes, assignments and agent reports from etcd
   canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
   cordon / uncordon NODE  stop / resume placing new replicas on a Mac (its MacNode)
+  etcd bootstrap-auth     create least-privilege etcd users/roles, enable auth (docs/security.md)
 """
 
 from __future__ import annotations
@@ -265,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         nodecli.add_arguments(n)
         n.set_defaults(func=nodecli.run)
+
+    from mlx_fleet import etcdcli
+
+    e = sub.add_parser("etcd", help="etcd administration (bootstrap-auth)",
+                       description=etcdcli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    etcdcli.add_arguments(e)
     return p
 
 

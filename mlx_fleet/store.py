@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Literal, Protocol
 from urllib.parse import urlparse
 
 from mlx_fleet.etcd_credentials import EtcdCredentials
+from mlx_fleet.etcd_security import Access, AuthPlan
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +352,83 @@ class EtcdStore:
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._call(lambda: self._client.revoke_lease(lease_id))
+
+    # -- auth administration (mlx-fleet etcd bootstrap-auth) ------------------------------------
+
+    async def _auth_rpc(self, method: str, request):
+        """One call on etcd's Auth service with the current token, errors mapped like the rest."""
+        async def call():
+            await self._client.connect()
+            try:
+                return await getattr(self._client.auth_stub, method)(
+                    request, timeout=self._client._timeout, metadata=self._client.metadata)
+            except self._aetcd.rpc.AioRpcError as e:
+                self._aetcd.exceptions._handle_exception(e)
+        return await self._call(call)
+
+    async def auth_enabled(self) -> bool:
+        """Whether etcd's authentication is on (``AuthStatus``; any authenticated user may ask)."""
+        return bool((await self._auth_rpc("AuthStatus", self._aetcd.rpc.AuthStatusRequest())).enabled)
+
+    async def apply_auth_plan(self, plan: AuthPlan, passwords: Mapping[str, str],
+                              *, enable: bool = True) -> list[str]:
+        """Make etcd's users and roles match ``plan`` (idempotent) and, with ``enable``, turn
+        authentication on. ``passwords``: user name → password for users that log in with one;
+        the others get no password (``UserAddOptions.no_password``: client certificate only).
+        An existing user's password is set again when given (rotation). Returns one line per
+        change made (no secrets). Needs root rights once auth is on. Raises :class:`StoreError`.
+        """
+        rpc = self._aetcd.rpc
+        done: list[str] = []
+        for role in plan.roles:
+            try:
+                have = (await self._auth_rpc("RoleGet", rpc.AuthRoleGetRequest(role=role.name))).perm
+            except StoreError as e:
+                if "not found" not in str(e):
+                    raise
+                await self._auth_rpc("RoleAdd", rpc.AuthRoleAddRequest(name=role.name))
+                done.append(f"role {role.name}: created")
+                have = []
+            want = {(p.key.encode(), _prefix_end(p.key.encode()) if p.prefix else b"",
+                     int(p.access)) for p in role.permissions}
+            current = {(bytes(p.key), bytes(p.range_end), int(p.permType)) for p in have}
+            for key, end, access in sorted(current - want):
+                await self._auth_rpc("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
+                    role=role.name, key=key, range_end=end))
+                done.append(f"role {role.name}: revoked {key.decode()!r}")
+            for key, end, access in sorted(want - current):
+                await self._auth_rpc("RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(
+                    name=role.name, perm=rpc.Permission(permType=access, key=key, range_end=end)))
+                done.append(f"role {role.name}: granted {Access(access).name} "
+                            f"{key.decode()!r}{' (prefix)' if end else ''}")
+        for user in plan.users:
+            password = passwords.get(user.name)
+            try:
+                roles = list((await self._auth_rpc("UserGet", rpc.AuthUserGetRequest(
+                    name=user.name))).roles)
+            except StoreError as e:
+                if "not found" not in str(e):
+                    raise
+                await self._auth_rpc("UserAdd", rpc.AuthUserAddRequest(
+                    name=user.name, password=password or "",
+                    options=rpc.UserAddOptions(no_password=password is None)))
+                done.append(f"user {user.name}: created "
+                            f"({'password' if password is not None else 'certificate only'})")
+                roles = []
+            else:
+                if password is not None:
+                    await self._auth_rpc("UserChangePassword", rpc.AuthUserChangePasswordRequest(
+                        name=user.name, password=password))
+                    done.append(f"user {user.name}: password set")
+            for r in user.roles:
+                if r not in roles:
+                    await self._auth_rpc("UserGrantRole", rpc.AuthUserGrantRoleRequest(
+                        user=user.name, role=r))
+                    done.append(f"user {user.name}: granted role {r}")
+        if enable and not await self.auth_enabled():
+            await self._auth_rpc("AuthEnable", rpc.AuthEnableRequest())
+            done.append("authentication enabled")
+        return done
 
 
 def _describe(e: BaseException) -> str:
