@@ -182,6 +182,7 @@ class EtcdStore:
             raise ValueError(f"etcd endpoint {endpoint!r} is plain http but TLS files were "
                              f"given: use https://")
         self.endpoint = endpoint
+        self._tls = tls
         self._aetcd = aetcd
         self._client = _client_class(aetcd)(
             creds if tls else None,
@@ -205,7 +206,7 @@ class EtcdStore:
         try:
             await self._client.connect()
         except self._aetcd.ClientError as e:
-            raise StoreError(f"cannot connect to etcd at {self.endpoint}: {_describe(e)}") from e
+            raise StoreError(f"cannot connect to etcd at {self.endpoint}: {self._describe(e)}") from e
 
     async def close(self) -> None:
         """Close the client. aetcd's close first shuts its watcher down, which can wait forever
@@ -217,6 +218,16 @@ class EtcdStore:
             channel = getattr(self._client, "channel", None)
             if channel is not None:
                 await channel.close()
+
+    def _describe(self, e: BaseException) -> str:
+        """:func:`_describe`, plus what to check when a TLS handshake failed (gRPC reports it
+        as UNAVAILABLE with an SSL/TSI detail)."""
+        text = _describe(e)
+        if self._tls and isinstance(e, self._aetcd.exceptions.ConnectionFailedError) and any(
+                m in text for m in ("TSI_", "SSL", "ssl", "handshake", "certificate")):
+            text += (" (TLS handshake failed: check --etcd-ca-file against the server's CA and "
+                     "that --etcd-cert-file/--etcd-key-file is a client certificate it trusts)")
+        return text
 
     async def _reauthenticate(self, stale_metadata) -> None:
         """Fetch a fresh simple-auth token (once per expiry, however many calls saw it).
@@ -233,7 +244,7 @@ class EtcdStore:
                 await self._client.reauthenticate()
             except self._aetcd.ClientError as e:
                 raise StoreError(f"etcd {self.endpoint}: re-authentication failed: "
-                                 f"{_describe(e)}") from e
+                                 f"{self._describe(e)}") from e
 
     @staticmethod
     def _kv(kv) -> KV:  # aetcd KeyValue / protobuf KeyValue
@@ -253,9 +264,9 @@ class EtcdStore:
                 if attempt == 1 and self._client._username is not None and _token_problem(e):
                     await self._reauthenticate(metadata)
                     continue
-                raise StoreError(f"etcd {self.endpoint}: {_describe(e)}") from e
+                raise StoreError(f"etcd {self.endpoint}: {self._describe(e)}") from e
             except self._aetcd.ClientError as e:
-                raise StoreError(f"etcd {self.endpoint}: {_describe(e)}") from e
+                raise StoreError(f"etcd {self.endpoint}: {self._describe(e)}") from e
         raise AssertionError("unreachable")
 
     async def get(self, key: str) -> KV | None:
@@ -332,7 +343,7 @@ class EtcdStore:
         except self._aetcd.exceptions.RevisionCompactedError as e:
             raise Compacted(e.compacted_revision) from e
         except self._aetcd.ClientError as e:
-            raise StoreError(f"etcd watch {prefix}: {_describe(e)}") from e
+            raise StoreError(f"etcd watch {prefix}: {self._describe(e)}") from e
         finally:
             # Cancelling takes aetcd's watcher lock and a slot in its bounded request queue;
             # on a broken stream neither may ever come, and an unbounded wait here hangs
@@ -460,6 +471,26 @@ def _client_class(aetcd) -> type:
     import grpc
     rpc = aetcd.rpc
 
+    class _Watcher(aetcd.watcher.Watcher):
+        """aetcd's watcher, plus: a watch etcd cancels (``canceled`` without a compaction,
+        e.g. ``permission denied`` on create, or a later revocation) ends with that reason
+        instead of waiting forever for events that never come."""
+
+        async def _handle_response(self, response):
+            if response.canceled and response.compact_revision == 0:
+                error = aetcd.ClientError(
+                    f"watch canceled by etcd: {response.cancel_reason or 'no reason given'}")
+                async with self._lock:
+                    if response.created and self._new_callback is not None:
+                        self._new_callback.error = error
+                        self._new_callback_ready.notify_all()
+                        return
+                    callback = self._callbacks.pop(response.watch_id, None)
+                if callback is not None:
+                    await self._process_callback(callback, error)
+                return
+            await super()._handle_response(response)
+
     class _Client(aetcd.Client):
         def __init__(self, tls: EtcdCredentials | None, **kwargs) -> None:
             self._tls = tls
@@ -497,7 +528,7 @@ def _client_class(aetcd) -> type:
                 self.clusterstub = rpc.ClusterStub(self.channel)
                 self.leasestub = rpc.LeaseStub(self.channel)
                 self.maintenancestub = rpc.MaintenanceStub(self.channel)
-                self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel),
+                self._watcher = _Watcher(rpc.WatchStub(self.channel),
                                                       timeout=self._timeout, metadata=self.metadata)
                 self._connected.set()
             except BaseException:
@@ -512,7 +543,7 @@ def _client_class(aetcd) -> type:
         async def reauthenticate(self) -> None:
             await self._authenticate()
             old = self._watcher
-            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel),
+            self._watcher = _Watcher(rpc.WatchStub(self.channel),
                                                   timeout=self._timeout, metadata=self.metadata)
             if old is not None:
                 await _bounded(old.shutdown(), CLOSE_TIMEOUT_SECONDS)
