@@ -148,6 +148,20 @@ def parse_endpoint(endpoint: str) -> tuple[str, int, bool]:
     return host, port, url.scheme == "https"
 
 
+def check_endpoint(endpoint: str, credentials: EtcdCredentials | None) -> tuple[str, int, bool]:
+    """:func:`parse_endpoint`, and the scheme must match the credentials: ``https`` needs a CA
+    (``--etcd-ca-file``), TLS files with ``http`` are refused (no silent plaintext). Raises
+    ``ValueError`` with one line naming the flag."""
+    host, port, tls = parse_endpoint(endpoint)
+    creds = credentials or EtcdCredentials()
+    if tls and creds.ca_pem is None:
+        raise ValueError(f"etcd endpoint {endpoint!r} is https: --etcd-ca-file is required")
+    if creds.tls and not tls:
+        raise ValueError(f"etcd endpoint {endpoint!r} is plain http but TLS files were "
+                         f"given: use https://")
+    return host, port, tls
+
+
 class EtcdStore:
     """:class:`Store` over an ``aetcd.Client``.
 
@@ -174,13 +188,8 @@ class EtcdStore:
                  timeout: float = 10.0, keepalive_seconds: float = 10.0) -> None:
         import aetcd  # imported here so the contract stays importable without grpc
 
-        host, port, tls = parse_endpoint(endpoint)
+        host, port, tls = check_endpoint(endpoint, credentials)
         creds = credentials or EtcdCredentials()
-        if tls and creds.ca_pem is None:
-            raise ValueError(f"etcd endpoint {endpoint!r} is https: --etcd-ca-file is required")
-        if creds.tls and not tls:
-            raise ValueError(f"etcd endpoint {endpoint!r} is plain http but TLS files were "
-                             f"given: use https://")
         self.endpoint = endpoint
         self._tls = tls
         self._aetcd = aetcd

@@ -325,6 +325,33 @@ async def test_client_certificate_needs_no_token(secure) -> None:
         await agent.delete(K.node("mac-1"))
 
 
+async def test_real_agent_process_registers_over_tls_with_its_certificate(secure) -> None:
+    """``python -m node_agent`` with --etcd-ca-file/--etcd-cert-file/--etcd-key-file: /health
+    answers 200 only once the node is registered under its lease; the record is readable by
+    the operator and carries the lease."""
+    import types
+
+    from mlx_fleet.devcluster.fleet import start_agent
+
+    server, pki, work = secure
+    pair = pki.clients[agent_user("mac-2")]
+    cp = types.SimpleNamespace(etcd_url=server.client_url, logs_dir=work / "logs", extra=[],
+                               env=lambda: {"MLX_FLEET_ETCD_ENDPOINT": server.client_url})
+    agent = await asyncio.to_thread(
+        start_agent, cp, "mac-2", extra_args=("--etcd-ca-file", str(pki.ca),
+                                              "--etcd-cert-file", str(pair.cert),
+                                              "--etcd-key-file", str(pair.key)))
+    try:
+        async with EtcdStore(server.client_url, credentials=creds(pki, OPERATOR_USER)) as op:
+            record = await op.get(K.node("mac-2"))
+            assert record is not None and record.lease != 0
+            assert json.loads(record.value)["name"] == "mac-2"
+    finally:
+        await asyncio.to_thread(agent.process.stop)
+        SEEN.append(agent.process.log_path.read_text(errors="replace"))
+    assert "permission denied" not in SEEN[-1]
+
+
 def test_zz_no_secret_in_anything_logged_or_raised(secure) -> None:
     """Runs last in this module: every log record and error text collected above is free of the
     passwords and of every private key's material."""
