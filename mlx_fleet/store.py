@@ -487,8 +487,12 @@ def _client_class(aetcd) -> type:
 
         async def _handle_response(self, response):
             if response.canceled and response.compact_revision == 0:
-                error = aetcd.ClientError(
-                    f"watch canceled by etcd: {response.cancel_reason or 'no reason given'}")
+                reason = response.cancel_reason or "no reason given"
+                # A watch created on a stream whose token expired is canceled with "invalid
+                # auth token": raised as such, EtcdStore re-authenticates and retries.
+                kind = (aetcd.exceptions.UnauthenticatedError if "auth token" in reason
+                        else aetcd.ClientError)
+                error = kind(f"watch canceled by etcd: {reason}")
                 async with self._lock:
                     if response.created and self._new_callback is not None:
                         self._new_callback.error = error
@@ -554,8 +558,10 @@ def _client_class(aetcd) -> type:
             old = self._watcher
             self._watcher = _Watcher(rpc.WatchStub(self.channel),
                                                   timeout=self._timeout, metadata=self.metadata)
-            if old is not None:
-                await _bounded(old.shutdown(), CLOSE_TIMEOUT_SECONDS)
+            if old is not None:  # its watches end with this error; the callers resume them
+                await _bounded(old._terminate_stream(aetcd.ClientError(
+                    "stream closed after re-authentication; resume the watch")),
+                    CLOSE_TIMEOUT_SECONDS)
 
     _CLIENT_CLASSES[id(aetcd)] = _Client
     return _Client

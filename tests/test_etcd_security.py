@@ -124,6 +124,7 @@ def test_endpoint_scheme_must_match_tls() -> None:
 # A real mutual-TLS etcd with auth on
 # ---------------------------------------------------------------------------------------------
 
+TOKEN_TTL = 1  # seconds an idle simple-auth token lives (etcd --auth-token-ttl; default 300)
 ROOT_PASSWORD = "root-pw-7d1f0a"
 AGENT3_PASSWORD = "agent3-pw-c94e1b"
 SEEN: list[str] = []  # every log line and error text of this module, for the secret scan
@@ -154,7 +155,8 @@ def secure(binaries, tmp_path_factory):
     users = [ROOT_USER, OPERATOR_USER, agent_user("mac-1"), agent_user("mac-2"), "stranger"]
     pki = make_pki(work / "pki", users)
     server = start_etcd(work, binaries, "etcd-tls",
-                        tls=EtcdServerTLS(pki.server.cert, pki.server.key, pki.ca))
+                        tls=EtcdServerTLS(pki.server.cert, pki.server.key, pki.ca),
+                        extra_args=["--auth-token-ttl", str(TOKEN_TTL)])
     (work / "root.pw").write_text(ROOT_PASSWORD + "\n")
     (work / "agent3.pw").write_text(AGENT3_PASSWORD + "\n")
     root = pki.clients[ROOT_USER]
@@ -313,6 +315,41 @@ async def test_password_user_reauthenticates_when_its_token_is_invalidated(secur
         await agent.put(K.node("mac-3"), b"2")
         assert agent._client.metadata != token  # a new token was fetched
         assert (await agent.get(K.node("mac-3"))).value == b"2"
+        await admin.delete(K.node("mac-3"))
+
+
+async def test_password_user_survives_token_expiry_for_calls_and_watches(secure) -> None:
+    """etcd runs with --auth-token-ttl 1: a client idle for longer finds its token gone. The
+    idle time is measured by etcd itself (a 3 s lease expiring, seen through a watch), not by
+    sleeping. Afterwards a new watch (on the stream opened with the old token) and a put both
+    succeed, on a fresh token."""
+    server, pki, _ = secure
+    c = creds(pki, "stranger", username=agent_user("mac-3"), password=AGENT3_PASSWORD)
+    async with EtcdStore(server.client_url, credentials=c) as agent, \
+            EtcdStore(server.client_url, credentials=creds(pki, ROOT_USER)) as admin:
+        first = agent.watch(K.node_assignments_prefix("mac-3"), 1)  # opens the watch stream
+        pending = asyncio.ensure_future(first.__anext__())
+        await agent.put(K.node("mac-3"), b"before")
+        token = agent._client.metadata
+        # Idle for a lease's TTL (3 s > TOKEN_TTL): await etcd deleting the leased key.
+        marker = f"/idle-{id(agent)}"
+        lease = await admin.grant_lease(3)
+        rev = await admin.put(marker, b"", lease=lease)
+        async for ev in admin.watch(marker, rev + 1):
+            if ev.type == "DELETE":
+                break
+        events = agent.watch(K.node_reports_prefix("mac-3"), rev + 1)
+        nxt = asyncio.ensure_future(events.__anext__())
+        await admin.put(K.report("mac-3", "ns", "m", "r1"), b"after")
+        ev = await asyncio.wait_for(nxt, 15)
+        assert ev.kv.value == b"after"
+        assert agent._client.metadata != token  # the expired token was replaced
+        await agent.put(K.node("mac-3"), b"after")
+        await events.aclose()
+        # The first watch's stream carried the old token; it was ended (follow_prefix resumes).
+        with pytest.raises(StoreError):
+            await asyncio.wait_for(pending, 15)
+        await admin.delete(K.report("mac-3", "ns", "m", "r1"))
         await admin.delete(K.node("mac-3"))
 
 
