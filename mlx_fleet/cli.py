@@ -175,11 +175,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from mlx_fleet.contract import Keys
+    from mlx_fleet.etcd_credentials import credentials_from_args
     from mlx_fleet.fleetstatus import collect, render
     from mlx_fleet.store import EtcdStore, StoreError
 
+    try:
+        store = EtcdStore(args.etcd_endpoint, credentials=credentials_from_args(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     async def go() -> None:
-        async with EtcdStore(args.etcd_endpoint) as store:
+        async with store:
             render(await collect(store, Keys(args.etcd_prefix)), make_console())
 
     try:
@@ -248,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--etcd-endpoint", default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
                     help="etcd client URL (env MLX_FLEET_ETCD_ENDPOINT)")
     st.add_argument("--etcd-prefix", default=ROOT, help=f"key root (default {ROOT})")
+    from mlx_fleet.etcd_credentials import add_etcd_arguments
+
+    add_etcd_arguments(st)
     st.set_defaults(func=_cmd_status)
 
     from mlx_fleet import canarycli

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Literal, Protocol
@@ -458,15 +459,13 @@ def _describe(e: BaseException) -> str:
 
 
 def _token_problem(e: BaseException) -> bool:
-    """True for etcd's answers to a stale simple-auth token (``invalid auth token``; after a
-    restart or with a token from another member: ``...revision...old``)."""
-    text = str(e).lower()
-    return "token" in text or "revision" in text
+    """True for etcd's answer to a stale simple-auth token (``etcdserver: invalid auth
+    token``: expired after ``--auth-token-ttl`` idle seconds, dropped by a restart or a
+    password change); not for a wrong password (``authentication failed``)."""
+    return "auth token" in str(e).lower()
 
 
-_CLIENT_CLASSES: dict[int, type] = {}
-
-
+@functools.cache
 def _client_class(aetcd) -> type:
     """``aetcd.Client`` extended with TLS and re-authentication (aetcd 1.x only opens
     ``grpc.aio.insecure_channel`` and authenticates once, in ``connect``).
@@ -475,8 +474,6 @@ def _client_class(aetcd) -> type:
     ``grpc.ssl_channel_credentials(ca, key, cert)`` when TLS credentials are given, then the
     same stubs and watcher are set up. ``reauthenticate`` fetches a new token and replaces the
     watcher so the next watch opens a stream with the new token."""
-    if id(aetcd) in _CLIENT_CLASSES:
-        return _CLIENT_CLASSES[id(aetcd)]
     import grpc
     rpc = aetcd.rpc
 
@@ -563,7 +560,6 @@ def _client_class(aetcd) -> type:
                     "stream closed after re-authentication; resume the watch")),
                     CLOSE_TIMEOUT_SECONDS)
 
-    _CLIENT_CLASSES[id(aetcd)] = _Client
     return _Client
 
 

@@ -388,6 +388,27 @@ async def test_real_agent_process_registers_over_tls_with_its_certificate(secure
     assert "permission denied" not in SEEN[-1]
 
 
+def test_status_command_reads_the_fleet_over_tls(secure) -> None:
+    """``mlx-fleet status`` with the operator's certificate; with an agent's it is refused
+    (an agent may not list every node record) with one error line, exit 1."""
+    server, pki, _ = secure
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'operator'}"}
+
+    def status(user: str) -> subprocess.CompletedProcess:
+        pair = pki.clients[user]
+        r = subprocess.run([sys.executable, "-m", "mlx_fleet.cli", "status",
+                            "--etcd-endpoint", server.client_url, "--etcd-ca-file", str(pki.ca),
+                            "--etcd-cert-file", str(pair.cert), "--etcd-key-file", str(pair.key)],
+                           capture_output=True, text=True, env=env, timeout=60)
+        SEEN.extend([r.stdout, r.stderr])
+        return r
+
+    ok = status(OPERATOR_USER)
+    assert ok.returncode == 0, ok.stderr
+    denied = status(agent_user("mac-1"))
+    assert denied.returncode == 1 and "permission denied" in denied.stderr
+
+
 def test_zz_no_secret_in_anything_logged_or_raised(secure) -> None:
     """Runs last in this module: every log record and error text collected above is free of the
     passwords and of every private key's material."""
