@@ -113,6 +113,34 @@ def test_password_from_file_or_environment_never_in_repr(tmp_path: Path) -> None
     assert "s3cret" not in repr(c) + repr(c2)
 
 
+def _bootstrap(argv: list[str]) -> int:
+    from mlx_fleet.cli import build_parser
+
+    args = build_parser().parse_args(["etcd", "bootstrap-auth", *argv])
+    return args.func(args)
+
+
+def test_bootstrap_dry_run_prints_the_plan(capsys) -> None:
+    assert _bootstrap(["--node", "mac-1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"READ      {K.node_assignments_prefix('mac-1')}*" in out
+    assert f"READWRITE {K.node('mac-1')}\n" in out
+    assert f"user {A1}: roles {A1}" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--node", "a/b"], "--node: invalid node name 'a/b'"),
+    (["--node", "m", "--password-file", "nobody=/x"], "'nobody' is not a user of the plan"),
+    (["--node", "m", "--password-file", "root=/nonexistent/pw"],
+     "--password-file root='/nonexistent/pw': cannot read"),
+    (["--node", "m", "--etcd-endpoint", "https://127.0.0.1:1"], "--etcd-ca-file is required"),
+])
+def test_bootstrap_refuses_bad_input_before_touching_etcd(capsys, argv, message) -> None:
+    assert _bootstrap(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
 def test_endpoint_scheme_must_match_tls() -> None:
     with pytest.raises(ValueError, match="is https: --etcd-ca-file is required"):
         EtcdStore("https://127.0.0.1:2379")
