@@ -10,6 +10,7 @@ Commands:
   canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
   cordon / uncordon NODE  stop / resume placing new replicas on a Mac (its MacNode)
   drain NODE        move every replica off a Mac (replacement Ready first), then wait
+  etcd bootstrap-auth     create least-privilege etcd users/roles, enable auth (docs/security.md)
 """
 
 from __future__ import annotations
@@ -198,11 +199,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from mlx_fleet.contract import Keys
+    from mlx_fleet.etcd_credentials import credentials_from_args
     from mlx_fleet.fleetstatus import collect, render
     from mlx_fleet.store import EtcdStore, StoreError
 
+    try:
+        store = EtcdStore(args.etcd_endpoint, credentials=credentials_from_args(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     async def go() -> None:
-        async with EtcdStore(args.etcd_endpoint) as store:
+        async with store:
             render(await collect(store, Keys(args.etcd_prefix)), make_console())
 
     try:
@@ -276,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--etcd-endpoint", default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
                     help="etcd client URL (env MLX_FLEET_ETCD_ENDPOINT)")
     st.add_argument("--etcd-prefix", default=ROOT, help=f"key root (default {ROOT})")
+    from mlx_fleet.etcd_credentials import add_etcd_arguments
+
+    add_etcd_arguments(st)
     st.set_defaults(func=_cmd_status)
 
     from mlx_fleet import canarycli
@@ -299,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     nodecli.add_drain_arguments(d)
     d.set_defaults(func=nodecli.run)
+
+    from mlx_fleet import etcdcli
+
+    e = sub.add_parser("etcd", help="etcd administration (bootstrap-auth)",
+                       description=etcdcli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    etcdcli.add_arguments(e)
     return p
 
 

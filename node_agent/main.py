@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from mlx_fleet.contract import ROOT, Keys, NodeHealth, node_budget_bytes
-from mlx_fleet.store import EtcdStore, StoreError, parse_endpoint
+from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
+from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
@@ -144,6 +145,7 @@ class AgentConfig:
     node_name: str
     etcd_endpoint: str = DEFAULT_ETCD_ENDPOINT
     etcd_prefix: str = ROOT
+    etcd_credentials: EtcdCredentials | None = None  # TLS / auth (docs/security.md)
     listen_host: str = "127.0.0.1"
     listen_port: int = 8000
     advertise_url: str | None = None
@@ -166,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name of this node in etcd (nodes/<name>); must not contain '/' (default: this host's name, %(default)s)")
     p.add_argument("--etcd-endpoint", type=_argtype(etcd_endpoint),
                    default=os.environ.get(ENV_ETCD_ENDPOINT, DEFAULT_ETCD_ENDPOINT),
-                   help=f"etcd client URL http://host:port (default: env {ENV_ETCD_ENDPOINT}, else "
+                   help=f"etcd client URL http://host:port or https://host:port (with "
+                        f"--etcd-ca-file) (default: env {ENV_ETCD_ENDPOINT}, else "
                         f"{DEFAULT_ETCD_ENDPOINT})")
     p.add_argument("--etcd-prefix", default=ROOT,
                    help="key root of the etcd contract; must match the operator's (default: %(default)s)")
@@ -211,13 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
+    add_etcd_arguments(p)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     host, port = args.listen
+    credentials = credentials_from_args(args)  # CredentialsError (a ValueError): one line
+    check_endpoint(args.etcd_endpoint, credentials)
     return AgentConfig(node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
-                       etcd_prefix=args.etcd_prefix, listen_host=host, listen_port=port,
+                       etcd_prefix=args.etcd_prefix, etcd_credentials=credentials,
+                       listen_host=host, listen_port=port,
                        advertise_url=args.advertise_url, labels=dict(args.label),
                        lease_ttl=args.lease_ttl, simulated_chip=args.simulated_chip,
                        simulated_memory_bytes=args.simulated_memory,
@@ -247,7 +254,7 @@ class Agent:
                                 max_queued_requests=config.max_queued_requests)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes))
-        self.store = EtcdStore(config.etcd_endpoint)
+        self.store = EtcdStore(config.etcd_endpoint, credentials=config.etcd_credentials)
         self.registration: Registration | None = None
         self.controller = None
         self.traffic = None

@@ -494,9 +494,11 @@ def test_cli_parses_every_flag() -> None:
     assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30
     assert cfg.max_queued_requests == 5
     for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"],
-                ["--etcd-endpoint", "https://etcd:2379"]):
+                ["--etcd-endpoint", "unix:///run/etcd.sock"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
+    with pytest.raises(ValueError, match="is https: --etcd-ca-file is required"):
+        config_from_args(build_parser().parse_args(["--etcd-endpoint", "https://etcd:2379"]))
 
 
 @pytest.mark.parametrize("flag, value", [

@@ -510,6 +510,13 @@ def test_unusable_etcd_endpoint_is_refused_by_the_parser(capsys):
     from mlx_fleet_operator.main import build_parser
 
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["--etcd-endpoint", "https://etcd:2379"])
+        build_parser().parse_args(["--etcd-endpoint", "unix:///run/etcd.sock"])
     assert exit_info.value.code == 2
     assert "--etcd-endpoint" in capsys.readouterr().err
+
+
+def test_https_etcd_endpoint_without_a_ca_is_a_preflight_error():
+    from mlx_fleet_operator.main import PreflightError, build_parser, load_etcd_credentials
+
+    with pytest.raises(PreflightError, match="is https: --etcd-ca-file is required"):
+        load_etcd_credentials(build_parser().parse_args(["--etcd-endpoint", "https://etcd:2379"]))

@@ -155,18 +155,19 @@ async def test_follow_prefix_resumes_then_relists_after_compaction(store: EtcdSt
 
 
 @pytest.mark.parametrize(("endpoint", "target"), [
-    ("http://127.0.0.1:2379", ("127.0.0.1", 2379)),
-    ("127.0.0.1:4001", ("127.0.0.1", 4001)),
-    ("http://etcd.example", ("etcd.example", 2379)),
-    ("http://[::1]:2379", ("[::1]", 2379)),
+    ("http://127.0.0.1:2379", ("127.0.0.1", 2379, False)),
+    ("127.0.0.1:4001", ("127.0.0.1", 4001, False)),
+    ("http://etcd.example", ("etcd.example", 2379, False)),
+    ("http://[::1]:2379", ("[::1]", 2379, False)),
+    ("https://etcd:2379", ("etcd", 2379, True)),
 ])
-def test_parse_endpoint(endpoint: str, target: tuple[str, int]) -> None:
+def test_parse_endpoint(endpoint: str, target: tuple[str, int, bool]) -> None:
     from mlx_fleet.store import parse_endpoint
 
     assert parse_endpoint(endpoint) == target
 
 
-@pytest.mark.parametrize("endpoint", ["https://etcd:2379", "unix:///run/etcd.sock", "http://", "http://h:notaport"])
+@pytest.mark.parametrize("endpoint", ["unix:///run/etcd.sock", "http://", "http://h:notaport"])
 def test_parse_endpoint_refuses(endpoint: str) -> None:
     from mlx_fleet.store import parse_endpoint
 
@@ -178,7 +179,7 @@ async def test_parsed_endpoint_connects(etcd_server) -> None:
     """What parse_endpoint makes of the real etcd's URL is a target the client can use."""
     from mlx_fleet.store import parse_endpoint
 
-    host, port = parse_endpoint(etcd_server.client_url)
+    host, port, _ = parse_endpoint(etcd_server.client_url)
     async with EtcdStore(f"http://{host}:{port}") as s:
         assert (await s.list("/nothing-here/")).items == []
 

@@ -13,6 +13,7 @@ every process and removes the working directory unless asked to keep it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 import os
 import secrets
 import shutil
@@ -32,39 +33,62 @@ CRDS_DIR = REPO_ROOT / "crds"
 
 @dataclass
 class EtcdServer:
-    """A single-member etcd on 127.0.0.1 with its data in ``data_dir``."""
+    """A single-member etcd on 127.0.0.1 with its data in ``data_dir``. ``health_url`` is a
+    plain-HTTP ``/health`` (the client URL itself, or for a TLS etcd its metrics listener)."""
 
     name: str
     process: ManagedProcess
     client_url: str
     data_dir: Path
+    health_url: str = ""
 
     def healthy(self) -> bool:
-        with urllib.request.urlopen(f"{self.client_url}/health", timeout=2) as r:
+        with urllib.request.urlopen(f"{self.health_url or self.client_url}/health", timeout=2) as r:
             return json.load(r).get("health") == "true"
 
     def stop(self) -> None:
         self.process.stop()
 
 
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    """PEM files for a TLS etcd: its server certificate and key, and the CA that signs the
+    client certificates it accepts (``--client-cert-auth``: a client must present one)."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path
+
+
 def start_etcd(workdir: Path, binaries: Binaries, name: str = "etcd", *,
-               timeout: float = 60.0) -> EtcdServer:
+               timeout: float = 60.0, tls: EtcdServerTLS | None = None,
+               extra_args: Sequence[str] = ()) -> EtcdServer:
     """Start etcd with free loopback ports; returns once ``/health`` reports healthy.
 
-    Raises :class:`ProcessFailed` (with the log tail) if it exits or stays unhealthy.
+    ``tls``: serve clients over ``https://`` with mutual TLS (``--client-cert-auth``); the
+    health check then goes to a plain-HTTP metrics listener. ``extra_args``: more etcd flags
+    (e.g. ``--auth-token-ttl``). Raises :class:`ProcessFailed` (with the log tail) if it exits
+    or stays unhealthy.
     """
     client, peer = free_port(), free_port()
     data = workdir / name
-    url = f"http://127.0.0.1:{client}"
-    proc = ManagedProcess(name, [
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{client}"
+    args: list[str | Path] = [
         binaries.etcd, "--name", name, "--data-dir", data,
         "--listen-client-urls", url, "--advertise-client-urls", url,
         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-cluster", f"{name}=http://127.0.0.1:{peer}",
         "--log-level", "warn", "--quota-backend-bytes", str(2 * 1024**3),
-    ], workdir / "logs" / f"{name}.log")
-    server = EtcdServer(name=name, process=proc, client_url=url, data_dir=data)
+    ]
+    health = ""
+    if tls is not None:
+        health = f"http://127.0.0.1:{free_port()}"
+        args += ["--cert-file", tls.cert_file, "--key-file", tls.key_file,
+                 "--trusted-ca-file", tls.client_ca_file, "--client-cert-auth",
+                 "--listen-metrics-urls", health]
+    proc = ManagedProcess(name, [*args, *extra_args], workdir / "logs" / f"{name}.log")
+    server = EtcdServer(name=name, process=proc, client_url=url, data_dir=data, health_url=health)
     proc.wait_until(server.healthy, timeout=timeout, what="healthy")
     return server
 

@@ -48,6 +48,7 @@ from typing import Any
 import kopf
 
 from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, StatsReport
+from mlx_fleet.etcd_credentials import EtcdCredentials
 from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
@@ -112,6 +113,7 @@ class OperatorConfig:
 
     etcd_endpoint: str = "http://127.0.0.1:2379"
     etcd_prefix: str = ROOT
+    etcd_credentials: EtcdCredentials | None = None  # TLS / auth (docs/security.md)
     metrics_port: int = 8080  # 0 = do not serve metrics
     writer: str = DEFAULT_WRITER
     namespaces: tuple[str, ...] = ()  # watched namespaces (globs); empty = cluster-wide
@@ -620,7 +622,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
 
     # A failure here is permanent: kopf would otherwise retry this handler every 60 s forever
     # (the process never exits). Whatever was started is stopped first, so nothing leaks.
-    store = EtcdStore(cfg.etcd_endpoint)
+    store = EtcdStore(cfg.etcd_endpoint, credentials=cfg.etcd_credentials)
     rt: Runtime | None = None
     try:
         await store.connect()

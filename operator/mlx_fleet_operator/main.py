@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from mlx_fleet.contract import ROOT
-from mlx_fleet.store import parse_endpoint
+from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
+from mlx_fleet.store import check_endpoint, parse_endpoint
 
 DESCRIPTION = """\
 Run the mlx-fleet operator: turn ModelDeployment resources (mlx-fleet.io/v1alpha1) into
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--etcd-endpoint", type=_etcd_endpoint,
                    default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
-                   help="etcd client URL (http://host:port) holding node records, assignments "
+                   help="etcd client URL (http://host:port, or https://host:port with "
+                        "--etcd-ca-file) holding node records, assignments "
                         "and reports (env MLX_FLEET_ETCD_ENDPOINT; default %(default)s)")
     p.add_argument("--etcd-prefix", default=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
                    help="key root of the etcd contract; the agents must use the same one "
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "an equal priority)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="debug logging (kopf and mlx-fleet)")
+    add_etcd_arguments(p)
     return p
 
 
@@ -135,6 +138,17 @@ def preflight(args: argparse.Namespace) -> None:
                                  f"(--metrics-port): {e.strerror or e}") from None
 
 
+def load_etcd_credentials(args: argparse.Namespace) -> EtcdCredentials:
+    """The ``--etcd-*`` TLS/auth flags read and checked against ``--etcd-endpoint``; raises
+    :class:`PreflightError` with one line naming the flag (never a file's contents)."""
+    try:
+        credentials = credentials_from_args(args)
+        check_endpoint(args.etcd_endpoint, credentials)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    return credentials
+
+
 def kopf_run_kwargs(args: argparse.Namespace) -> dict:
     """``kopf.run`` arguments for scope and peering. ``--peering`` passes a peering name, which
     makes kopf's peering *mandatory* (without one kopf merely auto-detects the "default"
@@ -156,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns the process exit code."""
     args = build_parser().parse_args(argv)
     try:
+        etcd_credentials = load_etcd_credentials(args)
         preflight(args)
     except PreflightError as e:
         print(f"mlx-fleet-operator: error: {e}", file=sys.stderr)
@@ -170,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import canary_handlers, handlers  # noqa: F401 - importing registers the handlers
 
     handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
+                                              etcd_credentials=etcd_credentials,
                                               etcd_prefix=args.etcd_prefix,
                                               metrics_port=args.metrics_port,
                                               namespaces=tuple(args.namespace),
