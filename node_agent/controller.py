@@ -93,6 +93,7 @@ from .lifecycle import (DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS,
 from . import memory_estimate
 from .registration import Registration
 from .serving import MemoryUsage, ModelLoadError, ModelNotLoaded, Overloaded, ServingCore
+from .serving.errors import LOAD_CANCELLED
 from .fetch import default_model_cache, fetch
 from .sources import SourceError, is_remote, resolve_source
 
@@ -1087,7 +1088,14 @@ class Controller:
         except memory_estimate.ModelFileError as e:
             await self._fail(key, spec, e.reason, e.message, common)
             return
-        except (SourceError, ModelLoadError) as e:
+        except ModelLoadError as e:
+            if e.reason == LOAD_CANCELLED:  # an unload (the assignment changed or went) called
+                log.info("loading %s revision %s called off: %s", spec.model_id,  # it off
+                         spec.revision, e.message)
+                return                      # not a failure: the pass that unloaded takes over
+            await self._fail(key, spec, e.reason, e.message, common)
+            return
+        except SourceError as e:
             await self._fail(key, spec, e.reason, e.message, common)
             return
         except ValueError as e:

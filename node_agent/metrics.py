@@ -34,7 +34,8 @@ class AgentMetrics:
     * ``mlxfleet_agent_queue_depth`` gauge: requests waiting for a batch slot
     * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
     * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
-    * ``mlxfleet_agent_model_load_seconds`` histogram: duration of ``mlx_lm.load``
+    * ``mlxfleet_agent_model_load_seconds`` histogram: duration of a load (tokenizer, model
+      built lazily, weights read in chunks between decode steps: :mod:`.serving.loading`)
     * ``mlxfleet_agent_model_idle_seconds`` gauge: seconds since the revision's last request
       (resident or standby)
     * ``mlxfleet_agent_download_bytes_total`` counter / ``mlxfleet_agent_download_rate_bytes``

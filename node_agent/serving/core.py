@@ -74,7 +74,7 @@ from prometheus_client import CollectorRegistry
 from ..metrics import AgentMetrics
 from .admission import admit
 from .engine import Engine, Events
-from .errors import GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
+from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
 from .generation import Generation, Request
 from .loading import LoadPacing, Materialization, load_tokenizer
 from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
@@ -341,7 +341,7 @@ class ServingCore:
         job.tokenizer_seconds = time.perf_counter() - t0
         if job.cancelled:
             job.tokenizer = None
-            raise ModelLoadError("Cancelled", _CANCELLED)
+            raise ModelLoadError(LOAD_CANCELLED, _CANCELLED)
         with self._cmd_lock:
             if self._dead:
                 job.tokenizer = None
@@ -771,7 +771,7 @@ class ServingCore:
         make it resident. A failure of any stage drops the load (``LoadFailed``)."""
         job = self._loads[0]
         if job.cancelled:
-            self._t_drop_load(ModelLoadError("Cancelled", _CANCELLED))
+            self._t_drop_load(ModelLoadError(LOAD_CANCELLED, _CANCELLED))
             return
         try:
             if job.materialization is None:

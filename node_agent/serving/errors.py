@@ -6,6 +6,10 @@ __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExcee
            "InvalidPrompt", "GenerationAborted"]
 
 
+#: :attr:`ModelLoadError.reason` of a load that an unload of the same revision called off.
+LOAD_CANCELLED = "Cancelled"
+
+
 class ModelLoadError(Exception):
     """Loading a model failed. ``reason``: CamelCase (``ModelNotFound``, ``LoadFailed``,
     ``NotStarted``, ``CoreFailed`` once the MLX thread has failed, ``Cancelled`` when an
