@@ -177,9 +177,9 @@ def main() -> int:
         cp.stop()
     result["itl_p99_ratio_during_load"] = None
     if not args.skip_load_stall:
-        from load_stall import measure  # benchmarks/load_stall.py
+        from load_stall import Params, run  # benchmarks/load_stall.py
 
-        stall = measure()
+        stall = run(Params())
         result["itl_p99_ratio_during_load"] = stall["itl_p99_ratio_during_load"]
         result["load_stall"] = stall
     args.out.parent.mkdir(parents=True, exist_ok=True)
