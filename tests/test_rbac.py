@@ -148,6 +148,13 @@ def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconf
         assert can_i(control_plane, sa_kubeconfig, verb, resource, *ns) == "yes", (verb, resource)
     for verb, resource in denied:
         assert can_i(control_plane, sa_kubeconfig, verb, resource, *ns) == "no", (verb, resource)
+    # The Mac mirror: cluster-scoped MacNodes are created and their status written, never
+    # deleted (a gone Mac is kept with health Gone; a person deletes it).
+    for verb, resource in (("create", "macnodes.mlx-fleet.io"), ("patch", "macnodes.mlx-fleet.io"),
+                           ("watch", "macnodes.mlx-fleet.io"),
+                           ("patch", "macnodes.mlx-fleet.io/status")):
+        assert can_i(control_plane, sa_kubeconfig, verb, resource) == "yes", (verb, resource)
+    assert can_i(control_plane, sa_kubeconfig, "delete", "macnodes.mlx-fleet.io") == "no"
     # At start-up the operator lists the running Canaries of every namespace.
     assert can_i(control_plane, sa_kubeconfig, "list", "canaries.mlx-fleet.io",
                  "--all-namespaces") == "yes"
@@ -212,6 +219,14 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
                                               namespace, "-o", "json")).stdout)
                 assert obj["status"]["readyReplicas"] == 1
                 assert "mlx-fleet.io/finalizer" in obj["metadata"]["finalizers"]
+
+                # The Mac mirror, created and kept by the ServiceAccount's operator.
+                await admin(control_plane, "wait", f"macnode/{NODE}",
+                            "--for=jsonpath={.status.health}=Healthy",
+                            f"--timeout={int(TIMEOUT)}s")
+                mac = json.loads((await admin(control_plane, "get", "macnode", NODE, "-o",
+                                              "json")).stdout)
+                assert mac["status"]["loadedModels"] == [f"{namespace}/{name}@v1"]
 
                 # Events posted by the ServiceAccount.
                 events = json.loads((await admin(
@@ -301,6 +316,7 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
                 await store.revoke_lease(lease)
     finally:
         code = proc.stop()
+        control_plane.kubectl("delete", "macnode", NODE, "--ignore-not-found", check=False)
     with log_path.open("rb") as f:
         f.seek(offset)
         log = f.read().decode(errors="replace")
