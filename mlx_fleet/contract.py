@@ -510,11 +510,18 @@ class RevisionStats(_Record):
     memory_bytes: Annotated[int, Field(ge=0)] = 0
 
 
+#: Default seconds between a node's :class:`StatsReport` writes while no canary runs (the agent's
+#: ``--stats-interval-seconds``): the resolution of the operator's fleet request metrics, as
+#: Prometheus' usual 15 s scrape interval.
+IDLE_STATS_INTERVAL_SECONDS = 15.0
+
+
 class StatsReport(_Record):
     """``<root>/stats/<node>/<namespace>/<deployment>``: one node's per-revision counters for a
     deployment it serves (or forwards for, during a canary), bound to the agent's lease. Under a
     canary written at most once per the split's ``stats_interval_seconds`` (plus once at a guard
-    trip); otherwise at most once per the agent's idle interval (15 s) and only after new
+    trip); otherwise at most once per :data:`IDLE_STATS_INTERVAL_SECONDS` (the agent's
+    ``--stats-interval-seconds``) and only after new
     requests. Counters restart (a new ``started_unix``) when a canary starts or ends.
 
     ``guard_tripped``: the local guard sent all traffic to stable (``guard_reason`` says why,

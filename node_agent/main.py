@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from mlx_fleet.contract import ROOT, Keys, NodeHealth, node_budget_bytes
+from mlx_fleet.contract import (IDLE_STATS_INTERVAL_SECONDS, ROOT, Keys, NodeHealth,
+                                node_budget_bytes)
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
 from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
@@ -108,6 +109,14 @@ def non_negative_seconds(text: str) -> float:
     return x
 
 
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (``--stats-interval-seconds``); raises ``ValueError``."""
+    x = non_negative_seconds(text)
+    if x == 0:
+        raise ValueError(f"must be more than 0, got {text!r}")
+    return x
+
+
 def etcd_endpoint(text: str) -> str:
     """An etcd client URL the store accepts (``http://host:port``); raises ``ValueError``."""
     parse_endpoint(text)
@@ -156,6 +165,7 @@ class AgentConfig:
     max_queued_requests: int = 64
     prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
+    stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predictive prefetch: most reloads ahead of a predicted request running "
                         "at once on this node (0 turns it off; default: %(default)s, seed 001 "
                         "max_prefetch_per_gpu)")
+    p.add_argument("--stats-interval-seconds", type=_argtype(positive_seconds),
+                   default=IDLE_STATS_INTERVAL_SECONDS, metavar="SECONDS",
+                   help="outside a canary, write this node's per-revision request statistics "
+                        "to etcd at most this often, and only after new requests (the "
+                        "operator's fleet request metrics; a canary uses its analysis interval; "
+                        "default: %(default)s)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
@@ -230,7 +246,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        simulated_memory_bytes=args.simulated_memory,
                        max_queued_requests=args.max_queued_requests,
                        prefetch_window_seconds=args.prefetch_window_seconds,
-                       max_prefetches=args.max_prefetches)
+                       max_prefetches=args.max_prefetches,
+                       stats_interval_seconds=args.stats_interval_seconds)
 
 
 class Agent:
@@ -374,7 +391,8 @@ class Agent:
                                       served=self.controller.served, crashes=self.core.crashes,
                                       memory_bytes=self.core.memory_bytes,
                                       touch=self.controller.touch,
-                                      ensure_loaded=self.controller.ensure_loaded)
+                                      ensure_loaded=self.controller.ensure_loaded,
+                                      stats_interval=self.config.stats_interval_seconds)
         await self.traffic.start()
 
     def _bound_port(self) -> int:

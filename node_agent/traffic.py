@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
-from mlx_fleet.contract import Keys, TrafficSplit
+from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, Keys, TrafficSplit
 from mlx_fleet.store import Snapshot, Store, WatchEvent, follow_prefix
 from mlx_fleet.supervise import Supervised
 
@@ -54,9 +54,6 @@ DeploymentKey = tuple[str, str]
 #: How often the writer checks whether a deployment's statistics are due (seconds); the write
 #: rate itself is bounded by the split's ``stats_interval_seconds``.
 WRITER_TICK_SECONDS = 0.5
-#: Write interval of a deployment's statistics while no canary runs (seconds): the resolution of
-#: the operator's fleet request metrics (Prometheus' usual 15 s scrape interval).
-IDLE_STATS_INTERVAL_SECONDS = 15.0
 
 
 class Routed:
@@ -85,6 +82,8 @@ class TrafficManager:
     ``ensure_loaded(model, revision)``: reload a standby revision and wait for it
     (:meth:`~.controller.Controller.ensure_loaded`). Without them nothing is tracked and a
     standby revision cannot be reloaded (:class:`~node_agent.serving.ModelNotLoaded`).
+    ``stats_interval``: seconds between statistics writes outside a canary
+    (:data:`IDLE_STATS_INTERVAL_SECONDS` by default; the agent's ``--stats-interval-seconds``).
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str,
@@ -92,8 +91,10 @@ class TrafficManager:
                  crashes: Callable[[str, str], int], memory_bytes: Callable[[str, str], int],
                  clock: Callable[[], float] = time.time,
                  touch: Callable[[str, str], None] | None = None,
-                 ensure_loaded: Callable[[str, str], Awaitable[None]] | None = None) -> None:
+                 ensure_loaded: Callable[[str, str], Awaitable[None]] | None = None,
+                 stats_interval: float = IDLE_STATS_INTERVAL_SECONDS) -> None:
         self._store = store
+        self._stats_interval = stats_interval
         self._keys = keys
         self.node_name = node_name
         self._reg = registration
@@ -288,7 +289,7 @@ class TrafficManager:
                 continue
             tripped = guard is not None and guard.tripped
             if split is None:
-                if dep not in self._dirty or not stats.due(now, IDLE_STATS_INTERVAL_SECONDS):
+                if dep not in self._dirty or not stats.due(now, self._stats_interval):
                     continue  # nothing new, or not yet due
             elif not (stats.due(now, split.stats_interval_seconds) or (force_tripped and tripped)):
                 continue

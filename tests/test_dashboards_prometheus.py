@@ -57,7 +57,8 @@ def fleet(control_plane: ControlPlane, namespace: str, tmp_path_factory: pytest.
     metrics_port = free_port()
     op = start_operator(control_plane, etcd_prefix=keys.root, metrics_port=metrics_port,
                         extra_args=("--namespace", namespace))
-    agent = start_agent(control_plane, NODE, etcd_prefix=keys.root, memory="64Gi", lease_ttl=3)
+    agent = start_agent(control_plane, NODE, etcd_prefix=keys.root, memory="64Gi", lease_ttl=3,
+                        extra_args=("--stats-interval-seconds", "1"))  # a 1 s scrape's resolution
     prom = start_prometheus(tmp_path_factory.mktemp("prometheus"), [
         ScrapeTarget(f"127.0.0.1:{metrics_port}"),
         ScrapeTarget(agent.url.removeprefix("http://"), node=NODE)],
