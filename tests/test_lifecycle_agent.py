@@ -353,3 +353,37 @@ async def test_model_limit_waits_for_a_request_in_flight_then_the_retry_evicts(
     ra = await wait_report(store, a, standby)
     assert ra is not None and ra.reason == EVICTED
     assert core.is_loaded("b") and not core.is_loaded("a")
+
+
+async def test_predictive_prefetch_does_not_evict_for_the_model_limit(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        test_model_dir: Path) -> None:
+    clock = FakeClock()
+    t0 = clock.now
+    ctl = await controller(clock=clock, lifecycle_interval=PARKED, prefetch_window_seconds=30,
+                           max_loaded_models=1)
+    a = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=300, name="a", model="a"))
+    b = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=10, name="b", model="b"))
+    ra = await wait_report(store, a, standby)
+    assert ra is not None and ra.reason == EVICTED  # the limit: one resident
+    await ctl.converged()
+    for t in (0, 120, 240, 360):  # a: a request every 120 s, served while b was away
+        clock.now = t0 + t
+        ctl.touch("a", "r1")
+    clock.now = t0 + 450
+    ctl.touch("b", "r1")
+
+    clock.now = t0 + 455  # a's next request (480) is within the window, but b is resident
+    assert await ctl.tick() == [] and ctl.prefetches == 0
+    assert core.is_loaded("b") and not core.is_loaded("a")
+
+    clock.now = t0 + 462  # b idle for its 10 s: unloaded, and a's prefetch has room
+    tasks = await ctl.tick()
+    assert len(tasks) == 1 and ctl.prefetches == 1
+    for t in tasks:
+        await t
+    assert core.is_loaded("a") and not core.is_loaded("b")
+    rb = await wait_report(store, b, standby)
+    assert rb is not None and rb.reason == IDLE_UNLOADED
