@@ -62,9 +62,10 @@ to the same standby, reported ``Unloaded``/``Evicted``; when that is not enough 
 (``max_loaded_models``, the agent's ``--max-loaded-models``; 0 = none) is enforced the same way
 before every load, reload and prefetch: when one more resident revision would exceed it, idle,
 unpinned revisions with nothing in flight are evicted least recently used first, else the load
-fails :data:`MODEL_LIMIT` with the numbers; both failures are retried like any failed load. Each lifecycle pass (:meth:`Controller.tick`) also
-runs the predictive prefetch (:meth:`Controller.prefetch`) over the requests' arrivals recorded
-by :meth:`Controller.touch`, and sets the lifecycle metrics. ``lifecycle.prefetch: OnDemand``
+fails :data:`MODEL_LIMIT` with the numbers; both failures are retried like any failed load.
+Each lifecycle pass (:meth:`Controller.tick`) also runs the predictive prefetch
+(:meth:`Controller.prefetch`) over the requests' arrivals recorded by :meth:`Controller.touch`,
+and sets the lifecycle metrics. ``lifecycle.prefetch: OnDemand``
 loads nothing until the first request: the revision starts in standby
 (``Unloaded``/``AwaitingRequest``).
 """
@@ -104,8 +105,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Controller", "ServedModel", "IdleUnload", "StandbyModel", "RETRY_INITIAL_BACKOFF",
            "RETRY_MAX_BACKOFF", "PERMANENT_REASONS", "DRAIN_SECONDS",
-           "LIFECYCLE_INTERVAL_SECONDS", "MAX_RELOAD_WAITERS", "INSUFFICIENT_MEMORY", "MODEL_LIMIT",
-           "LOAD_ASSIGNED", "UNLOAD_UNASSIGNED"]
+           "LIFECYCLE_INTERVAL_SECONDS", "MAX_RELOAD_WAITERS", "INSUFFICIENT_MEMORY",
+           "MODEL_LIMIT", "LOAD_ASSIGNED", "UNLOAD_UNASSIGNED"]
 
 #: Delay before the first retry of a failed load, in seconds; it doubles with every failure.
 #: Short, so a replica whose disk was a moment late comes up quickly.
@@ -803,10 +804,11 @@ class Controller:
             return
 
         def state() -> tuple[int, dict[str, int], int, int, int]:
+            """(used, held, free, needed, count); without a budget memory always fits."""
             used, held = self._in_use(exclude=key)
-            free = budget - used if budget is not None else 0
-            return used, held, free, (need if budget is not None else 0), \
-                self._resident_count(spec)
+            if budget is None:
+                return used, held, 0, 0, self._resident_count(spec)
+            return used, held, budget - used, need, self._resident_count(spec)
 
         used, held, free, needed, count = state()
         if needed <= free and (not limit or count < limit):
