@@ -129,9 +129,12 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
             lease = await store.grant_lease(60)
             record = node_record(mac)
             record = record.model_copy(update={"capacity": record.capacity.model_copy(
-                update={"max_loaded_models": 2})})  # the agent's --max-loaded-models 2
+                update={"max_loaded_models": 1})})  # the agent's --max-loaded-models 1
             await store.put(keys.node(mac), record.to_json(), lease=lease)
             try:
+                # the operator may not have created it yet: a wait for a field of a missing
+                # object fails at once (NotFound), so wait for its creation first
+                await kwait(control_plane, f"macnode/{mac}", "create")
                 await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.health}=Healthy")
                 r = await asyncio.to_thread(control_plane.kubectl, "get", "macnodes", mac)
                 row = r.stdout.splitlines()
@@ -139,7 +142,7 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
                 assert mac in row[1] and "Apple M4 Max" in row[1] and "Healthy" in row[1]
                 # the limit survives the CRD's schema and shows in the wide listing
                 await kwait(control_plane, f"macnode/{mac}",
-                            "jsonpath={.status.maxLoadedModels}=2")
+                            "jsonpath={.status.maxLoadedModels}=1")
                 wide = await asyncio.to_thread(control_plane.kubectl, "get", "macnodes", mac,
                                                "-o", "wide")
                 assert "MAX MODELS" in wide.stdout.splitlines()[0], wide.stdout
@@ -164,6 +167,19 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
                 placed = await until_assignments(store, keys, lambda v: mac in v)
                 assert placed[mac].name == name
                 await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.modelCount}=1")
+
+                # at its limit of one model: a second deployment is not placed, with the reason
+                second = f"llm-{uuid.uuid4().hex[:6]}"
+                await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
+                                        input=manifest(second, namespace))
+                await kwait(control_plane, f"modeldeployment/{second}",
+                            "condition=Degraded", namespace)
+                obj = json.loads((await asyncio.to_thread(
+                    control_plane.kubectl, "get", "modeldeployment", second, "-n", namespace,
+                    "-o", "json")).stdout)
+                [deg] = [c for c in obj["status"]["conditions"] if c["type"] == "Degraded"]
+                assert deg["reason"] == "FailedPlacement"
+                assert f"1 at its model limit ({mac} 1 of 1 models)" in deg["message"]
 
                 # the record expires: the MacNode stays, Gone
                 await store.revoke_lease(lease)
