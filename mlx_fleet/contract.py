@@ -210,6 +210,10 @@ class NodeCapacity(_Record):
     from the hardware. The flag is shown wherever nodes are listed (``mlx-fleet status``, the
     agent's start-up warning); placement treats such a node like any other, which is what lets
     the local fleet run on Linux.
+    ``max_loaded_models``: the most model revisions the node keeps resident at once (the
+    agent's ``--max-loaded-models``; seed 004: "Per-worker max loaded models: 2"); 0 = no
+    limit but memory. Placement assigns no further revision to a node whose assignments reach
+    it (both sides of a canary count); the agent evicts idle revisions to stay within it.
     """
 
     memory_total_bytes: Annotated[int, Field(ge=0)]
@@ -218,6 +222,7 @@ class NodeCapacity(_Record):
     chip: str
     chip_generation: Annotated[int, Field(ge=0)]
     simulated: bool = False
+    max_loaded_models: Annotated[int, Field(ge=0)] = 0
 
 
 class NodeRecord(_Record):

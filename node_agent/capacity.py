@@ -1,4 +1,5 @@
-"""What this node offers: unified memory, GPU wired-memory limit and chip → :class:`NodeCapacity`.
+"""What this node offers: unified memory, GPU wired-memory limit, chip and the configured limit on
+loaded models → :class:`NodeCapacity`.
 
 On macOS every value comes from the hardware:
 
@@ -56,10 +57,13 @@ def chip_generation(brand: str) -> int:
 class CapacityConfig:
     """How to detect capacity. ``simulated_chip`` / ``simulated_memory_bytes``: configured
     values (either one forces simulation; off macOS simulation is always on, with
-    :data:`DEFAULT_SIMULATED_CHIP` and the host's physical memory as defaults)."""
+    :data:`DEFAULT_SIMULATED_CHIP` and the host's physical memory as defaults).
+    ``max_loaded_models``: the node's limit on resident revisions, reported as is in
+    :attr:`NodeCapacity.max_loaded_models` (``--max-loaded-models``; 0 = no limit)."""
 
     simulated_chip: str | None = None
     simulated_memory_bytes: int | None = None
+    max_loaded_models: int = 0
 
     @property
     def simulated(self) -> bool:
@@ -123,7 +127,8 @@ class CapacityProbe:
             wired = int(raw) * 2**20 if raw and raw.isdigit() else 0
         return NodeCapacity(memory_total_bytes=total, memory_available_bytes=available,
                             wired_limit_bytes=wired, chip=chip,
-                            chip_generation=chip_generation(chip), simulated=self.simulated)
+                            chip_generation=chip_generation(chip), simulated=self.simulated,
+                            max_loaded_models=self.config.max_loaded_models)
 
 
 def materially_different(old: NodeCapacity | None, new: NodeCapacity, *,
@@ -134,8 +139,9 @@ def materially_different(old: NodeCapacity | None, new: NodeCapacity, *,
     if old is None:
         return True
     if (old.memory_total_bytes, old.wired_limit_bytes, old.chip, old.chip_generation,
-            old.simulated) != (new.memory_total_bytes, new.wired_limit_bytes, new.chip,
-                               new.chip_generation, new.simulated):
+            old.simulated, old.max_loaded_models) != (
+                new.memory_total_bytes, new.wired_limit_bytes, new.chip, new.chip_generation,
+                new.simulated, new.max_loaded_models):
         return True
     threshold = (available_threshold_bytes if available_threshold_bytes is not None
                  else max(256 * 2**20, new.memory_total_bytes // 20))

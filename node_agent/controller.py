@@ -58,9 +58,14 @@ A *pinned* revision (``lifecycle.pinned``: the deployment's ``minReady``) is nev
 standby. Under memory pressure (``budget_bytes``, :meth:`Controller._make_room`) a load first
 evicts idle, unpinned revisions least recently used first (:func:`~node_agent.lifecycle.evictions`)
 to the same standby, reported ``Unloaded``/``Evicted``; when that is not enough the load fails
-:data:`INSUFFICIENT_MEMORY` with the numbers. Each lifecycle pass (:meth:`Controller.tick`) also
-runs the predictive prefetch (:meth:`Controller.prefetch`) over the requests' arrivals recorded
-by :meth:`Controller.touch`, and sets the lifecycle metrics. ``lifecycle.prefetch: OnDemand``
+:data:`INSUFFICIENT_MEMORY` with the numbers. The node's limit on loaded models
+(``max_loaded_models``, the agent's ``--max-loaded-models``; 0 = none) is enforced the same way
+before every load, reload and prefetch: when one more resident revision would exceed it, idle,
+unpinned revisions with nothing in flight are evicted least recently used first, else the load
+fails :data:`MODEL_LIMIT` with the numbers; both failures are retried like any failed load.
+Each lifecycle pass (:meth:`Controller.tick`) also runs the predictive prefetch
+(:meth:`Controller.prefetch`) over the requests' arrivals recorded by :meth:`Controller.touch`,
+and sets the lifecycle metrics. ``lifecycle.prefetch: OnDemand``
 loads nothing until the first request: the revision starts in standby
 (``Unloaded``/``AwaitingRequest``).
 """
@@ -102,7 +107,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Controller", "ServedModel", "IdleUnload", "StandbyModel", "RETRY_INITIAL_BACKOFF",
            "RETRY_MAX_BACKOFF", "PERMANENT_REASONS", "DRAIN_SECONDS",
            "LIFECYCLE_INTERVAL_SECONDS", "MAX_RELOAD_WAITERS", "INSUFFICIENT_MEMORY",
-           "LOAD_ASSIGNED", "UNLOAD_UNASSIGNED"]
+           "MODEL_LIMIT", "LOAD_ASSIGNED", "UNLOAD_UNASSIGNED"]
 
 #: Delay before the first retry of a failed load, in seconds; it doubles with every failure.
 #: Short, so a replica whose disk was a moment late comes up quickly.
@@ -127,6 +132,10 @@ MAX_RELOAD_WAITERS = 32
 #: Failure reason of a load whose estimate does not fit the node's budget even after evicting
 #: every idle, unpinned revision (the message gives the numbers). Retried: memory frees up.
 INSUFFICIENT_MEMORY = "InsufficientMemory"
+#: Failure reason of a load that would leave more revisions resident than the node's
+#: ``max_loaded_models`` even after evicting every idle, unpinned revision (the message gives
+#: the numbers). Retried: a request finishes, a pin is lifted, an assignment goes away.
+MODEL_LIMIT = "ModelLimit"
 #: ``reason`` label of a load for an assignment (first load, spec change, retry), next to the
 #: standby reloads' :data:`~mlx_fleet.contract.RELOADING_ON_DEMAND` and
 #: :data:`~mlx_fleet.contract.PREDICTIVE_PREFETCH`.
@@ -269,6 +278,8 @@ class Controller:
     revisions may take (:func:`mlx_fleet.contract.node_budget_bytes`; None: no check, no
     eviction). ``prefetch_window_seconds`` / ``max_prefetches``: the predictive prefetch's
     window and the most reloads it runs at once (:mod:`.lifecycle`, seed 001: 30 s, 2).
+    ``max_loaded_models``: the most revisions resident at once (seed 004: "Per-worker max
+    loaded models: 2"; default 0 = no limit but memory); raises ``ValueError`` when negative.
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
@@ -282,7 +293,11 @@ class Controller:
                  clock: Callable[[], float] = time.monotonic,
                  budget_bytes: int | None = None,
                  prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS,
-                 max_prefetches: int = DEFAULT_MAX_PREFETCHES) -> None:
+                 max_prefetches: int = DEFAULT_MAX_PREFETCHES,
+                 max_loaded_models: int = 0) -> None:
+        if max_loaded_models < 0:
+            raise ValueError(f"max_loaded_models must be >= 0 (0 = no limit), "
+                             f"got {max_loaded_models}")
         self._store = store
         self._keys = keys
         self.node_name = node_name
@@ -303,6 +318,7 @@ class Controller:
         self.max_reload_waiters = max_reload_waiters
         self._clock = clock
         self.budget_bytes = budget_bytes
+        self.max_loaded_models = max_loaded_models
         self._prefetch_window = prefetch_window_seconds
         self._max_prefetches = max_prefetches
         self._metrics = core.metrics
@@ -311,6 +327,7 @@ class Controller:
         self._prefetches: set[asyncio.Task] = set()
         self._observing: asyncio.Task | None = None
         self._loading: dict[str, int] = {}  # assignment key → estimate, while the core loads it
+        self._loading_ids: dict[str, tuple[str, str]] = {}  # same keys → (model id, revision)
         self._quiet = asyncio.Event()  # set while the converge worker waits for a change
         # One lock per assignment key: a load, an idle unload, a reload and converging one
         # assignment never interleave (the lifecycle task skips a key that is busy).
@@ -764,40 +781,74 @@ class Controller:
         other += sum(b for k, b in self._loading.items() if k != exclude and k not in held)
         return sum(held.values()) + other, held
 
+    def _resident_count(self, spec: _Spec) -> int:
+        """Revisions resident in the core now (draining ones included) or being loaded by this
+        controller, ``spec``'s own revision left out (the one about to be (re)loaded)."""
+        own = (spec.model_id, spec.revision)
+        idents = {(m.model_id, m.revision) for m in self._core.models()}
+        idents.update(self._loading_ids.values())
+        idents.discard(own)
+        return len(idents)
+
     async def _make_room(self, key: str, spec: _Spec, need: int, *, evict: bool) -> None:
         """Before loading ``spec`` (estimate ``need`` bytes) for ``key``: when it does not fit
-        what :meth:`_in_use` leaves of :attr:`budget_bytes`, evict idle, unpinned revisions with
-        nothing in flight, least recently used first (:func:`~.lifecycle.evictions`), to
-        standby (``Unloaded``/``Evicted``; a request reloads them). Raises
-        :class:`ModelLoadError` (:data:`INSUFFICIENT_MEMORY`, with the numbers) when even that
-        is not enough, or when it does not fit and ``evict`` is False (a prefetch never
-        evicts). No budget: nothing to check."""
-        budget = self.budget_bytes
-        if budget is None:
+        what :meth:`_in_use` leaves of :attr:`budget_bytes`, or one more resident revision
+        (:meth:`_resident_count` + 1) would exceed :attr:`max_loaded_models`, evict idle,
+        unpinned revisions with nothing in flight, least recently used first
+        (:func:`~.lifecycle.evictions`, both constraints at once), to standby
+        (``Unloaded``/``Evicted``; a request reloads them). Raises :class:`ModelLoadError` with
+        the numbers when even that is not enough, or when it does not fit and ``evict`` is
+        False (a prefetch never evicts): :data:`INSUFFICIENT_MEMORY` when memory is what
+        fails, else :data:`MODEL_LIMIT`. No budget and no limit: nothing to check."""
+        budget, limit = self.budget_bytes, self.max_loaded_models
+        if budget is None and not limit:
             return
-        used, held = self._in_use(exclude=key)
-        if need <= budget - used:
+
+        def state() -> tuple[int, dict[str, int], int, int, int]:
+            """(used, held, free, needed, count); without a budget memory always fits."""
+            used, held = self._in_use(exclude=key)
+            if budget is None:
+                return used, held, 0, 0, self._resident_count(spec)
+            return used, held, budget - used, need, self._resident_count(spec)
+
+        used, held, free, needed, count = state()
+        if needed <= free and (not limit or count < limit):
             return
         victims: list | None = None
+        uses: list[ModelUse] = []
         if evict:
-            uses = [u for k, u in self._uses(self._clock()).items() if k != key]
-            victims = evictions(uses, need, budget - used, self._clock())
+            now = self._clock()
+            uses = [u for k, u in self._uses(now).items() if k != key]
+            victims = evictions(uses, needed, free, now, max_loaded_models=limit,
+                                resident=count)
         if victims:
-            cause = (f"{spec.model_id} revision {spec.revision} (needs {format_bytes(need)}; "
-                     f"{format_bytes(max(budget - used, 0))} free of the node's budget "
-                     f"{format_bytes(budget)})")
+            if needed > free:
+                why = (f"needs {format_bytes(need)}; {format_bytes(max(free, 0))} free of the "
+                       f"node's budget {format_bytes(budget)}")
+            else:
+                why = (f"{count} of the node's limit of {limit} loaded models "
+                       "(--max-loaded-models) are resident")
+            cause = f"{spec.model_id} revision {spec.revision} ({why})"
             for victim in victims:
                 await self._to_standby(victim, EVICTED, cause=cause)  # type: ignore[arg-type]
-            used, held = self._in_use(exclude=key)
-            if need <= budget - used:
+            used, held, free, needed, count = state()
+            if needed <= free and (not limit or count < limit):
                 return
-        raise ModelLoadError(INSUFFICIENT_MEMORY, (
-            f"{spec.model_id} revision {spec.revision} needs {format_bytes(need)} ({need} "
-            f"bytes) but only {format_bytes(max(budget - used, 0))} of the node's budget "
-            f"{format_bytes(budget)} is free: {format_bytes(used)} is held by {len(held)} "
-            "resident revision(s) that "
-            + ("cannot be evicted (pinned by minReady, serving requests or busy)" if evict
-               else "a prefetch does not evict")))
+        blockers = ("cannot be evicted (pinned by minReady, serving requests or busy)" if evict
+                    else "a prefetch does not evict")
+        # which constraint fails: memory, unless evicting would have satisfied it alone
+        memory_fails = needed > free and (
+            victims is not None or evictions(uses, needed, free, self._clock()) is None)
+        if memory_fails:
+            raise ModelLoadError(INSUFFICIENT_MEMORY, (
+                f"{spec.model_id} revision {spec.revision} needs {format_bytes(need)} ({need} "
+                f"bytes) but only {format_bytes(max(free, 0))} of the node's budget "
+                f"{format_bytes(budget)} is free: {format_bytes(used)} is held by {len(held)} "
+                f"resident revision(s) that {blockers}"))
+        raise ModelLoadError(MODEL_LIMIT, (
+            f"{spec.model_id} revision {spec.revision} would be loaded model {count + 1} but "
+            f"the node's limit is {limit} (--max-loaded-models): {count} revision(s) are "
+            f"resident or loading that {blockers}"))
 
     async def _to_standby(self, key: str, reason: str, *, cause: str = "") -> IdleUnload | None:
         """Unload ``key``'s revision to standby — ``reason`` :data:`IDLE_UNLOADED` (it must
@@ -865,7 +916,8 @@ class Controller:
         """Predictive prefetch: reload the standby revisions that
         :func:`~.lifecycle.predict_prefetch` expects a request for within the prefetch window
         (their usage history is periodic), at most ``max_prefetches`` running at once, only
-        those whose last estimate fits the node's free budget (a prefetch never evicts).
+        those whose last estimate fits the node's free budget and that leave the node within
+        ``max_loaded_models`` (a prefetch never evicts).
         Reported ``Loading``/``PredictivePrefetch`` then ``Ready``. Returns the reloads
         started (a request arriving meanwhile waits for the same reload)."""
         allowance = self._max_prefetches - len(self._prefetches)
@@ -887,6 +939,11 @@ class Controller:
                                       max_prefetches=allowance):
             key = standby[ident]  # type: ignore[index]
             loaded = self._loaded[key]
+            limit = self.max_loaded_models
+            if limit and self._resident_count(loaded.spec) + len(started) >= limit:
+                log.info("not prefetching %s revision %s: the node's limit of %d loaded models "
+                         "is reached (a prefetch does not evict)", *ident, limit)
+                continue
             if self.budget_bytes is not None:
                 free = self.budget_bytes - self._in_use(exclude=key)[0] - reserved
                 if loaded.estimated_bytes > free:
@@ -1026,7 +1083,8 @@ class Controller:
         they download again, ``Prefetching`` shows it once bytes flow); ``reason``: its
         ``Loading`` reason (:data:`RELOADING_ON_DEMAND`, :data:`PREDICTIVE_PREFETCH`).
         Before the core loads anything, :meth:`_make_room` checks the estimate against the
-        node's budget, evicting idle revisions if needed (a prefetch never evicts)."""
+        node's budget and the revision count against ``max_loaded_models``, evicting idle
+        revisions if needed (a prefetch never evicts)."""
         common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
                       revision=spec.revision)
         remote = is_remote(spec.uri)
@@ -1077,6 +1135,7 @@ class Controller:
             # reserved until it is resident, so a concurrent load (a reload on demand next to
             # the converge pass) counts it and cannot over-commit the budget
             self._loading[key] = est.total_bytes
+            self._loading_ids[key] = (spec.model_id, spec.revision)
             try:
                 await self._core.load_model(
                     spec.model_id, path, revision=spec.revision,
@@ -1084,6 +1143,7 @@ class Controller:
                     max_context_tokens=spec.max_context_tokens)
             finally:
                 del self._loading[key]
+                del self._loading_ids[key]
             resident = est.weights_bytes
         except memory_estimate.ModelFileError as e:
             await self._fail(key, spec, e.reason, e.message, common)

@@ -11,7 +11,9 @@ history and prefetches what its rule predicts will be needed within the prefetch
   default here is :class:`mlx_fleet.contract.LifecyclePolicy`'s 300 s (seed 001:
   ``idle_timeout_sec: 300``), 0 = never.
 * :func:`evictions` — which idle models to unload, least recently used first, to make room for
-  a load; ``None`` when even all of them are not enough (the caller refuses with the numbers).
+  a load — its memory and, under the node's limit on loaded models (seed 004: "Per-worker max
+  loaded models: 2"), its place in the count; ``None`` when even all of them are not enough
+  (the caller refuses with the numbers).
 * :class:`UsageHistory` and :func:`predict_prefetch` — which unloaded models to load ahead of a
   request that a periodicity rule expects within the window (seed 001:
   ``prefetch_window_sec: 30``, ``max_prefetch_per_gpu: 2``).
@@ -129,8 +131,9 @@ def idle_unloads(models: Iterable[ModelUse], now: float) -> list[Hashable]:
 
 
 def evictions(models: Iterable[ModelUse], need_bytes: int, free_bytes: int, now: float, *,
-              min_idle_seconds: float = 0.0) -> list[Hashable] | None:
-    """Keys of the models to evict so that ``need_bytes`` fit, least recently used first.
+              min_idle_seconds: float = 0.0, max_loaded_models: int = 0,
+              resident: int | None = None) -> list[Hashable] | None:
+    """Keys of the models to evict so that a load fits, least recently used first.
 
     ``need_bytes``: memory the caller wants to take (e.g. a load's estimate); ``free_bytes``:
     budget left now. Candidates are loaded, not pinned, with no request in flight and idle for
@@ -139,25 +142,46 @@ def evictions(models: Iterable[ModelUse], need_bytes: int, free_bytes: int, now:
     does not protect a model here — 0 means "no timed unload", not a pin (as Ollama evicts
     ``keep_alive: -1`` models when a load needs their memory); ``pinned`` does.
 
-    Candidates are taken in order of ``last_used`` (then key) until ``free_bytes`` plus their
-    ``resident_bytes`` reach ``need_bytes``. Returns ``[]`` when it already fits, ``None`` when
-    even evicting every candidate leaves too little (nothing should be evicted then; the caller
-    refuses the load with the numbers). Raises ``ValueError`` for negative bytes or a key
-    listed twice.
+    The count constraint: with ``max_loaded_models`` above 0 (the node's limit on resident
+    revisions, seed 004 "Per-worker max loaded models: 2"; 0 = no limit), the load must leave at
+    most that many resident, itself included: ``resident - evicted + 1 <= max_loaded_models``.
+    ``resident``: revisions resident now besides the one to load, including those that are not
+    in ``models`` (draining, being loaded); default: the loaded ones in ``models``.
+
+    Candidates are taken in order of ``last_used`` (then key) until both constraints hold:
+    ``free_bytes`` plus their ``resident_bytes`` reach ``need_bytes``, and enough of them are
+    gone for the count. Returns ``[]`` when the load already fits, ``None`` when even evicting
+    every candidate is not enough (nothing should be evicted then; the caller refuses the load
+    with the numbers — :func:`evictions` again with ``max_loaded_models=0`` tells whether memory
+    alone would have been satisfied, i.e. which constraint failed). Raises ``ValueError`` for
+    negative bytes, a negative limit or count, or a key listed twice.
     """
     if need_bytes < 0:
         raise ValueError(f"need_bytes must be >= 0, got {need_bytes}")
-    candidates = [m for m in sorted(_unique(models), key=_lru_order)
+    if max_loaded_models < 0:
+        raise ValueError(f"max_loaded_models must be >= 0 (0 = no limit), "
+                         f"got {max_loaded_models}")
+    listed = _unique(models)
+    if resident is None:
+        resident = sum(1 for m in listed if m.loaded)
+    if resident < 0:
+        raise ValueError(f"resident must be >= 0, got {resident}")
+    candidates = [m for m in sorted(listed, key=_lru_order)
                   if m.loaded and not m.pinned and m.in_flight == 0
                   and m.idle_for(now) >= min_idle_seconds]
+
+    def fits(free: int, count: int) -> bool:
+        return free >= need_bytes and (max_loaded_models == 0 or count < max_loaded_models)
+
     chosen: list[Hashable] = []
-    free = free_bytes
+    free, count = free_bytes, resident
     for m in candidates:
-        if free >= need_bytes:
+        if fits(free, count):
             break
         chosen.append(m.key)
         free += m.resident_bytes
-    return chosen if free >= need_bytes else None
+        count -= 1
+    return chosen if fits(free, count) else None
 
 
 class UsageHistory:

@@ -88,7 +88,8 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """A whole number ≥ 0 (``--max-prefetches``); raises ``ValueError``."""
+    """A whole number ≥ 0 (``--max-prefetches``, ``--max-loaded-models``); raises
+    ``ValueError``."""
     try:
         n = int(text)
     except ValueError:
@@ -166,6 +167,7 @@ class AgentConfig:
     prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
+    max_loaded_models: int = 0  # 0 = no limit but memory (see --max-loaded-models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "to etcd at most this often, and only after new requests (the "
                         "operator's fleet request metrics; a canary uses its analysis interval; "
                         "default: %(default)s)")
+    p.add_argument("--max-loaded-models", type=_argtype(non_negative_int), default=0,
+                   metavar="N",
+                   help="most model revisions resident on this Mac at once (seed 004: "
+                        "'Per-worker max loaded models: 2'); a load beyond it evicts idle, "
+                        "unpinned models least recently used first, else fails ModelLimit and "
+                        "is retried; placement assigns no more revisions than this (0 = no limit "
+                        "but memory; default: %(default)s, because a canary keeps two revisions "
+                        "of one deployment resident, so a default of 2 would block every other "
+                        "model on the Mac during a canary: set it per Mac)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
@@ -247,7 +258,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        max_queued_requests=args.max_queued_requests,
                        prefetch_window_seconds=args.prefetch_window_seconds,
                        max_prefetches=args.max_prefetches,
-                       stats_interval_seconds=args.stats_interval_seconds)
+                       stats_interval_seconds=args.stats_interval_seconds,
+                       max_loaded_models=args.max_loaded_models)
 
 
 class Agent:
@@ -270,7 +282,8 @@ class Agent:
         self.core = ServingCore(registry=self.registry,
                                 max_queued_requests=config.max_queued_requests)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
-                                                  config.simulated_memory_bytes))
+                                                  config.simulated_memory_bytes,
+                                                  config.max_loaded_models))
         self.store = EtcdStore(config.etcd_endpoint, credentials=config.etcd_credentials)
         self.registration: Registration | None = None
         self.controller = None
@@ -384,7 +397,8 @@ class Agent:
                                      core=self.core, registration=self.registration,
                                      advertise_url=self.url, budget_bytes=budget,
                                      prefetch_window_seconds=self.config.prefetch_window_seconds,
-                                     max_prefetches=self.config.max_prefetches)
+                                     max_prefetches=self.config.max_prefetches,
+                                     max_loaded_models=self.config.max_loaded_models)
         await self.controller.start()
         self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
                                       registration=self.registration,

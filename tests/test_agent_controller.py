@@ -485,14 +485,15 @@ def test_cli_parses_every_flag() -> None:
         "--etcd-prefix", "/fleet", "--listen", "0.0.0.0:9000", "--advertise-url", "http://s:9",
         "--label", "rack=a", "--label", "tier=gold", "--lease-ttl", "9",
         "--simulated-chip", "Apple M4 Max", "--simulated-memory", "128Gi",
-        "--max-queued-requests", "5", "--log-level", "DEBUG"])
+        "--max-queued-requests", "5", "--max-loaded-models", "2", "--log-level", "DEBUG"])
     cfg = config_from_args(args)
     assert (cfg.node_name, cfg.etcd_endpoint, cfg.etcd_prefix) == (
         "studio-1", "http://10.0.0.2:2379", "/fleet")
     assert (cfg.listen_host, cfg.listen_port, cfg.advertise_url) == ("0.0.0.0", 9000, "http://s:9")
     assert cfg.labels == {"rack": "a", "tier": "gold"} and cfg.lease_ttl == 9
     assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30
-    assert cfg.max_queued_requests == 5
+    assert cfg.max_queued_requests == 5 and cfg.max_loaded_models == 2
+    assert config_from_args(build_parser().parse_args([])).max_loaded_models == 0  # no limit
     for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"],
                 ["--etcd-endpoint", "unix:///run/etcd.sock"]):
         with pytest.raises(SystemExit):
@@ -512,6 +513,16 @@ def test_cli_rejects_non_positive_counts(flag: str, value: str,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: must be at least 1, got {value}" in err
+
+
+@pytest.mark.parametrize("value, error", [("-1", "must be at least 0, got -1"),
+                                          ("two", "expected a whole number, got 'two'")])
+def test_cli_rejects_a_bad_model_limit(value: str, error: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--max-loaded-models", value])
+    assert exc.value.code == 2
+    assert f"argument --max-loaded-models: {error}" in capsys.readouterr().err
 
 
 async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,

@@ -42,6 +42,7 @@ def _cap(**kw) -> NodeCapacity:
     (_cap(), _cap(memory_available_bytes=36 * 2**30), True),
     (_cap(), _cap(wired_limit_bytes=48 * 2**30), True),
     (_cap(), _cap(chip="Apple M4 Max", chip_generation=4), True),
+    (_cap(), _cap(max_loaded_models=2), True),
 ])
 def test_materially_different(old, new, changed: bool) -> None:
     assert materially_different(old, new) is changed
@@ -56,6 +57,12 @@ async def test_simulated_probe() -> None:
     assert cap.memory_total_bytes == 48 * 2**30
     assert 0 < cap.memory_available_bytes <= cap.memory_total_bytes
     assert cap.wired_limit_bytes == 0
+    assert cap.max_loaded_models == 0  # no limit unless configured
+
+
+async def test_probe_reports_the_configured_model_limit() -> None:
+    cap = await CapacityProbe(CapacityConfig(max_loaded_models=2)).read()
+    assert cap.max_loaded_models == 2
 
 
 async def test_defaults_are_simulated_off_macos() -> None:

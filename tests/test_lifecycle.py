@@ -154,6 +154,54 @@ def test_evictions_refuse_negative_need() -> None:
         evictions([A], -1, 0, 100)
 
 
+# The count constraint (seed 004: "Per-worker max loaded models: 2"): the load must leave at
+# most max_loaded_models resident, itself included. Memory is plentiful in these rows unless
+# the row says otherwise (need 0, free 0).
+LIMIT_CASES = [
+    # (name, models, need, free, limit, resident, expected)
+    ("no limit: nothing to evict", [A, B, C], 0, 0, 0, None, []),
+    ("below the limit: nothing to evict", [A, B], 0, 0, 3, None, []),
+    ("at the limit: the least recently used goes", [A, B], 0, 0, 2, None, ["b"]),
+    ("limit 1 with one resident evicts it", [A], 0, 0, 1, None, ["a"]),
+    ("over the limit (an older, larger limit): as many as needed, LRU first", [A, B, C],
+     0, 0, 1, None, ["b", "a", "c"]),
+    ("residents not listed (draining, loading) count", [A, B, C], 0, 0, 3, 4, ["b", "a"]),
+    ("not-listed residents can make it impossible", [A], 0, 0, 2, 3, None),
+    ("pinned is never evicted: the next one goes",
+     [A, use("b", 5, resident_bytes=2 * GB, pinned=True)], 0, 0, 2, None, ["a"]),
+    ("pinned only: refused", [use("a", 1, pinned=True)], 0, 0, 1, None, None),
+    ("in flight only: refused", [use("a", 1, in_flight=1)], 0, 0, 1, None, None),
+    ("not loaded does not count", [use("b", 5, loaded=False), A], 0, 0, 2, None, []),
+    ("memory needs more than the count", [A, B, C], 5 * GB, 0, 3, None, ["b", "a"]),
+    ("the count needs more than memory", [A, B, C], 1 * GB, 0, 2, None, ["b", "a"]),
+    ("the count holds but memory does not", [A, B], 7 * GB, 0, 3, None, None),
+    ("memory holds but the count does not",
+     [A, use("b", 5, resident_bytes=2 * GB, in_flight=1)], 1 * GB, 0, 1, None, None),
+]
+
+
+@pytest.mark.parametrize("models, need, free, limit, resident, expected",
+                         [c[1:] for c in LIMIT_CASES], ids=[c[0] for c in LIMIT_CASES])
+def test_evictions_with_a_model_limit(models: list[ModelUse], need: int, free: int, limit: int,
+                                      resident: int | None,
+                                      expected: list[str] | None) -> None:
+    assert evictions(models, need, free, 100, max_loaded_models=limit,
+                     resident=resident) == expected
+
+
+def test_evictions_tell_which_constraint_failed() -> None:
+    busy = [A, use("b", 5, resident_bytes=2 * GB, in_flight=1)]
+    # refused with the limit, fine without it: the count is what failed
+    assert evictions(busy, 1 * GB, 0, 100, max_loaded_models=1) is None
+    assert evictions(busy, 1 * GB, 0, 100) == ["a"]
+
+
+@pytest.mark.parametrize("kw", [{"max_loaded_models": -1}, {"resident": -1}])
+def test_evictions_refuse_a_negative_limit_or_count(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        evictions([A], 0, 0, 100, **kw)
+
+
 # ---------------------------------------------------------------------------------------------
 # UsageHistory
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ of an hour)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -18,13 +20,13 @@ from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, PREDIC
 from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import EtcdStore
 from node_agent import memory_estimate
-from node_agent.controller import INSUFFICIENT_MEMORY
+from node_agent.controller import INSUFFICIENT_MEMORY, MODEL_LIMIT
 from node_agent.openai_api import build_app
 from node_agent.serving import ServingCore
 from node_agent.sources import resolve_source
 from serving_fixtures import safetensors_bytes, wait_for
-from test_agent_controller import (TIMEOUT, core, registration, report_events,  # noqa: F401
-                                   settled, wait_report)
+from test_agent_controller import (TIMEOUT, collect, core, registration,  # noqa: F401
+                                   report_events, settled, wait_report)
 from test_idle_unload import (CtlFactory, FakeClock, assign_and_wait_ready,  # noqa: F401
                               controller, idle_assignment, ready, standby)
 
@@ -253,3 +255,135 @@ async def test_lifecycle_metrics_and_a_removed_revision_leaves_no_series(
     await wait_for(lambda: not core.is_loaded("m") and series_of_m() == [], TIMEOUT)
     assert sample(core, "mlxfleet_agent_model_unloads_total", reason="Unassigned") >= 1
     assert ctl.history.times(("m", "r1")) == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# the node's limit on loaded models (--max-loaded-models; seed 004)
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_model_limit_evicts_the_idle_model_and_a_request_brings_it_back(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        test_model_dir: Path) -> None:
+    clock = FakeClock()
+    ctl = await controller(clock=clock, lifecycle_interval=PARKED, max_loaded_models=1)
+    a = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=300, name="a", model="a"))
+    clock.now += 5
+
+    # no memory budget at all: the count alone evicts a to standby
+    b = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=300, name="b", model="b"))
+    ra = await wait_report(store, a, standby)
+    assert ra is not None and ra.reason == EVICTED and ra.resident_bytes == 0
+    assert "b revision r1" in ra.message and "limit of 1 loaded models" in ra.message
+    assert core.is_loaded("b") and not core.is_loaded("a") and len(core.models()) == 1
+    assert ctl.served()["a"].standby == frozenset({"r1"})
+
+    # a request for a reloads it, evicting b: never more than one resident
+    await ctl.converged()
+    clock.now += 5
+    start = (await store.list(a)).revision + 1
+    await ctl.ensure_loaded("a", "r1")
+    assert core.is_loaded("a") and not core.is_loaded("b") and len(core.models()) == 1
+    rb = await wait_report(store, b, standby)
+    assert rb is not None and rb.reason == EVICTED and "a revision r1" in rb.message
+    seen = await report_events(store, a, start, ready)
+    assert [r.state for r in seen if r] == [AssignmentState.LOADING, AssignmentState.READY]
+
+
+async def test_model_limit_refuses_a_load_when_the_resident_model_is_pinned(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        test_model_dir: Path) -> None:
+    ctl = await controller(lifecycle_interval=PARKED, max_loaded_models=1,
+                           retry_backoff=NO_RETRY)
+    a = await assign_and_wait_ready(store, keys, lifecycle(idle_assignment(
+        test_model_dir, idle=300, name="a", model="a"), pinned=True))
+    await ctl.converged()
+
+    b = idle_assignment(test_model_dir, idle=300, name="b", model="b")
+    rkey = keys.report("mac-1", "default", "b", "r1")
+    await store.put(keys.assignment("mac-1", "default", "b", "r1"), b.to_json())
+    r = await wait_report(store, rkey, settled)
+    assert r is not None and r.state == AssignmentState.FAILED and r.reason == MODEL_LIMIT
+    assert "would be loaded model 2" in r.message and "limit is 1" in r.message
+    assert "pinned" in r.message and "retrying in" in r.message  # retried, like memory
+    assert core.is_loaded("a") and not core.is_loaded("b") and ctl.evicted == {}
+    assert (await wait_report(store, a, ready)) is not None
+
+
+async def test_model_limit_waits_for_a_request_in_flight_then_the_retry_evicts(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        test_model_dir: Path) -> None:
+    ctl = await controller(lifecycle_interval=PARKED, max_loaded_models=1,
+                           retry_backoff=(0.1, 0.1))
+    a = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=300, name="a", model="a"))
+    await ctl.converged()
+
+    # a request for a is admitted and cannot finish: the MLX thread is held
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(TIMEOUT)
+
+    held = asyncio.create_task(core._call(hold))
+    try:
+        assert await asyncio.to_thread(entered.wait, TIMEOUT)
+        gen = asyncio.create_task(core.generate("a", prompt="Hello", max_tokens=4,
+                                                temperature=0))
+        await wait_for(lambda: core.inflight_requests("a") == 1, TIMEOUT)
+
+        b = idle_assignment(test_model_dir, idle=300, name="b", model="b")
+        rkey = keys.report("mac-1", "default", "b", "r1")
+        await store.put(keys.assignment("mac-1", "default", "b", "r1"), b.to_json())
+        r = await wait_report(store, rkey, settled)
+        assert r is not None and r.state == AssignmentState.FAILED and r.reason == MODEL_LIMIT
+        assert "serving requests" in r.message and "limit is 1" in r.message
+        assert core.is_loaded("a") and ctl.evicted == {}
+    finally:
+        release.set()
+        await held
+    running = await gen
+    assert isinstance(await collect(running), str)  # the request was served to its end
+
+    # the request is over: the retry evicts a and loads b
+    assert (await wait_report(store, rkey, ready)) is not None
+    ra = await wait_report(store, a, standby)
+    assert ra is not None and ra.reason == EVICTED
+    assert core.is_loaded("b") and not core.is_loaded("a")
+
+
+async def test_predictive_prefetch_does_not_evict_for_the_model_limit(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        test_model_dir: Path) -> None:
+    clock = FakeClock()
+    t0 = clock.now
+    ctl = await controller(clock=clock, lifecycle_interval=PARKED, prefetch_window_seconds=30,
+                           max_loaded_models=1)
+    a = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=300, name="a", model="a"))
+    b = await assign_and_wait_ready(store, keys, idle_assignment(
+        test_model_dir, idle=10, name="b", model="b"))
+    ra = await wait_report(store, a, standby)
+    assert ra is not None and ra.reason == EVICTED  # the limit: one resident
+    await ctl.converged()
+    for t in (0, 120, 240, 360):  # a: a request every 120 s, served while b was away
+        clock.now = t0 + t
+        ctl.touch("a", "r1")
+    clock.now = t0 + 450
+    ctl.touch("b", "r1")
+
+    clock.now = t0 + 455  # a's next request (480) is within the window, but b is resident
+    assert await ctl.tick() == [] and ctl.prefetches == 0
+    assert core.is_loaded("b") and not core.is_loaded("a")
+
+    clock.now = t0 + 462  # b idle for its 10 s: unloaded, and a's prefetch has room
+    tasks = await ctl.tick()
+    assert len(tasks) == 1 and ctl.prefetches == 1
+    for t in tasks:
+        await t
+    assert core.is_loaded("a") and not core.is_loaded("b")
+    rb = await wait_report(store, b, standby)
+    assert rb is not None and rb.reason == IDLE_UNLOADED

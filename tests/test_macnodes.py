@@ -22,13 +22,14 @@ GiB = 1024**3
 
 
 def rec(health: NodeHealth = NodeHealth.HEALTHY, wired: int = 0, beat: float = 1_700_000_000.0,
-        simulated: bool = True) -> NodeRecord:
+        simulated: bool = True, limit: int = 0) -> NodeRecord:
     return NodeRecord(name="mac-a", address="http://mac-a:8000", health=health,
                       heartbeat_unix=beat,
                       capacity=NodeCapacity(memory_total_bytes=64 * GiB,
                                             memory_available_bytes=60 * GiB,
                                             wired_limit_bytes=wired, chip="Apple M4 Max",
-                                            chip_generation=4, simulated=simulated))
+                                            chip_generation=4, simulated=simulated,
+                                            max_loaded_models=limit))
 
 
 def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assignment:
@@ -38,7 +39,9 @@ def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assig
 
 @pytest.mark.parametrize("record, assignments, want", [
     (rec(), [], {"health": "Healthy", "memoryReservedBytes": 0, "loadedModels": [],
-                 "modelCount": 0, "memoryBudgetBytes": node_budget_bytes(64 * GiB, 0)}),
+                 "modelCount": 0, "memoryBudgetBytes": node_budget_bytes(64 * GiB, 0),
+                 "maxLoadedModels": 0}),
+    (rec(limit=2), [asg("a", 2)], {"modelCount": 1, "maxLoadedModels": 2}),
     (rec(), [asg("b", 4), asg("a", 2, "v2"), asg("a", 2, "v1")],
      {"memoryReservedBytes": 8 * GiB, "modelCount": 3, "memory": "8.0GiB / 51.2GiB",
       "loadedModels": ["default/a@v1", "default/a@v2", "default/b@v1"]}),
@@ -47,7 +50,7 @@ def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assig
     (rec(), [], {"chip": "Apple M4 Max", "chipGeneration": 4, "memoryTotalBytes": 64 * GiB,
                  "address": "http://mac-a:8000", "simulated": True,
                  "lastSeen": "2023-11-14T22:13:20Z", "unschedulable": False}),
-], ids=["empty", "reserved and models", "wired cap", "health", "static fields"])
+], ids=["empty", "model limit", "reserved and models", "wired cap", "health", "static fields"])
 def test_macnode_status(record, assignments, want):
     got = macnode_status(record, assignments)
     assert {k: got[k] for k in want} == want
@@ -124,13 +127,25 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
     with running_operator(control_plane, keys, namespace, tmp_path / "operator.log"):
         async with EtcdStore(control_plane.etcd_url) as store:
             lease = await store.grant_lease(60)
-            await store.put(keys.node(mac), node_record(mac).to_json(), lease=lease)
+            record = node_record(mac)
+            record = record.model_copy(update={"capacity": record.capacity.model_copy(
+                update={"max_loaded_models": 1})})  # the agent's --max-loaded-models 1
+            await store.put(keys.node(mac), record.to_json(), lease=lease)
             try:
+                # the operator may not have created it yet: a wait for a field of a missing
+                # object fails at once (NotFound), so wait for its creation first
+                await kwait(control_plane, f"macnode/{mac}", "create")
                 await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.health}=Healthy")
                 r = await asyncio.to_thread(control_plane.kubectl, "get", "macnodes", mac)
                 row = r.stdout.splitlines()
                 assert row[0].split()[:4] == ["NAME", "CHIP", "GEN", "HEALTH"], r.stdout
                 assert mac in row[1] and "Apple M4 Max" in row[1] and "Healthy" in row[1]
+                # the limit survives the CRD's schema and shows in the wide listing
+                await kwait(control_plane, f"macnode/{mac}",
+                            "jsonpath={.status.maxLoadedModels}=1")
+                wide = await asyncio.to_thread(control_plane.kubectl, "get", "macnodes", mac,
+                                               "-o", "wide")
+                assert "MAX MODELS" in wide.stdout.splitlines()[0], wide.stdout
 
                 # cordon: once the operator applies it, a new deployment is not placed there
                 assert await asyncio.to_thread(cli, ["cordon", mac, "--kubeconfig", kc]) == 0
@@ -152,6 +167,19 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
                 placed = await until_assignments(store, keys, lambda v: mac in v)
                 assert placed[mac].name == name
                 await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.modelCount}=1")
+
+                # at its limit of one model: a second deployment is not placed, with the reason
+                second = f"llm-{uuid.uuid4().hex[:6]}"
+                await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
+                                        input=manifest(second, namespace))
+                await kwait(control_plane, f"modeldeployment/{second}",
+                            "condition=Degraded", namespace)
+                obj = json.loads((await asyncio.to_thread(
+                    control_plane.kubectl, "get", "modeldeployment", second, "-n", namespace,
+                    "-o", "json")).stdout)
+                [deg] = [c for c in obj["status"]["conditions"] if c["type"] == "Degraded"]
+                assert deg["reason"] == "FailedPlacement"
+                assert f"1 at its model limit ({mac} 1 of 1 models)" in deg["message"]
 
                 # the record expires: the MacNode stays, Gone
                 await store.revoke_lease(lease)

@@ -74,8 +74,9 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
                    unschedulable: bool = False, draining: bool = False, blocked: str = "",
                    generation: int = 0, previous: Mapping[str, Any] | None = None,
                    now: str = "") -> dict[str, Any]:
-    """The MacNode ``status`` of a live node ``record`` with the ``assignments`` on it.
-    ``draining``/``blocked``/``generation``/``previous``/``now``: see
+    """The MacNode ``status`` of a live node ``record`` with the ``assignments`` on it
+    (``maxLoadedModels``: the agent's limit on loaded models, 0 = none; placement counts
+    ``modelCount`` against it). ``draining``/``blocked``/``generation``/``previous``/``now``: see
     :func:`drained_condition`."""
     asg = list(assignments)
     c = record.capacity
@@ -88,7 +89,8 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
         "memory": memory_summary(sum(a.memory_bytes for a in asg),
                                  node_budget_bytes(c.memory_total_bytes, c.wired_limit_bytes)),
         "health": record.health.value, "simulated": c.simulated, "address": record.address,
-        "loadedModels": models, "modelCount": len(models), "unschedulable": unschedulable,
+        "loadedModels": models, "modelCount": len(models),
+        "maxLoadedModels": c.max_loaded_models, "unschedulable": unschedulable,
         "draining": draining, "lastSeen": _rfc3339(record.heartbeat_unix),
         "conditions": [drained_condition(draining, models, blocked, generation=generation,
                                          previous=previous, now=now)],

@@ -14,8 +14,12 @@ Rules
 * A node is *eligible* when it is ``Healthy``, carries every ``nodeSelector`` label, has
   ``chip_generation >= minChipGeneration``, hosts no assignment of *another* deployment with
   the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
-  a second one would fail there with ``ModelNameConflict`` forever) and its memory budget
-  fits; and, for a *new* replica, is not cordoned (``MacNode`` ``spec.unschedulable``; a replica
+  a second one would fail there with ``ModelNameConflict`` forever), its memory budget
+  fits and it is below its limit on loaded models (``NodeCapacity.max_loaded_models``, the
+  agent's ``--max-loaded-models``, seed 004; 0 = no limit): the node's *other* assignments —
+  other deployments and other revisions of this one, both sides of a canary — must number
+  fewer than the limit, so the revision placed is at most the limit-th; and, for a *new*
+  replica, is not cordoned (``MacNode`` ``spec.unschedulable``; a replica
   already there stays, like a cordoned Kubernetes node keeps its pods) and not *draining*
   (``MacNode`` ``spec.drain``: its replicas are replicas to replace — they are left out of the
   decision and placed elsewhere; :mod:`.rollout` keeps the drained one serving until its
@@ -107,7 +111,8 @@ class PlacementDecision:
     ``removed``: the diff against the current placement (``removed`` includes nodes that
     vanished). ``unplaced``: replicas that could not be placed. ``waiting``: replicas held
     back until the revision's memory estimate exists (not a failure). ``reasons``: one fragment per
-    cause, e.g. ``"2 below chip generation M4"``; ``message``: the whole sentence, e.g.
+    cause, e.g. ``"2 below chip generation M4"`` or ``"2 at their model limit (mac-a 2 of 2
+    models, mac-b 3 of 3 models)"``; ``message``: the whole sentence, e.g.
     ``"0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB: mac-a
     1.1GiB free of 6.4GiB)"`` (per node, most free first, at most five named); both empty when
     every replica is placed.
@@ -182,8 +187,22 @@ def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assi
 #: Nodes named (with their numbers) in an insufficient-memory reason; the rest are counted.
 _MAX_NODES_NAMED = 5
 
+def others_count(request: PlacementRequest, assignments: Sequence[Assignment]) -> int:
+    """Revisions assigned to one node besides the one ``request`` places (each assignment is
+    one revision of one deployment; both sides of a canary or of a surge count)."""
+    return sum(1 for a in assignments if not is_mine(request, a))
+
+
+def at_model_limit(request: PlacementRequest, node: NodeRecord,
+                   assignments: Sequence[Assignment]) -> bool:
+    """True when ``node`` has a limit on loaded models (``max_loaded_models`` > 0) and its
+    other assignments already reach it, so ``request``'s revision would exceed it."""
+    limit = node.capacity.max_loaded_models
+    return limit > 0 and others_count(request, assignments) >= limit
+
+
 # Order of the checks, which is also the order of the reasons in the message.
-_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _DRAINING, _CORDONED = range(7)
+_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _MODEL_LIMIT, _DRAINING, _CORDONED = range(8)
 
 
 def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
@@ -198,6 +217,8 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
         return _NAME
     if free < request.memory_bytes:
         return _MEMORY
+    if at_model_limit(request, node, assignments):
+        return _MODEL_LIMIT
     if node.name in request.draining:  # its replicas are moved elsewhere
         return _DRAINING
     if node.name in request.cordoned:  # otherwise fit: may keep a replica, takes no new one
@@ -254,7 +275,8 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     reasons: tuple[str, ...] = ()
     message = ""
     if unplaced > 0:
-        reasons, message = _explain(request, by_name, verdict, free, unplaced)
+        others = {name: others_count(request, assignments.get(name, ())) for name in by_name}
+        reasons, message = _explain(request, by_name, verdict, free, others, unplaced)
     return PlacementDecision(
         nodes=tuple(sorted(chosen)), kept=tuple(sorted(kept)), added=tuple(sorted(added)),
         removed=tuple(n for n in current if n not in chosen), unplaced=unplaced,
@@ -272,7 +294,8 @@ class _neg(str):
 
 
 def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
-             verdict: Mapping[str, int | None], free: Mapping[str, int], unplaced: int) -> tuple[tuple[str, ...], str]:
+             verdict: Mapping[str, int | None], free: Mapping[str, int],
+             others: Mapping[str, int], unplaced: int) -> tuple[tuple[str, ...], str]:
     total = len(by_name)
     replicas = "replica" if unplaced == 1 else "replicas"
     if total == 0:
@@ -310,6 +333,13 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
             more = f", {k - len(shown)} more" if k > len(shown) else ""
             parts.append(f"{k} insufficient memory (needs {_fmt(request.memory_bytes)}: "
                          f"{per}{more})")
+        elif kind == _MODEL_LIMIT:
+            # the numbers per node: revisions assigned of its limit (names in order)
+            shown = names[:_MAX_NODES_NAMED]
+            per = ", ".join(f"{n} {others[n]} of {by_name[n].capacity.max_loaded_models} "
+                            "models" for n in shown)
+            more = f", {k - len(shown)} more" if k > len(shown) else ""
+            parts.append(f"{k} at {'its' if k == 1 else 'their'} model limit ({per}{more})")
     message = f"{fit}/{total} nodes fit: {', '.join(parts)}"
     if fit:  # the fitting nodes already host one replica each
         message += f"; {unplaced} of {request.replicas} replicas unplaced (one per node)"
