@@ -37,6 +37,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlx_fleet.quantity import format_bytes
+
 ROOT = "/mlx-fleet/v2"
 
 #: The first Apple-Silicon generation mlx-fleet supports (seed 004: M3 or later).
@@ -385,6 +387,21 @@ class DownloadProgress(_Record):
     eta_seconds: Annotated[float, Field(ge=0)] | None = None
     files_done: Annotated[int, Field(ge=0)] = 0
     files_total: Annotated[int, Field(ge=0)] = 0
+
+    def text(self) -> str:
+        """The download in one line, for people (``mlx-fleet status``, a ModelDeployment's
+        ``status.downloads``): ``"12.0MiB / 48.0MiB · 3.0MiB/s · ETA 0:00:12 · 1/3 files"``
+        (``?`` for an unknown total, ``ETA -`` without an estimate)."""
+        eta = "-"
+        if self.eta_seconds is not None:
+            s = int(round(self.eta_seconds))
+            eta = f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+        parts = [f"{format_bytes(self.bytes_done)} / "
+                 f"{format_bytes(self.bytes_total) if self.bytes_total else '?'}",
+                 f"{format_bytes(int(self.rate_bytes_per_second))}/s", f"ETA {eta}"]
+        if self.files_total:
+            parts.append(f"{self.files_done}/{self.files_total} files")
+        return " · ".join(parts)
 
 
 class AssignmentReport(_Record):

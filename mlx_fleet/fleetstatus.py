@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
                                 Keys, NodeRecord)
+from mlx_fleet.quantity import format_bytes
 from mlx_fleet.store import KV, Store
 
 K = TypeVar("K")
@@ -58,34 +59,6 @@ async def collect(store: Store, keys: Keys) -> FleetView:
     return FleetView(nodes, assignments, reports, bad_nodes + bad_assignments + bad_reports, last.revision)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.1f} GiB"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def progress_text(p: DownloadProgress) -> str:
-    """A download in one line: ``"12.0 MiB / 45.0 MiB · 3.1 MiB/s · ETA 0:00:11 · 1/3 files"``
-    (``?`` for an unknown total, ``ETA -`` without an estimate)."""
-    parts = [f"{_size(p.bytes_done)} / {_size(p.bytes_total) if p.bytes_total else '?'}",
-             f"{_size(p.rate_bytes_per_second)}/s",
-             f"ETA {_duration(p.eta_seconds) if p.eta_seconds is not None else '-'}"]
-    if p.files_total:
-        parts.append(f"{p.files_done}/{p.files_total} files")
-    return " · ".join(parts)
-
-
 def _download(rep: AssignmentReport | None) -> DownloadProgress | None:
     if rep is None or rep.state != AssignmentState.PREFETCHING:
         return None
@@ -94,7 +67,7 @@ def _download(rep: AssignmentReport | None) -> DownloadProgress | None:
 
 def summarize(view: FleetView) -> list[dict[str, str]]:
     """One row per node (and per assignment on it): node, chip, memory, health, deployment,
-    revision, state, endpoint, progress (:func:`progress_text` of a ``Prefetching`` report's
+    revision, state, endpoint, progress (:meth:`~mlx_fleet.contract.DownloadProgress.text` of a ``Prefetching`` report's
     download, else ``-``). Nodes without assignments get one row with ``-`` fields;
     assignments on nodes that vanished are listed with node health ``Gone``."""
     return [row for row, _ in _rows(view)]
@@ -110,8 +83,8 @@ def _rows(view: FleetView) -> list[tuple[dict[str, str], DownloadProgress | None
             "node": node,
             "chip": (f"{rec.capacity.chip}{' (simulated)' if rec.capacity.simulated else ''}"
                      if rec else "-"),
-            "memory": (f"{_gib(rec.capacity.memory_available_bytes)} free / "
-                       f"{_gib(rec.capacity.memory_total_bytes)}" if rec else "-"),
+            "memory": (f"{format_bytes(rec.capacity.memory_available_bytes)} free / "
+                       f"{format_bytes(rec.capacity.memory_total_bytes)}" if rec else "-"),
             "health": rec.health.value if rec else "Gone",
         }
         refs = sorted(ref for ref in view.assignments if ref[0] == node)
@@ -126,7 +99,7 @@ def _rows(view: FleetView) -> list[tuple[dict[str, str], DownloadProgress | None
                          "state": (rep.state.value + (f" ({rep.reason})" if rep.reason else "")) if rep
                          else "Pending",
                          "endpoint": rep.endpoint if rep and rep.endpoint else "-",
-                         "progress": progress_text(p) if p is not None else "-"}, p))
+                         "progress": p.text() if p is not None else "-"}, p))
     return rows
 
 

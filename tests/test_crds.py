@@ -270,13 +270,16 @@ def test_single_served_storage_version_with_status_subresource() -> None:
 
 def test_printer_columns() -> None:
     cols = {c["name"]: (c["type"], c["jsonPath"]) for c in VERSION["additionalPrinterColumns"]}
-    assert list(cols) == ["Model", "Revision", "Ready", "Desired", "Status", "Age"]
+    assert list(cols) == ["Model", "Revision", "Ready", "Desired", "Status", "Downloads", "Age"]
+    assert [c["name"] for c in VERSION["additionalPrinterColumns"] if c.get("priority")] == [
+        "Downloads"]                                                   # only with -o wide
     assert cols == {
         "Model": ("string", ".spec.model.source"),
         "Revision": ("string", ".spec.model.revision"),
         "Ready": ("integer", ".status.readyReplicas"),
         "Desired": ("integer", ".spec.replicas"),
         "Status": ("string", '.status.conditions[?(@.type=="Ready")].status'),
+        "Downloads": ("string", ".status.downloads"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
 
@@ -484,11 +487,11 @@ def test_every_cel_rule_has_a_message_and_a_checked_equivalent() -> None:
 def test_status_schema() -> None:
     assert set(STATUS["properties"]) == {
         "observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "nodes", "endpoints",
-        "conditions"}
+        "downloads", "conditions"}
     assert prop("status.updatedReplicas")["type"] == "integer"
     nodes = prop("status.nodes")
     assert set(nodes["items"]["properties"]) == {
-        "name", "revision", "role", "state", "reason", "message", "endpoint"}
+        "name", "revision", "role", "state", "reason", "message", "endpoint", "download"}
     assert nodes["items"]["properties"]["state"]["enum"] == [
         "Pending", "Prefetching", "Loading", "Ready", "Unloaded", "Failed"]
     assert nodes["items"]["properties"]["role"]["enum"] == ["Stable", "Candidate", "Previous"]

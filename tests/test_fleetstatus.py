@@ -44,7 +44,7 @@ def test_summarize_joins_nodes_assignments_and_reports() -> None:
     assert ready["state"] == "Ready (ModelLoaded)"
     assert ready["endpoint"] == "http://mac-a:8000"
     assert ready["chip"] == "Apple M3 Max (simulated)"
-    assert ready["memory"] == "32.0 GiB free / 64.0 GiB"
+    assert ready["memory"] == "32.0GiB free / 64.0GiB"
     assert ready["revision"] == "v2"
     assert rows[("mac-b", "-")]["state"] == "-"
     gone = rows[("mac-gone", "default/llama")]

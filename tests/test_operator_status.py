@@ -6,8 +6,8 @@ import datetime as dt
 
 import pytest
 
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, ModelSource,
-                                NodeCapacity, NodeRecord, Role)
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
+                                ModelSource, NodeCapacity, NodeRecord, Role)
 from mlx_fleet_operator.status import StatusInput, compute_status, status_changed
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
@@ -585,3 +585,25 @@ def test_withdrawn_replica_leaves_the_endpoints_and_the_counts():
     assert (entry["state"], entry["reason"]) == ("Ready", "Withdrawn")
     assert conds(status)["Ready"] == ("True", "ReplicasReady")
     assert conds(status)["Progressing"] == ("False", "Complete")
+
+
+def test_prefetching_replicas_show_their_download():
+    p = DownloadProgress(bytes_done=12 * 2**20, bytes_total=48 * 2**20,
+                         rate_bytes_per_second=3 * 2**20, eta_seconds=12.4, files_done=1,
+                         files_total=3)
+    status, _ = compute_status(StatusInput(
+        generation=2, replicas=2, assignments={SA: asg(), SB: asg()},
+        reports={SA: rep("a", AssignmentState.PREFETCHING, progress=p),
+                 SB: rep("b", AssignmentState.READY)}), None, T0)
+    a, b = (next(n for n in status["nodes"] if n["name"] == x) for x in "ab")
+    assert a["download"] == {"bytesDone": 12 * 2**20, "bytesTotal": 48 * 2**20,
+                             "bytesPerSecond": 3 * 2**20, "etaSeconds": 12,
+                             "text": "12.0MiB / 48.0MiB · 3.0MiB/s · ETA 0:00:12 · 1/3 files"}
+    assert "download" not in b
+    assert status["downloads"] == "a: 12.0MiB / 48.0MiB · 3.0MiB/s · ETA 0:00:12 · 1/3 files"
+    # once loaded, the download is gone from the status
+    done, _ = compute_status(StatusInput(
+        generation=2, replicas=2, assignments={SA: asg(), SB: asg()},
+        reports={SA: rep("a", AssignmentState.READY), SB: rep("b", AssignmentState.READY)}),
+        status, T0)
+    assert done["downloads"] == "" and all("download" not in n for n in done["nodes"])

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
                                 Keys, ModelSource, NodeCapacity)
-from mlx_fleet.fleetstatus import FleetView, progress_text, render, summarize
+from mlx_fleet.fleetstatus import FleetView, render, summarize
 from mlx_fleet.store import EtcdStore
 from node_agent.controller import Controller
 from node_agent.fetch import STATE_FILE, fetch, mirror_dir, parse_hf_uri, parse_manifest
@@ -750,8 +750,8 @@ def test_status_shows_a_progress_bar_for_prefetching_rows() -> None:
     p = DownloadProgress(bytes_done=12 * 2**20, bytes_total=48 * 2**20,
                          rate_bytes_per_second=3 * 2**20, eta_seconds=12, files_done=1,
                          files_total=3)
-    assert progress_text(p) == "12.0 MiB / 48.0 MiB · 3.0 MiB/s · ETA 0:00:12 · 1/3 files"
-    assert progress_text(DownloadProgress()) == "0 B / ? · 0 B/s · ETA -"
+    assert p.text() == "12.0MiB / 48.0MiB · 3.0MiB/s · ETA 0:00:12 · 1/3 files"
+    assert DownloadProgress().text() == "0B / ? · 0B/s · ETA -"
     node = NodeRecord(name="mac-a", address="http://mac-a:8000", capacity=NodeCapacity(
         memory_total_bytes=64 << 30, memory_available_bytes=32 << 30, chip="Apple M3 Max",
         chip_generation=3))
@@ -766,11 +766,11 @@ def test_status_shows_a_progress_bar_for_prefetching_rows() -> None:
                                            revision="r1", state=AssignmentState.READY,
                                            progress=p)})
     rows = {r["deployment"]: r["progress"] for r in summarize(view)}
-    assert rows == {"default/down": progress_text(p), "default/up": "-"}
+    assert rows == {"default/down": p.text(), "default/up": "-"}
     console = Console(record=True, width=250, color_system=None)
     render(view, console)
     out = console.export_text()
-    assert "Progress" in out and "3.0 MiB/s" in out and "ETA 0:00:12" in out
+    assert "Progress" in out and "3.0MiB/s" in out and "ETA 0:00:12" in out
     assert "━" in out  # the bar
 
     console = Console(record=True, width=250, color_system=None)

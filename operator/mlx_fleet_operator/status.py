@@ -120,7 +120,7 @@ def now_rfc3339(now: dt.datetime | None = None) -> str:
 
 
 def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
-                record: NodeRecord | None) -> dict[str, str]:
+                record: NodeRecord | None) -> dict[str, Any]:
     endpoint = (report.endpoint if report and report.endpoint else
                 record.address if record else "")
     base = {"name": node, "revision": asg.revision, "role": asg.role.value}
@@ -134,8 +134,15 @@ def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
                                    f"{report.generation}; assigned generation is "
                                    f"{asg.generation}"),
                        "endpoint": endpoint}
-    return base | {"state": report.state.value, "reason": report.reason or report.state.value,
-                   "message": report.message, "endpoint": endpoint}
+    entry = base | {"state": report.state.value, "reason": report.reason or report.state.value,
+                    "message": report.message, "endpoint": endpoint}
+    if report.state == AssignmentState.PREFETCHING and report.progress is not None:
+        p = report.progress
+        entry["download"] = {"bytesDone": p.bytes_done, "bytesTotal": p.bytes_total,
+                             "bytesPerSecond": int(p.rate_bytes_per_second), "text": p.text()}
+        if p.eta_seconds is not None:
+            entry["download"]["etaSeconds"] = int(round(p.eta_seconds))
+    return entry
 
 
 def condition(ctype: str, status: str, reason: str, message: str, generation: int,
@@ -326,6 +333,8 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         "updatedReplicas": n_updated,
         "nodes": entries,
         "endpoints": sorted({e["endpoint"] for e in ready if e["endpoint"]}),
+        "downloads": "; ".join(f"{e['name']}: {e['download']['text']}"
+                               for e in entries if "download" in e),
         "conditions": conditions,
     }
     return status, events
