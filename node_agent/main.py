@@ -163,6 +163,7 @@ class AgentConfig:
     metrics_auth: str = "open"  # "open" or "api-key"
     tls_cert_file: str | None = None  # HTTPS when set (with tls_key_file)
     tls_key_file: str | None = None
+    forward_ca_file: str | None = None  # CA bundle to verify https:// nodes when forwarding
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the default advertise URL becomes https://")
     p.add_argument("--tls-key-file", default=None, metavar="PATH",
                    help="the PEM private key of --tls-cert-file")
+    p.add_argument("--forward-ca-file", default=None, metavar="PATH",
+                   help="PEM CA bundle that verifies other agents' HTTPS certificates when "
+                        "forwarding to them (agents with --tls-cert-file from a private CA); "
+                        "default: the system's trusted CAs")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
@@ -265,7 +270,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        max_prefetches=args.max_prefetches,
                        api_key_file=args.api_key_file, forward_key_file=args.forward_key_file,
                        metrics_auth=args.metrics_auth, tls_cert_file=args.tls_cert_file,
-                       tls_key_file=args.tls_key_file)
+                       tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file)
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -279,6 +284,16 @@ def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
         raise StartupError(f"--tls-cert-file {cert_file!r} / --tls-key-file {key_file!r}: "
                            f"cannot use ({reason})") from None
     return ctx
+
+
+def forward_tls_context(ca_file: str) -> ssl.SSLContext:
+    """The client side of forwarding to ``https://`` nodes, trusting ``ca_file`` (PEM).
+    Raises :class:`StartupError` naming the flag and path."""
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or type(e).__name__
+        raise StartupError(f"--forward-ca-file {ca_file!r}: cannot use ({reason})") from None
 
 
 class Agent:
@@ -320,6 +335,8 @@ class Agent:
             raise StartupError("--metrics-auth api-key needs --api-key-file")
         self.tls = (tls_context(config.tls_cert_file, config.tls_key_file)
                     if config.tls_cert_file and config.tls_key_file else None)
+        self.forward_tls = (forward_tls_context(config.forward_ca_file)
+                            if config.forward_ca_file else None)
 
     def _node_health(self) -> NodeHealth:
         """What the node record says: Degraded while the serving core has failed or stopped,
@@ -382,7 +399,8 @@ class Agent:
                         standby=lambda: (self.controller.standby_models()
                                          if self.controller is not None else ()),
                         api_keys=self.api_keys, forward_keys=self.forward_keys,
-                        metrics_auth=self.config.metrics_auth == "api-key")
+                        metrics_auth=self.config.metrics_auth == "api-key",
+                        forward_ssl=self.forward_tls)
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()

@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 import uuid
 from typing import Annotated, Any, Awaitable, Callable, Iterable, Literal
@@ -295,7 +296,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
               router: Callable[[], Any] = lambda: None,
               standby: Callable[[], Iterable[Any]] = tuple,
               api_keys: KeyFile | None = None, forward_keys: KeyFile | None = None,
-              metrics_auth: bool = False) -> web.Application:
+              metrics_auth: bool = False,
+              forward_ssl: ssl.SSLContext | None = None) -> web.Application:
     """Build the OpenAI-compatible app over ``core``.
 
     ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
@@ -313,6 +315,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     fleet-internal keys, accepted like client keys when ``api_keys`` is set, and the first of
     them sent with every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
     Both files are re-read when they change (:meth:`KeyFile.current`, a stat per request).
+    ``forward_ssl``: how forwarded requests verify an ``https://`` node (default: the system's
+    trusted CAs).
     """
     metrics = core.metrics
     open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
@@ -387,8 +391,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         import aiohttp
 
         if "s" not in sessions:
-            sessions["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=FORWARD_CONNECT_TIMEOUT))
+            sessions["s"] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_CONNECT_TIMEOUT),
+                connector=aiohttp.TCPConnector(ssl=forward_ssl if forward_ssl else True))
         return sessions["s"]
 
     async def close_sessions(_: web.Application) -> None:

@@ -220,7 +220,7 @@ def test_flags(tmp_path: Path) -> None:
     p = build_parser()
     help_text = p.format_help()
     for flag in ("--api-key-file", "--forward-key-file", "--metrics-auth", "--tls-cert-file",
-                 "--tls-key-file"):
+                 "--tls-key-file", "--forward-ca-file"):
         assert flag in help_text
     keys = write_keys(tmp_path / "keys", KEY_A)
     cfg = config_from_args(p.parse_args(["--api-key-file", str(keys), "--metrics-auth",
@@ -238,6 +238,10 @@ def test_flags(tmp_path: Path) -> None:
         NodeAgent(AgentConfig(node_name="n", tls_cert_file=str(keys), tls_key_file=str(keys)))
     assert str(e.value).startswith(f"--tls-cert-file {str(keys)!r} / --tls-key-file")
     assert KEY_A not in str(e.value)
+    with pytest.raises(StartupError) as e:
+        NodeAgent(AgentConfig(node_name="n", forward_ca_file=str(tmp_path / "missing")))
+    assert str(e.value) == (f"--forward-ca-file {str(tmp_path / 'missing')!r}: cannot use "
+                            f"(No such file or directory)")
 
 
 # -- the real app -------------------------------------------------------------------------------
@@ -369,9 +373,15 @@ async def _capacity() -> NodeCapacity:
 
 async def test_forwarded_request_carries_the_fleet_internal_key(
         store: EtcdStore, keys: Keys, canary_core: ServingCore, tmp_path: Path) -> None:
-    """A canary candidate held by another node: the front node forwards with the first key of
-    its --forward-key-file, not the client's key (the back node does not even know the
-    client's key); without a forward key the back node refuses the forwarded request."""
+    """A canary candidate held by another node, over HTTPS from a private CA: the front node
+    forwards with the first key of its --forward-key-file, not the client's key (the back node
+    does not even know the client's key); without a forward key the back node refuses the
+    forwarded request."""
+    from node_agent.main import forward_tls_context, tls_context
+
+    pki = make_pki(tmp_path / "pki", [])
+    SECRETS.extend(pki.secrets())
+    trusting = forward_tls_context(str(pki.ca))
     client_keys = KeyFile(write_keys(tmp_path / "client-keys", KEY_A))
     back_keys = KeyFile(write_keys(tmp_path / "back-keys", KEY_NODE))
     fleet_path = write_keys(tmp_path / "fleet-keys", KEY_FLEET)
@@ -379,7 +389,8 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
     started: list[tuple[Registration, TrafficManager, TestClient]] = []
 
     async def node(k: Keys, name: str, served: dict[str, Role], api_keys: KeyFile,
-                   forward_keys: KeyFile | None) -> TestClient:
+                   forward_keys: KeyFile | None, tls: ssl.SSLContext | None = None
+                   ) -> TestClient:
         reg = Registration(store, k, node_name=name, address="http://unused", ttl=5,
                            capacity=_capacity)
         await reg.start()
@@ -389,15 +400,19 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
         await tm.start()
         await asyncio.wait_for(tm.synced.wait(), 30)
         app = build_app(canary_core, health=lambda: (True, {}), registry=canary_core.registry,
-                        router=lambda: tm, api_keys=api_keys, forward_keys=forward_keys)
-        c = TestClient(TestServer(app, host="127.0.0.1"))
-        await c.start_server()
+                        router=lambda: tm, api_keys=api_keys, forward_keys=forward_keys,
+                        forward_ssl=trusting)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server(ssl=tls)  # TestClient.start_server passes no ssl
+        c = TestClient(server)
         started.append((reg, tm, c))
         return c
 
     try:
         back = await node(Keys(keys.root + "-back"), "holder",
-                          {"r1": Role.STABLE, "r2": Role.CANDIDATE}, back_keys, fleet)
+                          {"r1": Role.STABLE, "r2": Role.CANDIDATE}, back_keys, fleet,
+                          tls=tls_context(str(pki.server.cert), str(pki.server.key)))
+        assert str(back.make_url("")).startswith("https://")
         split = TrafficSplit(namespace=NS, name=DEP, served_model_name=CANARY_MODEL,
                              stable_revision="r1", candidate_revision="r2", weight=100,
                              canary="c", canary_uid="uid-1",
@@ -408,7 +423,7 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
         body = {"model": CANARY_MODEL, "prompt": "Once upon a time", "max_tokens": 3}
 
         # the client's key is not valid on the back node
-        resp = await back.post(COMPLETIONS, json=body, headers=bearer(KEY_A))
+        resp = await back.post(COMPLETIONS, json=body, headers=bearer(KEY_A), ssl=trusting)
         assert resp.status == 401, await body_of(resp)
         # forwarded, JSON and SSE: served by r2 on the back node, accepted by its fleet key
         for stream in (False, True):
