@@ -401,6 +401,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             await sessions.pop("s").close()
 
     app.on_cleanup.append(close_sessions)
+    refused_by: set[str] = set()  # forward targets that answered 401 (logged once each)
 
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
@@ -421,10 +422,17 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         try:
             session = await client_session()
             async with session.post(url, data=body, headers=headers) as up:
+                target = routed.route.forward
+                if up.status == 401 and target not in refused_by:
+                    refused_by.add(target)
+                    log.warning("node %s refused a forwarded request (401): check that both "
+                                "nodes have the same --forward-key-file", target)
+                elif up.status != 401:
+                    refused_by.discard(target)
                 resp = web.StreamResponse(status=up.status, headers={
                     k: v for k, v in up.headers.items()
                     if k.lower() in {"content-type", "cache-control", "retry-after",
-                                     REVISION_HEADER.lower()}})
+                                     "www-authenticate", REVISION_HEADER.lower()}})
                 await resp.prepare(request)
                 async for part in up.content.iter_any():
                     await resp.write(part)

@@ -372,7 +372,8 @@ async def _capacity() -> NodeCapacity:
 
 
 async def test_forwarded_request_carries_the_fleet_internal_key(
-        store: EtcdStore, keys: Keys, canary_core: ServingCore, tmp_path: Path) -> None:
+        store: EtcdStore, keys: Keys, canary_core: ServingCore, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     """A canary candidate held by another node, over HTTPS from a private CA: the front node
     forwards with the first key of its --forward-key-file, not the client's key (the back node
     does not even know the client's key); without a forward key the back node refuses the
@@ -412,11 +413,12 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
         back = await node(Keys(keys.root + "-back"), "holder",
                           {"r1": Role.STABLE, "r2": Role.CANDIDATE}, back_keys, fleet,
                           tls=tls_context(str(pki.server.cert), str(pki.server.key)))
-        assert str(back.make_url("")).startswith("https://")
+        back_url = str(back.make_url("")).rstrip("/")
+        assert back_url.startswith("https://")
         split = TrafficSplit(namespace=NS, name=DEP, served_model_name=CANARY_MODEL,
                              stable_revision="r1", candidate_revision="r2", weight=100,
                              canary="c", canary_uid="uid-1",
-                             candidate_endpoints=[str(back.make_url("")).rstrip("/")])
+                             candidate_endpoints=[back_url])
         await store.put(keys.traffic(NS, DEP), split.to_json())
         front = await node(keys, "front", {"r1": Role.STABLE}, client_keys, fleet)
         bare = await node(keys, "front-without-key", {"r1": Role.STABLE}, client_keys, None)
@@ -442,6 +444,12 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
         text = await body_of(resp)
         assert resp.status == 401, text
         assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        assert resp.headers["WWW-Authenticate"] == "Bearer"
+        resp = await bare.post(COMPLETIONS, json=body, headers=bearer(KEY_A))
+        assert resp.status == 401, await body_of(resp)
+        assert [r.getMessage() for r in caplog.records if "refused a forwarded" in r.getMessage()
+                ] == [f"node {back_url} refused a forwarded request (401): check that both "
+                      f"nodes have the same --forward-key-file"]  # once per node
         # and a client that has no key gets nowhere near forwarding
         resp = await front.post(COMPLETIONS, json=body)
         assert resp.status == 401, await body_of(resp)
