@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ from mlx_fleet.contract import (IDLE_STATS_INTERVAL_SECONDS, ROOT, Keys, NodeHea
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
 from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
+from .api_keys import KeyFile, KeyFileError
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL, Registration
@@ -168,6 +170,12 @@ class AgentConfig:
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
     max_loaded_models: int = 0  # 0 = no limit but memory (see --max-loaded-models)
+    api_key_file: str | None = None  # client keys; None: the API is open
+    forward_key_file: str | None = None  # fleet-internal key(s) for forwarded requests
+    metrics_auth: str = "open"  # "open" or "api-key"
+    tls_cert_file: str | None = None  # HTTPS when set (with tls_key_file)
+    tls_key_file: str | None = None
+    forward_ca_file: str | None = None  # CA bundle to verify https:// nodes when forwarding
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %s; port 0 picks a free port)" % DEFAULT_LISTEN)
     p.add_argument("--advertise-url", default=None, metavar="URL",
                    help="base URL clients and the operator use to reach this agent "
-                        "(default: http://<listen>, with the host name for 0.0.0.0/::)")
+                        "(default: http://<listen>, https:// with --tls-cert-file, with the host "
+                        "name for 0.0.0.0/::)")
     p.add_argument("--label", action="append", default=[], type=_argtype(parse_label),
                    metavar="KEY=VALUE",
                    help="node label matched by deployments' node selectors (repeatable)")
@@ -238,6 +247,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "but memory; default: %(default)s, because a canary keeps two revisions "
                         "of one deployment resident, so a default of 2 would block every other "
                         "model on the Mac during a canary: set it per Mac)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer <key>' on the API with one of the keys "
+                        "in this file (one per line, '#' comments, blank lines ignored); the "
+                        "file is re-read when it changes, so keys rotate without a restart. "
+                        "There is no flag taking a key itself (it would show in ps). Default: "
+                        "none, the API is open to anyone who can reach --listen")
+    p.add_argument("--forward-key-file", default=None, metavar="PATH",
+                   help="fleet-internal key file, the same on every agent: its first key is "
+                        "sent with requests this agent forwards to another node (canary "
+                        "candidates held elsewhere), and with --api-key-file its keys are "
+                        "accepted like client keys; re-read when it changes")
+    p.add_argument("--metrics-auth", choices=["open", "api-key"], default="open",
+                   help="GET /metrics open to anyone, or needing a key like the API "
+                        "(api-key needs --api-key-file); /health is always open "
+                        "(default: %(default)s)")
+    p.add_argument("--tls-cert-file", default=None, metavar="PATH",
+                   help="serve HTTPS with this PEM certificate (chain); needs --tls-key-file; "
+                        "the default advertise URL becomes https://")
+    p.add_argument("--tls-key-file", default=None, metavar="PATH",
+                   help="the PEM private key of --tls-cert-file")
+    p.add_argument("--forward-ca-file", default=None, metavar="PATH",
+                   help="PEM CA bundle that verifies other agents' HTTPS certificates when "
+                        "forwarding to them (agents with --tls-cert-file from a private CA); "
+                        "default: the system's trusted CAs")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
@@ -248,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     host, port = args.listen
     credentials = credentials_from_args(args)  # CredentialsError (a ValueError): one line
+    if args.metrics_auth == "api-key" and not args.api_key_file:
+        raise ValueError("--metrics-auth api-key needs --api-key-file")
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
     check_endpoint(args.etcd_endpoint, credentials)
     return AgentConfig(node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
                        etcd_prefix=args.etcd_prefix, etcd_credentials=credentials,
@@ -259,7 +296,33 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        prefetch_window_seconds=args.prefetch_window_seconds,
                        max_prefetches=args.max_prefetches,
                        stats_interval_seconds=args.stats_interval_seconds,
-                       max_loaded_models=args.max_loaded_models)
+                       max_loaded_models=args.max_loaded_models,
+                       api_key_file=args.api_key_file, forward_key_file=args.forward_key_file,
+                       metrics_auth=args.metrics_auth, tls_cert_file=args.tls_cert_file,
+                       tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file)
+
+
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The server side of HTTPS (TLS 1.2 or newer, Python's defaults for server sockets).
+    Raises :class:`StartupError` naming the flags and paths (never the files' content)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as e:
+        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or type(e).__name__
+        raise StartupError(f"--tls-cert-file {cert_file!r} / --tls-key-file {key_file!r}: "
+                           f"cannot use ({reason})") from None
+    return ctx
+
+
+def forward_tls_context(ca_file: str) -> ssl.SSLContext:
+    """The client side of forwarding to ``https://`` nodes, trusting ``ca_file`` (PEM).
+    Raises :class:`StartupError` naming the flag and path."""
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or type(e).__name__
+        raise StartupError(f"--forward-ca-file {ca_file!r}: cannot use ({reason})") from None
 
 
 class Agent:
@@ -291,6 +354,19 @@ class Agent:
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        try:
+            self.api_keys = (KeyFile(config.api_key_file, flag="--api-key-file")
+                             if config.api_key_file else None)
+            self.forward_keys = (KeyFile(config.forward_key_file, flag="--forward-key-file")
+                                 if config.forward_key_file else None)
+        except KeyFileError as e:
+            raise StartupError(str(e)) from None
+        if config.metrics_auth == "api-key" and self.api_keys is None:
+            raise StartupError("--metrics-auth api-key needs --api-key-file")
+        self.tls = (tls_context(config.tls_cert_file, config.tls_key_file)
+                    if config.tls_cert_file and config.tls_key_file else None)
+        self.forward_tls = (forward_tls_context(config.forward_ca_file)
+                            if config.forward_ca_file else None)
 
     def _node_health(self) -> NodeHealth:
         """What the node record says: Degraded while the serving core has failed or stopped,
@@ -351,13 +427,16 @@ class Agent:
         app = build_app(self.core, health=self.health, registry=self.registry,
                         router=lambda: self.traffic,
                         standby=lambda: (self.controller.standby_models()
-                                         if self.controller is not None else ()))
+                                         if self.controller is not None else ()),
+                        api_keys=self.api_keys, forward_keys=self.forward_keys,
+                        metrics_auth=self.config.metrics_auth == "api-key",
+                        forward_ssl=self.forward_tls)
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host = self.config.listen_host
         shown = f"[{host}]" if ":" in host else host
-        site = web.TCPSite(self._runner, host, self.config.listen_port)
+        site = web.TCPSite(self._runner, host, self.config.listen_port, ssl_context=self.tls)
         try:
             await site.start()
         except OSError as e:  # address in use, not permitted, unknown host, …
@@ -368,12 +447,24 @@ class Agent:
                                f"(--listen): {reason}") from None
         self._site = site
         port = self._bound_port()
-        log.info("serving on http://%s:%d", shown, port)
+        scheme = "https" if self.tls is not None else "http"
+        log.info("serving on %s://%s:%d", scheme, shown, port)
+        if self.api_keys is None:
+            log.warning("the API is OPEN: no --api-key-file, anyone who can reach %s:%d may "
+                        "use it", shown, port)
+        else:
+            log.info("API keys required (%d in --api-key-file%s); /metrics %s",
+                     len(self.api_keys),
+                     f", {len(self.forward_keys)} fleet-internal" if self.forward_keys else "",
+                     "needs a key" if self.config.metrics_auth == "api-key" else "is open")
+            if self.forward_keys is None:
+                log.warning("no --forward-key-file: requests forwarded to other nodes carry "
+                            "no key, and nodes that require keys answer them 401")
         if self.config.advertise_url:
             self.url = self.config.advertise_url.rstrip("/")
         else:
             adv = socket.gethostname() if host in {"0.0.0.0", "::", ""} else shown
-            self.url = f"http://{adv}:{port}"
+            self.url = f"{scheme}://{adv}:{port}"
 
         self.registration = Registration(
             self.store, self.keys, node_name=self.config.node_name, address=self.url,

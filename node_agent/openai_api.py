@@ -5,6 +5,13 @@ Routes:
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming),
 * ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus).
 
+Authentication (``api_keys``, :mod:`node_agent.api_keys`): with a key file every request
+except ``GET /health`` (and ``GET /metrics`` unless ``metrics_auth``) needs ``Authorization:
+Bearer <key>`` with one of its keys or of the fleet-internal ``forward_keys``; otherwise 401
+``invalid_request_error`` / ``invalid_api_key`` with ``WWW-Authenticate: Bearer`` (the message
+never repeats what was sent). Without a key file the API is open. A forwarded request (below)
+carries the first key of ``forward_keys`` as its bearer key, never the client's.
+
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
 ``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; options this
@@ -52,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 import uuid
 from typing import Annotated, Any, Awaitable, Callable, Iterable, Literal
@@ -60,6 +68,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .api_keys import KeyFile, bearer_token, matches
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                       ModelNotLoaded, Overloaded, ServingCore)
 
@@ -72,6 +81,8 @@ REVISION_HEADER = "X-Model-Revision"
 SESSION_HEADER = "X-Session-ID"
 #: Request header a forwarding agent sets: serve exactly this revision, don't split again.
 PIN_HEADER = "X-MLX-Fleet-Revision"
+#: Paths answered without a key whatever the configuration (``/metrics`` by ``metrics_auth``).
+OPEN_PATHS = frozenset({"/health"})
 #: Timeout of a forwarded request's connection (seconds); the body streams for as long as it
 #: takes.
 FORWARD_CONNECT_TIMEOUT = 5.0
@@ -177,6 +188,15 @@ def _error(status: int, message: str, *, type_: str = "invalid_request_error",
         status=status, headers=headers)
 
 
+def _unauthorized(presented: str | None) -> web.Response:
+    """401 in OpenAI's shape; the message never contains what was presented."""
+    message = ("Incorrect API key provided." if presented is not None else
+               "You didn't provide an API key. Provide it in an Authorization header using "
+               "Bearer auth (Authorization: Bearer YOUR_KEY).")
+    return _error(401, message, code="invalid_api_key",
+                  headers={"WWW-Authenticate": "Bearer"})
+
+
 def _validation_error(e: ValidationError) -> web.Response:
     err = e.errors(include_url=False)[0]
     if err.get("type") == "json_invalid":
@@ -274,7 +294,10 @@ class _Outcome:
 def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
               registry: CollectorRegistry,
               router: Callable[[], Any] = lambda: None,
-              standby: Callable[[], Iterable[Any]] = tuple) -> web.Application:
+              standby: Callable[[], Iterable[Any]] = tuple,
+              api_keys: KeyFile | None = None, forward_keys: KeyFile | None = None,
+              metrics_auth: bool = False,
+              forward_ssl: ssl.SSLContext | None = None) -> web.Application:
     """Build the OpenAI-compatible app over ``core``.
 
     ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
@@ -287,8 +310,30 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     but not resident (the controller's
     :meth:`~node_agent.controller.Controller.standby_models`: ``model_id``, ``revision``,
     ``max_context_tokens``, ``reason``, ``created_unix``); ``GET /v1/models`` lists them too.
+
+    ``api_keys``: the client keys (None: no authentication); ``forward_keys``: the
+    fleet-internal keys, accepted like client keys when ``api_keys`` is set, and the first of
+    them sent with every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
+    Both files are re-read when they change (:meth:`KeyFile.current`, a stat per request).
+    ``forward_ssl``: how forwarded requests verify an ``https://`` node (default: the system's
+    trusted CAs).
     """
     metrics = core.metrics
+    open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+
+    @web.middleware
+    async def authenticate(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+        if api_keys is None or request.path in open_paths:
+            return await handler(request)
+        digests = api_keys.current()
+        if forward_keys is not None:
+            digests += forward_keys.current()
+        presented = bearer_token(request.headers.get("Authorization"))
+        if not matches(presented, digests):
+            return _unauthorized(presented)
+        return await handler(request)
 
     @web.middleware
     async def errors(request: web.Request,
@@ -336,7 +381,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                                     request.get(_REVISION, UNKNOWN_LABEL),
                                     endpoint, str(status)).inc()
 
-    app = web.Application(middlewares=[errors])
+    # errors outermost: a 401 is counted in the request metrics like any other answer
+    app = web.Application(middlewares=[errors, authenticate])
     app[CORE_KEY] = core
 
     sessions: dict[str, Any] = {}
@@ -345,8 +391,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         import aiohttp
 
         if "s" not in sessions:
-            sessions["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=FORWARD_CONNECT_TIMEOUT))
+            sessions["s"] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_CONNECT_TIMEOUT),
+                connector=aiohttp.TCPConnector(ssl=forward_ssl if forward_ssl else True))
         return sessions["s"]
 
     async def close_sessions(_: web.Application) -> None:
@@ -354,6 +401,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
             await sessions.pop("s").close()
 
     app.on_cleanup.append(close_sessions)
+    refused_by: set[str] = set()  # forward targets that answered 401 (logged once each)
 
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
@@ -366,15 +414,25 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         t0 = time.perf_counter()
         url = routed.route.forward.rstrip("/") + request.path
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
+        if forward_keys is not None:
+            forward_keys.current()  # a rotated file is in force for this request already
+            headers["Authorization"] = f"Bearer {forward_keys.first}"
         resp: web.StreamResponse | None = None
         failed = False  # counted here only when the serving node could not be reached
         try:
             session = await client_session()
             async with session.post(url, data=body, headers=headers) as up:
+                target = routed.route.forward
+                if up.status == 401 and target not in refused_by:
+                    refused_by.add(target)
+                    log.warning("node %s refused a forwarded request (401): check that both "
+                                "nodes have the same --forward-key-file", target)
+                elif up.status != 401:
+                    refused_by.discard(target)
                 resp = web.StreamResponse(status=up.status, headers={
                     k: v for k, v in up.headers.items()
                     if k.lower() in {"content-type", "cache-control", "retry-after",
-                                     REVISION_HEADER.lower()}})
+                                     "www-authenticate", REVISION_HEADER.lower()}})
                 await resp.prepare(request)
                 async for part in up.content.iter_any():
                     await resp.write(part)
