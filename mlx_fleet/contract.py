@@ -121,6 +121,9 @@ class Keys:
     def node_reports_prefix(self, node: str) -> str:
         return f"{self.reports_prefix}{_check_segment(node, 'node name')}/"
 
+    def node_stats_prefix(self, node: str) -> str:
+        return f"{self.stats_prefix}{_check_segment(node, 'node name')}/"
+
     # -- keys ----------------------------------------------------------------------------------
     def node(self, node: str) -> str:
         return f"{self.nodes_prefix}{_check_segment(node, 'node name')}"
@@ -138,7 +141,7 @@ class Keys:
                 f"{_check_segment(name, 'deployment name')}")
 
     def stats(self, node: str, namespace: str, name: str) -> str:
-        return (f"{self.stats_prefix}{_check_segment(node, 'node name')}/"
+        return (f"{self.node_stats_prefix(node)}"
                 f"{_check_segment(namespace, 'namespace')}/"
                 f"{_check_segment(name, 'deployment name')}")
 

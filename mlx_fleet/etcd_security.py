@@ -101,7 +101,7 @@ def agent_role(keys: Keys, node: str) -> Role:
     return Role(agent_user(node), (
         Permission(keys.node(node), False, rw),
         Permission(keys.node_reports_prefix(node), True, rw),
-        Permission(f"{keys.stats_prefix}{node}/", True, rw),
+        Permission(keys.node_stats_prefix(node), True, rw),
         Permission(keys.node_assignments_prefix(node), True, ro),
         Permission(keys.traffic_prefix, True, ro),
     ))
