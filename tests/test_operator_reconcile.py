@@ -284,6 +284,18 @@ async def test_concurrent_reconciles_after_node_death_all_converge(store, keys):
         ("b", n) for n in sorted(names)]
 
 
+async def test_serialized_reconciles_of_one_process_never_race(store, keys):
+    """The operator's reconciles share one lock (``serialize``): 20 at once all land in their
+    first transaction, while the epoch still fences any other writer."""
+    await put_nodes(store, keys, node("a", 64), node("b", 64))
+    lock = asyncio.Lock()
+    names = [f"s{i}" for i in range(20)]
+    results = await asyncio.gather(*[
+        rc.reconcile(store, keys, intent(n, mem_gib=1), serialize=lock) for n in names])
+    assert [r.conflicts for r in results] == [0] * 20 and all(r.written for r in results)
+    assert len((await store.list(keys.assignments_prefix)).items) == 20
+
+
 def test_backoff_delays_grow_jittered_and_capped():
     import random
 

@@ -182,6 +182,8 @@ class Runtime:
         #: ModelDeployment → withdrawn (node, revision) → ``time.monotonic()`` when the status
         #: leaving it out of ``endpoints`` was published.
         self.withdrawn: dict[DeploymentKey, dict[Slot, float]] = {}
+        #: Held by every reconcile's read-plan-write (reconcile.reconcile's ``serialize``).
+        self.placement_lock = asyncio.Lock()
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
@@ -778,7 +780,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
                     if time.monotonic() - at >= ENDPOINT_GRACE_SECONDS}
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
-                                     writer=rt.writer, released=released)
+                                     writer=rt.writer, released=released,
+                                     serialize=rt.placement_lock)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -902,7 +905,8 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     key = (namespace, name)
     async with rt.lock(key):
         try:
-            result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer)
+            result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer,
+                                             serialize=rt.placement_lock)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             raise kopf.TemporaryError(str(e), delay=1) from e
