@@ -235,8 +235,10 @@ async def one_size(binaries, n: int, args) -> dict:
             register_s = time.monotonic() - t
             m0, e0 = scrape(metrics_url), scrape(etcd_metrics)
             t0 = time.monotonic()
-            cp.kubectl("apply", "-f", "-", input=deployments(args.deployments, args.replicas),
-                       timeout=300)
+            # in a thread: the simulated Macs' keep-alives run on this loop
+            await asyncio.to_thread(cp.kubectl, "apply", "-f", "-",
+                                    input=deployments(args.deployments, args.replicas),
+                                    timeout=300)
             converge = await wait_all_ready(cp, args.deployments, args.timeout)
             converge_total = time.monotonic() - t0
             m1, e1 = scrape(metrics_url), scrape(etcd_metrics)

@@ -5,8 +5,10 @@ session each: the default one and one with other weights, to tell revisions apar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -92,3 +94,23 @@ async def agent(tiny_model_path: Path) -> AsyncIterator[Agent]:
     a = await make_agent(tiny_model_path)
     yield a
     await close_agent(a)
+
+
+@contextlib.asynccontextmanager
+async def mlx_thread_held(core, timeout: float):
+    """Hold the serving core's MLX thread (a command that blocks it) for the ``async with``
+    body: nothing decodes, loads or unloads meanwhile, so requests admitted before stay in
+    flight. Released (and the command awaited) on the way out."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(timeout)
+
+    held = asyncio.create_task(core._call(hold))
+    try:
+        assert await asyncio.to_thread(entered.wait, timeout)
+        yield
+    finally:
+        release.set()
+        await held

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
-from serving_fixtures import other_model_path, wait_for  # noqa: F401  (a session fixture)
+from serving_fixtures import mlx_thread_held, other_model_path, wait_for  # noqa: F401  (a session fixture)
 
 NODE = "mac-1"
 ADVERTISED = "http://agent.test:8000"
@@ -298,15 +297,7 @@ async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
     # a request runs on r1; the MLX thread is held so it cannot end before r1 is unassigned
     running = await core.generate("m", revision="r1", prompt="Hello, world!", max_tokens=16,
                                   temperature=0.0)
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(TIMEOUT)
-
-    held = asyncio.create_task(core._call(hold))
-    try:
-        assert await asyncio.to_thread(entered.wait, TIMEOUT)
+    async with mlx_thread_held(core, TIMEOUT):
         await store.delete(keys.assignment(NODE, "default", "m", "r1"))
         assert await wait_report(store, r1key, lambda r: r is None) is None
         # draining: no new requests, still resident while its request runs; r2 serves
@@ -314,9 +305,6 @@ async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
         assert core.inflight_requests("m", "r1") == 1
         assert [i.revision for i in core.revisions("m")] == ["r1", "r2"]
         assert controller.served() == {"m": ServedModel("default", "m", {"r2": Role.STABLE})}
-    finally:
-        release.set()
-        await held
     assert await asyncio.wait_for(collect(running), TIMEOUT) == ref  # finished in full
     assert running.finish_reason == "length" and running.completion_tokens == 16
     # then unloaded: its memory is returned

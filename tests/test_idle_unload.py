@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from node_agent.openai_api import REVISION_HEADER, build_app
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.traffic import TrafficManager
-from serving_fixtures import safetensors_bytes, wait_for
+from serving_fixtures import mlx_thread_held, safetensors_bytes, wait_for
 from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, assignment, complete,  # noqa: F401
                                    core, registration, report_events, wait_report)
 
@@ -319,23 +318,12 @@ async def test_no_unload_with_idle_zero_or_a_request_in_flight(
 
     # a request for "busy" is admitted, and held: the MLX thread is blocked
     running = await core.generate("busy", prompt="Hello", max_tokens=4, temperature=0)
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(TIMEOUT)
-
-    held = asyncio.create_task(core._call(hold))
-    try:
-        assert await asyncio.to_thread(entered.wait, TIMEOUT)
+    async with mlx_thread_held(core, TIMEOUT):
         clock.now += 10_000  # far past any idle time
         await passes(3)
         assert core.is_loaded("never") and core.is_loaded("busy")
         assert core.inflight_requests("busy") == 1
         assert ctl.idle_unloaded == {}
-    finally:
-        release.set()
-        await held
     async with running:
         async for _ in running:
             pass

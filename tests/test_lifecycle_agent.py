@@ -10,7 +10,6 @@ of an hour)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -24,7 +23,7 @@ from node_agent.controller import INSUFFICIENT_MEMORY, MODEL_LIMIT
 from node_agent.openai_api import build_app
 from node_agent.serving import ServingCore
 from node_agent.sources import resolve_source
-from serving_fixtures import safetensors_bytes, wait_for
+from serving_fixtures import mlx_thread_held, safetensors_bytes, wait_for
 from test_agent_controller import (TIMEOUT, collect, core, registration,  # noqa: F401
                                    report_events, settled, wait_report)
 from test_idle_unload import (CtlFactory, FakeClock, assign_and_wait_ready,  # noqa: F401
@@ -322,15 +321,7 @@ async def test_model_limit_waits_for_a_request_in_flight_then_the_retry_evicts(
     await ctl.converged()
 
     # a request for a is admitted and cannot finish: the MLX thread is held
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(TIMEOUT)
-
-    held = asyncio.create_task(core._call(hold))
-    try:
-        assert await asyncio.to_thread(entered.wait, TIMEOUT)
+    async with mlx_thread_held(core, TIMEOUT):
         gen = asyncio.create_task(core.generate("a", prompt="Hello", max_tokens=4,
                                                 temperature=0))
         await wait_for(lambda: core.inflight_requests("a") == 1, TIMEOUT)
@@ -342,9 +333,6 @@ async def test_model_limit_waits_for_a_request_in_flight_then_the_retry_evicts(
         assert r is not None and r.state == AssignmentState.FAILED and r.reason == MODEL_LIMIT
         assert "serving requests" in r.message and "limit is 1" in r.message
         assert core.is_loaded("a") and ctl.evicted == {}
-    finally:
-        release.set()
-        await held
     running = await gen
     assert isinstance(await collect(running), str)  # the request was served to its end
 
