@@ -340,7 +340,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "controlplane.json")
     args = p.parse_args()
     binaries = ensure_all()
-    runs = []
+    runs: list[dict] = []
+    result = {"benchmark": "controlplane", "machine": machine(), "params": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for n in args.nodes:
         r = asyncio.run(one_size(binaries, n, args))
         print(f"{n:5d} nodes × {args.deployments} deployments: converged in "
@@ -348,10 +351,7 @@ def main() -> int:
               f"{r['idle_writes']}, join → {r['node_join']['reconciles']:.0f} reconciles, "
               f"leave → {r['node_leave']['reconciles']:.0f}", file=sys.stderr)
         runs.append(r)
-    result = {"benchmark": "controlplane", "machine": machine(), "params": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(json.dumps(result, indent=2) + "\n")  # each size as it completes
     png = plot(runs, args.out.with_suffix(".png"))
     print(json.dumps(runs, indent=2))
     print(f"→ {args.out}" + (f" and {png}" if png else ""))

@@ -317,14 +317,15 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     fig, axes = plt.subplots(1, len(wls), figsize=(3.2 * len(wls), 3.4), squeeze=False)
     for ax, wl in zip(axes[0], wls):
         cs = sorted(summary[wl], key=int)
-        ratios = [summary[wl][c].get("tokens_per_second_ratio") or 0 for c in cs]
-        ax.bar(cs, ratios, color="#3b7dd8")
+        ratios = [summary[wl][c].get("tokens_per_second_ratio") for c in cs]
+        ax.bar(cs, [r or 0 for r in ratios], color="#3b7dd8")
         ax.axhline(1.0, color="grey", lw=1, ls="--")
         ax.set_title(wl, fontsize=9)
         ax.set_xlabel("concurrent streams")
-        ax.set_ylim(0, max([1.2, *ratios]) * 1.15)
+        ax.set_ylim(0, max([1.2, *(r for r in ratios if r)]) * 1.15)
         for x, y in zip(cs, ratios):
-            ax.annotate(f"{y:.2f}×", (x, y), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{y:.2f}×" if y else "errors:\nno ratio", (x, y or 0), ha="center",
+                        va="bottom", fontsize=8, color="black" if y else "#b03030")
     axes[0][0].set_ylabel("output tokens/s, ours ÷ mlx_lm.server")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
