@@ -253,12 +253,40 @@ def test_etcd_endpoint_and_prefix(helm: Path) -> None:
     (("--set", "etcd.endpoints={http://a:2379,http://b:2379}"),
      "etcd.endpoints: the operator accepts exactly one etcd endpoint for now"),
     (("--set", "etcd.tls.secretName=etcd-client-tls"),
-     "etcd.tls.secretName: the operator does not support etcd TLS yet"),
-], ids=["no-endpoint", "two-endpoints", "tls"])
+     "etcd.tls.secretName needs an https:// etcd endpoint"),
+    (("--set", "etcd.auth.username=mlx-fleet-operator"),
+     "etcd.auth.username needs etcd.auth.passwordSecret.name"),
+], ids=["no-endpoint", "two-endpoints", "tls-over-http", "user-without-password"])
 def test_unsupported_etcd_values_fail_with_a_message(helm: Path, flags: tuple[str, ...], message: str) -> None:
     proc = run_helm(helm, "template", RELEASE, str(CHART), *flags)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_etcd_tls_and_password_auth_mount_secrets_as_files(helm: Path) -> None:
+    """Client certificates and the password come from Secrets mounted read-only; the operator
+    gets file paths (its own flags parse them), never the secret material itself."""
+    from mlx_fleet_operator.main import build_parser
+
+    docs = render(helm, "--set", "etcd.endpoints={https://etcd.mlx-fleet.svc:2379}",
+                  "--set", "etcd.tls.secretName=etcd-client-tls",
+                  "--set", "etcd.auth.username=mlx-fleet-operator",
+                  "--set", "etcd.auth.passwordSecret.name=etcd-operator-password")
+    c = _container(docs)
+    args = build_parser().parse_args(c["args"])
+    assert (args.etcd_ca_file, args.etcd_cert_file, args.etcd_key_file) == (
+        "/etc/mlx-fleet/etcd-tls/ca.crt", "/etc/mlx-fleet/etcd-tls/tls.crt",
+        "/etc/mlx-fleet/etcd-tls/tls.key")
+    assert (args.etcd_username, args.etcd_password_file) == (
+        "mlx-fleet-operator", "/etc/mlx-fleet/etcd-auth/password")
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["etcd-tls"]["readOnly"] and mounts["etcd-auth"]["readOnly"]
+    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["etcd-tls"]["secret"]["secretName"] == "etcd-client-tls"
+    assert volumes["etcd-auth"]["secret"] == {"secretName": "etcd-operator-password",
+                                              "defaultMode": 0o400,
+                                              "items": [{"key": "password", "path": "password"}]}
+    assert not any("password" in e.get("name", "").lower() for e in c["env"])
 
 
 def test_watch_namespaces_and_peering(helm: Path) -> None:
@@ -335,7 +363,7 @@ def test_values_defaults() -> None:
     assert values["metrics"]["port"] == 8080
     assert values["serviceMonitor"]["enabled"] is False
     assert values["grafana"]["dashboards"]["enabled"] is True
-    assert values["etcd"]["tls"]["secretName"] == ""
+    assert values["etcd"]["tls"]["secretName"] == "" and values["etcd"]["auth"]["username"] == ""
     assert values["operator"]["peering"] is False
     assert set(values["image"]) == {"repository", "tag", "pullPolicy"}
 
