@@ -486,6 +486,27 @@ async def test_fuzzed_bodies_never_crash_the_agent(agent: Agent, path: str, body
     assert (await agent.client.get("/health")).status == 200
 
 
+@pytest.mark.parametrize(("path", "body", "status", "fragment"), [
+    (CHAT, b"[" * 50_000 + b"]" * 50_000, 400, "recursion limit"),            # deep nesting
+    (CHAT, b'{"model":' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, "recursion limit"),
+    (COMPLETIONS, b'{"model":"m","prompt":"\xff\xfe"}', 400, "malformed JSON"),  # bad UTF-8
+    (COMPLETIONS, b'{"model":"m","prompt":"' + b"a" * (2 * 2**20) + b'"}', 413, ""),  # > 1 MiB
+    (CHAT, json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 100_000}
+                      ).encode(), 413, ""),                                   # too many messages
+    (COMPLETIONS, b'{"model":"m","prompt":"a","max_tokens":1e300}', 400, "max_tokens"),
+], ids=["nested-array", "nested-value", "invalid-utf8", "oversized", "many-messages",
+        "absurd-max-tokens"])
+async def test_hostile_bodies_get_a_4xx_in_openai_shape(agent: Agent, path: str, body: bytes,  # noqa: F811
+                                                       status: int, fragment: str) -> None:
+    """Bodies built to hurt a JSON server are refused before anything is parsed into memory
+    or generated (aiohttp's 1 MiB body limit; pydantic's bounded-depth JSON parser)."""
+    resp = await agent.client.post(path, data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == status
+    err = await error_of(resp)
+    assert fragment in err["message"]
+    assert (await agent.client.get("/health")).status == 200
+
+
 # -- revisions: the X-Model-Revision header, the canary split, forwarding ---------------------
 
 CANARY_MODEL = "canary-tiny"
