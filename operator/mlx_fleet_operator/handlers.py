@@ -54,8 +54,8 @@ from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics, peering
 from .placement import PlacementRequest, affected_by_node, resolve_memory, revision_estimates
-from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
-                        reconcile, remove_deployment)
+from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collect_garbage,
+                        read_fleet, reconcile, remove_deployment)
 from .rollout import DrainState, RevisionTarget
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
@@ -187,6 +187,8 @@ class Runtime:
         self.withdrawn: dict[DeploymentKey, dict[Slot, float]] = {}
         #: Held by every reconcile's read-plan-write (reconcile.reconcile's ``serialize``).
         self.placement_lock = asyncio.Lock()
+        #: Parsed node records and assignments reused between reconciles (reconcile.ParseMemo).
+        self.fleet_memo = (ParseMemo(), ParseMemo())
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
@@ -788,7 +790,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
-                                     serialize=rt.placement_lock)
+                                     serialize=rt.placement_lock, memo=rt.fleet_memo)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -919,7 +921,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     async with rt.lock(key):
         try:
             result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer,
-                                             serialize=rt.placement_lock)
+                                             serialize=rt.placement_lock, memo=rt.fleet_memo)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             raise kopf.TemporaryError(str(e), delay=1) from e
