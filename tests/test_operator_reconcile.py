@@ -120,10 +120,10 @@ async def test_stale_read_loses_and_retries(store, keys):
     real_read = rc.read_fleet
     calls = 0
 
-    async def read_then_race(store_, keys_):
+    async def read_then_race(store_, keys_, memo=None):
         nonlocal calls
         calls += 1
-        v = await real_read(store_, keys_)
+        v = await real_read(store_, keys_, memo)
         if calls == 1:  # a concurrent writer bumps the epoch right after our first read
             await store.put(keys.placement_epoch, PlacementEpoch(counter=99, writer="x").to_json())
         return v
@@ -446,3 +446,21 @@ async def test_malformed_records_of_any_revision_are_rewritten_or_removed(store,
     left = {kv.key: kv.value for kv in (await store.list(keys.assignments_prefix)).items}
     assert left == {keys.assignment("a", "ns", "llm", "v1"): assignment().to_json(),
                     keys.assignment("a", "ns", "other", "v0"): b"garbage of another deployment"}
+
+
+async def test_parse_memo_reuses_unchanged_records_and_sees_changes(store, keys):
+    """read_fleet with a memo gives the same view as without, parses only what changed, and
+    drops keys that went."""
+    await put_nodes(store, keys, node("a", 64), node("b", 64))
+    await rc.reconcile(store, keys, intent("m1", mem_gib=1))
+    memo = (rc.ParseMemo(), rc.ParseMemo())
+    first = await rc.read_fleet(store, keys, memo)
+    again = await rc.read_fleet(store, keys, memo)
+    assert again.nodes == first.nodes and again.assignments == first.assignments
+    assert again.nodes["a"] is first.nodes["a"]                    # reused, not re-parsed
+    await put_nodes(store, keys, node("a", 32))                   # a changed record
+    await store.delete(keys.node("b"))                            # a record gone
+    changed = await rc.read_fleet(store, keys, memo)
+    assert changed.nodes == (await rc.read_fleet(store, keys)).nodes
+    assert changed.nodes["a"].capacity.memory_total_bytes == 32 * 2**30
+    assert set(changed.nodes) == {"a"} and len(memo[0]._seen) == 1

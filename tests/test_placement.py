@@ -334,3 +334,17 @@ def test_cordoned_nodes_take_no_new_replicas(cordoned, current, replicas, want, 
     assert d.nodes == want and d.unplaced == unplaced
     assert d.message.startswith(message) if message else d.message == ""
     assert any(r.endswith(" cordoned") for r in d.reasons) == ("cordoned" in message)
+
+
+@pytest.mark.parametrize(("node", "placed", "unsettled", "want"), [
+    ("a", {}, set(), set()),                                                   # nothing yet
+    ("a", {"d1": [("a", "v1")], "d2": [("b", "v1")]}, set(), {"d1"}),          # only its own
+    ("c", {"d1": [("a", "v1")], "d2": [("b", "v1")]}, set(), set()),          # a newcomer: none
+    ("c", {"d1": [("a", "v1")], "d2": [("b", "v1")]}, {"d2"}, {"d2"}),        # ... but unplaced
+    ("b", {"d1": [("a", "v1"), ("b", "v2")]}, set(), {"d1"}),                  # any revision
+    ("a", {"d1": [("a", "v1")]}, {"d3"}, {"d1", "d3"}),
+], ids=["empty", "hosted", "newcomer", "newcomer-unsettled", "candidate-on-it", "union"])
+def test_a_node_change_wakes_only_the_deployments_it_concerns(node, placed, unsettled, want):
+    from mlx_fleet_operator.placement import affected_by_node
+
+    assert affected_by_node(node, placed, unsettled) == want

@@ -53,9 +53,9 @@ from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics, peering
-from .placement import PlacementRequest, resolve_memory, revision_estimates
-from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, collect_garbage, read_fleet,
-                        reconcile, remove_deployment)
+from .placement import PlacementRequest, affected_by_node, resolve_memory, revision_estimates
+from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collect_garbage,
+                        read_fleet, reconcile, remove_deployment)
 from .rollout import DrainState, RevisionTarget
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
@@ -158,6 +158,9 @@ class Runtime:
         self.deployments: dict[DeploymentKey, tuple[Any, int, str]] = {}
         #: ModelDeployment → its (node, revision) assignments as last reconciled.
         self.placed: dict[DeploymentKey, dict[Slot, Any]] = {}
+        #: ModelDeployments whose last reconcile left something open (placement's
+        #: ``affected_by_node``): a node change wakes them and those with a replica on it.
+        self.unsettled: set[DeploymentKey] = set()
         #: ModelDeployment → node → the agents' per-revision statistics (``stats/``).
         self.stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
         #: target ModelDeployment → wake-up of the Canary daemon following it.
@@ -184,6 +187,8 @@ class Runtime:
         self.withdrawn: dict[DeploymentKey, dict[Slot, float]] = {}
         #: Held by every reconcile's read-plan-write (reconcile.reconcile's ``serialize``).
         self.placement_lock = asyncio.Lock()
+        #: Parsed node records and assignments reused between reconciles (reconcile.ParseMemo).
+        self.fleet_memo = (ParseMemo(), ParseMemo())
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
@@ -280,9 +285,13 @@ class Runtime:
             self.nodes[name] = rec
         self.macnode_wake.set()
         if before != self._placement_view(rec):
-            log.info("node %s %s; re-placing deployments", name,
-                     "gone" if rec is None else "changed" if before else "appeared")
-            self.wake_all()
+            affected = affected_by_node(name, self.placed, self.unsettled)
+            log.info("node %s %s; re-placing the %d deployment(s) it concerns", name,
+                     "gone" if rec is None else "changed" if before else "appeared",
+                     len(affected))
+            for key in affected:
+                if key in self.wakeups:
+                    self.wakeups[key].set()
 
     def _parse_report(self, key: str, value: bytes) -> tuple[tuple[str, str, str, str] | None,
                                                             AssignmentReport | None]:
@@ -781,7 +790,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
-                                     serialize=rt.placement_lock)
+                                     serialize=rt.placement_lock, memo=rt.fleet_memo)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -795,6 +804,12 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         rt.placed[key] = dict(result.assignments)
+        if (result.decision.unplaced or result.decision.waiting
+                or (result.candidate is not None and result.candidate.unplaced)
+                or result.rollout.reason != "Complete" or result.drain != DrainState()):
+            rt.unsettled.add(key)
+        else:
+            rt.unsettled.discard(key)
         if result.written or rt.drains.get(key, DrainState()) != result.drain:
             rt.macnode_wake.set()  # reserved memory / models / drain progress changed
         rt.drains[key] = result.drain
@@ -906,7 +921,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     async with rt.lock(key):
         try:
             result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer,
-                                             serialize=rt.placement_lock)
+                                             serialize=rt.placement_lock, memo=rt.fleet_memo)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             raise kopf.TemporaryError(str(e), delay=1) from e
@@ -920,6 +935,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     rt.locks.pop(key, None)
     rt.deployments.pop(key, None)
     rt.placed.pop(key, None)
+    rt.unsettled.discard(key)
     rt.drains.pop(key, None)
     rt.withdrawn.pop(key, None)
     rt.wake_canary(key)  # a Canary of a deleted target fails

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, WATERMARK, Assignment, AssignmentReport,
                                 NodeHealth, NodeRecord)
@@ -344,3 +344,19 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
     if fit:  # the fitting nodes already host one replica each
         message += f"; {unplaced} of {request.replicas} replicas unplaced (one per node)"
     return tuple(parts), message
+
+
+def affected_by_node(node: str, placed: Mapping[Any, Iterable[tuple[str, str]]],
+                     unsettled: Iterable[Any]) -> set[Any]:
+    """The deployments a change of ``node`` (appeared, gone, health, labels, capacity) can
+    make placement decide differently for. Pure.
+
+    ``placed``: deployment → its (node, revision) slots as last reconciled; ``unsettled``: the
+    deployments whose last reconcile left something open (replicas unplaced or waiting for an
+    estimate, a rollout or canary candidate not complete). A deployment with a replica on the
+    node must look again (the node may be gone or no longer fit); one that is not fully placed
+    may now fit on it. A fully placed deployment elsewhere keeps its assignments whatever the
+    node does (placement never moves a fitting replica), so it is not woken — with a thousand
+    Macs, a Mac joining or leaving touches only the deployments it concerns."""
+    out = {key for key, slots in placed.items() if any(n == node for n, _ in slots)}
+    return out | set(unsettled)
