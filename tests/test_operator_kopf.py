@@ -185,28 +185,36 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
 
 
 async def test_followers_wake_only_on_relevant_changes():
-    """Heartbeats must not re-place everything; a new node or a changed report must."""
+    """Heartbeats must not re-place anything; a node that appears, changes or goes wakes the
+    deployments it concerns (a replica on it, or something left unplaced), not every one; a
+    changed report wakes its deployment."""
     from mlx_fleet.store import KV
     from mlx_fleet_operator.handlers import Runtime
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")  # the followers' callbacks only
-    wake = rt.wakeup(("default", "llm"))
-    other = rt.wakeup(("default", "other"))
+    wake = rt.wakeup(("default", "llm"))          # a replica on mac-a
+    other = rt.wakeup(("default", "other"))       # a replica left unplaced
+    settled = rt.wakeup(("default", "settled"))   # fully placed on mac-b
+    rt.placed = {("default", "llm"): {("mac-a", "v1"): None},
+                 ("default", "settled"): {("mac-b", "v1"): None}}
+    rt.unsettled = {("default", "other")}
     rec = node_record("mac-a")
 
     def ev(key: str, value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
         return WatchEvent(type=type_, kv=KV(key=key, value=value, mod_revision=rev))
 
     await rt.on_nodes_snapshot(Snapshot(items=[], revision=1))
+    wake.clear(), other.clear(), settled.clear()  # a snapshot that changes the fleet wakes all
     await rt.on_nodes_event(ev(keys.node("mac-a"), rec.to_json(), 2))
     assert wake.is_set() and other.is_set() and set(rt.nodes) == {"mac-a"}
+    assert not settled.is_set()
     wake.clear(), other.clear()
     beat = rec.model_copy(update={"heartbeat_unix": rec.heartbeat_unix + 5})
     await rt.on_nodes_event(ev(keys.node("mac-a"), beat.to_json(), 3))
-    assert not wake.is_set()
+    assert not wake.is_set() and not other.is_set()
     await rt.on_nodes_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
-    assert wake.is_set() and rt.nodes == {}
+    assert wake.is_set() and other.is_set() and not settled.is_set() and rt.nodes == {}
     wake.clear(), other.clear()
 
     # Reports are per (node, revision); a changed one wakes the deployment and its Canary.
