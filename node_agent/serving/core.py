@@ -780,7 +780,8 @@ class ServingCore:
                     job.replaced = True
                     self._engine.unload(job.info.key, reason="the model was replaced")
                 job.model = self._engine.begin_load(job.info)
-                job.materialization = Materialization(job.model, self.load_pacing)
+                job.materialization = Materialization(job.model, self.load_pacing,
+                                                      job.info.path)
             if not job.materialization.done:
                 job.materialization.step(decode_step_seconds)
             if job.materialization.done:
