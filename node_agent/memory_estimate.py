@@ -322,32 +322,6 @@ def model_tensors(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     return tensors
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorLocation:
-    """Where a tensor's bytes are: ``file``, ``offset`` (absolute, past the header) and its
-    :class:`TensorInfo`."""
-
-    file: Path
-    offset: int
-    info: TensorInfo
-
-
-def tensor_locations(model_dir: str | os.PathLike) -> dict[str, TensorLocation]:
-    """Like :func:`model_tensors`, with each tensor's file and absolute byte offset, so that a
-    loader can read a large tensor in slices. Raises as :func:`model_tensors`."""
-    files = sorted(p for p in Path(model_dir).glob(WEIGHTS_GLOB) if p.is_file())
-    if not files:
-        raise ModelFileError("NoWeights", f"no {WEIGHTS_GLOB} file in {model_dir}")
-    out: dict[str, TensorLocation] = {}
-    for file in files:
-        infos = read_safetensors_header(file)
-        with open(file, "rb") as f:
-            data_start = 8 + _header_length(f.read(8))
-        for name, info in infos.items():
-            out[name] = TensorLocation(file, data_start + info.begin, info)
-    return out
-
-
 def weights_bytes(model_dir: str | os.PathLike) -> int:
     """Bytes of the model's weights: the sum of the tensors' sizes over the weight files of
     ``model_dir`` (:func:`model_tensors`), from the headers only. Raises

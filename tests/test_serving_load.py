@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from mlx_fleet.testmodel import make_test_model
 from node_agent.serving import ModelLoadError, ServingCore
 from node_agent.serving.loading import (LoadPacing, Materialization, chunk_budget_bytes,
-                                        next_chunk, slice_rows, update_rate)
+                                        next_chunk, update_rate)
 from serving_fixtures import tiny_model_path, wait_for  # noqa: F401
 
 MiB = 2**20
@@ -359,36 +359,3 @@ async def test_the_same_load_twice_reads_the_weights_once(
     n = len(chunks_of(trace, "y"))
     await core.load_model("y", big_model_path, revision="r1", max_concurrent_sequences=3)
     assert len(chunks_of(trace, "y")) == n
-
-
-@pytest.mark.parametrize(("shape", "itemsize", "start", "budget", "end"), [
-    ((1024, 2048), 4, 0, 64 * 1024, 8),          # 8 KiB rows: 8 fit
-    ((1024, 2048), 4, 1020, 64 * 1024, 1024),    # the last rows
-    ((1024, 2048), 4, 0, 100, 1),                # at least one row
-    ((10,), 4, 3, 8, 5),                          # a vector: elements are rows
-    ((4, 3, 2), 2, 0, 24, 2),                     # rows of 3 × 2 × 2 bytes
-], ids=["fit", "tail", "one-row", "vector", "3d"])
-def test_slice_rows(shape, itemsize, start, budget, end) -> None:
-    assert slice_rows(shape, itemsize, start, budget) == end
-
-
-def test_large_arrays_are_read_in_row_slices_equal_to_a_whole_read(big_model_path: Path) -> None:
-    """With a small budget (others decoding) an array larger than it is read from its file in
-    row slices; the parameters end up identical to mlx-lm's own eager load."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
-    ref, _ = load_model(big_model_path)
-    lazy, _ = load_model(big_model_path, lazy=True)
-    small = LoadPacing(max_chunk_bytes=64 * 1024, probe_chunk_bytes=64 * 1024)
-    m = Materialization(lazy, small, big_model_path)
-    reads = 0
-    while not m.done:
-        assert m.step(decode_step_seconds=0.001) <= 64 * 1024   # no read exceeds the budget
-        reads += 1
-    want, got = dict(tree_flatten(ref.parameters())), dict(tree_flatten(lazy.parameters()))
-    assert want.keys() == got.keys()
-    assert all(want[k].dtype == got[k].dtype and mx.array_equal(want[k], got[k]) for k in want)
-    big = [k for k, v in want.items() if v.nbytes > 64 * 1024]
-    assert big and reads > len(want)                  # the large arrays took several reads

@@ -780,8 +780,7 @@ class ServingCore:
                     job.replaced = True
                     self._engine.unload(job.info.key, reason="the model was replaced")
                 job.model = self._engine.begin_load(job.info)
-                job.materialization = Materialization(job.model, self.load_pacing,
-                                                      job.info.path)
+                job.materialization = Materialization(job.model, self.load_pacing)
             if not job.materialization.done:
                 job.materialization.step(decode_step_seconds)
             if job.materialization.done:

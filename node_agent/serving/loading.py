@@ -18,13 +18,9 @@ so an inter-token gap grows by at most that fraction (0.5: at most 1.5 × the ga
 load; the goal of issue 6 is 2 ×). The bytes that fit in that time come from the read rate
 measured on the previous chunks (:func:`update_rate`). While nothing else decodes there is no
 one to stall, so a chunk is ``LoadPacing.max_chunk_bytes`` and a lone load runs about as fast as
-one ``mx.eval`` of everything. :func:`next_chunk` cuts the arrays into chunks (pure). An array
-larger than the budget is read in row slices straight from its safetensors file
-(:func:`slice_rows`, pure; numpy reads the rows, ``mx.array`` copies them, the slices are
-concatenated once all are read and the model's lazy array is replaced by the result), so no
-single read exceeds the budget: a whole 32 MB float32 matrix took longer than a decode step on
-an H100. Arrays whose file location is unknown (a name the model's ``sanitize`` renamed, a
-dtype numpy can't read) are evaluated whole, as before.
+one ``mx.eval`` of everything. :func:`next_chunk` cuts the arrays into chunks (pure); an array
+is never split, so one array larger than the budget is a chunk of its own (a known limit: e.g. a
+large embedding matrix stalls the others for its own read time).
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["LoadPacing", "chunk_budget_bytes", "next_chunk", "slice_rows", "update_rate",
-           "load_tokenizer", "Materialization"]
+__all__ = ["LoadPacing", "chunk_budget_bytes", "next_chunk", "update_rate", "load_tokenizer",
+           "Materialization"]
 
 #: Weight of the newest measurement in the read-rate average (:func:`update_rate`).
 RATE_WEIGHT = 0.5
@@ -95,24 +91,6 @@ def next_chunk(sizes: Sequence[int], start: int, budget_bytes: int) -> int:
     return end
 
 
-#: safetensors dtypes read in row slices → the numpy dtype the bytes are read as and the MLX
-#: dtype they are viewed as (bfloat16 has no numpy dtype: its bytes are read as uint16).
-_SLICEABLE = {"F32": ("float32", "float32"), "F16": ("float16", "float16"),
-              "BF16": ("uint16", "bfloat16"), "U32": ("uint32", "uint32"),
-              "I32": ("int32", "int32"), "U8": ("uint8", "uint8")}
-
-
-def slice_rows(shape: Sequence[int], itemsize: int, start_row: int, budget_bytes: int) -> int:
-    """The end row (exclusive) of the next slice of an array of ``shape`` starting at
-    ``start_row``: as many whole rows (``shape[0]`` is the row axis) as fit ``budget_bytes``,
-    at least one. Pure."""
-    row_bytes = itemsize
-    for d in shape[1:]:
-        row_bytes *= d
-    rows = max(1, budget_bytes // max(row_bytes, 1))
-    return min(shape[0], start_row + rows)
-
-
 def update_rate(rate: float | None, nbytes: int, seconds: float,
                 weight: float = RATE_WEIGHT) -> float | None:
     """The read rate (bytes/s) after a chunk of ``nbytes`` took ``seconds``: an exponential
@@ -143,25 +121,12 @@ class Materialization:
     the measured read rate (``None`` before the first chunk).
     """
 
-    def __init__(self, model: Any, pacing: LoadPacing, path: str | Path | None = None) -> None:
+    def __init__(self, model: Any, pacing: LoadPacing) -> None:
         from mlx.utils import tree_flatten
 
         self.pacing = pacing
-        self._model = model
-        leaves = [(n, v) for n, v in tree_flatten(model.parameters()) if hasattr(v, "nbytes")]
-        self._names = [n for n, _ in leaves]
-        self._arrays = [v for _, v in leaves]
+        self._arrays = [v for _, v in tree_flatten(model.parameters()) if hasattr(v, "nbytes")]
         self._sizes = [int(v.nbytes) for v in self._arrays]
-        self._locations: dict[str, Any] = {}
-        if path is not None:
-            from node_agent.memory_estimate import tensor_locations
-
-            try:
-                self._locations = tensor_locations(path)
-            except Exception:  # noqa: BLE001 - no slicing then: whole arrays, as before
-                self._locations = {}
-        self._slices: list[Any] = []  # the rows read so far of the array being sliced
-        self._row = 0
         self._next = 0
         self.total_bytes = sum(self._sizes)
         self.done_bytes = 0
@@ -178,8 +143,6 @@ class Materialization:
         error of the weight files)."""
         budget = chunk_budget_bytes(self.pacing, decode_step_seconds=decode_step_seconds,
                                     bytes_per_second=self.bytes_per_second)
-        if self._sizes[self._next] > budget and self._sliceable(self._next):
-            return self._step_slice(budget)
         end = next_chunk(self._sizes, self._next, budget)
         nbytes = sum(self._sizes[self._next:end])
         t0 = time.perf_counter()
@@ -193,58 +156,9 @@ class Materialization:
         self.chunks += 1
         return nbytes
 
-    def _sliceable(self, i: int) -> bool:
-        loc = self._locations.get(self._names[i])
-        arr = self._arrays[i]
-        return (loc is not None and loc.info.dtype in _SLICEABLE and len(loc.info.shape) >= 1
-                and tuple(loc.info.shape) == tuple(arr.shape)
-                and _SLICEABLE[loc.info.dtype][1] == str(arr.dtype).removeprefix("mlx.core.")
-                and loc.info.nbytes == self._sizes[i])
-
-    def _step_slice(self, budget: int) -> int:
-        """Read the next row slice of the array at ``self._next`` from its file; once all its
-        rows are read, concatenate them and put the result in the model in place of the lazy
-        array. Returns the bytes read."""
-        import mlx.core as mx
-        import numpy as np
-        from mlx.utils import tree_unflatten
-
-        i = self._next
-        loc = self._locations[self._names[i]]
-        np_dtype, mx_dtype = _SLICEABLE[loc.info.dtype]
-        shape = loc.info.shape
-        itemsize = np.dtype(np_dtype).itemsize
-        end = slice_rows(shape, itemsize, self._row, budget)
-        row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        t0 = time.perf_counter()
-        rows = np.fromfile(loc.file, dtype=np_dtype, count=(end - self._row) * row_elems,
-                           offset=loc.offset + self._row * row_elems * itemsize)
-        part = mx.array(rows.reshape((end - self._row, *shape[1:])))
-        if np_dtype != mx_dtype:
-            part = part.view(getattr(mx, mx_dtype))
-        nbytes = (end - self._row) * row_elems * itemsize
-        self._slices.append(part)
-        self._row = end
-        if end < shape[0]:
-            self.eval_arrays([part])
-        else:  # the last slice: read it and join them in one evaluation
-            full = mx.concatenate(self._slices, axis=0) if len(self._slices) > 1 else part
-            self.eval_arrays([full])
-            self._model.update(tree_unflatten([(self._names[i], full)]))
-            self._slices, self._row = [], 0
-            self._arrays[i] = None
-            self._next = i + 1
-        self.bytes_per_second = update_rate(self.bytes_per_second, nbytes,
-                                            time.perf_counter() - t0)
-        self.done_bytes += nbytes
-        self.chunks += 1
-        return nbytes
-
     def release(self) -> None:
         """Drop every reference to the model's arrays (the counters stay)."""
         self._arrays = []
-        self._slices = []
-        self._model = None
         self._next = len(self._sizes)
 
     @staticmethod
