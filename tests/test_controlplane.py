@@ -94,30 +94,30 @@ def test_children_die_with_a_sigkilled_parent(tmp_path: Path) -> None:
     import subprocess
     import sys
 
+    # The command tells a FIFO that it runs (after setpriv armed the death signal, which exec
+    # keeps), then becomes `sleep`: the test kills the parent only then, on that event.
+    fifo = tmp_path / "started"
+    os.mkfifo(fifo)
+    command = ["sh", "-c", 'echo started > "$0"; exec sleep 300', str(fifo)]
     code = (
         "import signal\n"
         "from pathlib import Path\n"
         "from mlx_fleet.devcluster.processes import ManagedProcess\n"
-        f"p = ManagedProcess('sleeper', ['sleep', '300'], Path({str(tmp_path / 'log')!r}))\n"
+        f"p = ManagedProcess('sleeper', {command!r}, Path({str(tmp_path / 'log')!r}))\n"
         "print(p.pid, flush=True)\n"
         "signal.pause()\n"
     )
+    started = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     pidfd = os.pidfd_open(child)  # readable once the process has exited
     try:
-        # The death signal is armed by setpriv (prctl PR_SET_PDEATHSIG) just before it execs the
-        # command; a parent killed before that instant can't be noticed by anyone (the kernel
-        # offers no event for it). Kill only once the command runs: there is no event for an
-        # exec either, so look at /proc for a bounded time.
-        import time
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{child}/comm").read_text().strip() != "sleep":
-            assert time.monotonic() < deadline, "the child never started its command"
-            time.sleep(0.01)
+        assert select.select([started], [], [], 10)[0] == [started], "the command never ran"
+        assert os.read(started, 64) == b"started\n"
         assert select.select([pidfd], [], [], 0)[0] == []  # running
         parent.kill()
         parent.wait()
         assert select.select([pidfd], [], [], 10)[0] == [pidfd], "child outlived its parent"
     finally:
         os.close(pidfd)
+        os.close(started)
