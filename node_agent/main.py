@@ -78,27 +78,26 @@ def parse_label(text: str) -> tuple[str, str]:
     return k.strip(), v.strip()
 
 
-def positive_int(text: str) -> int:
-    """A whole number ≥ 1 (``--lease-ttl``, ``--max-queued-requests``); raises ``ValueError``."""
+def whole_number(text: str, minimum: int) -> int:
+    """``text`` as a whole number ≥ ``minimum``; raises ``ValueError`` saying which."""
     try:
         n = int(text)
     except ValueError:
         raise ValueError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise ValueError(f"must be at least 1, got {n}")
+    if n < minimum:
+        raise ValueError(f"must be at least {minimum}, got {n}")
     return n
+
+
+def positive_int(text: str) -> int:
+    """A whole number ≥ 1 (``--lease-ttl``, ``--max-queued-requests``); raises ``ValueError``."""
+    return whole_number(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """A whole number ≥ 0 (``--max-prefetches``, ``--max-loaded-models``); raises
     ``ValueError``."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
-    if n < 0:
-        raise ValueError(f"must be at least 0, got {n}")
-    return n
+    return whole_number(text, 0)
 
 
 def non_negative_seconds(text: str) -> float:
