@@ -9,12 +9,15 @@ loaded, unloaded and loaded again for as long as the stream runs (two tokens apa
 spans both), and a gap counts as "during a load" when it overlaps a ``load_model`` call, "during
 an unload" when it overlaps an ``unload_model`` call. Reported: p50/p99 of the gaps of each
 kind, the p99 ratio during a load (issue 6's goal: ≤ 2 × idle), and the median seconds of one
-load of the load model while the stream runs and while nothing else does. The claim is the
-ratio on one machine in one run, never an absolute number.
+load of the load model while the stream runs and while nothing else does. A third phase,
+``load-sync``, does the same with ``LoadPacing(overlap=False)`` (each chunk read synchronously on
+the MLX thread, the core's behaviour before overlapped reads): what overlapping buys, in the
+same run. The claim is the ratio on one machine in one run, never an absolute number.
 
-The core reads a load in chunks of whole arrays (:mod:`node_agent.serving.loading`), so the
-stall also depends on the load model's largest array relative to the stream model's decode
-step: ``--load-hidden-size`` sets it (the MLP matrices are hidden × 2·hidden float32).
+The core reads a load in chunks of whole arrays (:mod:`node_agent.serving.loading`); in the
+synchronous phase the stall depends on the load model's largest array relative to the stream
+model's decode step: ``--load-hidden-size`` sets it (the MLP matrices are hidden × 2·hidden
+float32).
 
     python benchmarks/load_stall.py --help
     python benchmarks/load_stall.py --rounds 3 --load-hidden-size 512 --load-num-layers 24
@@ -32,7 +35,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -59,7 +62,7 @@ class Params:
     load_hidden_size: int = 512
     load_num_layers: int = 24
     vocab_size: int = 1024
-    step_fraction: float | None = None   # LoadPacing.step_fraction (None: the core's default)
+    compare_sync: bool = True        # also a phase with LoadPacing(overlap=False) (the A/B)
     freeze: bool = True              # gc.freeze() the imports first, as the agent process does
 
 
@@ -143,11 +146,8 @@ async def measure(params: Params = Params()) -> dict:
     stream_path = _model(params.stream_hidden_size, params.stream_num_layers,
                          params.vocab_size, 0)
     load_path = _model(params.load_hidden_size, params.load_num_layers, params.vocab_size, 1)
-    kwargs = {}
-    if params.step_fraction is not None:
-        from node_agent.serving.loading import LoadPacing
-        kwargs["load_pacing"] = LoadPacing(step_fraction=params.step_fraction)
-    core = ServingCore(registry=CollectorRegistry(), **kwargs)
+    core = ServingCore(registry=CollectorRegistry())
+    overlapped = core.load_pacing
     await core.start()
     rounds: list[dict] = []
     idle_gaps: list[float] = []
@@ -155,6 +155,8 @@ async def measure(params: Params = Params()) -> dict:
     phase_gaps: list[float] = []
     unload_gaps: list[float] = []
     loads_during_stream: list[float] = []
+    sync_gaps: list[float] = []
+    sync_loads: list[float] = []
     loads_alone: list[float] = []
     try:
         await core.load_model(STREAM_ID, stream_path, revision="r1", max_context_tokens=8192)
@@ -165,9 +167,9 @@ async def measure(params: Params = Params()) -> dict:
             loads_alone.append(time.perf_counter() - t0)
             await core.unload_model(LOAD_ID)
         loads_alone.clear()
+        phases = ["idle", "load"] + (["load-sync"] if params.compare_sync else [])
         for i in range(params.rounds):
-            order = ("idle", "load") if i % 2 == 0 else ("load", "idle")
-            for phase in order:
+            for phase in (phases if i % 2 == 0 else phases[::-1]):
                 if phase == "idle":
                     times = await _Stream(core, params.tokens).task
                     gaps = [b - a for a, b in _gaps(times)]
@@ -179,20 +181,28 @@ async def measure(params: Params = Params()) -> dict:
                     rounds.append({"phase": phase, "gaps": len(gaps),
                                    "itl_p99_seconds": p(gaps, 0.99)})
                 else:
+                    core.load_pacing = (overlapped if phase == "load"
+                                        else replace(overlapped, overlap=False))
                     intervals: list[tuple[float, float]] = []
                     unloads: list[tuple[float, float]] = []
                     stream = _Stream(core, params.tokens)
                     await _load_cycle(core, load_path, stream, intervals, unloads)
                     times = await stream.task
+                    core.load_pacing = overlapped
                     during = [b - a for a, b in _gaps(times) if _overlaps((a, b), intervals)]
-                    load_gaps += during
-                    unload_gaps += [b - a for a, b in _gaps(times) if _overlaps((a, b), unloads)]
-                    phase_gaps += [b - a for a, b in _gaps(times)]
-                    loads_during_stream += [e - s for s, e in intervals]
+                    if phase == "load":
+                        load_gaps += during
+                        unload_gaps += [b - a for a, b in _gaps(times)
+                                        if _overlaps((a, b), unloads)]
+                        phase_gaps += [b - a for a, b in _gaps(times)]
+                        loads_during_stream += [e - s for s, e in intervals]
+                    else:
+                        sync_gaps += during
+                        sync_loads += [e - s for s, e in intervals]
                     rounds.append({"phase": phase, "gaps_during_load": len(during),
                                    "loads": len(intervals),
                                    "itl_p99_seconds_during_load": p(during, 0.99)})
-                print(f"round {i + 1} {phase:>4}: {json.dumps(rounds[-1])}", file=sys.stderr)
+                print(f"round {i + 1} {phase:>9}: {json.dumps(rounds[-1])}", file=sys.stderr)
     finally:
         await core.close()
     idle99, load99 = p(idle_gaps, 0.99), p(load_gaps, 0.99)
@@ -216,6 +226,11 @@ async def measure(params: Params = Params()) -> dict:
         "load_seconds": statistics.median(loads_during_stream) if loads_during_stream else None,
         "load_seconds_alone": statistics.median(loads_alone) if loads_alone else None,
         "loads": len(loads_during_stream),
+        # the same with LoadPacing(overlap=False): synchronous chunks (what overlapping buys)
+        "itl_p50_seconds_during_load_sync": p(sync_gaps, 0.5),
+        "itl_p99_seconds_during_load_sync": p(sync_gaps, 0.99),
+        "itl_p99_ratio_during_load_sync": p(sync_gaps, 0.99) / idle99 if sync_gaps else None,
+        "load_seconds_sync": statistics.median(sync_loads) if sync_loads else None,
     }
 
 
@@ -235,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-hidden-size", type=int, default=d.load_hidden_size)
     ap.add_argument("--load-num-layers", type=int, default=d.load_num_layers)
     ap.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    ap.add_argument("--step-fraction", type=float, default=None,
-                    help="LoadPacing.step_fraction of the core (default: the core's own)")
+    ap.add_argument("--no-compare-sync", dest="compare_sync", action="store_false",
+                    help="skip the phase that loads with LoadPacing(overlap=False)")
     ap.add_argument("--no-freeze", dest="freeze", action="store_false",
                     help="don't gc.freeze() the imports first (the agent process does)")
     ap.add_argument("--output", type=Path, default=RESULTS / "load_stall.json",
@@ -250,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load {1000 * result['itl_p99_seconds_during_load']:.2f} ms "
           f"(×{result['itl_p99_ratio_during_load']:.2f}); one load "
           f"{result['load_seconds']:.3f} s during the stream, {result['load_seconds_alone']:.3f} s "
-          f"alone — {result['machine']['cpu']}, {result['machine']['mlx_device']} → {args.output}")
+          f"alone; synchronous chunks: ×{result['itl_p99_ratio_during_load_sync'] or float('nan'):.2f}"
+          f" — {result['machine']['cpu']}, {result['machine']['mlx_device']} → {args.output}")
     return 0
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from mlx_fleet.testmodel import make_test_model
 from node_agent.serving import ModelLoadError, ServingCore
 from node_agent.serving.loading import (LoadPacing, Materialization, chunk_budget_bytes,
-                                        next_chunk, update_rate)
+                                        due_time, next_chunk, rate_after_confirm, update_rate)
 from serving_fixtures import tiny_model_path, wait_for  # noqa: F401
 
 MiB = 2**20
@@ -28,24 +28,49 @@ SMALL_CHUNKS = LoadPacing(max_chunk_bytes=64 * 1024)   # every array a chunk of 
 
 # -- pure planning --------------------------------------------------------------------------
 
-P = LoadPacing(step_fraction=0.5, max_chunk_bytes=512 * MiB, probe_chunk_bytes=4 * MiB)
+P = LoadPacing(chunk_seconds=0.05, max_chunk_bytes=512 * MiB, probe_chunk_bytes=4 * MiB)
 
 
-@pytest.mark.parametrize("pacing, step, rate, expected", [
-    (P, None, None, 512 * MiB),                 # nothing decodes: the ceiling
-    (P, None, 1e9, 512 * MiB),
-    (P, 0.02, None, 4 * MiB),                   # decoding, no rate yet: the probe
-    (LoadPacing(max_chunk_bytes=MiB), 0.02, None, MiB),   # the probe never exceeds the ceiling
-    (P, 0.02, 1e9, 10_000_000),                 # 0.5 × 20 ms × 1 GB/s
-    (LoadPacing(step_fraction=0.25), 0.02, 1e9, 5_000_000),
-    (P, 10.0, 1e9, 512 * MiB),                  # capped by the ceiling
-    (P, 1e-9, 1e3, 1),                          # never below one byte (next_chunk takes one array)
-    (P, 0.0, 1e9, 1),
-    (P, 0.02, 0.0, 4 * MiB),                    # an unusable rate counts as none
+@pytest.mark.parametrize("pacing, decoding, rate, expected", [
+    (P, False, None, 512 * MiB),                # nothing decodes: the ceiling
+    (P, False, 1e9, 512 * MiB),
+    (P, True, None, 4 * MiB),                   # decoding, no rate yet: the probe
+    (LoadPacing(max_chunk_bytes=MiB), True, None, MiB),   # the probe never exceeds the ceiling
+    (P, True, 1e9, 50_000_000),                 # 50 ms × 1 GB/s
+    (LoadPacing(chunk_seconds=0.01), True, 1e9, 10_000_000),
+    (P, True, 1e11, 512 * MiB),                 # capped by the ceiling
+    (P, True, 1.0, 1),                          # never below one byte (next_chunk takes one array)
+    (P, True, 0.0, 4 * MiB),                    # an unusable rate counts as none
 ])
-def test_chunk_budget(pacing: LoadPacing, step: float | None, rate: float | None,
+def test_chunk_budget(pacing: LoadPacing, decoding: bool, rate: float | None,
                       expected: int) -> None:
-    assert chunk_budget_bytes(pacing, decode_step_seconds=step, bytes_per_second=rate) == expected
+    assert chunk_budget_bytes(pacing, decoding=decoding, bytes_per_second=rate) == expected
+
+
+@pytest.mark.parametrize("submitted, nbytes, rate, margin, expected", [
+    (10.0, 1000, 1000.0, 1.0, 11.0),        # the expected read time
+    (10.0, 1000, 1000.0, 1.25, 11.25),      # ... with the margin
+    (10.0, 1000, None, 1.25, 10.0),         # no rate: at once (then measured)
+    (10.0, 1000, 0.0, 1.25, 10.0),
+])
+def test_due_time(submitted: float, nbytes: int, rate: float | None, margin: float,
+                  expected: float) -> None:
+    assert due_time(submitted, nbytes, rate, margin) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("rate, nbytes, submitted, confirmed, blocked, expected", [
+    (None, 1000, 0.0, 1.0, 0.5, 1000.0),        # waited: the read ended now, as measured
+    (3000.0, 1000, 0.0, 1.0, 0.5, 1000.0),      # ... replacing a stale, too high estimate
+    (None, 1000, 0.0, 1.0, 0.0, 1000.0),        # did not wait: at least bytes / elapsed
+    (800.0, 1000, 0.0, 1.0, 0.0, 1000.0),       # ... the bound beats the grown estimate
+    (1000.0, 1000, 0.0, 1.0, 0.0, 1100.0),      # ... the grown estimate beats the bound
+    (1000.0, 0, 0.0, 1.0, 0.0, 1000.0),         # nothing read: unchanged
+    (None, 1000, 1.0, 1.0, 0.0, None),          # too short to time: unchanged
+])
+def test_rate_after_confirm(rate: float | None, nbytes: int, submitted: float, confirmed: float,
+                            blocked: float, expected: float | None) -> None:
+    got = rate_after_confirm(rate, nbytes, submitted, confirmed, blocked)
+    assert got == (None if expected is None else pytest.approx(expected))
 
 
 @pytest.mark.parametrize("sizes, start, budget, expected", [
@@ -76,8 +101,9 @@ def test_update_rate(rate: float | None, nbytes: int, seconds: float,
     assert update_rate(rate, nbytes, seconds) == expected
 
 
-@pytest.mark.parametrize("kwargs", [{"step_fraction": 0}, {"step_fraction": -1},
-                                    {"step_fraction": 11}, {"max_chunk_bytes": 0},
+@pytest.mark.parametrize("kwargs", [{"chunk_seconds": 0}, {"chunk_seconds": -1},
+                                    {"chunk_seconds": 61}, {"confirm_margin": 0.9},
+                                    {"max_chunk_bytes": 0},
                                     {"probe_chunk_bytes": 0}])
 def test_pacing_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -162,6 +188,47 @@ async def test_decoding_goes_on_while_another_model_loads(
     assert len(between) >= len(chunks) - 1 > 0
     assert during_load > 0                                  # and its tokens reached the caller
     assert len(await greedy(core, "y")) > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_while_others_decode_reads_are_submitted_not_waited_for(
+        overlap: bool, tiny_model_path: Path, big_model_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlapped (the default): while x decodes, y's chunks are handed to ``mx.async_eval``
+    and confirmed later; ``overlap=False``: every chunk is a synchronous read. Either way the
+    weights read are the same as a lone load's."""
+    submitted: list[int] = []
+    real_submit = Materialization.submit_arrays
+
+    def counting(arrays) -> None:
+        submitted.append(len(arrays))
+        real_submit(arrays)
+    monkeypatch.setattr(Materialization, "submit_arrays", staticmethod(counting))
+    c = ServingCore(registry=CollectorRegistry(),
+                    load_pacing=LoadPacing(overlap=overlap, max_chunk_bytes=64 * 1024))
+    await c.start()
+    try:
+        await c.load_model("x", tiny_model_path, revision="r1", max_context_tokens=8192)
+        stream = await c.generate("x", prompt="Once upon a time", max_tokens=LONG,
+                                  temperature=0)
+        await asyncio.wait_for(stream.__anext__(), BOUND)
+        loading = asyncio.create_task(c.load_model("y", big_model_path, revision="r1"))
+        async for _ in stream:
+            if loading.done():
+                break
+        stream.cancel()
+        await asyncio.wait_for(loading, BOUND)
+        assert (len(submitted) > 3) if overlap else submitted == []
+        overlapped = await greedy(c, "y")
+    finally:
+        await asyncio.wait_for(c.close(), BOUND)
+    lone = ServingCore(registry=CollectorRegistry())
+    await lone.start()
+    try:
+        await lone.load_model("y", big_model_path, revision="r1")
+        assert await greedy(lone, "y") == overlapped
+    finally:
+        await asyncio.wait_for(lone.close(), BOUND)
 
 
 async def test_a_lone_load_reads_in_one_chunk_and_equals_a_chunked_one(

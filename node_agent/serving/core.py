@@ -17,10 +17,11 @@ its running and queued requests finish, then it is unloaded (see
 
 Loading never stalls serving (:mod:`node_agent.serving.loading`): the tokenizer loads on a
 worker thread of the event loop, the model is built with lazy weights on the MLX thread, and
-its parameters are then read one chunk per iteration of the step loop, after the decode step of
-every revision with work; a chunk's read time is kept to a fraction of the last decode step's
-time (:class:`~node_agent.serving.loading.LoadPacing`), so the other revisions keep emitting
-tokens during a load. Loads queue (one materialises at a time); commands (unload, cancel, new
+its parameters are then read in chunks on a CPU stream of their own, advanced once per
+iteration of the step loop after the decode step of every revision with work; while others
+decode the thread never waits for a read (chunks are submitted with ``mx.async_eval`` and
+confirmed once due, :class:`~node_agent.serving.loading.LoadPacing`), so the other revisions
+keep emitting tokens at their rate during a load. Loads queue (one materialises at a time); commands (unload, cancel, new
 requests) are served between chunks. A revision becomes visible only once fully read.
 
 Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per loaded
@@ -145,9 +146,9 @@ class ServingCore:
     """Loads MLX models and generates with continuous batching on one MLX-owning thread.
 
     All coroutine methods must be awaited on the event loop that called :meth:`start`.
-    ``load_pacing``: how loads are cut into chunks between decode steps (default
-    :class:`~node_agent.serving.loading.LoadPacing`: a chunk read while others decode takes at
-    most half the last decode step's time; 512 MiB chunks while nothing decodes).
+    ``load_pacing``: how loads are cut into chunks and overlapped with decode steps (default
+    :class:`~node_agent.serving.loading.LoadPacing`: ~50 ms chunks read without waiting while
+    others decode; 512 MiB chunks read synchronously while nothing decodes).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
@@ -742,6 +743,9 @@ class ServingCore:
         # and synchronisation all live on the one thread that owns MLX.
         stream = mx.default_stream(mx.default_device())
         self._engine.stream = stream
+        # Weights are read on a CPU stream of their own, so a load's reads never queue behind
+        # (or in front of) the generation stream's work (see node_agent.serving.loading).
+        self._engine.load_stream = mx.new_stream(mx.cpu)
         with mx.stream(stream):
             while True:
                 try:
@@ -756,18 +760,17 @@ class ServingCore:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                step_seconds = None
-                if self._engine.has_work():
-                    t0 = time.perf_counter()
+                decoding = self._engine.has_work()
+                if decoding:
                     self._t_step_all()
-                    step_seconds = time.perf_counter() - t0
                 if self._loads:
-                    self._t_load_step(step_seconds)
+                    self._t_load_step(decoding)
 
-    def _t_load_step(self, decode_step_seconds: float | None) -> None:
+    def _t_load_step(self, decoding: bool) -> None:
         """Advance the load at the head of the queue by one stage: drop it if it was called
-        off, else build its lazy model (cheap) and read one chunk of its weights sized for
-        ``decode_step_seconds`` (None: nothing decoded this iteration), and once all is read
+        off, else build its lazy model (cheap) and advance the read of its weights (overlapped
+        with decoding when ``decoding``: something decoded this iteration; see
+        :class:`~node_agent.serving.loading.Materialization`), and once all is read
         make it resident. A failure of any stage drops the load (``LoadFailed``)."""
         job = self._loads[0]
         if job.cancelled:
@@ -782,7 +785,7 @@ class ServingCore:
                 job.model = self._engine.begin_load(job.info)
                 job.materialization = Materialization(job.model, self.load_pacing)
             if not job.materialization.done:
-                job.materialization.step(decode_step_seconds)
+                job.materialization.step(decoding)
             if job.materialization.done:
                 self._engine.finish_load(
                     job.info, job.model, job.tokenizer,

@@ -49,6 +49,7 @@ class Engine:
         self.registry = Registry()
         self.samplers = SamplerCache()
         self.stream: Any = None        # the MLX thread's stream, set before the first load
+        self.load_stream: Any = None   # the CPU stream weights are read on (None: the default)
         self._send = send
         self._forget = forget
         # The wired-memory limit from before the first BatchGenerator raised it (see
@@ -67,8 +68,16 @@ class Engine:
         (``LoadFailed``)."""
         from mlx_lm.utils import load_model
 
+        import mlx.core as mx
+
         try:
-            model, _ = load_model(Path(info.path), lazy=True)
+            if self.load_stream is None:
+                model, _ = load_model(Path(info.path), lazy=True)
+            else:
+                # mx.load's reads (and any op of mlx-lm's sanitize/quantize on the weights) are
+                # scheduled on the load stream: evaluating them never waits on generation
+                with mx.stream(self.load_stream):
+                    model, _ = load_model(Path(info.path), lazy=True)
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
         return model
