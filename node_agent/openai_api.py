@@ -10,7 +10,11 @@ except ``GET /health`` (and ``GET /metrics`` unless ``metrics_auth``) needs ``Au
 Bearer <key>`` with one of its keys or of the fleet-internal ``forward_keys``; otherwise 401
 ``invalid_request_error`` / ``invalid_api_key`` with ``WWW-Authenticate: Bearer`` (the message
 never repeats what was sent). Without a key file the API is open. A forwarded request (below)
-carries the first key of ``forward_keys`` as its bearer key, never the client's.
+carries the first key of ``forward_keys`` as its bearer key, never the client's. The revision
+pin of a forwarded request (:data:`PIN_HEADER`) is honoured only when the request authenticated
+with one of ``forward_keys`` — or when the API has no keys at all (then anyone who can reach it
+could as well pick any revision); a client key presenting it has it ignored: the request is
+routed as if the header were absent (the canary split, the stable revision).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
@@ -80,6 +84,8 @@ REVISION_HEADER = "X-Model-Revision"
 #: Request header carrying the session key of the canary split (else the ``user`` field).
 SESSION_HEADER = "X-Session-ID"
 #: Request header a forwarding agent sets: serve exactly this revision, don't split again.
+#: Honoured only from the fleet-internal credential (or when the API has no keys at all);
+#: a client key presenting it has it ignored (routed as if it were absent).
 PIN_HEADER = "X-MLX-Fleet-Revision"
 #: Paths answered without a key whatever the configuration (``/metrics`` by ``metrics_auth``).
 OPEN_PATHS = frozenset({"/health"})
@@ -94,6 +100,10 @@ CORE_KEY = web.AppKey("mlxfleet_core", ServingCore)
 _RequestKey = getattr(web, "RequestKey", None)
 _MODEL: Any = _RequestKey("mlxfleet_model", str) if _RequestKey else "mlxfleet_model"
 _REVISION: Any = _RequestKey("mlxfleet_revision", str) if _RequestKey else "mlxfleet_revision"
+# True when the request may pin a revision (PIN_HEADER): it authenticated with a
+# fleet-internal forward key, or the API has no keys at all (see pin_allowed).
+_FLEET_INTERNAL: Any = (_RequestKey("mlxfleet_fleet_internal", bool) if _RequestKey
+                        else "mlxfleet_fleet_internal")
 # Set by a streaming handler that saw the client hang up after the 200 header went out.
 _HUNG_UP: Any = _RequestKey("mlxfleet_hung_up", bool) if _RequestKey else "mlxfleet_hung_up"
 # The model/revision label of requests that name no loaded model (unknown model, malformed body,
@@ -312,8 +322,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     ``max_context_tokens``, ``reason``, ``created_unix``); ``GET /v1/models`` lists them too.
 
     ``api_keys``: the client keys (None: no authentication); ``forward_keys``: the
-    fleet-internal keys, accepted like client keys when ``api_keys`` is set, and the first of
-    them sent with every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
+    fleet-internal keys, accepted like client keys when ``api_keys`` is set, the only keys
+    whose requests may pin a revision (:data:`PIN_HEADER`), and the first of them sent with
+    every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
     Both files are re-read when they change (:meth:`KeyFile.current`, a stat per request).
     ``forward_ssl``: how forwarded requests verify an ``https://`` node (default: the system's
     trusted CAs).
@@ -325,14 +336,18 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     async def authenticate(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
-        if api_keys is None or request.path in open_paths:
+        if api_keys is None:
+            request[_FLEET_INTERNAL] = True  # no keys at all: nothing to tell apart
             return await handler(request)
-        digests = api_keys.current()
-        if forward_keys is not None:
-            digests += forward_keys.current()
+        if request.path in open_paths:
+            return await handler(request)
         presented = bearer_token(request.headers.get("Authorization"))
-        if not matches(presented, digests):
+        # both sets are always compared (no early exit: the time does not say which matched)
+        client = matches(presented, api_keys.current())
+        internal = forward_keys is not None and matches(presented, forward_keys.current())
+        if not (client or internal):
             return _unauthorized(presented)
+        request[_FLEET_INTERNAL] = internal
         return await handler(request)
 
     @web.middleware
@@ -487,8 +502,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         routed = None
         revision: str | None = None
         if tm is not None:
+            pinned = request.headers.get(PIN_HEADER, "") if request.get(_FLEET_INTERNAL) else ""
             routed = tm.route(req.model, session_header=request.headers.get(SESSION_HEADER),
-                              user=req.user, pinned=request.headers.get(PIN_HEADER, ""))
+                              user=req.user, pinned=pinned)
             if routed is None:
                 return not_found
             if routed.route.forward:
