@@ -46,8 +46,11 @@ def _whole_number(v: Any) -> Any:
 
 
 #: An integer field: a JSON integer, or a number with a zero fraction (``8.0``, as JSON Schema's
-#: ``integer`` allows); not a string, a boolean or a fraction.
+#: ``integer`` allows); not a string, a boolean or a fraction. (The constraints go before the
+#: validator, so that the JSON schema shows them as ``minimum``.)
 StrictInt = Annotated[int, Field(strict=True), BeforeValidator(_whole_number)]
+#: :data:`StrictInt`, at least 1.
+PositiveInt = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_whole_number)]
 #: Why a generation ended: ``stop`` (end-of-sequence token or a stop sequence), ``length``
 #: (``max_tokens`` or the context reached).
 FinishReason = Literal["stop", "length"]
@@ -84,29 +87,43 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
+_OFF = ("Not supported: accepted only switched off (null, empty, false, 0, \"none\", or "
+        "{\"type\": \"text\"} for response_format); anything else is a 400 "
+        "unsupported_parameter naming it.")
+
+
 class SamplingRequest(_Request):
     """The fields both request bodies share. ``temperature`` 0 is greedy; ``seed`` is honoured
     best-effort (see :mod:`node_agent.openai_api`)."""
 
-    model: Annotated[str, Field(min_length=1)]
-    max_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    model: Annotated[str, Field(min_length=1, description=(
+        "A served model name loaded (or on standby) on this node; else 404 model_not_found."))]
+    max_tokens: Annotated[PositiveInt | None, Field(description=(
+        "Most tokens to generate (default: up to the model's context); prompt plus "
+        "max_tokens over the context is a 400 context_length_exceeded."))] = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0 is greedy.")] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    stream: Annotated[bool, Field(strict=True)] = False
-    stream_options: StreamOptions | None = None
-    seed: StrictInt | None = None
-    n: Annotated[StrictInt, Field(ge=1)] = 1
-    user: str | None = None
+    stream: Annotated[bool, Field(strict=True, description=(
+        "Answer as server-sent events (text/event-stream)."))] = False
+    stream_options: StreamOptions | None = Field(None, description=(
+        "Only with stream: true (else 400)."))
+    seed: StrictInt | None = Field(None, description="Honoured best-effort.")
+    # the schema says what is served (n = 1); a larger n is refused with 400
+    # unsupported_parameter (openai_api._unsupported), not as an invalid value
+    n: Annotated[PositiveInt, Field(json_schema_extra={"maximum": 1}, description=(
+        "Only 1 is supported."))] = 1
+    user: str | None = Field(None, description=(
+        "Session key of a canary split when there is no X-Session-ID header."))
     # Accepted only in their "off" spelling (openai_api._unsupported): rejecting them is more
     # honest than silently ignoring what the client asked for.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    tools: Any = Field(None, description=_OFF)
+    tool_choice: Any = Field(None, description=_OFF)
+    functions: Any = Field(None, description=_OFF)
+    function_call: Any = Field(None, description=_OFF)
+    response_format: Any = Field(None, description=_OFF)
+    logprobs: Any = Field(None, description=_OFF)
+    top_logprobs: Any = Field(None, description=_OFF)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -120,7 +137,7 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
+    max_completion_tokens: PositiveInt | None = None
 
 
 class CompletionRequest(SamplingRequest):
