@@ -101,7 +101,7 @@ _RequestKey = getattr(web, "RequestKey", None)
 _MODEL: Any = _RequestKey("mlxfleet_model", str) if _RequestKey else "mlxfleet_model"
 _REVISION: Any = _RequestKey("mlxfleet_revision", str) if _RequestKey else "mlxfleet_revision"
 # True when the request may pin a revision (PIN_HEADER): it authenticated with a
-# fleet-internal forward key, or the API has no keys at all (see pin_allowed).
+# fleet-internal forward key, or the API has no keys at all (set by `authenticate`).
 _FLEET_INTERNAL: Any = (_RequestKey("mlxfleet_fleet_internal", bool) if _RequestKey
                         else "mlxfleet_fleet_internal")
 # Set by a streaming handler that saw the client hang up after the 200 header went out.
