@@ -3,14 +3,21 @@
 Routes:
 
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming),
-* ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus).
+* ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus),
+* ``GET /openapi.json``: the API's OpenAPI 3.1 document (:mod:`node_agent.openapi`, built from
+  the request and response models of :mod:`node_agent.api_models` that this module validates
+  with and answers through); open like ``/health``.
 
 Authentication (``api_keys``, :mod:`node_agent.api_keys`): with a key file every request
 except ``GET /health`` (and ``GET /metrics`` unless ``metrics_auth``) needs ``Authorization:
 Bearer <key>`` with one of its keys or of the fleet-internal ``forward_keys``; otherwise 401
 ``invalid_request_error`` / ``invalid_api_key`` with ``WWW-Authenticate: Bearer`` (the message
 never repeats what was sent). Without a key file the API is open. A forwarded request (below)
-carries the first key of ``forward_keys`` as its bearer key, never the client's.
+carries the first key of ``forward_keys`` as its bearer key, never the client's. The revision
+pin of a forwarded request (:data:`PIN_HEADER`) is honoured only when the request authenticated
+with one of ``forward_keys`` — or when the API has no keys at all (then anyone who can reach it
+could as well pick any revision); a client key presenting it has it ignored: the request is
+routed as if the header were absent (the canary split, the stable revision).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
@@ -62,27 +69,26 @@ import logging
 import ssl
 import time
 import uuid
-from typing import Annotated, Any, Awaitable, Callable, Iterable, Literal
+from typing import Any, Awaitable, Callable, Iterable, Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from .api_keys import KeyFile, bearer_token, matches
+from .api_models import (PIN_HEADER, REVISION_HEADER, SESSION_HEADER, AssistantMessage,
+                         ChatChoice, ChatCompletion, ChatCompletionRequest, CompletionRequest,
+                         ErrorDetail, ErrorResponse, ModelCard, ModelList, SamplingRequest,
+                         TextChoice, TextCompletion, Usage)
+from .openapi import OPENAPI_PATH, openapi_document
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                       ModelNotLoaded, Overloaded, ServingCore)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
            "UNKNOWN_LABEL", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
 
-#: Response header naming the revision that served the request.
-REVISION_HEADER = "X-Model-Revision"
-#: Request header carrying the session key of the canary split (else the ``user`` field).
-SESSION_HEADER = "X-Session-ID"
-#: Request header a forwarding agent sets: serve exactly this revision, don't split again.
-PIN_HEADER = "X-MLX-Fleet-Revision"
 #: Paths answered without a key whatever the configuration (``/metrics`` by ``metrics_auth``).
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", OPENAPI_PATH})
 #: Timeout of a forwarded request's connection (seconds); the body streams for as long as it
 #: takes.
 FORWARD_CONNECT_TIMEOUT = 5.0
@@ -94,86 +100,15 @@ CORE_KEY = web.AppKey("mlxfleet_core", ServingCore)
 _RequestKey = getattr(web, "RequestKey", None)
 _MODEL: Any = _RequestKey("mlxfleet_model", str) if _RequestKey else "mlxfleet_model"
 _REVISION: Any = _RequestKey("mlxfleet_revision", str) if _RequestKey else "mlxfleet_revision"
+# True when the request may pin a revision (PIN_HEADER): it authenticated with a
+# fleet-internal forward key, or the API has no keys at all (set by `authenticate`).
+_FLEET_INTERNAL: Any = (_RequestKey("mlxfleet_fleet_internal", bool) if _RequestKey
+                        else "mlxfleet_fleet_internal")
 # Set by a streaming handler that saw the client hang up after the 200 header went out.
 _HUNG_UP: Any = _RequestKey("mlxfleet_hung_up", bool) if _RequestKey else "mlxfleet_hung_up"
 # The model/revision label of requests that name no loaded model (unknown model, malformed body,
 # other routes): a constant, so that clients cannot create metric series at will.
 UNKNOWN_LABEL = "unknown"
-
-StrictInt = Annotated[int, Field(strict=True)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Request models (unknown fields are ignored)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Base):
-    include_usage: Annotated[bool, Field(strict=True)] = False
-
-
-class ContentPart(_Base):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Base):
-    role: Annotated[str, Field(min_length=1)]
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content if p.type == "text")
-
-
-class _Sampling(_Base):
-    model: Annotated[str, Field(min_length=1)]
-    max_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    stream: Annotated[bool, Field(strict=True)] = False
-    stream_options: StreamOptions | None = None
-    seed: StrictInt | None = None
-    n: Annotated[StrictInt, Field(ge=1)] = 1
-    user: str | None = None
-    # Accepted only in their "off" spelling (see _unsupported): rejecting them is more honest
-    # than silently ignoring what the client asked for.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _number(cls, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError("must be a number")
-        return v
-
-
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
-
-
-class CompletionRequest(_Sampling):
-    """``POST /v1/completions`` body; ``prompt`` is one string."""
-
-    prompt: str
-
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -183,9 +118,8 @@ class CompletionRequest(_Sampling):
 def _error(status: int, message: str, *, type_: str = "invalid_request_error",
            param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}},
-        status=status, headers=headers)
+    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
+    return web.json_response(body.model_dump(), status=status, headers=headers)
 
 
 def _unauthorized(presented: str | None) -> web.Response:
@@ -210,7 +144,7 @@ def _validation_error(e: ValidationError) -> web.Response:
                   code="invalid_value")
 
 
-def _unsupported(req: _Sampling) -> web.Response | None:
+def _unsupported(req: SamplingRequest) -> web.Response | None:
     """400 for options this server cannot honour, naming the first such parameter."""
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
@@ -242,9 +176,9 @@ def _is_type_tag(part: object) -> bool:
                                           "ContentPart", "ChatMessage"})
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -312,8 +246,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     ``max_context_tokens``, ``reason``, ``created_unix``); ``GET /v1/models`` lists them too.
 
     ``api_keys``: the client keys (None: no authentication); ``forward_keys``: the
-    fleet-internal keys, accepted like client keys when ``api_keys`` is set, and the first of
-    them sent with every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
+    fleet-internal keys, accepted like client keys when ``api_keys`` is set, the only keys
+    whose requests may pin a revision (:data:`PIN_HEADER`), and the first of them sent with
+    every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
     Both files are re-read when they change (:meth:`KeyFile.current`, a stat per request).
     ``forward_ssl``: how forwarded requests verify an ``https://`` node (default: the system's
     trusted CAs).
@@ -325,14 +260,18 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     async def authenticate(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
-        if api_keys is None or request.path in open_paths:
+        if api_keys is None:
+            request[_FLEET_INTERNAL] = True  # no keys at all: nothing to tell apart
             return await handler(request)
-        digests = api_keys.current()
-        if forward_keys is not None:
-            digests += forward_keys.current()
+        if request.path in open_paths:
+            return await handler(request)
         presented = bearer_token(request.headers.get("Authorization"))
-        if not matches(presented, digests):
+        # both sets are always compared (no early exit: the time does not say which matched)
+        client = matches(presented, api_keys.current())
+        internal = forward_keys is not None and matches(presented, forward_keys.current())
+        if not (client or internal):
             return _unauthorized(presented)
+        request[_FLEET_INTERNAL] = internal
         return await handler(request)
 
     @web.middleware
@@ -451,7 +390,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 tm.record(routed, latency_s=time.perf_counter() - t0, ttft_s=None,
                           completion_tokens=0, decode_seconds=None, failed=failed)
 
-    async def parse(request: web.Request, cls: type[_Sampling]) -> _Sampling | web.Response:
+    async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
         body = await request.read()
         try:
             req = cls.model_validate_json(body)
@@ -475,7 +414,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         assert isinstance(req, CompletionRequest)
         return await complete(request, req, "text", req.max_tokens, prompt=req.prompt)
 
-    async def complete(request: web.Request, req: _Sampling, kind: Literal["chat", "text"],
+    async def complete(request: web.Request, req: SamplingRequest, kind: Literal["chat", "text"],
                        max_tokens: int | None, *, messages: list[dict] | None = None,
                        prompt: str | None = None) -> web.StreamResponse:
         if core.failure is not None:
@@ -487,8 +426,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         routed = None
         revision: str | None = None
         if tm is not None:
+            pinned = request.headers.get(PIN_HEADER, "") if request.get(_FLEET_INTERNAL) else ""
             routed = tm.route(req.model, session_header=request.headers.get(SESSION_HEADER),
-                              user=req.user, pinned=request.headers.get(PIN_HEADER, ""))
+                              user=req.user, pinned=pinned)
             if routed is None:
                 return not_found
             if routed.route.forward:
@@ -563,22 +503,23 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         outcome.done(failed=False)
         text = "".join(parts)
         usage = _usage(gen.prompt_tokens, gen.completion_tokens)
+        body: ChatCompletion | TextCompletion
         if kind == "chat":
-            body = {"id": rid, "object": "chat.completion", "created": created,
-                    "model": req.model,
-                    "choices": [{"index": 0,
-                                 "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": gen.finish_reason}],
-                    "usage": usage}
+            body = ChatCompletion(
+                id=rid, object="chat.completion", created=created, model=req.model,
+                choices=[ChatChoice(index=0, message=AssistantMessage(role="assistant",
+                                                                      content=text),
+                                    logprobs=None, finish_reason=gen.finish_reason)],
+                usage=usage)
         else:
-            body = {"id": rid, "object": "text_completion", "created": created,
-                    "model": req.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": gen.finish_reason}],
-                    "usage": usage}
-        return web.json_response(body, headers=headers)
+            body = TextCompletion(
+                id=rid, object="text_completion", created=created, model=req.model,
+                choices=[TextChoice(index=0, text=text, logprobs=None,
+                                    finish_reason=gen.finish_reason)],
+                usage=usage)
+        return web.json_response(body.model_dump(), headers=headers)
 
-    async def stream(request: web.Request, req: _Sampling, kind: str, gen: Any, rid: str,
+    async def stream(request: web.Request, req: SamplingRequest, kind: str, gen: Any, rid: str,
                      created: int, headers: dict[str, str], outcome: "_Outcome"
                      ) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -612,14 +553,15 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                         await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
             except GenerationAborted as e:
                 outcome.done(failed=True)
-                err = {"error": {"message": str(e), "type": "server_error", "param": None,
-                                 "code": "unavailable"}}
-                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                err = ErrorResponse(error=ErrorDetail(message=str(e), type="server_error",
+                                                      param=None, code="unavailable"))
+                await resp.write(b"data: " + err.model_dump_json().encode() + b"\n\n")
                 await resp.write_eof()
                 return resp
             outcome.done(failed=False)
             if include_usage:
-                await resp.write(event([], _usage(gen.prompt_tokens, gen.completion_tokens)))
+                await resp.write(event([], _usage(gen.prompt_tokens,
+                                                  gen.completion_tokens).model_dump()))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
@@ -634,17 +576,19 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         """OpenAI's model list: every resident revision (``status: loaded``) and every standby
         one (``status: standby``, ``standby_reason``: ``IdleUnloaded``, ``Evicted`` or
         ``AwaitingRequest``) — a request for a standby model loads it first."""
-        data = [{"id": m.model_id, "object": "model", "created": m.created_unix,
-                 "owned_by": "mlx-fleet", "revision": m.revision,
-                 "max_context_tokens": m.max_context_tokens, "status": "loaded"}
+        data = [ModelCard(id=m.model_id, object="model", created=m.created_unix,
+                          owned_by="mlx-fleet", revision=m.revision,
+                          max_context_tokens=m.max_context_tokens, status="loaded")
                 for m in core.models()]
-        resident = {(m["id"], m["revision"]) for m in data}
-        data += [{"id": m.model_id, "object": "model", "created": m.created_unix,
-                  "owned_by": "mlx-fleet", "revision": m.revision,
-                  "max_context_tokens": m.max_context_tokens, "status": "standby",
-                  "standby_reason": m.reason}
+        resident = {(m.id, m.revision) for m in data}
+        data += [ModelCard(id=m.model_id, object="model", created=m.created_unix,
+                           owned_by="mlx-fleet", revision=m.revision,
+                           max_context_tokens=m.max_context_tokens, status="standby",
+                           standby_reason=m.reason)
                  for m in standby() if (m.model_id, m.revision) not in resident]
-        return web.json_response({"object": "list", "data": data})
+        # standby_reason only on standby cards (exclude_none: no other field can be None)
+        return web.json_response(ModelList(object="list", data=data).model_dump(
+            exclude_none=True))
 
     async def health_handler(request: web.Request) -> web.Response:
         ok, details = health()
@@ -661,4 +605,21 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)
+    document = openapi_document(api_keys=api_keys is not None,
+                                metrics_auth=api_keys is not None and metrics_auth,
+                                version=_version())
+
+    async def openapi_handler(request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get(OPENAPI_PATH, openapi_handler)
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mlx-fleet")
+    except PackageNotFoundError:
+        return "0"

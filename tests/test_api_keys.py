@@ -30,7 +30,7 @@ from node_agent.api_keys import (KeyFile, KeyFileError, Stamp, bearer_token, dig
 from node_agent.controller import ServedModel
 from node_agent.main import Agent as NodeAgent
 from node_agent.main import AgentConfig, StartupError, build_parser, config_from_args
-from node_agent.openai_api import REVISION_HEADER, build_app
+from node_agent.openai_api import PIN_HEADER, REVISION_HEADER, build_app
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.traffic import TrafficManager
@@ -427,6 +427,15 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
         # the client's key is not valid on the back node
         resp = await back.post(COMPLETIONS, json=body, headers=bearer(KEY_A), ssl=trusting)
         assert resp.status == 401, await body_of(resp)
+        # the revision pin is honoured from the fleet-internal key only: the back node's own
+        # client key presenting it has it ignored (its stable revision serves), also in a stream
+        for stream in (False, True):
+            for key, want in ((KEY_NODE, "r1"), (KEY_FLEET, "r2")):
+                resp = await back.post(COMPLETIONS, json={**body, "stream": stream},
+                                       headers={**bearer(key), PIN_HEADER: "r2"}, ssl=trusting)
+                text = await body_of(resp)
+                assert resp.status == 200, text
+                assert resp.headers[REVISION_HEADER] == want, (key == KEY_FLEET, stream)
         # forwarded, JSON and SSE: served by r2 on the back node, accepted by its fleet key
         for stream in (False, True):
             resp = await front.post(COMPLETIONS, json={**body, "stream": stream},

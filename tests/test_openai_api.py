@@ -215,6 +215,11 @@ async def test_malformed_json_is_400(agent: Agent, path: str) -> None:  # noqa: 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": msgs(), "max_tokens": "ten"}, "max_tokens"),
     ({"messages": msgs(), "max_tokens": 0}, "max_tokens"),
+    ({"messages": msgs(), "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": msgs(), "max_tokens": True}, "max_tokens"),
+    ({"messages": msgs(), "max_tokens": "3"}, "max_tokens"),
+    ({"messages": msgs(), "max_tokens": 2.0**60}, "max_tokens"),   # not exact as a float
+    ({"messages": msgs(), "seed": 1.5}, "seed"),
     ({"messages": msgs(), "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": msgs(), "temperature": "hot"}, "temperature"),
     ({"messages": msgs(), "temperature": 3}, "temperature"),
@@ -255,6 +260,16 @@ async def test_unsupported_options_are_400_naming_them(agent: Agent, path: str, 
     assert param in err["message"]
     if param != "stream_options":
         assert "not supported" in err["message"]
+
+
+async def test_whole_floats_are_integers(agent: Agent) -> None:  # noqa: F811
+    """JSON Schema's ``integer`` counts ``3.0`` (schemathesis sent ``"n": 4180.0`` and
+    ``"max_tokens": 3511.0``, valid by the published document, and got a 400)."""
+    resp = await agent.client.post(CHAT, json={
+        "model": MODEL_ID, "messages": msgs(), "max_tokens": 3.0, "n": 1.0, "seed": 7.0,
+        "temperature": 0})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["usage"]["completion_tokens"] == 3
 
 
 async def test_supported_spellings_of_those_options_pass(agent: Agent) -> None:  # noqa: F811

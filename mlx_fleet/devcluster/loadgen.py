@@ -5,8 +5,9 @@ workers, each with its own session key (``X-Session-ID``), send streamed chat co
 loop to the agents' endpoints (round robin) until stopped. Every request ends in one
 :class:`Outcome`: the HTTP status, the revision that served it (``X-Model-Revision``), and
 whether it failed — a non-2xx answer, a connection error, or a stream that ended with an error
-event or without ``[DONE]``. Nothing is lost: a request in flight when the generator stops is
-awaited to its end.
+event or without ``[DONE]`` — and how (``error_kind``). Nothing is lost: a request in flight when
+the generator stops is awaited to its end (at most ``timeout``); ``sent`` counts the requests
+started, so ``sent - len(outcomes)`` is what never ended.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ class Outcome:
     """One request: ``started``/``ended`` (``time.monotonic()``), ``session``, ``endpoint``,
     ``status`` (0 when no HTTP answer came), ``revision`` (``X-Model-Revision``, "" if none),
     ``failed`` and ``error`` (why, "" when it succeeded), ``first_token``: when the first
-    streamed chunk with content arrived (``time.monotonic()``; ``None`` if none did)."""
+    streamed chunk with content arrived (``time.monotonic()``; ``None`` if none did).
+    ``error_kind``: "" (succeeded), ``http`` (a non-200 answer), ``stream_error`` (an error
+    event in the stream), ``incomplete`` (the stream ended without ``[DONE]`` or an error),
+    ``connection`` (refused, reset, closed mid-answer), ``timeout`` (no end within the
+    generator's ``timeout``), ``no_endpoint``."""
 
     started: float
     ended: float
@@ -39,6 +44,7 @@ class Outcome:
     failed: bool
     error: str = ""
     first_token: float | None = None
+    error_kind: str = ""
 
     @property
     def ttft_seconds(self) -> float | None:
@@ -48,16 +54,20 @@ class Outcome:
 
 class LoadGenerator:
     """``endpoints()``: the agent base URLs to send to now (re-read before every request, so
-    a test can follow ``status.endpoints``). ``sessions``: one session key per worker."""
+    a test can follow ``status.endpoints``). ``sessions``: one session key per worker.
+    ``timeout``: seconds a request may take in all. ``failure_pause``: seconds a worker waits
+    after a failed request before its next one (a client's back-off; 0: none)."""
 
     def __init__(self, endpoints: Callable[[], Sequence[str]], model: str, *,
                  sessions: Sequence[str], max_tokens: int = 8,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, failure_pause: float = 0.0) -> None:
         self._endpoints = endpoints
         self.model = model
         self.sessions = list(sessions)
         self.max_tokens = max_tokens
         self.timeout = timeout
+        self.failure_pause = failure_pause
+        self.sent = 0
         self.outcomes: list[Outcome] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -95,11 +105,14 @@ class LoadGenerator:
             eps = list(self._endpoints())
             if not eps:
                 self._record(Outcome(time.monotonic(), time.monotonic(), session, "", 0, "",
-                                     True, "no endpoint"))
+                                     True, "no endpoint", error_kind="no_endpoint"))
                 await asyncio.sleep(0.05)
                 continue
             endpoint = eps[next(self._rr) % len(eps)]
-            self._record(await self.one(endpoint, session))
+            outcome = await self.one(endpoint, session)
+            self._record(outcome)
+            if outcome.failed and self.failure_pause > 0 and not self._stop.is_set():
+                await asyncio.sleep(self.failure_pause)
 
     def _record(self, o: Outcome) -> None:
         self.outcomes.append(o)
@@ -109,6 +122,7 @@ class LoadGenerator:
     async def one(self, endpoint: str, session: str) -> Outcome:
         """Send one streamed chat completion and classify its end."""
         assert self._http is not None
+        self.sent += 1
         t0 = time.monotonic()
         body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
                 "messages": [{"role": "user", "content": f"Hello from {session}"}]}
@@ -120,7 +134,7 @@ class LoadGenerator:
                 if r.status != 200:
                     text = (await r.text())[:200]
                     return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
-                                   True, f"HTTP {status}: {text}")
+                                   True, f"HTTP {status}: {text}", error_kind="http")
                 done, first = False, None
                 async for raw in r.content:
                     line = raw.strip()
@@ -133,17 +147,20 @@ class LoadGenerator:
                     if b'"error"' in data and "error" in json.loads(data):
                         return Outcome(t0, time.monotonic(), session, endpoint, status,
                                        revision, True, json.loads(data)["error"]["message"],
-                                       first)
+                                       first, error_kind="stream_error")
                     if first is None and b'"content"' in data and _has_content(data):
                         first = time.monotonic()
                 if not done:
                     return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
-                                   True, "stream ended without [DONE]", first)
+                                   True, "stream ended without [DONE]", first,
+                                   error_kind="incomplete")
                 return Outcome(t0, time.monotonic(), session, endpoint, status, revision, False,
                                "", first)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            # aiohttp's ServerTimeoutError is both a ClientError and a TimeoutError
+            kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "connection"
             return Outcome(t0, time.monotonic(), session, endpoint, status, revision, True,
-                           f"{type(e).__name__}: {e}")
+                           f"{type(e).__name__}: {e}", error_kind=kind)
 
 
 def _has_content(data: bytes) -> bool:

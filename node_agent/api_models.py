@@ -1,0 +1,299 @@
+"""The agent API's bodies as pydantic models: what a request may hold, what a response holds.
+
+One source of truth for three uses: :mod:`node_agent.openai_api` validates request bodies with
+the request models and builds its JSON responses through the response models, and
+:mod:`node_agent.openapi` turns both into the ``GET /openapi.json`` document
+(``model_json_schema``), so the published schema cannot drift from what the server does.
+
+Request models follow OpenAI's Chat Completions and (legacy) Completions APIs; unknown fields
+are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
+(``chat.completion``, ``text_completion``, ``list`` of ``model``) plus this server's additions
+to a model card (``revision``, ``max_context_tokens``, ``status``, ``standby_reason``). Errors
+have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+__all__ = ["StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
+           "ChatCompletionRequest", "CompletionRequest", "ErrorDetail", "ErrorResponse",
+           "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
+           "TextCompletion", "ChunkDelta", "ChatChunkChoice", "ChatCompletionChunk",
+           "TextChunkChoice", "TextCompletionChunk", "ModelCard", "ModelList", "FinishReason", "REQUEST_MODELS",
+           "RESPONSE_MODELS", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
+
+#: Response header naming the revision that served the request.
+REVISION_HEADER = "X-Model-Revision"
+#: Request header carrying the session key of the canary split (else the ``user`` field).
+SESSION_HEADER = "X-Session-ID"
+#: Request header a forwarding agent sets: serve exactly this revision, don't split again.
+#: Honoured only from the fleet-internal credential (or when the API has no keys at all);
+#: a client key presenting it has it ignored (routed as if it were absent).
+PIN_HEADER = "X-MLX-Fleet-Revision"
+
+#: Largest whole number a JSON float represents exactly (2**53): ``4180.0`` is read as 4180
+#: up to it (JSON Schema counts a number with a zero fraction as an integer), ``1e300`` is not.
+MAX_EXACT_FLOAT_INT = 2**53
+
+
+def _whole_number(v: Any) -> Any:
+    if isinstance(v, float) and v.is_integer() and abs(v) <= MAX_EXACT_FLOAT_INT:
+        return int(v)
+    return v  # anything else goes to the strict check: strings, booleans, fractions refused
+
+
+#: An integer field: a JSON integer, or a number with a zero fraction (``8.0``, as JSON Schema's
+#: ``integer`` allows); not a string, a boolean or a fraction. (The constraints go before the
+#: validator, so that the JSON schema shows them as ``minimum``.)
+StrictInt = Annotated[int, Field(strict=True), BeforeValidator(_whole_number)]
+#: :data:`StrictInt`, at least 1.
+PositiveInt = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_whole_number)]
+#: Why a generation ended: ``stop`` (end-of-sequence token or a stop sequence), ``length``
+#: (``max_tokens`` or the context reached).
+FinishReason = Literal["stop", "length"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests (unknown fields are ignored)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: Annotated[bool, Field(strict=True)] = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's text: its string content, or its ``text`` parts joined."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+_OFF = ("Not supported: accepted only switched off (null, empty, false, 0, \"none\", or "
+        "{\"type\": \"text\"} for response_format); anything else is a 400 "
+        "unsupported_parameter naming it.")
+
+
+class SamplingRequest(_Request):
+    """The fields both request bodies share. ``temperature`` 0 is greedy; ``seed`` is honoured
+    best-effort (see :mod:`node_agent.openai_api`)."""
+
+    model: Annotated[str, Field(min_length=1, description=(
+        "A served model name loaded (or on standby) on this node; else 404 model_not_found."))]
+    max_tokens: Annotated[PositiveInt | None, Field(description=(
+        "Most tokens to generate (default: up to the model's context); prompt plus "
+        "max_tokens over the context is a 400 context_length_exceeded."))] = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0 is greedy.")] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: Annotated[bool, Field(strict=True, description=(
+        "Answer as server-sent events (text/event-stream)."))] = False
+    stream_options: StreamOptions | None = Field(None, description=(
+        "Only with stream: true (else 400)."))
+    seed: StrictInt | None = Field(None, description="Honoured best-effort.")
+    # the schema says what is served (n = 1); a larger n is refused with 400
+    # unsupported_parameter (openai_api._unsupported), not as an invalid value
+    n: Annotated[PositiveInt, Field(json_schema_extra={"maximum": 1}, description=(
+        "Only 1 is supported."))] = 1
+    user: str | None = Field(None, description=(
+        "Session key of a canary split when there is no X-Session-ID header."))
+    # Accepted only in their "off" spelling (openai_api._unsupported): rejecting them is more
+    # honest than silently ignoring what the client asked for.
+    tools: Any = Field(None, description=_OFF)
+    tool_choice: Any = Field(None, description=_OFF)
+    functions: Any = Field(None, description=_OFF)
+    function_call: Any = Field(None, description=_OFF)
+    response_format: Any = Field(None, description=_OFF)
+    logprobs: Any = Field(None, description=_OFF)
+    top_logprobs: Any = Field(None, description=_OFF)
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("must be a number")
+        return v
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions`` body; ``prompt`` is one string."""
+
+    prompt: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses (exactly these fields)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Response):
+    """``type``: ``invalid_request_error`` (4xx but 429), ``rate_limit_error`` (429),
+    ``server_error`` (5xx). ``param``: the request field at fault, or null. ``code``: a
+    machine-readable reason (``invalid_value``, ``invalid_json``, ``unsupported_parameter``,
+    ``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``, ``overloaded``,
+    ``unavailable`` ...) or null."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    """Every error answer of the API, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class Usage(_Response):
+    """Token counts of one request (tokens of the model's tokenizer)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(_Response):
+    """A non-streamed ``POST /v1/chat/completions`` answer (``object``: ``chat.completion``)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(_Response):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class TextCompletion(_Response):
+    """A non-streamed ``POST /v1/completions`` answer (``object``: ``text_completion``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class ChunkDelta(_Response):
+    """The new text of one chat stream event; ``role`` on the first event only."""
+
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChunkDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(_Response):
+    """One server-sent event of a streamed chat completion. ``usage`` is there (null, then the
+    counts on a last event with no choices) only with ``stream_options.include_usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class TextChunkChoice(_Response):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class TextCompletionChunk(_Response):
+    """One server-sent event of a streamed text completion (``usage`` as for
+    :class:`ChatCompletionChunk`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    """One revision in ``GET /v1/models``: ``status`` ``loaded`` (resident) or ``standby``
+    (assigned here but not resident; ``standby_reason`` ``IdleUnloaded``, ``Evicted`` or
+    ``AwaitingRequest``; a request for it loads it first). ``created``: load time, Unix
+    seconds; ``max_context_tokens``: prompt plus completion tokens a request may use."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    revision: str
+    max_context_tokens: int
+    status: Literal["loaded", "standby"]
+    standby_reason: str | None = None
+
+
+class ModelList(_Response):
+    """``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+#: Models whose JSON schema the OpenAPI document holds, validation side (requests) and
+#: serialization side (responses).
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (ErrorResponse, ChatCompletion, TextCompletion,
+                                                ChatCompletionChunk, TextCompletionChunk,
+                                                ModelList)

@@ -1,0 +1,160 @@
+"""The agent API's OpenAPI 3.1 document (``GET /openapi.json``): a pure function.
+
+Built from the pydantic models the server itself validates requests with and builds responses
+through (:mod:`node_agent.api_models`, ``pydantic.json_schema.models_json_schema``; JSON
+Schema 2020-12 is OpenAPI 3.1's schema dialect), so it cannot drift from what the server does.
+The paths, statuses and headers below mirror :func:`node_agent.openai_api.build_app`'s routes;
+``tests/test_openapi.py`` runs schemathesis against the live app with this document to keep
+them honest (every answer's status, content type and body are documented).
+
+It reflects the app's configuration: with API keys the ``/v1/*`` operations (and
+``/metrics`` with ``metrics_auth``) declare bearer authentication and a 401; ``/health`` and
+``/openapi.json`` are always open.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from .api_models import (PIN_HEADER, REQUEST_MODELS, RESPONSE_MODELS, REVISION_HEADER,
+                         SESSION_HEADER)
+
+__all__ = ["openapi_document", "OPENAPI_PATH", "TITLE", "STREAM_DONE"]
+
+#: Where the app serves the document.
+OPENAPI_PATH = "/openapi.json"
+TITLE = "mlx-fleet node agent: OpenAI-compatible API"
+_REF = "#/components/schemas/{model}"
+
+
+
+def _schemas() -> dict[str, Any]:
+    _, defs = models_json_schema(
+        [(m, "validation") for m in REQUEST_MODELS]
+        + [(m, "serialization") for m in RESPONSE_MODELS],
+        ref_template=_REF)
+    return defs.get("$defs", {})
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description,
+                           "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+_REVISION = {"description": "The model revision that served (or refused) the request.",
+             "schema": {"type": "string"}}
+_RETRY_AFTER = {"description": "Seconds to wait before retrying.",
+                "schema": {"type": "string"}}
+
+
+#: The end of a stream: ``data: [DONE]``.
+STREAM_DONE = "[DONE]"
+
+
+def _event(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI 3.1 with a sequential media type: ``schema``
+    describes each event): ``data`` is ``[DONE]`` or JSON, a chunk or, when the generation
+    fails mid-stream, an error."""
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": STREAM_DONE},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}]}}}
+
+
+def _completion(request: str, response: str, chunk: str, summary: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "parameters": [
+            {"name": SESSION_HEADER, "in": "header", "required": False,
+             "schema": {"type": "string"},
+             "description": "Session key of a canary split (else the body's `user`)."},
+            {"name": PIN_HEADER, "in": "header", "required": False,
+             "schema": {"type": "string"},
+             "description": "Fleet-internal: serve exactly this revision. Honoured only from "
+                            "the fleet-internal forward key (or when the API has no keys); "
+                            "ignored otherwise."},
+        ],
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "The completion: JSON, or with `stream: true` server-sent "
+                                   "events (`data: <chunk JSON>` ... `data: [DONE]`; a "
+                                   "generation that fails mid-stream ends with `data: "
+                                   "<ErrorResponse JSON>`).",
+                    "headers": {REVISION_HEADER: _REVISION},
+                    "content": {"application/json": {"schema": _ref(response)},
+                                "text/event-stream": {"schema": _event(chunk)}}},
+            "400": _error("Malformed JSON, an invalid field (`param` names it), an unsupported "
+                          "option or a prompt over the context."),
+            "404": _error("The model is not loaded on this node (`model_not_found`)."),
+            "413": _error("Request body over 1 MiB."),
+            "429": _error("Too many requests queued (`overloaded`).",
+                          {"Retry-After": _RETRY_AFTER}),
+            "503": _error("The node cannot serve: the model went away, the serving core "
+                          "failed, a reload failed or a forward target is unreachable."),
+        },
+    }
+
+
+def openapi_document(*, api_keys: bool = False, metrics_auth: bool = False,
+                     version: str = "0") -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a JSON-ready dict) for an app with (``api_keys``) or without
+    client keys, with ``/metrics`` keyed (``metrics_auth``, only with keys) or open.
+    ``version``: ``info.version`` (the package's version)."""
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": _completion(
+            "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
+            "Chat completion (OpenAI)")},
+        "/v1/completions": {"post": _completion(
+            "CompletionRequest", "TextCompletion", "TextCompletionChunk",
+            "Text completion (OpenAI, legacy)")},
+        "/v1/models": {"get": {
+            "summary": "Models resident or on standby on this node",
+            "responses": {"200": {"description": "The model list.", "content": {
+                "application/json": {"schema": _ref("ModelList")}}}}}},
+        "/health": {"get": {
+            "summary": "Liveness and readiness (always open)",
+            "responses": {
+                code: {"description": what, "content": {"application/json": {
+                    "schema": {"type": "object"}}}}
+                for code, what in (("200", "Healthy; details as JSON."),
+                                   ("503", "Not healthy; details as JSON."))}}},
+        "/metrics": {"get": {
+            "summary": "Prometheus metrics (text exposition format)",
+            "responses": {"200": {"description": "The metrics.", "content": {
+                "text/plain": {"schema": {"type": "string"}}}}}}},
+        OPENAPI_PATH: {"get": {
+            "summary": "This document (always open)",
+            "responses": {"200": {"description": "OpenAPI 3.1.", "content": {
+                "application/json": {"schema": {"type": "object"}}}}}}},
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": TITLE, "version": version},
+        "paths": paths,
+        "components": {"schemas": _schemas()},
+    }
+    if api_keys:
+        doc["components"]["securitySchemes"] = {
+            "apiKey": {"type": "http", "scheme": "bearer",
+                       "description": "A key of --api-key-file (clients) or "
+                                      "--forward-key-file (fleet-internal)."}}
+        keyed = [p for p in paths if p.startswith("/v1/")]
+        if metrics_auth:
+            keyed.append("/metrics")
+        for p in keyed:
+            for op in paths[p].values():
+                op["security"] = [{"apiKey": []}]
+                op["responses"]["401"] = _error(
+                    "Missing or wrong API key (`invalid_api_key`).",
+                    {"WWW-Authenticate": {"schema": {"type": "string"}}})
+    return doc
