@@ -147,13 +147,16 @@ class ServingCore:
 
     All coroutine methods must be awaited on the event loop that called :meth:`start`.
     ``load_pacing``: how loads are cut into chunks and overlapped with decode steps (default
-    :class:`~node_agent.serving.loading.LoadPacing`: ~50 ms chunks read without waiting while
+    :class:`~node_agent.serving.loading.LoadPacing`: ~40 ms chunks read without waiting while
     others decode; 512 MiB chunks read synchronously while nothing decodes).
+    ``fast_first_token``: a request that finds its revision's batch empty gets its first token
+    from one forward pass outside the BatchGenerator (:mod:`node_agent.serving.fastpath`).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  max_queued_requests: int = 64,
-                 load_pacing: LoadPacing | None = None) -> None:
+                 load_pacing: LoadPacing | None = None,
+                 fast_first_token: bool = True) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.max_queued_requests = max_queued_requests
@@ -176,7 +179,18 @@ class ServingCore:
         self._dead = False
         # thread side (its Stats are plain ints, read here)
         self._engine = Engine(self.metrics, self._send, self._forget_threadsafe)
+        self._engine.fast_first_token = fast_first_token
         self._loads: collections.deque[_Load] = collections.deque()   # thread: the load queue
+
+    @property
+    def fast_first_token(self) -> bool:
+        """Whether the first-token fast path is on (see the class docstring); settable at any
+        time (the MLX thread reads it per request)."""
+        return self._engine.fast_first_token
+
+    @fast_first_token.setter
+    def fast_first_token(self, on: bool) -> None:
+        self._engine.fast_first_token = bool(on)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..metrics import AgentMetrics
+from . import fastpath
 from .detokenize import feed, next_text
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                      ModelNotLoaded)
@@ -36,6 +37,21 @@ _UNSET = object()
 Events = list[tuple[Request, Any]]
 
 
+class _FirstToken:
+    """The fast path's first token in the shape of a BatchGenerator generation response (what
+    :meth:`Engine._token` reads): its prompt cache and tokens go to the prompt cache if the
+    request ends with it."""
+
+    __slots__ = ("token", "finish_reason", "prompt_cache", "all_tokens")
+
+    def __init__(self, token: int, finish_reason: str | None, prompt_cache: Any,
+                 all_tokens: list[int]) -> None:
+        self.token = token
+        self.finish_reason = finish_reason
+        self.prompt_cache = prompt_cache
+        self.all_tokens = all_tokens
+
+
 class Engine:
     """The resident revisions and everything done to them on the MLX thread.
 
@@ -49,6 +65,9 @@ class Engine:
         self.registry = Registry()
         self.samplers = SamplerCache()
         self.stream: Any = None        # the MLX thread's stream, set before the first load
+        #: first tokens of requests that find their batch empty skip BatchGenerator's admission
+        #: (node_agent.serving.fastpath)
+        self.fast_first_token = True
         self.load_stream: Any = None   # the CPU stream weights are read on (None: the default)
         self._send = send
         self._forget = forget
@@ -281,6 +300,9 @@ class Engine:
         self.metrics.queue_depth.labels(*res.key).set(res.stats.queued)
 
     def _insert(self, res: Resident, req: Request) -> None:
+        """Put ``req`` into ``res``'s BatchGenerator, reusing the longest cached prefix of its
+        prompt. If the batch is empty (:mod:`node_agent.serving.fastpath`), its first token is
+        computed and sent here, and the sequence joins the generator after it."""
         prompt = req.tokens
         cache, cached = None, 0
         if len(prompt) >= 2:
@@ -289,19 +311,42 @@ class Engine:
             cached = len(prompt) - 1 - len(rest)
             if cache is None or cached <= 0:
                 cache, cached = None, 0
+        if cached:
+            self.metrics.prompt_cache_hits.labels(*req.key).inc()
+            self.metrics.prompt_cache_tokens.labels(*req.key).inc(cached)
         sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
+        to_feed, max_tokens = prompt[cached:], req.max_tokens
+        if fastpath.applies(self.fast_first_token, len(res.active), len(to_feed)):
+            if cache is None:
+                from mlx_lm.models.cache import make_prompt_cache
+                cache = make_prompt_cache(res.model)
+            token = fastpath.first_token(res.model, to_feed, cache, sampler)
+            if token in res.tokenizer.eos_token_ids:
+                reason: str | None = "stop"
+            else:
+                reason = "length" if max_tokens <= 1 else None
+            chunk = self._token(res, req, _FirstToken(token, reason, cache, prompt),
+                                time.perf_counter(), res.key)
+            self.metrics.generated_tokens.labels(*res.key).inc()
+            if not req.done:
+                # into the batch before the token goes out: whoever reads the stats or cancels
+                # after seeing it finds the request running
+                (req.uid,) = res.generator.insert([[token]], max_tokens=[max_tokens - 1],
+                                                  caches=[cache], all_tokens=[prompt],
+                                                  samplers=[sampler])
+                res.active[req.uid] = req
+            self.update_gauges(res)
+            self._send([(req, chunk)])
+            return
         (uid,) = res.generator.insert(
-            [prompt[cached:]],
-            max_tokens=[req.max_tokens],
+            [to_feed],
+            max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[sampler],
         )
         req.uid = uid
         res.active[uid] = req
-        if cached:
-            self.metrics.prompt_cache_hits.labels(*req.key).inc()
-            self.metrics.prompt_cache_tokens.labels(*req.key).inc(cached)
 
     def step(self, res: Resident) -> None:
         """Move waiting requests into free batch slots, run one batch step of ``res`` and send
