@@ -165,7 +165,7 @@ class AgentConfig:
     simulated_chip: str | None = None
     simulated_memory_bytes: int | None = None
     max_queued_requests: int = 64
-    coalesce_requests: bool = True  # identical concurrent deterministic requests share one
+    coalesce_requests: bool = True  # --coalesce-requests (serving/coalesce.py)
     prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
