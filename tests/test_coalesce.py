@@ -93,7 +93,15 @@ def test_prompt_and_revision_are_part_of_the_key() -> None:
     assert key(messages=msgs) == key(messages=[{"content": "Hi", "role": "user"}])
     assert key(messages=msgs) != key(prompt="Hi")
     assert key(messages=msgs) != key(messages=[{"role": "system", "content": "Hi"}])
-    assert key(messages=[{"role": "user", "content": float("nan")}]) is None
+    # a chat template renders 1, 1.0 and True differently: the prompt's scalars keep their type
+    assert key(messages=[{"role": "user", "content": 1}]) != key(
+        messages=[{"role": "user", "content": True}])
+    assert key(messages=[{"role": "user", "content": 1}]) != key(
+        messages=[{"role": "user", "content": 1.0}])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert key(messages=parts) == key(messages=[{"role": "user",
+                                                 "content": [{"text": "Hi", "type": "text"}]}])
+    assert key(messages=[{"role": "user", "content": {"a", "b"}}]) is None  # not comparable
 
 
 # -- the fan-out, without a model ------------------------------------------------------------

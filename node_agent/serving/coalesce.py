@@ -30,21 +30,23 @@ is no longer joinable: an identical request after that starts a generation of it
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 __all__ = ["coalesce_key", "SharedGeneration", "Coalescer"]
 
 
-def _frozen(value: Any) -> Hashable:
+def _frozen(value: Any, typed: bool = False) -> Hashable:
     """``value`` as a hashable equal-for-equal value (lists → tuples, dicts → sorted item
-    tuples). Raises ``TypeError`` for a value that is neither hashable nor a list or dict."""
+    tuples); ``typed``: scalars other than strings carry their type, so that ``1``, ``1.0`` and
+    ``True`` differ (a chat template renders them differently). Raises ``TypeError`` for a value
+    that is neither hashable nor a list or dict (or dict keys that cannot be ordered).
+    No string is copied: hashing the key reuses each string's cached hash."""
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        return tuple(_frozen(v, typed) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+        return tuple(sorted((str(k), _frozen(v, typed)) for k, v in value.items()))
     hash(value)
-    return value
+    return (type(value), value) if typed and not isinstance(value, str) else value
 
 
 def coalesce_key(revision: Hashable, prompt: str | None,
@@ -54,14 +56,15 @@ def coalesce_key(revision: Hashable, prompt: str | None,
 
     ``revision``: what identifies the serving revision (the core passes its ``ModelInfo``);
     ``prompt`` / ``messages``: the prompt input as the core receives it (raw text, or the chat
-    messages, any JSON); ``params``: every generation parameter by name, ``temperature`` (a
-    number, 0 = greedy) and ``seed`` (int or ``None``) among them.
+    messages: lists, dicts and scalars); ``params``: every generation parameter by name,
+    ``temperature`` (a number, 0 = greedy) and ``seed`` (int or ``None``) among them.
 
     ``None`` (not shareable) when the output is not deterministic — ``temperature`` > 0 without
-    a ``seed`` — or when the prompt or a parameter cannot be compared (not JSON / not hashable).
-    Otherwise a hashable value equal for two requests exactly when their revision, prompt input
-    and every parameter are equal (``max_tokens`` ``None`` and an explicit number differ; so do
-    stop lists in another order: no parameter is second-guessed).
+    a ``seed`` — or when the prompt or a parameter cannot be compared (not hashable). Otherwise
+    a hashable value equal for two requests exactly when their revision, prompt input (its
+    scalars of the same type too) and every parameter are equal (``max_tokens`` ``None`` and an
+    explicit number differ; so do stop lists in another order: no parameter is second-guessed;
+    parameters compare as numbers, ``0 == 0.0``).
     """
     temperature = params.get("temperature")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
@@ -69,13 +72,10 @@ def coalesce_key(revision: Hashable, prompt: str | None,
     if temperature > 0 and params.get("seed") is None:
         return None
     try:
-        if messages is not None:
-            what: Hashable = ("messages", json.dumps(messages, sort_keys=True,
-                                                     separators=(",", ":"), allow_nan=False))
-        else:
-            what = ("prompt", prompt)
+        what = ("messages", _frozen(messages, typed=True)) if messages is not None else (
+            "prompt", prompt)
         frozen = tuple(sorted((str(k), _frozen(v)) for k, v in params.items()))
-    except (TypeError, ValueError):
+    except TypeError:
         return None
     return (revision, what, frozen)
 
