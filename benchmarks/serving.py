@@ -27,8 +27,17 @@ memory-bandwidth limit reached at concurrency 1 (tokens/s × weight bytes ÷ ban
     python benchmarks/serving.py --hidden-size 2048 --num-layers 16 --max-tokens 128 \\
         --concurrency 1 8 32 64 --bandwidth-gbs 3350    # a GPU (H100 SXM: 3.35 TB/s)
 
-Results: ``benchmarks/results/serving-<device>.json`` (machine, versions, every round) and a PNG
-plot next to it when matplotlib is installed.
+Agent flags (``--agent-flag``, repeatable, the ``=`` form): our server parses them with the
+agent's own parser (:func:`node_agent.main.build_parser`) and applies the serving ones, so an
+optimisation can be switched off to measure what it buys, e.g. request coalescing on the
+duplicate-heavy workload::
+
+    python benchmarks/serving.py --workloads duplicate                 # coalescing on (default)
+    python benchmarks/serving.py --workloads duplicate --agent-flag=--no-coalesce-requests
+
+Results: ``benchmarks/results/serving-<device>.json`` (machine, versions, every round; with agent
+flags ``serving-<device>-<flags>.json``, e.g. ``serving-cpu-no-coalesce-requests.json``) and a
+PNG plot next to it when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -185,17 +195,23 @@ _REFERENCE = ("import sys, mlx.core as mx; mx.set_cache_limit(int(float(sys.argv
               "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()")
 
 
-async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float) -> None:
-    """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else."""
+async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float,
+                     agent_flags: list[str]) -> None:
+    """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else.
+    ``agent_flags``: agent command-line flags, parsed by the agent's parser; the serving ones
+    apply (``--coalesce-requests``/``--no-coalesce-requests``)."""
     import mlx.core as mx
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
+    from node_agent.main import build_parser
     from node_agent.openai_api import build_app
     from node_agent.serving import ServingCore
 
+    flags = build_parser().parse_args(agent_flags)
     mx.set_cache_limit(int(cache_limit_gb * 1e9))
-    core = ServingCore(registry=CollectorRegistry(), max_queued_requests=4 * max_sequences)
+    core = ServingCore(registry=CollectorRegistry(), max_queued_requests=4 * max_sequences,
+                       coalesce_requests=flags.coalesce_requests)
     await core.start()
     await core.load_model(MODEL_ID, model, revision="bench",
                           max_concurrent_sequences=max_sequences, max_context_tokens=8192)
@@ -349,7 +365,8 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
     here = str(Path(__file__).resolve())
     ours = Server("ours", [sys.executable, here, "--serve-ours", str(model), "--port",
                            str(_free_port()), "--max-sequences", str(max_seq),
-                           "--cache-limit-gb", str(args.cache_limit_gb)], logs / "ours.log",
+                           "--cache-limit-gb", str(args.cache_limit_gb)]
+                  + [f"--agent-flag={f}" for f in args.agent_flag], logs / "ours.log",
                   MODEL_ID)
     ref = Server("reference", [sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb),
                                "--model", str(model),
@@ -413,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-limit-gb", type=float, default=8.0,
                    help="MLX buffer-cache limit of each server process, GB (default 8): both "
                         "servers share the device")
+    p.add_argument("--agent-flag", action="append", default=[], metavar="FLAG",
+                   help="an agent flag for our server, parsed by the agent's own parser "
+                        "(repeatable; write it as --agent-flag=--no-coalesce-requests); the "
+                        "serving ones apply: --coalesce-requests / --no-coalesce-requests")
     p.add_argument("--logs", default="/tmp/mlx-fleet-serving-bench", help="server logs")
     p.add_argument("--output", type=Path, help="default benchmarks/results/serving-<device>.json")
     # internal modes
@@ -424,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.serve_ours:
         asyncio.run(serve_ours(args.serve_ours, args.port, args.max_sequences,
-                               args.cache_limit_gb))
+                               args.cache_limit_gb, args.agent_flag))
         return 0
     if args.client:
         bodies = json.load(sys.stdin)
@@ -433,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     device = "gpu" if "gpu" in str(mx.default_device()) else "cpu"
-    out = args.output or RESULTS / f"serving-{device}.json"
+    from node_agent.main import build_parser
+
+    build_parser().parse_args(args.agent_flag)  # a bad agent flag fails here, not in a server
+    flags = "".join("-" + re.sub(r"[^A-Za-z0-9]+", "-", f).strip("-") for f in args.agent_flag)
+    out = args.output or RESULTS / f"serving-{device}{flags}.json"
     result = run(args, partial=out.with_suffix(".partial.json"))
     out.with_suffix(".partial.json").unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,7 @@ class AgentConfig:
     simulated_chip: str | None = None
     simulated_memory_bytes: int | None = None
     max_queued_requests: int = 64
+    coalesce_requests: bool = True  # --coalesce-requests (serving/coalesce.py)
     prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
@@ -220,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="requests waiting for a batch slot, across all models, before the API "
                         "answers 429 with Retry-After (at least 1; default: %(default)s)")
+    p.add_argument("--coalesce-requests", action=argparse.BooleanOptionalAction, default=True,
+                   help="identical concurrent requests (same model, revision, prompt and "
+                        "sampling parameters) whose output is deterministic (temperature 0, or "
+                        "a seed) share one generation, streamed to each from its first token "
+                        "(default: on; --no-coalesce-requests turns it off)")
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
                    help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "
@@ -292,6 +298,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        lease_ttl=args.lease_ttl, simulated_chip=args.simulated_chip,
                        simulated_memory_bytes=args.simulated_memory,
                        max_queued_requests=args.max_queued_requests,
+                       coalesce_requests=args.coalesce_requests,
                        prefetch_window_seconds=args.prefetch_window_seconds,
                        max_prefetches=args.max_prefetches,
                        stats_interval_seconds=args.stats_interval_seconds,
@@ -342,7 +349,8 @@ class Agent:
         self.keys.node(config.node_name)  # validates the name early (ValueError)
         self.registry = CollectorRegistry()
         self.core = ServingCore(registry=self.registry,
-                                max_queued_requests=config.max_queued_requests)
+                                max_queued_requests=config.max_queued_requests,
+                                coalesce_requests=config.coalesce_requests)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes,
                                                   config.max_loaded_models))

@@ -31,6 +31,8 @@ class AgentMetrics:
     * ``mlxfleet_agent_generated_tokens_total`` / ``mlxfleet_agent_prompt_tokens_total`` counters
     * ``mlxfleet_agent_prompt_cache_hits_total`` counter (requests that reused a cached prefix)
       and ``mlxfleet_agent_prompt_cache_tokens_total`` (prompt tokens served from the cache)
+    * ``mlxfleet_agent_coalesced_requests_total`` counter: requests that joined an identical
+      request's generation in flight instead of starting one (:mod:`.serving.coalesce`)
     * ``mlxfleet_agent_queue_depth`` gauge: requests waiting for a batch slot
     * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
     * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
@@ -75,6 +77,10 @@ class AgentMetrics:
         self.prompt_cache_tokens = Counter("mlxfleet_agent_prompt_cache_tokens_total",
                                            "Prompt tokens served from the prompt cache", mr,
                                            registry=registry)
+        self.coalesced_requests = Counter("mlxfleet_agent_coalesced_requests",
+                                          "Requests that joined an identical request's generation "
+                                          "in flight instead of starting their own", mr,
+                                          registry=registry)
         self.queue_depth = Gauge("mlxfleet_agent_queue_depth",
                                  "Requests waiting for a slot in the running batch", mr,
                                  registry=registry)

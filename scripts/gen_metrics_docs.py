@@ -253,7 +253,8 @@ def exposition(component: str) -> bytes:
         m.requests.labels(*mr, "/v1/chat/completions", "200").inc()
         for h in (m.ttft, m.inter_token, m.model_load_seconds):
             h.labels(*mr).observe(0.2)
-        for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits, m.prompt_cache_tokens):
+        for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits, m.prompt_cache_tokens,
+                  m.coalesced_requests):
             c.labels(*mr).inc(3)
         for g in (m.queue_depth, m.batch_occupancy, m.model_loaded, m.model_idle_seconds,
                   m.download_rate):

@@ -594,9 +594,13 @@ async def test_two_revisions_are_resident_and_served_independently(
         together = await asyncio.gather(run("old"), run("new"), run(None))
         assert alone["old"][1] != alone["new"][1]          # other weights, other text
         assert together == [alone["old"], alone["new"], alone["new"]]
+        # the two concurrent identical greedy requests for "new" (named, and by default) shared
+        # one generation (request coalescing); "old" and "new" never share one
         for rev in ("old", "new"):
             assert sample(c, "mlxfleet_agent_generated_tokens_total", model="m",
-                          revision=rev) == 12 * (2 if rev == "old" else 3)
+                          revision=rev) == 12 * 2
+            assert (sample(c, "mlxfleet_agent_coalesced_requests_total", model="m",
+                           revision=rev) or 0) == (1 if rev == "new" else 0)
             assert sample(c, "mlxfleet_agent_model_loaded", model="m", revision=rev) == 1
             assert c.crashes("m", rev) == 0
     finally:
@@ -639,11 +643,13 @@ async def test_drain_lets_running_and_queued_requests_finish(
     # one sequence at a time, so that one request runs and one waits while the drain starts
     c = await _revisions(tiny_model_path, other_model_path, max_concurrent_sequences=1)
     try:
-        ref = await collect(await c.generate("m", revision="old", prompt="Drain me",
-                                             max_tokens=24, temperature=0))
+        # two prompts: identical concurrent requests would share one generation (coalescing)
+        ref, ref_queued = [await collect(await c.generate("m", revision="old", prompt=p,
+                                                          max_tokens=24, temperature=0))
+                           for p in ("Drain me", "Drain me too")]
         running = await c.generate("m", revision="old", prompt="Drain me", max_tokens=24,
                                    temperature=0)
-        queued = await c.generate("m", revision="old", prompt="Drain me", max_tokens=24,
+        queued = await c.generate("m", revision="old", prompt="Drain me too", max_tokens=24,
                                   temperature=0)
         first = await running.__anext__()
         assert c.queued_requests("m", "old") == 1
@@ -663,7 +669,7 @@ async def test_drain_lets_running_and_queued_requests_finish(
         assert first.text + await collect(running) == ref
         assert running.finish_reason == "length" and running.completion_tokens == 24
         assert not unload.done()                             # the queued one is still going
-        assert await collect(queued) == ref and queued.finish_reason == "length"
+        assert await collect(queued) == ref_queued and queued.finish_reason == "length"
         await asyncio.wait_for(unload, BOUND)                # returns once both are done
         assert [i.revision for i in c.models()] == ["new"]
         assert sample(c, "mlxfleet_agent_model_loaded", model="m", revision="old") == 0

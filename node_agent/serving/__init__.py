@@ -6,6 +6,7 @@ Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Ch
 :mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's
 work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, chunk planning),
 :mod:`.preload` (the loaders imported and frozen out of the collector's reach),
+:mod:`.coalesce` (identical concurrent requests share one generation: key, fan-out),
 :mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`: asyncio API,
 command channel, step loop).
 """

@@ -74,6 +74,7 @@ from prometheus_client import CollectorRegistry
 
 from ..metrics import AgentMetrics
 from .admission import admit
+from .coalesce import Coalescer, SharedGeneration, coalesce_key
 from .engine import Engine, Events
 from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
 from .generation import Generation, Request
@@ -151,15 +152,20 @@ class ServingCore:
     others decode; 512 MiB chunks read synchronously while nothing decodes).
     ``fast_first_token``: a request that finds its revision's batch empty gets its first token
     from one forward pass outside the BatchGenerator (:mod:`node_agent.serving.fastpath`).
+    ``coalesce_requests``: identical concurrent deterministic requests share one generation
+    (:mod:`node_agent.serving.coalesce`; the agent's ``--coalesce-requests``, default on).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  max_queued_requests: int = 64,
                  load_pacing: LoadPacing | None = None,
-                 fast_first_token: bool = True) -> None:
+                 fast_first_token: bool = True,
+                 coalesce_requests: bool = True) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.max_queued_requests = max_queued_requests
+        self.coalesce_requests = coalesce_requests
+        self._coalescer = Coalescer()
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
         self._started = False
@@ -582,6 +588,14 @@ class ServingCore:
         *every* sequence of the batch separately (one call per row instead of one for the batch;
         see the module doc): it slows sampling for the whole batch, not only for itself.
 
+        With :attr:`coalesce_requests`, a request identical to one in flight whose output is
+        deterministic (greedy, or seeded; :func:`~node_agent.serving.coalesce.coalesce_key`)
+        joins that generation instead of starting one: its handle (own :attr:`Generation.id`,
+        same token counts) streams the generation from its first chunk; it takes no batch slot
+        and is never refused as :class:`Overloaded`; cancelling it leaves the generation running
+        for the others (the last one leaving cancels it). Counted in
+        ``mlxfleet_agent_coalesced_requests_total``.
+
         Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`Overloaded`,
         :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, ``ValueError`` for bad
         arguments, :class:`GenerationAborted` when the core is not running or has failed (see
@@ -597,16 +611,50 @@ class ServingCore:
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
+        temperature, top_p = float(temperature), float(top_p)
+        key = coalesce_key(info, prompt, messages, {
+            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+            "stop": stops, "seed": seed}) if self.coalesce_requests else None
+        shared = self._coalescer.get(key)
+        if shared is not None:
+            self.metrics.coalesced_requests.labels(*info.key).inc()
+            return await self._subscribe(shared)
         self._admit(info)
         loop = asyncio.get_running_loop()
-        req = Request(info.key, prompt, messages, max_tokens, float(temperature), float(top_p),
+        req = Request(info.key, prompt, messages, max_tokens, temperature, top_p,
                       stops, seed, asyncio.Queue(), loop)
+        if key is not None:
+            return await self._lead(key, req)
         try:
             prompt_tokens, limit = await self._call(self._engine.submit, req)
         except BaseException:
             self._cancel(req)
             raise
         return Generation(self._cancel, req, prompt_tokens, limit)
+
+    async def _lead(self, key: Any, req: Request) -> Generation:
+        """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle."""
+        shared = self._coalescer.lead(key, lambda: self._cancel(req))
+        shared.request = req
+        req.out = shared   # the core delivers the request's events to the fan-out
+        try:
+            shared.watch(self._call_soon(self._engine.submit, req))
+        except BaseException:
+            shared.abandon()
+            raise
+        return await self._subscribe(shared)
+
+    async def _subscribe(self, shared: SharedGeneration) -> Generation:
+        """A handle on ``shared`` for one more caller, once its request is admitted on the MLX
+        thread (its error, if it was refused)."""
+        out = shared.subscribe()
+        try:
+            prompt_tokens, limit = await asyncio.shield(shared.submitted)
+        except BaseException:
+            shared.leave(out)
+            raise
+        return Generation(lambda _req: shared.leave(out), shared.request, prompt_tokens, limit,
+                          out=out)
 
     def _admit(self, info: ModelInfo) -> None:
         limits = {k: i.max_concurrent_sequences for k, i in self._infos.items()}
@@ -649,6 +697,11 @@ class ServingCore:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the MLX thread and return its result (or raise its error).
         Raises :class:`GenerationAborted` when the thread has ended (closed or failed)."""
+        return await self._call_soon(fn, *args)
+
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Queue ``fn(*args)`` on the MLX thread now; the future of its result (or error).
+        Raises :class:`GenerationAborted` when the thread has ended (closed or failed)."""
         assert self._loop is not None
         fut = self._loop.create_future()
         with self._cmd_lock:
@@ -656,7 +709,7 @@ class ServingCore:
                 raise GenerationAborted(self._failed_message() if self._failure
                                         else "the serving core closed")
             self._cmds.put(("call", fn, args, fut))
-        return await fut
+        return fut
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args)`` on the MLX thread without waiting for it (``fn`` must not raise;

@@ -14,13 +14,15 @@ __all__ = ["Request", "Generation"]
 
 
 class Request:
-    """A generation request; the fields below ``# thread`` are touched only on the MLX thread."""
+    """A generation request; the fields below ``# thread`` are touched only on the MLX thread.
+    ``out`` receives its events (``put_nowait``): an ``asyncio.Queue``, or the
+    :class:`~node_agent.serving.coalesce.SharedGeneration` that fans them out."""
 
     _ids = itertools.count(1)
 
     def __init__(self, key: ModelKey, prompt: str | None, messages: list[dict] | None,
                  max_tokens: int | None, temperature: float, top_p: float,
-                 stop: Sequence[str], seed: int | None, out: asyncio.Queue,
+                 stop: Sequence[str], seed: int | None, out: Any,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.rid = next(self._ids)
         self.key = key
@@ -54,13 +56,18 @@ class Generation:
     raises :class:`~node_agent.serving.GenerationAborted` when the revision is unloaded or the
     core closes mid-generation. Cancelling the consuming task, calling :meth:`cancel`, or leaving
     ``async with`` before the end removes the sequence from the batch.
+
+    ``out``: where this handle reads its events, when not ``req.out`` — a subscriber of a shared
+    generation (:mod:`node_agent.serving.coalesce`): it gets an :attr:`id` of its own, and
+    ``cancel`` then stands for leaving the shared generation.
     """
 
     def __init__(self, cancel: Callable[[Request], None], req: Request, prompt_tokens: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, *, out: asyncio.Queue | None = None) -> None:
         self._cancel_request = cancel
         self._req = req
-        self.id = req.rid
+        self._out = req.out if out is None else out
+        self.id = req.rid if out is None else next(Request._ids)
         self.model_id = req.model_id
         self.revision = req.revision
         self.prompt_tokens = prompt_tokens
@@ -76,7 +83,7 @@ class Generation:
         if self._ended:
             raise StopAsyncIteration
         try:
-            item = await self._req.out.get()
+            item = await self._out.get()
         except BaseException:
             self.cancel()
             raise
