@@ -166,6 +166,7 @@ class AgentConfig:
     simulated_memory_bytes: int | None = None
     max_queued_requests: int = 64
     coalesce_requests: bool = True  # --coalesce-requests (serving/coalesce.py)
+    fast_first_token: bool = True   # --fast-first-token (serving/fastpath.py)
     prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
@@ -226,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sampling parameters) whose output is deterministic (temperature 0, or "
                         "a seed) share one generation, streamed to each from its first token "
                         "(default: on; --no-coalesce-requests turns it off)")
+    p.add_argument("--fast-first-token", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request that finds its model's batch empty gets its first token from "
+                        "one forward pass before it joins the batch: lower time to first token "
+                        "(default: on; --no-fast-first-token turns it off)")
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
                    help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "
@@ -299,6 +304,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        simulated_memory_bytes=args.simulated_memory,
                        max_queued_requests=args.max_queued_requests,
                        coalesce_requests=args.coalesce_requests,
+                       fast_first_token=args.fast_first_token,
                        prefetch_window_seconds=args.prefetch_window_seconds,
                        max_prefetches=args.max_prefetches,
                        stats_interval_seconds=args.stats_interval_seconds,
@@ -350,7 +356,8 @@ class Agent:
         self.registry = CollectorRegistry()
         self.core = ServingCore(registry=self.registry,
                                 max_queued_requests=config.max_queued_requests,
-                                coalesce_requests=config.coalesce_requests)
+                                coalesce_requests=config.coalesce_requests,
+                                fast_first_token=config.fast_first_token)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes,
                                                   config.max_loaded_models))

@@ -114,3 +114,11 @@ async def test_a_second_request_batches_with_the_first(cores: dict[bool, Serving
     gen.cancel()
     assert other == await run(cores[False], prompt="The quick brown fox", max_tokens=12,
                               temperature=0)
+
+
+def test_agent_flag_reaches_the_config() -> None:
+    from node_agent.main import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])).fast_first_token is True
+    off = config_from_args(build_parser().parse_args(["--no-fast-first-token"]))
+    assert off.fast_first_token is False
