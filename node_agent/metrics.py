@@ -6,7 +6,7 @@ global one), so several agents can share one process (tests, simulations).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["AgentMetrics"]
@@ -29,8 +29,12 @@ class AgentMetrics:
     * ``mlxfleet_agent_time_to_first_token_seconds`` histogram: submit → first generated token
     * ``mlxfleet_agent_inter_token_latency_seconds`` histogram: gap between consecutive tokens
     * ``mlxfleet_agent_generated_tokens_total`` / ``mlxfleet_agent_prompt_tokens_total`` counters
-    * ``mlxfleet_agent_prompt_cache_hits_total`` counter (requests that reused a cached prefix)
-      and ``mlxfleet_agent_prompt_cache_tokens_total`` (prompt tokens served from the cache)
+    * ``mlxfleet_agent_prompt_cache_hits_total`` / ``mlxfleet_agent_prompt_cache_misses_total``
+      counters (requests that did / did not reuse a cached prefix while the prompt cache is on;
+      hit ratio = hits ÷ (hits + misses)) and ``mlxfleet_agent_prompt_cache_tokens_total``
+      (prompt tokens served from the cache; ÷ ``prompt_tokens_total``: the token hit ratio)
+    * ``mlxfleet_agent_stream_buffer_overflows_total`` counter: generations stopped because
+      their client read too slowly (``--stream-buffer-chunks``)
     * ``mlxfleet_agent_queue_depth`` gauge: requests waiting for a batch slot
     * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
     * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
@@ -42,7 +46,10 @@ class AgentMetrics:
       gauge: a remote source's bytes received and the current rate in bytes/s (0 when not
       downloading)
 
-    Per node (no model labels): ``mlxfleet_agent_model_loads_total{reason}`` (``Assigned``,
+    Per node (no model labels): ``mlxfleet_agent_serving_option_info{option,value}`` (1 per
+    serving option with its value, :meth:`ServingOptions.as_record
+    <node_agent.serving.options.ServingOptions.as_record>`),
+    ``mlxfleet_agent_model_loads_total{reason}`` (``Assigned``,
     ``ReloadingOnDemand``, ``PredictivePrefetch``), ``mlxfleet_agent_model_unloads_total{reason}``
     (``IdleUnloaded``, ``Evicted``, ``Unassigned``) and
     ``mlxfleet_agent_model_unload_freed_bytes_total{reason}`` (MLX memory measured freed by the
@@ -72,6 +79,18 @@ class AgentMetrics:
         self.prompt_cache_hits = Counter("mlxfleet_agent_prompt_cache_hits_total",
                                          "Requests whose prompt prefix came from the prompt cache",
                                          mr, registry=registry)
+        self.prompt_cache_misses = Counter("mlxfleet_agent_prompt_cache_misses",
+                                           "Requests looked up in the prompt cache without "
+                                           "reusing a cached prefix", mr, registry=registry)
+        self.stream_buffer_overflows = Counter(
+            "mlxfleet_agent_stream_buffer_overflows",
+            "Generations stopped because their client read the stream too slowly "
+            "(more chunks waiting than --stream-buffer-chunks)", mr, registry=registry)
+        self.serving_option = Info("mlxfleet_agent_serving_option",
+                                   "The agent's serving options (prompt cache, its budget, "
+                                   "admission policy, stream buffer, request coalescing), one "
+                                   "series per option with its value", ["option"],
+                                   registry=registry)
         self.prompt_cache_tokens = Counter("mlxfleet_agent_prompt_cache_tokens_total",
                                            "Prompt tokens served from the prompt cache", mr,
                                            registry=registry)
@@ -109,6 +128,11 @@ class AgentMetrics:
                                   "Node memory by kind: weights and kv_cache of the resident "
                                   "revisions, mlx_cache (MLX's buffer cache), free (of the "
                                   "node's budget)", ["kind"], registry=registry)
+
+    def set_serving_options(self, options: dict[str, str]) -> None:
+        """Export ``options`` (``{option: value}``) as ``mlxfleet_agent_serving_option_info``."""
+        for option, value in options.items():
+            self.serving_option.labels(option).info({"value": value})
 
     def remove_revision(self, model: str, revision: str) -> None:
         """Remove every series labelled ``model``/``revision`` from every family (the revision

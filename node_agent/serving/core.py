@@ -41,8 +41,18 @@ the forward pass is still batched.
 
 Admission (:mod:`node_agent.serving.admission`): at most ``max_concurrent_sequences`` sequences
 of a revision are inside its BatchGenerator; further requests wait in the core (FIFO). When the
-waiting requests of all revisions would exceed ``max_queued_requests``, :class:`Overloaded` is
-raised at once.
+waiting requests of all revisions would exceed ``max_queued_requests`` — or, under the ``kv``
+policy (:class:`~node_agent.serving.options.ServingOptions`), the estimated KV cache of a
+revision's running and waiting requests would exceed its budget (checked on the MLX thread right
+after tokenizing, in ``Engine.submit``) —, :class:`Overloaded` is raised at once, with
+``retry_after_seconds`` from the measured drain rate (a :class:`~.admission.DrainRate` per
+revision, fed when requests finish). There is no batching window: see the admission module.
+
+Streams are bounded: the chunks of a request wait for its consumer in its own queue; when more
+than ``stream_buffer_chunks`` wait (the client reads slower than the model generates), the
+request is stopped and leaves the batch, and its consumer gets :class:`StreamBufferOverflow`
+after the chunks already queued. The MLX thread never waits for a consumer (it hands chunks to
+the loop with ``call_soon_threadsafe``), so a slow reader costs the others nothing.
 
 Failures on the MLX thread are contained as narrowly as possible: an error while post-processing
 one request's token (detokenizer, stop strings) aborts that request; any other error in a
@@ -71,12 +81,15 @@ from typing import Any, Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
+from ..memory_estimate import ModelFileError, kv_cache_bytes_per_token, read_config
 from ..metrics import AgentMetrics
-from .admission import admit
+from .admission import DrainRate, admit, retry_after_seconds
 from .engine import Engine, Events
-from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
+from .errors import (LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded,
+                     Overloaded, StreamBufferOverflow)
 from .generation import Generation, Request
 from .loading import LoadPacing, Materialization, load_tokenizer
+from .options import ServingOptions
 from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
@@ -94,6 +107,16 @@ def _rss_bytes() -> int:
 
         return int(psutil.Process().memory_info().rss)
     except Exception:  # noqa: BLE001 - a measurement, never a failure
+        return 0
+
+
+def _kv_bytes_per_token(path: str) -> int:
+    """KV bytes per token of the model at ``path`` (its ``config.json``, the estimate's formula);
+    0, with a warning, when the config cannot give it (no KV bound then)."""
+    try:
+        return kv_cache_bytes_per_token(read_config(path))
+    except (ModelFileError, OSError) as e:
+        log.warning("no KV-cache size for %s (%s): no KV budget applies to it", path, e)
         return 0
 
 
@@ -148,13 +171,19 @@ class ServingCore:
     ``load_pacing``: how loads are cut into chunks between decode steps (default
     :class:`~node_agent.serving.loading.LoadPacing`: a chunk read while others decode takes at
     most half the last decode step's time; 512 MiB chunks while nothing decodes).
+    ``options``: the serving switches (:class:`~node_agent.serving.options.ServingOptions`:
+    prompt cache and its budget, admission policy, stream buffer), exported as
+    ``mlxfleet_agent_serving_option_info``.
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  max_queued_requests: int = 64,
-                 load_pacing: LoadPacing | None = None) -> None:
+                 load_pacing: LoadPacing | None = None,
+                 options: ServingOptions | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
+        self.options = options if options is not None else ServingOptions()
+        self.metrics.set_serving_options(self.options.as_record())
         self.max_queued_requests = max_queued_requests
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
@@ -165,6 +194,7 @@ class ServingCore:
         self._infos: dict[ModelKey, ModelInfo] = {}
         self._inflight: dict[ModelKey, int] = {}
         self._drains: dict[ModelKey, _Drain] = {}
+        self._drain_rates: dict[ModelKey, DrainRate] = {}   # requests completed per second
         self._loading: list[_Load] = []          # loads handed to the thread, in order
         self._failed = asyncio.Event()            # set once the MLX thread has failed
         self._closed = False
@@ -174,7 +204,7 @@ class ServingCore:
         self._cmd_lock = threading.Lock()
         self._dead = False
         # thread side (its Stats are plain ints, read here)
-        self._engine = Engine(self.metrics, self._send, self._forget_threadsafe)
+        self._engine = Engine(self.metrics, self._send, self._forget_threadsafe, self.options)
         self._loads: collections.deque[_Load] = collections.deque()   # thread: the load queue
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -297,8 +327,9 @@ class ServingCore:
             return info
         if not (Path(spath) / "config.json").is_file():
             raise ModelLoadError("ModelNotFound", f"no model (config.json) at {spath}")
+        per_token = await asyncio.to_thread(_kv_bytes_per_token, spath)
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
-                         max_context_tokens)
+                         max_context_tokens, per_token)
         self._end_drain(key)
         assert self._loop is not None
         job = _Load(info, self._loop.create_future())
@@ -450,6 +481,7 @@ class ServingCore:
         info = self._infos.pop(key, None)
         if info is None:
             return False
+        self._drain_rates.pop(key, None)
         self.metrics.model_loaded.labels(*key).set(0)
         return True
 
@@ -588,25 +620,46 @@ class ServingCore:
                       stops, seed, asyncio.Queue(), loop)
         try:
             prompt_tokens, limit = await self._call(self._engine.submit, req)
-        except BaseException:
+        except BaseException as e:
             self._cancel(req)
+            if isinstance(e, Overloaded):   # the kv bound (Engine.submit)
+                e.retry_after_seconds = retry_after_seconds(e.waiting,
+                                                            self._drain_per_second(req.key))
             raise
         return Generation(self._cancel, req, prompt_tokens, limit)
+
+    def _drain_per_second(self, key: ModelKey | None) -> float | None:
+        """The measured drain rate (requests completed per second) of revision ``key``, or of
+        all revisions together (``None``); ``None`` before anything was measured."""
+        rates = [r.per_second for k, r in self._drain_rates.items()
+                 if (key is None or k == key) and r.per_second is not None]
+        return sum(rates) if rates else None
 
     def _admit(self, info: ModelInfo) -> None:
         limits = {k: i.max_concurrent_sequences for k, i in self._infos.items()}
         refused = admit(info.key, self._inflight, limits, self.max_queued_requests)
         if refused is not None:
-            raise Overloaded(f"{refused.waiting} requests are already waiting (limit "
-                             f"{self.max_queued_requests})",
-                             retry_after_seconds=refused.retry_after_seconds)
-        self._inflight[info.key] = self._inflight.get(info.key, 0) + 1
+            # the queue is shared by all revisions: it drains at all revisions' rates
+            raise Overloaded(refused.message, waiting=refused.waiting,
+                             retry_after_seconds=retry_after_seconds(
+                                 refused.waiting, self._drain_per_second(None)))
+        n = self._inflight.get(info.key, 0)
+        self._inflight[info.key] = n + 1
+        self._drain_rates.setdefault(info.key, DrainRate()).busy(time.monotonic())
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, *, completed: bool = False) -> None:
+        """``req`` is no longer in flight; ``completed``: it ran to its end (it counts in the
+        drain rate)."""
         if req.finished:
             return
         req.finished = True
         n = self._inflight.get(req.key, 0) - 1
+        rate = self._drain_rates.get(req.key)
+        if rate is not None:
+            if completed:
+                rate.completed(time.monotonic(), idle_after=n <= 0)
+            elif n <= 0:
+                rate.idle()
         if n > 0:
             self._inflight[req.key] = n
             return
@@ -623,11 +676,20 @@ class ServingCore:
             self._cmds.put(("cancel", req))
 
     def _deliver(self, events: Events) -> None:
+        limit = self.options.stream_buffer_chunks
         for req, item in events:
             if req.finished:
                 continue
-            if isinstance(item, BaseException) or item.finish_reason is not None:
+            if isinstance(item, BaseException):
                 self._release(req)
+            elif item.finish_reason is not None:
+                self._release(req, completed=True)
+            elif req.out.qsize() >= limit:
+                # the consumer is `limit` chunks behind: stop the generation (it leaves the
+                # batch), hand over what is queued, then the error
+                self.metrics.stream_buffer_overflows.labels(*req.key).inc()
+                self._cancel(req)
+                item = StreamBufferOverflow(req.out.qsize())
             req.out.put_nowait(item)
 
     # -- the command channel -------------------------------------------------------------------
