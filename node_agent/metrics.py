@@ -82,18 +82,18 @@ class AgentMetrics:
         self.prompt_cache_misses = Counter("mlxfleet_agent_prompt_cache_misses",
                                            "Requests looked up in the prompt cache without "
                                            "reusing a cached prefix", mr, registry=registry)
+        self.prompt_cache_tokens = Counter("mlxfleet_agent_prompt_cache_tokens_total",
+                                           "Prompt tokens served from the prompt cache", mr,
+                                           registry=registry)
         self.stream_buffer_overflows = Counter(
             "mlxfleet_agent_stream_buffer_overflows",
             "Generations stopped because their client read the stream too slowly "
             "(more chunks waiting than --stream-buffer-chunks)", mr, registry=registry)
         self.serving_option = Info("mlxfleet_agent_serving_option",
                                    "The agent's serving options (prompt cache, its budget, "
-                                   "admission policy, stream buffer, request coalescing), one "
-                                   "series per option with its value", ["option"],
+                                   "admission policy, stream buffer, request coalescing): one "
+                                   "series per option, its value in the label value", ["option"],
                                    registry=registry)
-        self.prompt_cache_tokens = Counter("mlxfleet_agent_prompt_cache_tokens_total",
-                                           "Prompt tokens served from the prompt cache", mr,
-                                           registry=registry)
         self.queue_depth = Gauge("mlxfleet_agent_queue_depth",
                                  "Requests waiting for a slot in the running batch", mr,
                                  registry=registry)

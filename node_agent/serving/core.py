@@ -542,6 +542,12 @@ class ServingCore:
         last changed (``revision`` None: the largest over ``model_id``'s revisions)."""
         return max(self._stat("peak_active", model_id, revision), default=0)
 
+    def drain_rate(self, model_id: str, revision: str) -> float | None:
+        """The revision's measured drain rate: requests completed per second while it had work
+        (:class:`~node_agent.serving.admission.DrainRate`), what ``Retry-After`` is estimated
+        from; ``None`` before a request of it completed."""
+        return self._drain_per_second((model_id, revision))
+
     def inflight_requests(self, model_id: str | None = None, revision: str | None = None) -> int:
         """Admitted requests not yet finished (waiting + running), counted on the loop side."""
         return sum(n for k, n in self._inflight.items()
