@@ -27,6 +27,12 @@ memory-bandwidth limit reached at concurrency 1 (tokens/s × weight bytes ÷ ban
     python benchmarks/serving.py --hidden-size 2048 --num-layers 16 --max-tokens 128 \\
         --concurrency 1 8 32 64 --bandwidth-gbs 3350    # a GPU (H100 SXM: 3.35 TB/s)
 
+``--ours-args`` passes the agent's serving flags to ours (parsed by the agent's own
+``node_agent.main.add_serving_arguments``), to measure what an optimisation buys by turning it
+off, e.g. ``--ours-args=--no-prompt-cache`` or ``--ours-args="--admission-policy count"`` (with
+``=``: the value starts with ``--``); the
+options in force are in the results (``params.ours_args``) and on ours' ``/metrics``.
+
 Results: ``benchmarks/results/serving-<device>.json`` (machine, versions, every round) and a PNG
 plot next to it when matplotlib is installed.
 """
@@ -38,6 +44,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -46,6 +53,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -185,8 +193,20 @@ _REFERENCE = ("import sys, mlx.core as mx; mx.set_cache_limit(int(float(sys.argv
               "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()")
 
 
-async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float) -> None:
-    """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else."""
+def ours_options(ours_args: str) -> Any:
+    """The :class:`~node_agent.serving.ServingOptions` of agent flags given as one string
+    (``--no-prompt-cache --admission-policy count``), parsed as the agent parses them."""
+    from node_agent.main import add_serving_arguments, serving_options_from_args
+
+    p = argparse.ArgumentParser(prog="--ours-args")
+    add_serving_arguments(p)
+    return serving_options_from_args(p.parse_args(shlex.split(ours_args)))
+
+
+async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float,
+                     ours_args: str = "") -> None:
+    """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else;
+    ``ours_args``: the agent's serving flags (:func:`ours_options`)."""
     import mlx.core as mx
     from aiohttp import web
     from prometheus_client import CollectorRegistry
@@ -195,7 +215,8 @@ async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb:
     from node_agent.serving import ServingCore
 
     mx.set_cache_limit(int(cache_limit_gb * 1e9))
-    core = ServingCore(registry=CollectorRegistry(), max_queued_requests=4 * max_sequences)
+    core = ServingCore(registry=CollectorRegistry(), max_queued_requests=4 * max_sequences,
+                       options=ours_options(ours_args))
     await core.start()
     await core.load_model(MODEL_ID, model, revision="bench",
                           max_concurrent_sequences=max_sequences, max_context_tokens=8192)
@@ -349,7 +370,8 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
     here = str(Path(__file__).resolve())
     ours = Server("ours", [sys.executable, here, "--serve-ours", str(model), "--port",
                            str(_free_port()), "--max-sequences", str(max_seq),
-                           "--cache-limit-gb", str(args.cache_limit_gb)], logs / "ours.log",
+                           "--cache-limit-gb", str(args.cache_limit_gb),
+                           f"--ours-args={args.ours_args}"], logs / "ours.log",
                   MODEL_ID)
     ref = Server("reference", [sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb),
                                "--model", str(model),
@@ -415,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                         "servers share the device")
     p.add_argument("--logs", default="/tmp/mlx-fleet-serving-bench", help="server logs")
     p.add_argument("--output", type=Path, help="default benchmarks/results/serving-<device>.json")
+    p.add_argument("--ours-args", default="", metavar="FLAGS",
+                   help="the agent's serving flags for ours, one string after '=', e.g. "
+                        "--ours-args=--no-prompt-cache or --ours-args='--admission-policy count' "
+                        "(default: none, the agent's defaults)")
     # internal modes
     p.add_argument("--serve-ours", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -424,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.serve_ours:
         asyncio.run(serve_ours(args.serve_ours, args.port, args.max_sequences,
-                               args.cache_limit_gb))
+                               args.cache_limit_gb, args.ours_args))
         return 0
     if args.client:
         bodies = json.load(sys.stdin)

@@ -327,9 +327,8 @@ class ServingCore:
             return info
         if not (Path(spath) / "config.json").is_file():
             raise ModelLoadError("ModelNotFound", f"no model (config.json) at {spath}")
-        per_token = await asyncio.to_thread(_kv_bytes_per_token, spath)
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
-                         max_context_tokens, per_token)
+                         max_context_tokens)
         self._end_drain(key)
         assert self._loop is not None
         job = _Load(info, self._loop.create_future())
@@ -358,10 +357,11 @@ class ServingCore:
         finally:
             if job.fut.done():
                 self._settle_load(job)
-        return info
+        return job.info        # with its KV bytes per token (_hand_to_thread)
 
     async def _hand_to_thread(self, job: _Load) -> None:
-        """Load ``job``'s tokenizer off the MLX thread, then queue the job on it. Raises
+        """Load ``job``'s tokenizer and read its KV bytes per token (into ``job.info``) off the
+        MLX thread, then queue the job on it. Raises
         :class:`ModelLoadError` (``LoadFailed``, ``Cancelled``, ``CoreFailed``, ``NotStarted``)."""
         t0 = time.perf_counter()
         try:
@@ -370,6 +370,8 @@ class ServingCore:
         except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
         job.tokenizer_seconds = time.perf_counter() - t0
+        per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
+        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
         if job.cancelled:
             job.tokenizer = None
             raise ModelLoadError(LOAD_CANCELLED, _CANCELLED)
