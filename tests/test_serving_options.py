@@ -277,3 +277,26 @@ async def test_a_slow_reader_is_cut_off_and_never_stalls_a_normal_stream(
         if slow is not None:
             slow.close()
         await close_agent(agent)
+
+
+async def test_count_refusal_retry_after_from_the_drain_rate(tiny_model_path: Path) -> None:  # noqa: F811
+    agent = await make_agent(tiny_model_path, max_queued_requests=1, max_concurrent_sequences=1)
+    core = agent.core
+    try:
+        body = {"model": MODEL_ID, "prompt": "c", "max_tokens": 2, "temperature": 0}
+        resp = await agent.client.post("/v1/completions", json=body)
+        assert resp.status == 200                       # one completed: a rate is measured
+        rate = core.drain_rate(MODEL_ID, REVISION)
+        assert rate is not None and rate > 0
+        running = await core.generate(MODEL_ID, prompt="a", max_tokens=1000, temperature=0)
+        async with running:
+            await running.__anext__()
+            waiting = await core.generate(MODEL_ID, prompt="b", max_tokens=2, temperature=0)
+            async with waiting:
+                resp = await agent.client.post("/v1/completions", json=body)
+                assert resp.status == 429
+                assert "1 requests are already waiting (limit 1)" in (
+                    await resp.json())["error"]["message"]
+                assert int(resp.headers["Retry-After"]) == retry_after_seconds(1, rate)
+    finally:
+        await close_agent(agent)
