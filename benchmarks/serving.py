@@ -27,17 +27,15 @@ memory-bandwidth limit reached at concurrency 1 (tokens/s × weight bytes ÷ ban
     python benchmarks/serving.py --hidden-size 2048 --num-layers 16 --max-tokens 128 \\
         --concurrency 1 8 32 64 --bandwidth-gbs 3350    # a GPU (H100 SXM: 3.35 TB/s)
 
-Agent flags (``--agent-flag``, repeatable, the ``=`` form): our server parses them with the
-agent's own parser (:func:`node_agent.main.build_parser`) and applies the serving ones, so an
-optimisation can be switched off to measure what it buys, e.g. request coalescing on the
-duplicate-heavy workload::
+``--ours-args`` passes the agent's serving flags to ours (parsed by the agent's own
+``node_agent.main.add_serving_arguments``), to measure what an optimisation buys by turning it
+off, e.g. ``--ours-args=--no-prompt-cache`` or ``--ours-args="--admission-policy count"`` (with
+``=``: the value starts with ``--``); the
+options in force are in the results (``params.ours_args``) and on ours' ``/metrics``.
 
-    python benchmarks/serving.py --workloads duplicate                 # coalescing on (default)
-    python benchmarks/serving.py --workloads duplicate --agent-flag=--no-coalesce-requests
-
-Results: ``benchmarks/results/serving-<device>.json`` (machine, versions, every round; with agent
-flags ``serving-<device>-<flags>.json``, e.g. ``serving-cpu-no-coalesce-requests.json``) and a
-PNG plot next to it when matplotlib is installed.
+Results: ``benchmarks/results/serving-<device>.json`` (machine, versions, every round; with
+``--ours-args`` ``serving-<device>-<flags>.json``, e.g. ``serving-gpu-no-coalesce-requests.json``)
+and a PNG plot next to it when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ import asyncio
 import json
 import os
 import random
-import re
+import shlex
 import signal
 import socket
 import statistics
@@ -56,6 +54,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -195,23 +194,30 @@ _REFERENCE = ("import sys, mlx.core as mx; mx.set_cache_limit(int(float(sys.argv
               "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()")
 
 
+def ours_options(ours_args: str) -> Any:
+    """The :class:`~node_agent.serving.ServingOptions` of agent flags given as one string
+    (``--no-prompt-cache --admission-policy count``), parsed as the agent parses them."""
+    from node_agent.main import add_serving_arguments, serving_options_from_args
+
+    p = argparse.ArgumentParser(prog="--ours-args")
+    add_serving_arguments(p)
+    return serving_options_from_args(p.parse_args(shlex.split(ours_args)))
+
+
 async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float,
-                     agent_flags: list[str]) -> None:
-    """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else.
-    ``agent_flags``: agent command-line flags, parsed by the agent's parser; the serving ones
-    apply (``--coalesce-requests``/``--no-coalesce-requests``)."""
+                     ours_args: str = "") -> None:
+    """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else;
+    ``ours_args``: the agent's serving flags (:func:`ours_options`)."""
     import mlx.core as mx
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
-    from node_agent.main import build_parser
     from node_agent.openai_api import build_app
     from node_agent.serving import ServingCore
 
-    flags = build_parser().parse_args(agent_flags)
     mx.set_cache_limit(int(cache_limit_gb * 1e9))
     core = ServingCore(registry=CollectorRegistry(), max_queued_requests=4 * max_sequences,
-                       coalesce_requests=flags.coalesce_requests)
+                       options=ours_options(ours_args))
     await core.start()
     await core.load_model(MODEL_ID, model, revision="bench",
                           max_concurrent_sequences=max_sequences, max_context_tokens=8192)
@@ -365,8 +371,8 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
     here = str(Path(__file__).resolve())
     ours = Server("ours", [sys.executable, here, "--serve-ours", str(model), "--port",
                            str(_free_port()), "--max-sequences", str(max_seq),
-                           "--cache-limit-gb", str(args.cache_limit_gb)]
-                  + [f"--agent-flag={f}" for f in args.agent_flag], logs / "ours.log",
+                           "--cache-limit-gb", str(args.cache_limit_gb),
+                           f"--ours-args={args.ours_args}"], logs / "ours.log",
                   MODEL_ID)
     ref = Server("reference", [sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb),
                                "--model", str(model),
@@ -430,12 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-limit-gb", type=float, default=8.0,
                    help="MLX buffer-cache limit of each server process, GB (default 8): both "
                         "servers share the device")
-    p.add_argument("--agent-flag", action="append", default=[], metavar="FLAG",
-                   help="an agent flag for our server, parsed by the agent's own parser "
-                        "(repeatable; write it as --agent-flag=--no-coalesce-requests); the "
-                        "serving ones apply: --coalesce-requests / --no-coalesce-requests")
     p.add_argument("--logs", default="/tmp/mlx-fleet-serving-bench", help="server logs")
     p.add_argument("--output", type=Path, help="default benchmarks/results/serving-<device>.json")
+    p.add_argument("--ours-args", default="", metavar="FLAGS",
+                   help="the agent's serving flags for ours, one string after '=', e.g. "
+                        "--ours-args=--no-prompt-cache or --ours-args='--admission-policy count' "
+                        "(default: none, the agent's defaults)")
     # internal modes
     p.add_argument("--serve-ours", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -445,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.serve_ours:
         asyncio.run(serve_ours(args.serve_ours, args.port, args.max_sequences,
-                               args.cache_limit_gb, args.agent_flag))
+                               args.cache_limit_gb, args.ours_args))
         return 0
     if args.client:
         bodies = json.load(sys.stdin)
@@ -454,10 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     device = "gpu" if "gpu" in str(mx.default_device()) else "cpu"
-    from node_agent.main import build_parser
-
-    build_parser().parse_args(args.agent_flag)  # a bad agent flag fails here, not in a server
-    flags = "".join("-" + re.sub(r"[^A-Za-z0-9]+", "-", f).strip("-") for f in args.agent_flag)
+    ours_options(args.ours_args)  # a bad agent flag fails here, not in a server
+    flags = "".join("-" + f.lstrip("-").replace(" ", "-") for f in shlex.split(args.ours_args))
     out = args.output or RESULTS / f"serving-{device}{flags}.json"
     result = run(args, partial=out.with_suffix(".partial.json"))
     out.with_suffix(".partial.json").unlink(missing_ok=True)

@@ -6,7 +6,7 @@ same prompt. Rounds alternate A/B: **raw** — ``mlx_lm.stream_generate`` on the
 the agent's :class:`~node_agent.serving.ServingCore`, time from ``generate`` to its first
 chunk (admission, the MLX thread's command queue, ``BatchGenerator`` prefill, detokenizing,
 the hop back to the event loop); **core-batched** — the same core with its first-token fast path
-switched off (``ServingCore.fast_first_token = False``: the first token goes through
+switched off (a second core with ``ServingOptions(fast_first_token=False)``: the first token goes through
 ``BatchGenerator``'s three-call admission, :mod:`node_agent.serving.fastpath`). Greedy, same
 prompt, after a warm-up of each. Reported: median and p95 of each, and the overhead (core − raw)
 at the median, in milliseconds, with and without the fast path.
@@ -60,15 +60,18 @@ async def run(args: argparse.Namespace) -> dict:
     from common import machine
     from mlx_fleet.devcluster.binaries import cache_dir
     from mlx_fleet.testmodel import make_test_model
-    from node_agent.serving import ServingCore
+    from node_agent.serving import ServingCore, ServingOptions
 
     path = make_test_model(
         (args.model_cache or cache_dir() / "models") / f"ttft-h{args.hidden_size}-l{args.num_layers}",
         hidden_size=args.hidden_size, num_layers=args.num_layers)
     model, tokenizer = mlx_lm.load(str(path))
-    core = ServingCore(registry=CollectorRegistry())
-    await core.start()
-    await core.load_model("bench", path, revision="r1")
+    cores = {}
+    for kind, fast in (("core", True), ("core-batched", False)):
+        cores[kind] = ServingCore(registry=CollectorRegistry(),
+                                  options=ServingOptions(fast_first_token=fast))
+        await cores[kind].start()
+        await cores[kind].load_model("bench", path, revision="r1")
     raw, ours, batched = [], [], []
     rng = random.Random(0)
 
@@ -76,8 +79,7 @@ async def run(args: argparse.Namespace) -> dict:
         if kind == "raw":
             raw.append(raw_ttft(model, tokenizer, prompt))
             return
-        core.fast_first_token = kind == "core"
-        (ours if kind == "core" else batched).append(await core_ttft(core, prompt))
+        (ours if kind == "core" else batched).append(await core_ttft(cores[kind], prompt))
 
     kinds = ["raw", "core", "core-batched"]
     try:
@@ -90,7 +92,8 @@ async def run(args: argparse.Namespace) -> dict:
             for kind in (kinds if i % 2 == 0 else kinds[::-1]):
                 await measure(kind, f"{kind} {prompt}")
     finally:
-        await core.close()
+        for c in cores.values():
+            await c.close()
 
     def p95(xs: list[float]) -> float:
         return sorted(xs)[max(0, int(round(0.95 * (len(xs) - 1))))]

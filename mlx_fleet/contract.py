@@ -236,6 +236,11 @@ class NodeRecord(_Record):
     ``address``: base URL of the agent's OpenAI-compatible API (``http://host:port``).
     ``heartbeat_unix``: seconds since the epoch of the last report (wall clock, informational;
     liveness is the lease, not this timestamp).
+    ``serving_options``: the agent's serving switches as ``{option: value}`` text (``prompt_cache``
+    ``on``/``off``, ``prompt_cache_bytes`` bytes or ``auto``, ``admission_policy`` ``count``/``kv``,
+    ``stream_buffer_chunks``, ``request_coalescing`` ``on``/``off``; the agent's
+    ``node_agent.serving.options.ServingOptions.as_record``); informational, empty in records of
+    agents older than the field (they still parse).
     """
 
     name: str
@@ -244,6 +249,7 @@ class NodeRecord(_Record):
     capacity: NodeCapacity
     health: NodeHealth = NodeHealth.HEALTHY
     agent_version: str = ""
+    serving_options: dict[str, str] = Field(default_factory=dict)
     heartbeat_unix: float = Field(default_factory=time.time)
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 __all__ = ["StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
            "ChatCompletionRequest", "CompletionRequest", "ErrorDetail", "ErrorResponse",
-           "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
+           "PromptTokensDetails", "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
            "TextCompletion", "ChunkDelta", "ChatChunkChoice", "ChatCompletionChunk",
            "TextChunkChoice", "TextCompletionChunk", "ModelCard", "ModelList", "FinishReason", "REQUEST_MODELS",
            "RESPONSE_MODELS", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
@@ -174,12 +174,19 @@ class ErrorResponse(_Response):
     error: ErrorDetail
 
 
+class PromptTokensDetails(_Response):
+    """What the prompt's tokens cost: ``cached_tokens`` were served from the prompt cache."""
+
+    cached_tokens: int
+
+
 class Usage(_Response):
     """Token counts of one request (tokens of the model's tokenizer)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class AssistantMessage(_Response):

@@ -36,10 +36,13 @@ from .api_keys import KeyFile, KeyFileError
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL, Registration
+from .serving.admission import POLICIES
+from .serving.options import ServingOptions
 
 log = logging.getLogger("node_agent")
 
-__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main", "EXIT_CORE_FAILED"]
+__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main", "EXIT_CORE_FAILED",
+           "add_serving_arguments", "serving_options_from_args"]
 
 ENV_ETCD_ENDPOINT = "MLX_FLEET_ETCD_ENDPOINT"
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
@@ -144,6 +147,68 @@ def memory_quantity(text: str) -> int:
     return n
 
 
+def prompt_cache_bytes(text: str) -> int:
+    """``--prompt-cache-bytes``: a Kubernetes quantity (:func:`mlx_fleet.quantity.parse_quantity`)
+    of at least 0 bytes (0: nothing stays cached beyond the live batch)."""
+    n = parse_quantity(text)
+    if n < 0:
+        raise ValueError(f"must be at least 0 bytes, got {text!r}")
+    return n
+
+
+def add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    """The serving options' flags (:class:`~node_agent.serving.options.ServingOptions`):
+    ``--prompt-cache``/``--no-prompt-cache``, ``--prompt-cache-bytes``, ``--admission-policy``,
+    ``--stream-buffer-chunks``, ``--coalesce-requests``, ``--fast-first-token``.
+    ``benchmarks/serving.py`` adds them too, to serve with the agent's very flags."""
+    d = ServingOptions()
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction,
+                   default=d.prompt_cache,
+                   help="reuse the KV cache of prompt prefixes across requests (mlx-lm's "
+                        "LRUPromptCache, one per model revision); --no-prompt-cache turns it "
+                        "off (default: on)")
+    p.add_argument("--prompt-cache-bytes", type=_argtype(prompt_cache_bytes), default=None,
+                   metavar="QUANTITY",
+                   help="each revision's byte budget for its prompt cache and its running "
+                        "batch's KV cache together, a Kubernetes quantity (e.g. 2Gi); the cache "
+                        "is trimmed, least recently used first, to the budget minus the live "
+                        "batch (default: the revision's KV reservation, KV bytes per token x "
+                        "maxContextTokens x maxConcurrentSequences)")
+    p.add_argument("--admission-policy", choices=POLICIES, default=d.admission_policy,
+                   help="what bounds the requests waiting for a batch slot: 'count' "
+                        "(--max-queued-requests only) or 'kv' (also the estimated KV cache of "
+                        "each revision's running and waiting requests, at most twice its KV "
+                        "reservation) (default: %(default)s)")
+    p.add_argument("--stream-buffer-chunks", type=_argtype(positive_int),
+                   default=d.stream_buffer_chunks, metavar="N",
+                   help="generated chunks a stream may have waiting for its client; a client "
+                        "reading slower is cut off with an error event (code "
+                        "stream_buffer_overflow) and its sequence leaves the batch, so it never "
+                        "slows the others (at least 1; default: %(default)s)")
+    p.add_argument("--coalesce-requests", action=argparse.BooleanOptionalAction,
+                   default=d.request_coalescing,
+                   help="identical concurrent requests (same model, revision, prompt and "
+                        "sampling parameters) whose output is deterministic (temperature 0, or "
+                        "a seed) share one generation, streamed to each from its first token "
+                        "(default: on; --no-coalesce-requests turns it off)")
+    p.add_argument("--fast-first-token", action=argparse.BooleanOptionalAction,
+                   default=d.fast_first_token,
+                   help="a request that finds its model's batch empty gets its first token from "
+                        "one forward pass before it joins the batch: lower time to first token "
+                        "(default: on; --no-fast-first-token turns it off)")
+
+
+def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
+    """The :class:`~node_agent.serving.options.ServingOptions` of :func:`add_serving_arguments`'
+    parsed flags."""
+    return ServingOptions(prompt_cache=args.prompt_cache,
+                          prompt_cache_bytes=args.prompt_cache_bytes,
+                          admission_policy=args.admission_policy,
+                          stream_buffer_chunks=args.stream_buffer_chunks,
+                          request_coalescing=args.coalesce_requests,
+                          fast_first_token=args.fast_first_token)
+
+
 class StartupError(Exception):
     """The agent cannot start for a reason the operator of the Mac must fix (e.g. its
     ``--listen`` address is taken); :func:`main` prints it as one line and exits 2."""
@@ -165,8 +230,6 @@ class AgentConfig:
     simulated_chip: str | None = None
     simulated_memory_bytes: int | None = None
     max_queued_requests: int = 64
-    coalesce_requests: bool = True  # --coalesce-requests (serving/coalesce.py)
-    fast_first_token: bool = True   # --fast-first-token (serving/fastpath.py)
     prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
@@ -177,6 +240,7 @@ class AgentConfig:
     tls_cert_file: str | None = None  # HTTPS when set (with tls_key_file)
     tls_key_file: str | None = None
     forward_ca_file: str | None = None  # CA bundle to verify https:// nodes when forwarding
+    serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,15 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="requests waiting for a batch slot, across all models, before the API "
                         "answers 429 with Retry-After (at least 1; default: %(default)s)")
-    p.add_argument("--coalesce-requests", action=argparse.BooleanOptionalAction, default=True,
-                   help="identical concurrent requests (same model, revision, prompt and "
-                        "sampling parameters) whose output is deterministic (temperature 0, or "
-                        "a seed) share one generation, streamed to each from its first token "
-                        "(default: on; --no-coalesce-requests turns it off)")
-    p.add_argument("--fast-first-token", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request that finds its model's batch empty gets its first token from "
-                        "one forward pass before it joins the batch: lower time to first token "
-                        "(default: on; --no-fast-first-token turns it off)")
+    add_serving_arguments(p)
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
                    help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "
@@ -303,15 +359,14 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        lease_ttl=args.lease_ttl, simulated_chip=args.simulated_chip,
                        simulated_memory_bytes=args.simulated_memory,
                        max_queued_requests=args.max_queued_requests,
-                       coalesce_requests=args.coalesce_requests,
-                       fast_first_token=args.fast_first_token,
                        prefetch_window_seconds=args.prefetch_window_seconds,
                        max_prefetches=args.max_prefetches,
                        stats_interval_seconds=args.stats_interval_seconds,
                        max_loaded_models=args.max_loaded_models,
                        api_key_file=args.api_key_file, forward_key_file=args.forward_key_file,
                        metrics_auth=args.metrics_auth, tls_cert_file=args.tls_cert_file,
-                       tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file)
+                       tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file,
+                       serving=serving_options_from_args(args))
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -356,8 +411,7 @@ class Agent:
         self.registry = CollectorRegistry()
         self.core = ServingCore(registry=self.registry,
                                 max_queued_requests=config.max_queued_requests,
-                                coalesce_requests=config.coalesce_requests,
-                                fast_first_token=config.fast_first_token)
+                                options=config.serving)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes,
                                                   config.max_loaded_models))
@@ -484,7 +538,8 @@ class Agent:
             self.store, self.keys, node_name=self.config.node_name, address=self.url,
             capacity=self.probe.read, health=self._node_health, labels=self.config.labels,
             ttl=self.config.lease_ttl,
-            agent_version=_agent_version())
+            agent_version=_agent_version(),
+            serving_options=self.core.options.as_record())
         delay = 0.5
         while True:
             try:

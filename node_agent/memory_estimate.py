@@ -49,7 +49,7 @@ from mlx_fleet.contract import node_budget_bytes as contract_node_budget_bytes
 __all__ = [
     "DEFAULT_KV_DTYPE_BYTES", "DEFAULT_WATERMARK", "DTYPE_BITS", "KV_CACHE_STEP_TOKENS",
     "MAX_CONFIG_BYTES", "MAX_HEADER_BYTES", "WEIGHTS_GLOB", "MemoryEstimate", "ModelFileError",
-    "TensorInfo", "check_quantization", "estimate", "kv_cache_bytes_per_token",
+    "TensorInfo", "check_quantization", "estimate", "kv_cache_bytes", "kv_cache_bytes_per_token",
     "model_tensors", "node_budget_bytes", "node_budget_for", "parse_config",
     "parse_safetensors_header", "read_config", "read_safetensors_header", "weights_bytes",
 ]
@@ -423,6 +423,19 @@ def kv_cache_bytes_per_token(config: dict[str, Any]) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
+def kv_cache_bytes(bytes_per_token: int, tokens: int, sequences: int = 1) -> int:
+    """KV-cache bytes of ``sequences`` sequences of ``tokens`` tokens each::
+
+        bytes_per_token × round_up(tokens, KV_CACHE_STEP_TOKENS) × sequences
+
+    ``bytes_per_token``: :func:`kv_cache_bytes_per_token`; the rounding is mlx-lm's ``KVCache``
+    growing in steps of :data:`KV_CACHE_STEP_TOKENS`. The one formula behind a revision's
+    estimate (:func:`estimate`), the serving core's default prompt-cache budget and its
+    KV-aware admission (:mod:`node_agent.serving.admission`). 0 tokens hold 0 bytes."""
+    step = KV_CACHE_STEP_TOKENS
+    return bytes_per_token * (-(-max(0, tokens) // step) * step) * sequences
+
+
 def check_quantization(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> None:
     """Check the ``"quantization"`` block of ``config.json`` against the packed tensors.
 
@@ -503,9 +516,7 @@ def estimate(model_dir: str | os.PathLike, *, max_context_tokens: int,
     tensors = model_tensors(model_dir)
     check_quantization(config, tensors)
     weights = sum(t.nbytes for t in tensors.values())
-    step = KV_CACHE_STEP_TOKENS
-    tokens = -(-max_context_tokens // step) * step
-    kv = per_token * tokens * max_concurrent_sequences
+    kv = kv_cache_bytes(per_token, max_context_tokens, max_concurrent_sequences)
     return MemoryEstimate(weights_bytes=weights, kv_cache_bytes=kv, total_bytes=weights + kv)
 
 

@@ -6,7 +6,7 @@ global one), so several agents can share one process (tests, simulations).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["AgentMetrics"]
@@ -33,6 +33,12 @@ class AgentMetrics:
       and ``mlxfleet_agent_prompt_cache_tokens_total`` (prompt tokens served from the cache)
     * ``mlxfleet_agent_coalesced_requests_total`` counter: requests that joined an identical
       request's generation in flight instead of starting one (:mod:`.serving.coalesce`)
+    * ``mlxfleet_agent_prompt_cache_hits_total`` / ``mlxfleet_agent_prompt_cache_misses_total``
+      counters (requests that did / did not reuse a cached prefix while the prompt cache is on;
+      hit ratio = hits ÷ (hits + misses)) and ``mlxfleet_agent_prompt_cache_tokens_total``
+      (prompt tokens served from the cache; ÷ ``prompt_tokens_total``: the token hit ratio)
+    * ``mlxfleet_agent_stream_buffer_overflows_total`` counter: generations stopped because
+      their client read too slowly (``--stream-buffer-chunks``)
     * ``mlxfleet_agent_queue_depth`` gauge: requests waiting for a batch slot
     * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
     * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
@@ -44,7 +50,10 @@ class AgentMetrics:
       gauge: a remote source's bytes received and the current rate in bytes/s (0 when not
       downloading)
 
-    Per node (no model labels): ``mlxfleet_agent_model_loads_total{reason}`` (``Assigned``,
+    Per node (no model labels): ``mlxfleet_agent_serving_option_info{option,value}`` (1 per
+    serving option with its value, :meth:`ServingOptions.as_record
+    <node_agent.serving.options.ServingOptions.as_record>`),
+    ``mlxfleet_agent_model_loads_total{reason}`` (``Assigned``,
     ``ReloadingOnDemand``, ``PredictivePrefetch``), ``mlxfleet_agent_model_unloads_total{reason}``
     (``IdleUnloaded``, ``Evicted``, ``Unassigned``) and
     ``mlxfleet_agent_model_unload_freed_bytes_total{reason}`` (MLX memory measured freed by the
@@ -74,6 +83,9 @@ class AgentMetrics:
         self.prompt_cache_hits = Counter("mlxfleet_agent_prompt_cache_hits_total",
                                          "Requests whose prompt prefix came from the prompt cache",
                                          mr, registry=registry)
+        self.prompt_cache_misses = Counter("mlxfleet_agent_prompt_cache_misses",
+                                           "Requests looked up in the prompt cache without "
+                                           "reusing a cached prefix", mr, registry=registry)
         self.prompt_cache_tokens = Counter("mlxfleet_agent_prompt_cache_tokens_total",
                                            "Prompt tokens served from the prompt cache", mr,
                                            registry=registry)
@@ -81,6 +93,15 @@ class AgentMetrics:
                                           "Requests that joined an identical request's generation "
                                           "in flight instead of starting their own", mr,
                                           registry=registry)
+        self.stream_buffer_overflows = Counter(
+            "mlxfleet_agent_stream_buffer_overflows",
+            "Generations stopped because their client read the stream too slowly "
+            "(more chunks waiting than --stream-buffer-chunks)", mr, registry=registry)
+        self.serving_option = Info("mlxfleet_agent_serving_option",
+                                   "The agent's serving options (prompt cache, its budget, "
+                                   "admission policy, stream buffer, request coalescing): one "
+                                   "series per option, its value in the label value", ["option"],
+                                   registry=registry)
         self.queue_depth = Gauge("mlxfleet_agent_queue_depth",
                                  "Requests waiting for a slot in the running batch", mr,
                                  registry=registry)
@@ -115,6 +136,11 @@ class AgentMetrics:
                                   "Node memory by kind: weights and kv_cache of the resident "
                                   "revisions, mlx_cache (MLX's buffer cache), free (of the "
                                   "node's budget)", ["kind"], registry=registry)
+
+    def set_serving_options(self, options: dict[str, str]) -> None:
+        """Export ``options`` (``{option: value}``) as ``mlxfleet_agent_serving_option_info``."""
+        for option, value in options.items():
+            self.serving_option.labels(option).info({"value": value})
 
     def remove_revision(self, model: str, revision: str) -> None:
         """Remove every series labelled ``model``/``revision`` from every family (the revision

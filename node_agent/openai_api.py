@@ -28,6 +28,16 @@ server does not implement, with ``code`` ``unsupported_parameter``: ``n`` > 1, n
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
 mid-request or the serving core has failed (``ServingCore.failure``).
 
+``usage`` (non-streaming, and the last event of a stream with ``stream_options.include_usage``)
+has OpenAI's ``prompt_tokens_details.cached_tokens``: the prompt tokens whose KV cache came from
+the prompt cache (0 with ``--no-prompt-cache``).
+
+A stream whose client reads more slowly than the model generates is bounded
+(``--stream-buffer-chunks``): once that many chunks wait for the client, the generation stops
+and leaves the batch (the other streams never wait for it) and the stream ends, after the chunks
+already generated, with an error event ``{"error": {..., "type": "server_error", "code":
+"stream_buffer_overflow"}}`` and no ``[DONE]``.
+
 ``seed`` is honoured best-effort: a seeded request samples from its own seed-derived random keys
 (not MLX's global random state, so other requests in the batch are unaffected); the same seed,
 prompt and parameters repeat the same tokens unless batching with other sequences changes the
@@ -78,11 +88,11 @@ from pydantic import ValidationError
 from .api_keys import KeyFile, bearer_token, matches
 from .api_models import (PIN_HEADER, REVISION_HEADER, SESSION_HEADER, AssistantMessage,
                          ChatChoice, ChatCompletion, ChatCompletionRequest, CompletionRequest,
-                         ErrorDetail, ErrorResponse, ModelCard, ModelList, SamplingRequest,
-                         TextChoice, TextCompletion, Usage)
+                         ErrorDetail, ErrorResponse, ModelCard, ModelList, PromptTokensDetails,
+                         SamplingRequest, TextChoice, TextCompletion, Usage)
 from .openapi import OPENAPI_PATH, openapi_document
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                      ModelNotLoaded, Overloaded, ServingCore)
+                      ModelNotLoaded, Overloaded, ServingCore, StreamBufferOverflow)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
            "UNKNOWN_LABEL", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
@@ -176,9 +186,12 @@ def _is_type_tag(part: object) -> bool:
                                           "ContentPart", "ChatMessage"})
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+def _usage(gen: Any) -> Usage:
+    """OpenAI's ``usage`` of a finished generation, with
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prompt cache)."""
+    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                 total_tokens=gen.prompt_tokens + gen.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -502,7 +515,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                               headers=headers)
         outcome.done(failed=False)
         text = "".join(parts)
-        usage = _usage(gen.prompt_tokens, gen.completion_tokens)
+        usage = _usage(gen)
         body: ChatCompletion | TextCompletion
         if kind == "chat":
             body = ChatCompletion(
@@ -552,16 +565,18 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                     if chunk.text or chunk.finish_reason is not None:
                         await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
             except GenerationAborted as e:
-                outcome.done(failed=True)
-                err = ErrorResponse(error=ErrorDetail(message=str(e), type="server_error",
-                                                      param=None, code="unavailable"))
+                slow = isinstance(e, StreamBufferOverflow)
+                if not slow:  # a slow client is not a failure of the revision
+                    outcome.done(failed=True)
+                err = ErrorResponse(error=ErrorDetail(
+                    message=str(e), type="server_error", param=None,
+                    code="stream_buffer_overflow" if slow else "unavailable"))
                 await resp.write(b"data: " + err.model_dump_json().encode() + b"\n\n")
                 await resp.write_eof()
                 return resp
             outcome.done(failed=False)
             if include_usage:
-                await resp.write(event([], _usage(gen.prompt_tokens,
-                                                  gen.completion_tokens).model_dump()))
+                await resp.write(event([], _usage(gen).model_dump()))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:

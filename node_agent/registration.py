@@ -98,6 +98,8 @@ class Registration:
     ``health``: returns the node's current :class:`NodeHealth`, read on every beat like
     ``capacity`` (the agent reports Degraded while its serving core has failed, so the operator
     places nothing new there); a change rewrites the record on that beat.
+    ``serving_options``: the serving core's switches (``ServingOptions.as_record()``), written
+    into the record as ``serving_options``.
     ``ttl``: lease TTL in whole seconds (≥ 1; default :data:`DEFAULT_LEASE_TTL`).
     ``available_threshold_bytes``: how far available memory must move before the record is
     rewritten (default: see :func:`~node_agent.capacity.materially_different`).
@@ -111,6 +113,7 @@ class Registration:
                  health: Callable[[], NodeHealth] = lambda: NodeHealth.HEALTHY,
                  labels: dict[str, str] | None = None, ttl: int = DEFAULT_LEASE_TTL,
                  agent_version: str = "",
+                 serving_options: dict[str, str] | None = None,
                  available_threshold_bytes: int | None = None) -> None:
         if ttl < 1:
             raise ValueError(f"lease TTL must be at least 1 second, got {ttl}")
@@ -122,6 +125,7 @@ class Registration:
         self.labels = dict(labels or {})
         self.ttl = ttl
         self.agent_version = agent_version
+        self.serving_options = dict(serving_options or {})
         self._capacity_fn = capacity
         self._health_fn = health
         self._threshold = available_threshold_bytes
@@ -290,7 +294,8 @@ class Registration:
         assert self._capacity is not None
         return NodeRecord(name=self.node_name, address=self.address, labels=self.labels,
                           capacity=self._capacity, health=self._health,
-                          agent_version=self.agent_version)
+                          agent_version=self.agent_version,
+                          serving_options=self.serving_options)
 
     async def _register(self) -> None:
         """Grant a new lease and (re)write the record and every report under it, atomically."""

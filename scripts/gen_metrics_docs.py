@@ -253,9 +253,11 @@ def exposition(component: str) -> bytes:
         m.requests.labels(*mr, "/v1/chat/completions", "200").inc()
         for h in (m.ttft, m.inter_token, m.model_load_seconds):
             h.labels(*mr).observe(0.2)
-        for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits, m.prompt_cache_tokens,
+        for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits,
+                  m.prompt_cache_misses, m.prompt_cache_tokens, m.stream_buffer_overflows,
                   m.coalesced_requests):
             c.labels(*mr).inc(3)
+        m.set_serving_options({"prompt_cache": "on", "admission_policy": "kv"})
         for g in (m.queue_depth, m.batch_occupancy, m.model_loaded, m.model_idle_seconds,
                   m.download_rate):
             g.labels(*mr).set(1)

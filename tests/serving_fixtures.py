@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from mlx_fleet.testmodel import make_test_model
 from node_agent.openai_api import build_app
-from node_agent.serving import ServingCore
+from node_agent.serving import ServingCore, ServingOptions
 
 MODEL_ID = "tiny"
 REVISION = "r1"
@@ -70,15 +71,21 @@ class Agent:
 
 async def make_agent(path: Path, *, max_queued_requests: int = 64,
                      max_concurrent_sequences: int = 8,
-                     max_context_tokens: int = 8192) -> Agent:
+                     max_context_tokens: int = 8192,
+                     options: ServingOptions | None = None,
+                     prepare_app: Callable[[web.Application], None] | None = None) -> Agent:
+    """``prepare_app``: called with the app before it is served (to add signal handlers)."""
     registry = CollectorRegistry()
-    core = ServingCore(registry=registry, max_queued_requests=max_queued_requests)
+    core = ServingCore(registry=registry, max_queued_requests=max_queued_requests,
+                       options=options)
     await core.start()
     await core.load_model(MODEL_ID, path, revision=REVISION,
                           max_concurrent_sequences=max_concurrent_sequences,
                           max_context_tokens=max_context_tokens)
     health = {"ok": True, "details": {"node": "test"}}
     app = build_app(core, health=lambda: (health["ok"], health["details"]), registry=registry)
+    if prepare_app is not None:
+        prepare_app(app)
     client = TestClient(TestServer(app, host="127.0.0.1"))
     await client.start_server()
     return Agent(core, client, registry, health)

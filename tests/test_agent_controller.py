@@ -482,6 +482,16 @@ def test_cli_parses_every_flag() -> None:
     assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30
     assert cfg.max_queued_requests == 5 and cfg.max_loaded_models == 2
     assert config_from_args(build_parser().parse_args([])).max_loaded_models == 0  # no limit
+    default = config_from_args(build_parser().parse_args([])).serving
+    assert default.as_record() == {"prompt_cache": "on", "prompt_cache_bytes": "auto",
+                                   "admission_policy": "kv", "stream_buffer_chunks": "1024",
+                                   "request_coalescing": "on", "fast_first_token": "on"}
+    off = config_from_args(build_parser().parse_args([
+        "--no-prompt-cache", "--prompt-cache-bytes", "1.5Gi", "--admission-policy", "count",
+        "--stream-buffer-chunks", "7", "--no-coalesce-requests", "--no-fast-first-token"])).serving
+    assert not off.request_coalescing and not off.fast_first_token
+    assert (off.prompt_cache, off.prompt_cache_bytes, off.admission_policy,
+            off.stream_buffer_chunks) == (False, 1536 * 2**20, "count", 7)
     for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"],
                 ["--etcd-endpoint", "unix:///run/etcd.sock"]):
         with pytest.raises(SystemExit):
@@ -501,6 +511,20 @@ def test_cli_rejects_non_positive_counts(flag: str, value: str,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: must be at least 1, got {value}" in err
+
+
+@pytest.mark.parametrize("flag, value, error", [
+    ("--prompt-cache-bytes", "1GB", "invalid quantity '1GB'"),
+    ("--prompt-cache-bytes", "-1Mi", "must be at least 0 bytes, got '-1Mi'"),
+    ("--admission-policy", "fifo", "invalid choice: 'fifo' (choose from 'count', 'kv')"),
+    ("--stream-buffer-chunks", "0", "must be at least 1, got 0"),
+])
+def test_cli_rejects_bad_serving_options(flag: str, value: str, error: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([f"{flag}={value}"])
+    assert exc.value.code == 2
+    assert f"argument {flag}: {error}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value, error", [("-1", "must be at least 0, got -1"),

@@ -32,7 +32,8 @@ class Capacity:
 @pytest.fixture
 async def reg(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
     r = Registration(store, keys, node_name="mac-1", address="http://127.0.0.1:8000",
-                     capacity=Capacity(), labels={"rack": "a"}, ttl=2, agent_version="test")
+                     capacity=Capacity(), labels={"rack": "a"}, ttl=2, agent_version="test",
+                     serving_options={"prompt_cache": "off", "admission_policy": "count"})
     yield r
     await r.stop()
 
@@ -60,6 +61,7 @@ async def test_registers_record_under_lease_and_stop_removes_it(
     rec = NodeRecord.from_json(kv.value)
     assert rec.name == "mac-1" and rec.address == "http://127.0.0.1:8000"
     assert rec.labels == {"rack": "a"} and rec.capacity.simulated and rec.agent_version == "test"
+    assert rec.serving_options == {"prompt_cache": "off", "admission_policy": "count"}
     assert reg.healthy
 
     await reg.stop()

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from node_agent.main import build_parser
 from node_agent.openai_api import REVISION_HEADER
-from node_agent.serving import Chunk, GenerationAborted, ModelInfo, ServingCore
+from node_agent.serving import (Chunk, GenerationAborted, ModelInfo, ServingCore,
+                                ServingOptions, StreamBufferOverflow)
 from node_agent.serving.coalesce import Coalescer, coalesce_key
 from serving_fixtures import (MODEL_ID, REVISION, Agent, close_agent,  # noqa: F401
                               make_agent, tiny_model_path)
@@ -127,6 +128,23 @@ def test_fan_out_replays_to_late_subscribers_and_cancels_when_the_last_leaves() 
     assert b.empty()
 
 
+def test_a_slow_subscriber_overflows_alone() -> None:
+    cancelled: list[bool] = []
+    overflows: list[bool] = []
+    shared = Coalescer().lead("k", lambda: cancelled.append(True), buffer_limit=2,
+                              overflowed=lambda: overflows.append(True))
+    slow, fast = shared.subscribe(), shared.subscribe()
+    for i in range(3):
+        shared.put_nowait(Chunk(str(i), i + 1))
+        assert fast.get_nowait().text == str(i)     # fast drains as it goes
+    got = [slow.get_nowait() for _ in range(slow.qsize())]
+    assert [c.text for c in got[:2]] == ["0", "1"]
+    assert isinstance(got[2], StreamBufferOverflow) and overflows == [True]
+    shared.put_nowait(Chunk("3", 4, "length"))      # the generation went on for fast
+    assert fast.get_nowait().finish_reason == "length" and slow.empty()
+    assert not cancelled and shared.qsize() == 0
+
+
 def test_fan_out_ends_with_the_final_event() -> None:
     cancelled: list[bool] = []
     co = Coalescer()
@@ -160,7 +178,8 @@ async def test_a_refused_submission_ends_the_sharing() -> None:
 
 
 async def _core(path: Path, coalesce: bool) -> ServingCore:
-    c = ServingCore(registry=CollectorRegistry(), coalesce_requests=coalesce)
+    c = ServingCore(registry=CollectorRegistry(),
+                    options=ServingOptions(request_coalescing=coalesce))
     await c.start()
     await c.load_model("m", path, revision="r1", max_concurrent_sequences=8,
                        max_context_tokens=8192)

@@ -112,6 +112,12 @@ def test_records_round_trip_and_reject_garbage() -> None:
                      capacity=NodeCapacity(memory_total_bytes=64 << 30, memory_available_bytes=60 << 30,
                                            chip="Apple M3 Max", chip_generation=3, simulated=True))
     assert NodeRecord.from_json(rec.to_json()) == rec
+    with_options = rec.model_copy(update={"serving_options": {"prompt_cache": "off"}})
+    assert NodeRecord.from_json(with_options.to_json()) == with_options
+    # a record written before serving_options existed still parses
+    old = rec.model_dump(mode="json")
+    del old["serving_options"]
+    assert NodeRecord.model_validate(old).serving_options == {}
     a = _assignment()
     assert Assignment.from_json(a.to_json()) == a
     rep = AssignmentReport(node="n", namespace="default", name="m", state=AssignmentState.READY,

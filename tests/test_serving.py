@@ -16,7 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from node_agent.serving import (ContextLengthExceeded, GenerationAborted, ModelInfo,
                                 ModelLoadError, ModelNotLoaded, Overloaded, ServingCore)
-from node_agent.serving.admission import Refusal, admit, waiting_requests
+from node_agent.memory_estimate import KV_CACHE_STEP_TOKENS
+from node_agent.serving.admission import (MAX_RETRY_AFTER_SECONDS, DrainRate, admit, admit_kv,
+                                          kv_budget_bytes, request_kv_bytes,
+                                          retry_after_seconds, waiting_requests)
 from node_agent.serving.detokenize import apply_stops, next_text
 from serving_fixtures import (other_model_path, safetensors_bytes, tiny_model_path,  # noqa: F401
                               wait_for)
@@ -151,25 +154,104 @@ def test_next_text(stops, held, segment, finish, expected) -> None:
     assert next_text(stops, held, segment, finish) == expected
 
 
-# (key, in flight, batch limits, max queued) -> None (admitted) or Refusal
+# (key, in flight, batch limits, max queued) -> None (admitted) or the waiting count refused at
 A, B, C = ("a", "r1"), ("a", "r2"), ("b", "r1")
 ADMISSION_CASES = [
     (A, {}, {A: 1}, 0, None),                                  # a free slot: always admitted
     (A, {A: 3}, {A: 4}, 0, None),
     (A, {A: 1}, {A: 1}, 1, None),                              # full batch, queue has room
-    (A, {A: 2}, {A: 1}, 1, Refusal(1, 1)),                     # full batch, full queue
-    (A, {A: 9}, {A: 4}, 5, Refusal(5, 1)),                     # retry ~ waiting / batch limit
-    (A, {A: 12}, {A: 2}, 10, Refusal(10, 5)),
-    (A, {A: 1, B: 3}, {A: 1, B: 1}, 2, Refusal(2, 2)),         # other revisions' waiters count
+    (A, {A: 2}, {A: 1}, 1, 1),                                 # full batch, full queue
+    (A, {A: 9}, {A: 4}, 5, 5),
+    (A, {A: 12}, {A: 2}, 10, 10),
+    (A, {A: 1, B: 3}, {A: 1, B: 1}, 2, 2),                     # other revisions' waiters count
     (B, {A: 1, B: 0}, {A: 1, B: 1}, 0, None),                  # ... but not against free slots
     (A, {A: 1, C: 5}, {A: 1}, 1, None),                        # in flight for unloaded: ignored
-    (C, {A: 3, C: 2}, {A: 1, C: 2}, 2, Refusal(2, 1)),
+    (C, {A: 3, C: 2}, {A: 1, C: 2}, 2, 2),
 ]
 
 
 @pytest.mark.parametrize("key,inflight,limits,max_queued,expected", ADMISSION_CASES)
 def test_admission(key, inflight, limits, max_queued, expected) -> None:
-    assert admit(key, inflight, limits, max_queued) == expected
+    refused = admit(key, inflight, limits, max_queued)
+    if expected is None:
+        assert refused is None
+    else:
+        assert (refused.bound, refused.waiting) == ("count", expected)
+        assert f"{expected} requests are already waiting (limit {max_queued})" in refused.message
+
+
+S = KV_CACHE_STEP_TOKENS
+# (need, running, waiting, slot free, budget) -> None (admitted) or waiting count refused at
+KV_CASES = [
+    (100, [], [], True, 0, None),                      # no budget known: no bound
+    (100, [900], [], True, 500, None),                 # a free slot: admitted whatever the bytes
+    (100, [400], [], False, 500, None),                # must wait, fits exactly
+    (101, [400], [], False, 500, 0),                   # must wait, 1 byte over
+    (100, [200, 100], [100], False, 500, None),
+    (100, [200, 100], [100, 1], False, 500, 2),        # the waiting ones count too
+    (1, [], [600], False, 500, 1),                     # already over: nothing more waits
+]
+
+
+@pytest.mark.parametrize("need,running,waiting,slot_free,budget,expected", KV_CASES)
+def test_kv_admission(need, running, waiting, slot_free, budget, expected) -> None:
+    refused = admit_kv(need, running, waiting, slot_free=slot_free, budget_bytes=budget)
+    if expected is None:
+        assert refused is None
+    else:
+        assert (refused.bound, refused.waiting) == ("kv", expected)
+        assert f"budget of {budget}" in refused.message
+
+
+@pytest.mark.parametrize("per_token,prompt,max_tokens,expected", [
+    (10, 1, 1, 10 * S),                 # rounded up to mlx-lm's KVCache step
+    (10, S, 0, 10 * S),
+    (10, S, 1, 10 * 2 * S),
+    (0, 5000, 5000, 0),                 # unknown size per token
+])
+def test_request_kv_bytes(per_token, prompt, max_tokens, expected) -> None:
+    assert request_kv_bytes(per_token, prompt, max_tokens) == expected
+
+
+def test_kv_budget_is_twice_the_reservation() -> None:
+    # the reservation: memory_estimate's kv_cache_bytes at the revision's limits
+    assert kv_budget_bytes(10, 1000, 4) == 2 * 10 * 4 * 1024
+
+
+@pytest.mark.parametrize("waiting,rate,expected", [
+    (10, None, 1),                       # nothing measured yet
+    (10, 0.0, 1),
+    (0, 2.0, 1),                         # at least 1
+    (10, 2.0, 5),                        # ceil(waiting / rate)
+    (11, 2.0, 6),
+    (3, 0.5, 6),
+    (1000, 0.1, MAX_RETRY_AFTER_SECONDS),  # capped
+])
+def test_retry_after_seconds(waiting, rate, expected) -> None:
+    assert retry_after_seconds(waiting, rate) == expected
+
+
+def test_drain_rate_counts_busy_time_only() -> None:
+    r = DrainRate(window_seconds=1.0, weight=0.5)
+    assert r.per_second is None
+    r.busy(100.0)
+    r.busy(100.2)                          # already busy: the clock keeps running
+    r.completed(100.5, idle_after=False)   # half a window: no sample yet
+    assert r.per_second is None
+    r.completed(101.0, idle_after=False)   # 2 in 1 s
+    assert r.per_second == 2.0
+    r.completed(101.25, idle_after=True)   # work ran out: 1 in 0.25 s = 4/s, averaged in
+    assert r.per_second == 3.0
+    r.busy(500.0)                          # 400 idle seconds do not count
+    r.completed(501.0, idle_after=True)    # 1 in 1 s
+    assert r.per_second == 2.0
+    r.busy(600.0)
+    r.idle()                               # cancelled, not completed: no sample
+    r.busy(700.0)
+    r.completed(701.0, idle_after=True)
+    assert r.per_second == 1.5
+    with pytest.raises(ValueError):
+        DrainRate(window_seconds=0)
 
 
 def test_waiting_requests() -> None:
@@ -444,8 +526,10 @@ async def test_reload_with_new_limits_applies_them(tiny_model_path: Path) -> Non
         assert exc.value.max_context_tokens == 128
         running.cancel()
         await wait_for(lambda: c.active_sequences("m") == 0)
+        # two at once (one runs, one waits: with a batch of 1 and 128 tokens of context the
+        # kv admission policy lets one batch's worth wait)
         gens = [await c.generate("m", prompt=f"n{i}", max_tokens=3, temperature=0)
-                for i in range(3)]
+                for i in range(2)]
         await asyncio.gather(*[collect(g) for g in gens])
         assert c.peak_active_sequences("m") == 1      # the new batch limit is enforced
         again = await c.load_model("m", tiny_model_path, revision="r1",

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
-from node_agent.serving import ServingCore
+from node_agent.serving import ServingCore, ServingOptions
 from node_agent.serving.fastpath import MAX_PREFILL_TOKENS, applies
 from serving_fixtures import tiny_model_path  # noqa: F401
 
@@ -37,7 +37,8 @@ def test_applies(enabled: bool, batch: int, prefill: int, expected: bool) -> Non
 async def cores(tiny_model_path: Path) -> AsyncIterator[dict[bool, ServingCore]]:  # noqa: F811
     out = {}
     for fast in (True, False):
-        c = ServingCore(registry=CollectorRegistry(), fast_first_token=fast)
+        c = ServingCore(registry=CollectorRegistry(),
+                        options=ServingOptions(fast_first_token=fast))
         await c.start()
         await c.load_model("m", tiny_model_path, revision="r1", max_context_tokens=8192)
         out[fast] = c
@@ -119,6 +120,7 @@ async def test_a_second_request_batches_with_the_first(cores: dict[bool, Serving
 def test_agent_flag_reaches_the_config() -> None:
     from node_agent.main import build_parser, config_from_args
 
-    assert config_from_args(build_parser().parse_args([])).fast_first_token is True
+    assert config_from_args(build_parser().parse_args([])).serving.fast_first_token is True
     off = config_from_args(build_parser().parse_args(["--no-fast-first-token"]))
-    assert off.fast_first_token is False
+    assert off.serving.fast_first_token is False
+    assert off.serving.as_record()["fast_first_token"] == "off"

@@ -1,7 +1,9 @@
 """The node agent's MLX serving core (see :mod:`node_agent.serving.core` for how it works).
 
 Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Chunk),
-:mod:`.generation` (a request and its streaming handle), :mod:`.admission` (queue limits, pure),
+:mod:`.options` (the serving switches behind the agent's flags),
+:mod:`.generation` (a request and its streaming handle), :mod:`.admission` (queue limits and
+Retry-After, pure),
 :mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers),
 :mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's
 work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, chunk planning),
@@ -13,13 +15,14 @@ command channel, step loop).
 
 from .core import ServingCore
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                     ModelNotLoaded, Overloaded)
+                     ModelNotLoaded, Overloaded, StreamBufferOverflow)
 from .generation import Generation
 from .loading import LoadPacing
+from .options import ServingOptions
 from .types import Chunk, LoadProgress, MemoryUsage, ModelInfo
 
 __all__ = [
     "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
-    "GenerationAborted", "MemoryUsage", "ModelInfo", "Chunk", "Generation", "ServingCore",
-    "LoadPacing", "LoadProgress",
+    "GenerationAborted", "StreamBufferOverflow", "MemoryUsage", "ModelInfo", "Chunk",
+    "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
 ]

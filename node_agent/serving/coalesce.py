@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
+from .errors import StreamBufferOverflow
+
 __all__ = ["coalesce_key", "SharedGeneration", "Coalescer"]
 
 
@@ -93,11 +95,16 @@ class SharedGeneration:
     request's own queue), keeps its request in :attr:`request` (opaque here) and hands
     :meth:`watch` the future of the request's admission on the MLX thread (``(prompt tokens,
     max tokens)``, or the error that refused it). ``cancel()`` cancels the generation in the
-    core; ``closed(self)`` is called once, when it is no longer joinable.
+    core; ``closed(self)`` is called once, when it is no longer joinable. ``buffer_limit``:
+    events a subscriber may have waiting (the core's ``stream_buffer_chunks``); one that falls
+    further behind gets :class:`~node_agent.serving.errors.StreamBufferOverflow` and leaves —
+    only it: the generation goes on for the others (``overflowed()`` is called for each).
+    :meth:`qsize` is always 0, so the core's own buffer check never stops the whole generation.
     """
 
     def __init__(self, key: Hashable, cancel: Callable[[], None],
-                 closed: Callable[["SharedGeneration"], None]) -> None:
+                 closed: Callable[["SharedGeneration"], None], buffer_limit: int | None = None,
+                 overflowed: Callable[[], None] | None = None) -> None:
         self.key = key
         self.events: list[Any] = []
         self.joinable = True
@@ -107,6 +114,8 @@ class SharedGeneration:
         self._queues: list[asyncio.Queue] = []
         self._cancel = cancel
         self._closed = closed
+        self._limit = buffer_limit
+        self._overflowed = overflowed
 
     @property
     def subscribers(self) -> int:
@@ -137,11 +146,22 @@ class SharedGeneration:
         if self.finished:
             return
         self.events.append(item)
-        for q in self._queues:
-            q.put_nowait(item)
-        if _final(item):
+        final = _final(item)
+        for q in list(self._queues):
+            if not final and self._limit is not None and q.qsize() >= self._limit:
+                q.put_nowait(StreamBufferOverflow(q.qsize()))
+                if self._overflowed is not None:
+                    self._overflowed()
+                self.leave(q)
+            else:
+                q.put_nowait(item)
+        if final:
             self.finished = True
             self._close()
+
+    def qsize(self) -> int:
+        """0: the buffer bound is kept per subscriber (see the class docstring)."""
+        return 0
 
     def subscribe(self) -> asyncio.Queue:
         """A new subscriber's queue, holding every event so far; later ones follow live."""
@@ -180,10 +200,12 @@ class Coalescer:
         """The joinable generation for ``key`` (``None`` for the key ``None``)."""
         return None if key is None else self._live.get(key)
 
-    def lead(self, key: Hashable, cancel: Callable[[], None]) -> SharedGeneration:
-        """Register a new shared generation for ``key`` (joinable until it ends); ``cancel``
-        cancels it in the core."""
-        shared = SharedGeneration(key, cancel, self._forget)
+    def lead(self, key: Hashable, cancel: Callable[[], None], buffer_limit: int | None = None,
+             overflowed: Callable[[], None] | None = None) -> SharedGeneration:
+        """Register a new shared generation for ``key`` (joinable until it ends, replacing
+        one registered before); ``cancel`` cancels it in the core; ``buffer_limit`` and
+        ``overflowed``: see :class:`SharedGeneration`."""
+        shared = SharedGeneration(key, cancel, self._forget, buffer_limit, overflowed)
         self._live[key] = shared
         return shared
 

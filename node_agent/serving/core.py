@@ -42,8 +42,18 @@ the forward pass is still batched.
 
 Admission (:mod:`node_agent.serving.admission`): at most ``max_concurrent_sequences`` sequences
 of a revision are inside its BatchGenerator; further requests wait in the core (FIFO). When the
-waiting requests of all revisions would exceed ``max_queued_requests``, :class:`Overloaded` is
-raised at once.
+waiting requests of all revisions would exceed ``max_queued_requests`` — or, under the ``kv``
+policy (:class:`~node_agent.serving.options.ServingOptions`), the estimated KV cache of a
+revision's running and waiting requests would exceed its budget (checked on the MLX thread right
+after tokenizing, in ``Engine.submit``) —, :class:`Overloaded` is raised at once, with
+``retry_after_seconds`` from the measured drain rate (a :class:`~.admission.DrainRate` per
+revision, fed when requests finish). There is no batching window: see the admission module.
+
+Streams are bounded: the chunks of a request wait for its consumer in its own queue; when more
+than ``stream_buffer_chunks`` wait (the client reads slower than the model generates), the
+request is stopped and leaves the batch, and its consumer gets :class:`StreamBufferOverflow`
+after the chunks already queued. The MLX thread never waits for a consumer (it hands chunks to
+the loop with ``call_soon_threadsafe``), so a slow reader costs the others nothing.
 
 Failures on the MLX thread are contained as narrowly as possible: an error while post-processing
 one request's token (detokenizer, stop strings) aborts that request; any other error in a
@@ -72,13 +82,16 @@ from typing import Any, Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
+from ..memory_estimate import ModelFileError, kv_cache_bytes_per_token, read_config
 from ..metrics import AgentMetrics
-from .admission import admit
+from .admission import DrainRate, admit, retry_after_seconds
 from .coalesce import Coalescer, SharedGeneration, coalesce_key
 from .engine import Engine, Events
-from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded, Overloaded
+from .errors import (LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded,
+                     Overloaded, StreamBufferOverflow)
 from .generation import Generation, Request
 from .loading import LoadPacing, Materialization, load_tokenizer
+from .options import ServingOptions
 from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
@@ -96,6 +109,16 @@ def _rss_bytes() -> int:
 
         return int(psutil.Process().memory_info().rss)
     except Exception:  # noqa: BLE001 - a measurement, never a failure
+        return 0
+
+
+def _kv_bytes_per_token(path: str) -> int:
+    """KV bytes per token of the model at ``path`` (its ``config.json``, the estimate's formula);
+    0, with a warning, when the config cannot give it (no KV bound then)."""
+    try:
+        return kv_cache_bytes_per_token(read_config(path))
+    except (ModelFileError, OSError) as e:
+        log.warning("no KV-cache size for %s (%s): no KV budget applies to it", path, e)
         return 0
 
 
@@ -150,21 +173,21 @@ class ServingCore:
     ``load_pacing``: how loads are cut into chunks and overlapped with decode steps (default
     :class:`~node_agent.serving.loading.LoadPacing`: ~40 ms chunks read without waiting while
     others decode; 512 MiB chunks read synchronously while nothing decodes).
-    ``fast_first_token``: a request that finds its revision's batch empty gets its first token
-    from one forward pass outside the BatchGenerator (:mod:`node_agent.serving.fastpath`).
-    ``coalesce_requests``: identical concurrent deterministic requests share one generation
-    (:mod:`node_agent.serving.coalesce`; the agent's ``--coalesce-requests``, default on).
+    ``options``: the serving switches (:class:`~node_agent.serving.options.ServingOptions`:
+    prompt cache and its budget, admission policy, stream buffer, request coalescing
+    (:mod:`node_agent.serving.coalesce`), the first-token fast path
+    (:mod:`node_agent.serving.fastpath`)), exported as ``mlxfleet_agent_serving_option_info``.
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  max_queued_requests: int = 64,
                  load_pacing: LoadPacing | None = None,
-                 fast_first_token: bool = True,
-                 coalesce_requests: bool = True) -> None:
+                 options: ServingOptions | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
+        self.options = options if options is not None else ServingOptions()
+        self.metrics.set_serving_options(self.options.as_record())
         self.max_queued_requests = max_queued_requests
-        self.coalesce_requests = coalesce_requests
         self._coalescer = Coalescer()
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
@@ -175,6 +198,7 @@ class ServingCore:
         self._infos: dict[ModelKey, ModelInfo] = {}
         self._inflight: dict[ModelKey, int] = {}
         self._drains: dict[ModelKey, _Drain] = {}
+        self._drain_rates: dict[ModelKey, DrainRate] = {}   # requests completed per second
         self._loading: list[_Load] = []          # loads handed to the thread, in order
         self._failed = asyncio.Event()            # set once the MLX thread has failed
         self._closed = False
@@ -184,19 +208,8 @@ class ServingCore:
         self._cmd_lock = threading.Lock()
         self._dead = False
         # thread side (its Stats are plain ints, read here)
-        self._engine = Engine(self.metrics, self._send, self._forget_threadsafe)
-        self._engine.fast_first_token = fast_first_token
+        self._engine = Engine(self.metrics, self._send, self._forget_threadsafe, self.options)
         self._loads: collections.deque[_Load] = collections.deque()   # thread: the load queue
-
-    @property
-    def fast_first_token(self) -> bool:
-        """Whether the first-token fast path is on (see the class docstring); settable at any
-        time (the MLX thread reads it per request)."""
-        return self._engine.fast_first_token
-
-    @fast_first_token.setter
-    def fast_first_token(self, on: bool) -> None:
-        self._engine.fast_first_token = bool(on)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -348,10 +361,11 @@ class ServingCore:
         finally:
             if job.fut.done():
                 self._settle_load(job)
-        return info
+        return job.info        # with its KV bytes per token (_hand_to_thread)
 
     async def _hand_to_thread(self, job: _Load) -> None:
-        """Load ``job``'s tokenizer off the MLX thread, then queue the job on it. Raises
+        """Load ``job``'s tokenizer and read its KV bytes per token (into ``job.info``) off the
+        MLX thread, then queue the job on it. Raises
         :class:`ModelLoadError` (``LoadFailed``, ``Cancelled``, ``CoreFailed``, ``NotStarted``)."""
         t0 = time.perf_counter()
         try:
@@ -360,6 +374,8 @@ class ServingCore:
         except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
         job.tokenizer_seconds = time.perf_counter() - t0
+        per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
+        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
         if job.cancelled:
             job.tokenizer = None
             raise ModelLoadError(LOAD_CANCELLED, _CANCELLED)
@@ -471,6 +487,7 @@ class ServingCore:
         info = self._infos.pop(key, None)
         if info is None:
             return False
+        self._drain_rates.pop(key, None)
         self.metrics.model_loaded.labels(*key).set(0)
         return True
 
@@ -531,6 +548,12 @@ class ServingCore:
         last changed (``revision`` None: the largest over ``model_id``'s revisions)."""
         return max(self._stat("peak_active", model_id, revision), default=0)
 
+    def drain_rate(self, model_id: str, revision: str) -> float | None:
+        """The revision's measured drain rate: requests completed per second while it had work
+        (:class:`~node_agent.serving.admission.DrainRate`), what ``Retry-After`` is estimated
+        from; ``None`` before a request of it completed."""
+        return self._drain_per_second((model_id, revision))
+
     def inflight_requests(self, model_id: str | None = None, revision: str | None = None) -> int:
         """Admitted requests not yet finished (waiting + running), counted on the loop side."""
         return sum(n for k, n in self._inflight.items()
@@ -588,7 +611,7 @@ class ServingCore:
         *every* sequence of the batch separately (one call per row instead of one for the batch;
         see the module doc): it slows sampling for the whole batch, not only for itself.
 
-        With :attr:`coalesce_requests`, a request identical to one in flight whose output is
+        With ``options.request_coalescing``, a request identical to one in flight whose output is
         deterministic (greedy, or seeded; :func:`~node_agent.serving.coalesce.coalesce_key`)
         joins that generation instead of starting one: its handle (own :attr:`Generation.id`,
         same token counts) streams the generation from its first chunk; it takes no batch slot
@@ -614,9 +637,11 @@ class ServingCore:
         temperature, top_p = float(temperature), float(top_p)
         key = coalesce_key(info, prompt, messages, {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-            "stop": stops, "seed": seed}) if self.coalesce_requests else None
+            "stop": stops, "seed": seed}) if self.options.request_coalescing else None
         shared = self._coalescer.get(key)
-        if shared is not None:
+        if shared is not None and len(shared.events) < self.options.stream_buffer_chunks // 2:
+            # (a joiner gets every event so far at once: far into a long generation it would
+            # start near its buffer bound, so it leads a generation of its own instead)
             self.metrics.coalesced_requests.labels(*info.key).inc()
             return await self._subscribe(shared)
         self._admit(info)
@@ -627,14 +652,23 @@ class ServingCore:
             return await self._lead(key, req)
         try:
             prompt_tokens, limit = await self._call(self._engine.submit, req)
-        except BaseException:
+        except BaseException as e:
             self._cancel(req)
+            self._set_retry_after(e, req.key)
             raise
         return Generation(self._cancel, req, prompt_tokens, limit)
 
+    def _set_retry_after(self, e: BaseException, key: ModelKey) -> None:
+        """A refusal by the kv bound (:meth:`Engine.submit`, on the MLX thread) gets its
+        ``Retry-After`` here, from the revision's measured drain rate."""
+        if isinstance(e, Overloaded):
+            e.retry_after_seconds = retry_after_seconds(e.waiting, self._drain_per_second(key))
+
     async def _lead(self, key: Any, req: Request) -> Generation:
         """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle."""
-        shared = self._coalescer.lead(key, lambda: self._cancel(req))
+        shared = self._coalescer.lead(
+            key, lambda: self._cancel(req), self.options.stream_buffer_chunks,
+            lambda: self.metrics.stream_buffer_overflows.labels(*req.key).inc())
         shared.request = req
         req.out = shared   # the core delivers the request's events to the fan-out
         try:
@@ -650,26 +684,45 @@ class ServingCore:
         out = shared.subscribe()
         try:
             prompt_tokens, limit = await asyncio.shield(shared.submitted)
-        except BaseException:
+        except BaseException as e:
             shared.leave(out)
+            self._set_retry_after(e, shared.request.key)
             raise
         return Generation(lambda _req: shared.leave(out), shared.request, prompt_tokens, limit,
                           out=out)
+
+    def _drain_per_second(self, key: ModelKey | None) -> float | None:
+        """The measured drain rate (requests completed per second) of revision ``key``, or of
+        all revisions together (``None``); ``None`` before anything was measured."""
+        rates = [r.per_second for k, r in self._drain_rates.items()
+                 if (key is None or k == key) and r.per_second is not None]
+        return sum(rates) if rates else None
 
     def _admit(self, info: ModelInfo) -> None:
         limits = {k: i.max_concurrent_sequences for k, i in self._infos.items()}
         refused = admit(info.key, self._inflight, limits, self.max_queued_requests)
         if refused is not None:
-            raise Overloaded(f"{refused.waiting} requests are already waiting (limit "
-                             f"{self.max_queued_requests})",
-                             retry_after_seconds=refused.retry_after_seconds)
-        self._inflight[info.key] = self._inflight.get(info.key, 0) + 1
+            # the queue is shared by all revisions: it drains at all revisions' rates
+            raise Overloaded(refused.message, waiting=refused.waiting,
+                             retry_after_seconds=retry_after_seconds(
+                                 refused.waiting, self._drain_per_second(None)))
+        n = self._inflight.get(info.key, 0)
+        self._inflight[info.key] = n + 1
+        self._drain_rates.setdefault(info.key, DrainRate()).busy(time.monotonic())
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, *, completed: bool = False) -> None:
+        """``req`` is no longer in flight; ``completed``: it ran to its end (it counts in the
+        drain rate)."""
         if req.finished:
             return
         req.finished = True
         n = self._inflight.get(req.key, 0) - 1
+        rate = self._drain_rates.get(req.key)
+        if rate is not None:
+            if completed:
+                rate.completed(time.monotonic(), idle_after=n <= 0)
+            elif n <= 0:
+                rate.idle()
         if n > 0:
             self._inflight[req.key] = n
             return
@@ -686,11 +739,20 @@ class ServingCore:
             self._cmds.put(("cancel", req))
 
     def _deliver(self, events: Events) -> None:
+        limit = self.options.stream_buffer_chunks
         for req, item in events:
             if req.finished:
                 continue
-            if isinstance(item, BaseException) or item.finish_reason is not None:
+            if isinstance(item, BaseException):
                 self._release(req)
+            elif item.finish_reason is not None:
+                self._release(req, completed=True)
+            elif req.out.qsize() >= limit:
+                # the consumer is `limit` chunks behind: stop the generation (it leaves the
+                # batch), hand over what is queued, then the error
+                self.metrics.stream_buffer_overflows.labels(*req.key).inc()
+                self._cancel(req)
+                item = StreamBufferOverflow(req.out.qsize())
             req.out.put_nowait(item)
 
     # -- the command channel -------------------------------------------------------------------

@@ -3,6 +3,13 @@ between are :mod:`node_agent.serving.loading`), limits, unload, tokenize and que
 request, insert it into the revision's mlx-lm ``BatchGenerator``, run one batch step and turn its
 tokens into chunks, and reset a revision's batch after an error.
 
+The prompt cache (:class:`~node_agent.serving.options.ServingOptions` ``prompt_cache``,
+``prompt_cache_bytes``) is mlx-lm's ``LRUPromptCache`` per revision with ``max_bytes`` set to
+the revision's budget (:meth:`Engine.cache_budget`); after every change of the live batch
+(requests inserted, a finished request's cache stored) it is trimmed with the library's
+``trim_to(n_bytes=budget - BatchGenerator.prompt_cache_nbytes)``, so cache and live batch
+together stay within the budget — what ``mlx_lm.server --prompt-cache-bytes`` does.
+
 Every method of :class:`Engine` runs on the MLX thread only (see :mod:`node_agent.serving.core`,
 which owns the thread, the command channel and the step loop). Results for requests go back to
 the event loop through the ``send`` callback as ``(request, Chunk | exception)`` events.
@@ -16,12 +23,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..memory_estimate import kv_cache_bytes
 from ..metrics import AgentMetrics
 from . import fastpath
+from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
 from .detokenize import feed, next_text
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                     ModelNotLoaded)
+                     ModelNotLoaded, Overloaded)
 from .generation import Request
+from .options import PROMPT_CACHE_ENTRIES, ServingOptions
 from .registry import Registry, Resident, parameter_bytes
 from .sampling import SamplerCache
 from .types import Chunk, ModelInfo, ModelKey
@@ -30,7 +40,6 @@ __all__ = ["Engine", "Events"]
 
 log = logging.getLogger(__name__)
 
-_PROMPT_CACHE_ENTRIES = 16
 _UNSET = object()
 
 #: Per-request results handed to the loop: a :class:`Chunk` or the exception that ends it.
@@ -60,14 +69,13 @@ class Engine:
     """
 
     def __init__(self, metrics: AgentMetrics, send: Callable[[Events], None],
-                 forget: Callable[[ModelInfo], None]) -> None:
+                 forget: Callable[[ModelInfo], None],
+                 options: ServingOptions | None = None) -> None:
         self.metrics = metrics
+        self.options = options if options is not None else ServingOptions()
         self.registry = Registry()
         self.samplers = SamplerCache()
         self.stream: Any = None        # the MLX thread's stream, set before the first load
-        #: first tokens of requests that find their batch empty skip BatchGenerator's admission
-        #: (node_agent.serving.fastpath)
-        self.fast_first_token = True
         self.load_stream: Any = None   # the CPU stream weights are read on (None: the default)
         self._send = send
         self._forget = forget
@@ -106,14 +114,44 @@ class Engine:
         """Last step of a load, once every parameter of ``model`` is evaluated: give the
         revision its BatchGenerator and prompt cache and make it resident. ``load_seconds``:
         the load's duration so far (observed in ``mlxfleet_agent_model_load_seconds``)."""
-        from mlx_lm.models.cache import LRUPromptCache
-
         weight_bytes = parameter_bytes(model)   # once: the weights never change
         generator = self.new_generator(model, tokenizer, info)
         self.metrics.model_load_seconds.labels(*info.key).observe(load_seconds)
         stats = self.registry.new_stats(info.key, weight_bytes)
         self.registry.add(Resident(info, model, tokenizer, generator,
-                                   LRUPromptCache(max_size=_PROMPT_CACHE_ENTRIES), stats))
+                                   self.new_prompt_cache(info), stats))
+
+    def cache_budget(self, info: ModelInfo) -> int | None:
+        """The revision's byte budget for its prompt cache and live batch's KV cache together:
+        ``--prompt-cache-bytes`` when given, else its KV reservation
+        (``memory_estimate.kv_cache_bytes(kv bytes per token, max_context_tokens,
+        max_concurrent_sequences)``); ``None`` (entries bound only) when neither is known."""
+        if self.options.prompt_cache_bytes is not None:
+            return self.options.prompt_cache_bytes
+        if info.kv_cache_bytes_per_token <= 0:
+            return None
+        return kv_cache_bytes(info.kv_cache_bytes_per_token, info.max_context_tokens,
+                              info.max_concurrent_sequences)
+
+    def new_prompt_cache(self, info: ModelInfo) -> Any:
+        """mlx-lm's ``LRUPromptCache`` bounded by :meth:`cache_budget`, or ``None`` with
+        ``--no-prompt-cache``."""
+        from mlx_lm.models.cache import LRUPromptCache
+
+        if not self.options.prompt_cache:
+            return None
+        budget = self.cache_budget(info)
+        if budget is None:
+            return LRUPromptCache(max_size=PROMPT_CACHE_ENTRIES)
+        return LRUPromptCache(max_size=PROMPT_CACHE_ENTRIES, max_bytes=budget)
+
+    def trim_prompt_cache(self, res: Resident) -> None:
+        """Trim ``res``'s prompt cache (least recently used first, mlx-lm's ``trim_to``) to its
+        budget minus the KV cache its live batch holds now."""
+        budget = self.cache_budget(res.info)
+        if res.prompt_cache is None or budget is None or res.generator is None:
+            return
+        res.prompt_cache.trim_to(n_bytes=budget - res.generator.prompt_cache_nbytes)
 
     def release_memory(self, what: str) -> None:
         """Collect garbage and return MLX's cached buffers (after dropping a model or a
@@ -132,6 +170,10 @@ class Engine:
         if res is None:
             raise ModelNotLoaded(*info.key)
         res.info = info
+        if res.prompt_cache is not None:
+            budget = self.cache_budget(info)
+            res.prompt_cache.max_bytes = budget if budget is not None else 1 << 63
+            self.trim_prompt_cache(res)
         # BatchGenerator reads these public attributes at every step (as set by its __init__);
         # the core's own cap in step() is what bounds the batch.
         n = info.max_concurrent_sequences
@@ -181,8 +223,6 @@ class Engine:
         """After an error in ``res``'s generator: abort its running sequences with ``reason``,
         replace the generator and prompt cache (their state is unknown) and count a crash.
         Waiting requests stay queued. If even that fails, the revision is unloaded."""
-        from mlx_lm.models.cache import LRUPromptCache
-
         res.stats.crashes += 1
         events: Events = []
         for req in res.active.values():
@@ -198,7 +238,7 @@ class Engine:
         del old
         try:
             res.generator = self.new_generator(res.model, res.tokenizer, res.info)
-            res.prompt_cache = LRUPromptCache(max_size=_PROMPT_CACHE_ENTRIES)
+            res.prompt_cache = self.new_prompt_cache(res.info)
         except Exception as e:  # noqa: BLE001
             log.exception("recreating the batch generator of %s@%s failed; unloading it",
                           *res.key)
@@ -245,8 +285,10 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, req: Request) -> tuple[int, int]:
-        """Tokenize ``req``, check its context limit and queue it; returns
-        ``(prompt tokens, max tokens)``."""
+        """Tokenize ``req``, check its context limit and, under the ``kv`` admission policy, its
+        revision's KV budget (:func:`~node_agent.serving.admission.admit_kv`; raises
+        :class:`Overloaded` with ``waiting`` set, the caller fills in ``Retry-After``), then
+        queue it; returns ``(prompt tokens, max tokens)``."""
         res = self.registry.get(req.key)
         if res is None:
             raise ModelNotLoaded(*req.key)
@@ -272,6 +314,18 @@ class Engine:
                 raise ContextLengthExceeded(len(ids), 1, limit)
         elif len(ids) + req.max_tokens > limit:
             raise ContextLengthExceeded(len(ids), req.max_tokens, limit)
+        req.kv_bytes = request_kv_bytes(res.info.kv_cache_bytes_per_token, len(ids),
+                                        req.max_tokens)
+        if self.options.admission_policy == "kv":
+            cap = res.info.max_concurrent_sequences
+            refused = admit_kv(
+                req.kv_bytes, (r.kv_bytes for r in res.active.values()),
+                (r.kv_bytes for r in res.pending),
+                slot_free=len(res.active) + len(res.pending) < cap,
+                budget_bytes=kv_budget_bytes(res.info.kv_cache_bytes_per_token,
+                                             res.info.max_context_tokens, cap))
+            if refused is not None:
+                raise Overloaded(refused.message, waiting=refused.waiting)
         req.tokens = ids
         req.detok = tok.detokenizer
         res.pending.append(req)
@@ -305,18 +359,21 @@ class Engine:
         computed and sent here, and the sequence joins the generator after it."""
         prompt = req.tokens
         cache, cached = None, 0
-        if len(prompt) >= 2:
+        if res.prompt_cache is not None and len(prompt) >= 2:
             # Look up prompt[:-1] so that at least the last prompt token is always fed.
             cache, rest = res.prompt_cache.fetch_nearest_cache(req.model_id, prompt[:-1])
             cached = len(prompt) - 1 - len(rest)
             if cache is None or cached <= 0:
                 cache, cached = None, 0
+        req.cached_tokens = cached
         if cached:
             self.metrics.prompt_cache_hits.labels(*req.key).inc()
             self.metrics.prompt_cache_tokens.labels(*req.key).inc(cached)
+        elif res.prompt_cache is not None:
+            self.metrics.prompt_cache_misses.labels(*req.key).inc()
         sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
         to_feed, max_tokens = prompt[cached:], req.max_tokens
-        if fastpath.applies(self.fast_first_token, len(res.active), len(to_feed)):
+        if fastpath.applies(self.options.fast_first_token, len(res.active), len(to_feed)):
             if cache is None:
                 from mlx_lm.models.cache import make_prompt_cache
                 cache = make_prompt_cache(res.model)
@@ -353,14 +410,18 @@ class Engine:
         the resulting chunks. An error outside one request's post-processing propagates (the
         caller then :meth:`reset` s the revision)."""
         cap = res.info.max_concurrent_sequences
+        inserted = False
         while res.pending and len(res.active) < cap:
             req = res.pending.popleft()
             try:
                 self._insert(res, req)
+                inserted = True
             except Exception as e:  # noqa: BLE001
                 log.exception("inserting a request failed")
                 req.done = True
                 self._send([(req, GenerationAborted(f"{type(e).__name__}: {e}"))])
+        if inserted:
+            self.trim_prompt_cache(res)   # the live batch grew: less room for the cache
         self.update_gauges(res)
         if not res.active:
             return
@@ -411,10 +472,12 @@ class Engine:
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
         if reason is not None:
             req.done = True
-            if r.finish_reason is not None and r.prompt_cache is not None and r.all_tokens:
+            if (res.prompt_cache is not None and r.finish_reason is not None
+                    and r.prompt_cache is not None and r.all_tokens):
                 try:
                     res.prompt_cache.insert_cache(req.model_id, list(r.all_tokens),
                                                   r.prompt_cache)
+                    self.trim_prompt_cache(res)
                 except Exception:  # noqa: BLE001 - only a lost cache entry
                     log.exception("caching the prompt of request %d failed", req.rid)
         return Chunk(text, req.n_generated, reason)

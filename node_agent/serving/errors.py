@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
-           "InvalidPrompt", "GenerationAborted"]
+           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow"]
 
 
 #: :attr:`ModelLoadError.reason` of a load that an unload of the same revision called off.
@@ -22,11 +22,14 @@ class ModelLoadError(Exception):
 
 
 class Overloaded(Exception):
-    """Admission is full; retry after ``retry_after_seconds`` (whole seconds, >= 1)."""
+    """Admission is full; retry after ``retry_after_seconds`` (whole seconds, >= 1).
+    ``waiting``: the requests waiting ahead of the refused one (see
+    :mod:`node_agent.serving.admission`)."""
 
-    def __init__(self, message: str, retry_after_seconds: int = 1) -> None:
+    def __init__(self, message: str, retry_after_seconds: int = 1, waiting: int = 0) -> None:
         super().__init__(message)
         self.retry_after_seconds = retry_after_seconds
+        self.waiting = waiting
 
 
 class ModelNotLoaded(LookupError):
@@ -60,3 +63,15 @@ class InvalidPrompt(ValueError):
 
 class GenerationAborted(RuntimeError):
     """A running generation ended abnormally (model unloaded, core closed, MLX error)."""
+
+
+class StreamBufferOverflow(GenerationAborted):
+    """The consumer of a generation fell behind by more chunks than its buffer holds
+    (``ServingOptions.stream_buffer_chunks``): the generation was stopped and left the batch, so
+    a slow reader never holds a batch slot or memory without bound. ``buffered``: the chunks
+    that were waiting."""
+
+    def __init__(self, buffered: int) -> None:
+        super().__init__(f"the client read the stream too slowly: {buffered} generated chunks "
+                         "were waiting for it, so the generation was stopped")
+        self.buffered = buffered

@@ -14,8 +14,7 @@ the cache type mlx-lm's ``LRUPromptCache`` holds — samples the first token wit
 sampler from the log-probabilities (what ``BatchGenerator`` hands its samplers), sends it at once,
 and hands the sequence on to the ``BatchGenerator`` with that cache (``insert(caches=...)``): it
 continues there like a prompt-cache hit of its whole prompt, batched with whoever comes next.
-The engine's flag ``Engine.fast_first_token`` (``ServingCore(fast_first_token=...)``, agent flag
-``--fast-first-token/--no-fast-first-token``) switches it off.
+Switched off by ``ServingOptions(fast_first_token=False)`` (agent flag ``--no-fast-first-token``).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ class Request:
         self.detok: Any = None
         self.held = ""                 # text held back because it may begin a stop string
         self.n_generated = 0
+        self.cached_tokens = 0         # prompt tokens reused from the prompt cache (at insert)
+        self.kv_bytes = 0              # KV-cache estimate at max_tokens (admission)
         self.last_token_at: float | None = None
         self.done = False
 
@@ -52,7 +54,8 @@ class Generation:
     """An admitted request: async-iterate it for :class:`Chunk` s.
 
     ``model_id`` and ``revision``: the revision serving it; ``prompt_tokens``: prompt length in
-    tokens; ``completion_tokens``: generated so far; ``finish_reason`` once finished. Iteration
+    tokens; ``completion_tokens``: generated so far; ``finish_reason`` once finished;
+    :attr:`cached_tokens`: prompt tokens served from the prompt cache. Iteration
     raises :class:`~node_agent.serving.GenerationAborted` when the revision is unloaded or the
     core closes mid-generation. Cancelling the consuming task, calling :meth:`cancel`, or leaving
     ``async with`` before the end removes the sequence from the batch.
@@ -95,6 +98,13 @@ class Generation:
             self.finish_reason = item.finish_reason
             self._ended = True
         return item
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV cache came from the prompt cache instead of a prefill (OpenAI's
+        ``usage.prompt_tokens_details.cached_tokens``); final once the first chunk arrived (set
+        on the MLX thread when the request joins the batch, before its first token is sent)."""
+        return self._req.cached_tokens
 
     def cancel(self) -> None:
         """Stop generating (idempotent; a no-op after the end)."""

@@ -75,7 +75,8 @@ class Resident:
         s.active, s.queued = len(self.active), len(self.pending)
         if s.active > s.peak_active:
             s.peak_active = s.active
-        s.cache_bytes = int(getattr(self.prompt_cache, "nbytes", 0) or 0)
+        s.cache_bytes = (int(getattr(self.prompt_cache, "nbytes", 0) or 0)
+                         if self.prompt_cache is not None else 0)
 
 
 class Registry:

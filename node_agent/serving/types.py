@@ -15,7 +15,10 @@ ModelKey = tuple[str, str]
 @dataclass(frozen=True)
 class ModelInfo:
     """A loaded model revision. ``created_unix``: load time, seconds since the epoch;
-    ``max_context_tokens``: prompt + completion limit in tokens."""
+    ``max_context_tokens``: prompt + completion limit in tokens; ``kv_cache_bytes_per_token``:
+    KV-cache bytes one token of one sequence holds
+    (:func:`node_agent.memory_estimate.kv_cache_bytes_per_token` of its ``config.json``; 0 when
+    that cannot be read: then no KV bound applies to it)."""
 
     model_id: str
     revision: str
@@ -23,6 +26,7 @@ class ModelInfo:
     created_unix: int
     max_concurrent_sequences: int
     max_context_tokens: int
+    kv_cache_bytes_per_token: int = 0
 
     @property
     def key(self) -> ModelKey:
