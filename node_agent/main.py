@@ -373,22 +373,24 @@ class Agent:
         return NodeHealth.HEALTHY if self.core.healthy else NodeHealth.DEGRADED
 
     def health(self) -> tuple[bool, dict]:
-        """``(healthy, details)`` for ``GET /health``.
+        """``(serving, details)`` for ``GET /health``.
 
-        Healthy when the lease is alive and etcd answered within the last TTL, the serving core
-        is healthy, and no supervised background task (heartbeat, assignment follower, converge
-        worker) is waiting to restart after a failure. ``details["reasons"]`` says what is
-        wrong; the details also list the registration, the tasks, every assignment's state and
-        the loaded models."""
+        ``details["status"]``: ``"ok"`` when the lease is alive and etcd answered within the
+        last TTL, the serving core is healthy, and no supervised background task (heartbeat,
+        assignment follower, converge worker) is waiting to restart; ``"degraded"`` when the
+        only problem is the link to etcd after the node had registered
+        (:meth:`Registration.connectivity_problem`): the models it holds keep serving, so
+        ``serving`` stays True (``/health`` answers 200 and a load balancer keeps sending
+        requests), only assignment changes wait for etcd; ``"unhealthy"`` otherwise
+        (``serving`` False, 503). ``details["reasons"]`` says what is wrong; the details also
+        list the registration, the tasks, every assignment's state and the loaded models."""
         reg, ctl, core = self.registration, self.controller, self.core
         reasons: list[str] = []
-        if reg is None:
+        degraded: list[str] = []
+        if reg is None or reg.registrations == 0:
             reasons.append("not registered in etcd yet")
-        elif not reg.healthy:
-            st = reg.status()
-            reasons.append("etcd unreachable" if not st["etcd_reachable"] else
-                           "lease not alive" if not st["lease_alive"] else
-                           "no answer from etcd within the lease TTL")
+        elif (problem := reg.connectivity_problem()) is not None:
+            degraded.append(problem)
         if not core.healthy:
             reasons.append(f"serving core failed: {core.failure}" if core.failure
                            else "serving core is not running")
@@ -397,10 +399,10 @@ class Agent:
         for t in tasks:
             if t.backing_off:
                 reasons.append(f"task {t.name} failed ({t.last_error}); restarting")
-        ok = not reasons
-        return ok, {
-            "status": "ok" if ok else "unhealthy",
-            "reasons": reasons,
+        serving = not reasons
+        return serving, {
+            "status": "unhealthy" if reasons else "degraded" if degraded else "ok",
+            "reasons": [*degraded, *reasons],
             "node": self.config.node_name,
             "registration": reg.status() if reg is not None else None,
             "tasks": [t.status() for t in tasks],
