@@ -12,10 +12,43 @@ from pathlib import Path
 
 import pytest
 
+from fault_record import RESULTS_DIR, FaultRecord
 from mlx_fleet.contract import Keys
 from mlx_fleet.devcluster.binaries import Binaries, ensure_all
 from mlx_fleet.devcluster.controlplane import ControlPlane, EtcdServer, start_control_plane, start_etcd
 from mlx_fleet.store import EtcdStore
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fault(fault, holds): a fault-suite test, one row of "
+                                       "docs/reliability.md (tests/fault_record.py)")
+
+
+_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if report.when == "call":
+        item.stash[_PASSED] = report.passed
+    return report
+
+
+@pytest.fixture
+def fault_record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
+    """The :class:`FaultRecord` of a test marked ``@pytest.mark.fault(FAULT, holds=...)``,
+    written to the pytest cache after the test (outcome from its call phase)."""
+    marker = request.node.get_closest_marker("fault")
+    if marker is None:
+        raise pytest.UsageError(f"{request.node.nodeid} uses fault_record without a fault marker")
+    record = FaultRecord(fault=marker.args[0], holds=marker.kwargs["holds"],
+                         test=request.node.nodeid)
+    yield record
+    if _PASSED in request.node.stash:  # not when the setup failed or the test was skipped
+        cache = getattr(request.config, "cache", None)
+        if cache is not None:
+            record.write(cache.mkdir(RESULTS_DIR), passed=request.node.stash[_PASSED])
 
 
 @pytest.fixture(scope="session")
