@@ -15,6 +15,8 @@ import uuid
 
 import pytest
 
+from fault_record import FaultRecord
+
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import start_operator
 from mlx_fleet.devcluster.processes import ManagedProcess, free_port
@@ -48,8 +50,13 @@ def exporting(port: int) -> bool | None:
     return None
 
 
+@pytest.mark.fault("two operator replicas",
+                   holds="with kopf peering only the active (higher-priority) replica is the fleet "
+                         "exporter, the other stands by; when the active one stops the other takes "
+                         "over (recovery: from the stop to the takeover). Shown on the exporter role, "
+                         "not on reconciles")
 def test_only_the_active_peer_exports_fleet_metrics(control_plane: ControlPlane,
-                                                    namespace: str) -> None:
+                                                    namespace: str, fault_record: FaultRecord) -> None:
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(PEERING_CRD))
     control_plane.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
                           "--timeout=30s")
@@ -68,8 +75,10 @@ def test_only_the_active_peer_exports_fleet_metrics(control_plane: ControlPlane,
                                and exporting(ports["low"]) is False,
                                timeout=30, what="the only fleet exporter")
         ops["high"].stop()
+        fault_record.fault_ended()
         ops["low"].wait_until(lambda: exporting(ports["low"]) is True, timeout=30,
                               what="the fleet exporter after the other replica stopped")
+        fault_record.recovered()
     finally:
         for op in ops.values():
             op.stop()
