@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -496,3 +497,81 @@ async def test_client_disconnect_mid_stream_leaves_20_others_intact(
     assert 4 <= aborted_tokens < max_tokens, aborted_tokens
     fault_record.note(f"20 of 20 streams identical to the undisturbed run ({full} tokens); the "
                       f"aborted one generated {aborted_tokens:.0f} of {max_tokens}")
+
+
+# -- a slow-reading client ----------------------------------------------------------------------
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of an HTTP/1.1 ``Transfer-Encoding: chunked`` message."""
+    out, pos = bytearray(), 0
+    while True:
+        eol = raw.index(b"\r\n", pos)
+        size = int(raw[pos:eol].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += raw[eol + 2:eol + 2 + size]
+        pos = eol + 2 + size + 2
+
+
+async def stream_rates(http: aiohttp.ClientSession, url: str, prompts: list[str],
+                       max_tokens: int) -> tuple[list[tuple[str, str | None, int]], float]:
+    """Run the streams together; returns their results and their mean token rate (tokens per
+    second from the request to the stream's end)."""
+    async def timed(prompt: str) -> tuple[tuple[str, str | None, int], float]:
+        start = time.monotonic()
+        result = await stream_text(http, url, prompt, max_tokens)
+        return result, result[2] / (time.monotonic() - start)
+
+    done = await asyncio.gather(*(timed(p) for p in prompts))
+    return [r for r, _ in done], sum(rate for _, rate in done) / len(done)
+
+
+@pytest.mark.fault("slow-reading client",
+                   holds="a client that stops reading its stream (a 4 KiB receive buffer, nothing "
+                         "read) does not hold up the batch: 8 other streams finish in full, token "
+                         "for token, at least half their undisturbed token rate (measured side by "
+                         "side); when it reads again it gets its whole stream")
+async def test_slow_reading_client_does_not_hold_up_the_others(
+        stream_agent: AgentProcess, fault_record: FaultRecord) -> None:
+    url, max_tokens, slow_tokens = stream_agent.url, 48, 400
+    prompts = [f"Stream {i} about the colour of {i * 3} apples" for i in range(8)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        reference, undisturbed = await stream_rates(http, url, prompts, max_tokens)
+
+        # The slow reader: a socket with a small receive buffer and a stream reader that stops
+        # pulling from it past 2 KiB, so the server's writes back up to its handler.
+        target = urlparse(url)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((target.hostname, target.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+        body = json.dumps({"model": "streams", "prompt": "Read me slowly", "temperature": 0,
+                           "max_tokens": slow_tokens, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            first = await asyncio.wait_for(reader.readuntil(b"data: "), 60)  # it is generating
+            # ... and from here on it reads nothing while the others stream
+            others, disturbed = await stream_rates(http, url, prompts, max_tokens)
+            rest = await asyncio.wait_for(reader.read(), RECOVERY_TIMEOUT)  # now it reads it all
+        finally:
+            writer.close()
+    assert others == reference  # in full, token for token
+    ratio = disturbed / undisturbed
+    text = dechunk(first + rest).decode()
+    usage = [json.loads(line[6:])["usage"] for line in text.splitlines()
+             if line.startswith("data: {") and json.loads(line[6:]).get("usage")]
+    assert text.rstrip().endswith("data: [DONE]"), text[-200:]
+    assert usage and (usage[-1]["completion_tokens"] == slow_tokens or '"finish_reason":"stop"' in text)
+    fault_record.note(f"8 of 8 streams identical to the undisturbed run; their token rate "
+                      f"{ratio:.2f}× the undisturbed one ({disturbed:.0f} vs {undisturbed:.0f} "
+                      f"tokens/s per stream); the slow client then read all "
+                      f"{usage[-1]['completion_tokens']} of its tokens")
+    assert ratio >= 0.5, (disturbed, undisturbed)
