@@ -76,7 +76,7 @@ The etcd faults last as long as the issue says (30 s stopped, 20 s frozen) unles
 `MLX_FLEET_FAULT_ETCD_DOWN_SECONDS` / `MLX_FLEET_FAULT_ETCD_FROZEN_SECONDS` shorten them; while
 a fault lasts, clients keep sending requests to every agent and every one must succeed. An
 agent that has lost etcd says `"status": "degraded"` on `/health` (still 200: its models keep
-serving; see [node-agent.md](node-agent.md#health)).
+serving; see [node-agent.md](node-agent.md), "Health").
 """
 
 
@@ -158,9 +158,16 @@ def load_results(results_dir: Path = RESULTS) -> dict[str, Measured]:
         rec = r.get("recovery_seconds")
         day = datetime.datetime.fromtimestamp(r["measured_unix"], datetime.timezone.utc).date()
         out[r["test"]] = Measured(outcome=outcome,
-                                  recovery="—" if rec is None else f"{rec:.1f} s",
+                                  recovery=_seconds(rec),
                                   measured=f"{day.isoformat()}, {r['machine']}")
     return out
+
+
+def _seconds(value: float | None) -> str:
+    """A recovery time as the page shows it: ``—`` for none, ms below a second."""
+    if value is None:
+        return "—"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
 
 
 def _cell(text: str) -> str:

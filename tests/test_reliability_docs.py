@@ -80,6 +80,7 @@ def test_scan_finds_direct_and_parametrised_markers_in_the_issue_order(tmp_path:
 @pytest.mark.parametrize(("passed", "recovery", "notes", "outcome", "shown_recovery"), [
     (True, 2.345, ["0 of 10 requests failed"], "held: 0 of 10 requests failed", "2.3 s"),
     (True, None, [], "held", "—"),
+    (True, 0.0412, [], "held", "41 ms"),
     (False, 1.0, ["late"], "**FAILED**: late", "1.0 s"),
 ])
 def test_recorded_results_render_and_parse_back(tmp_path: Path, passed: bool, recovery: float | None,
