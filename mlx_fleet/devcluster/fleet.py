@@ -37,18 +37,20 @@ def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float 
                    extra_args: tuple[str, ...] = (),
                    env: dict[str, str] | None = None,
                    metrics_port: int | None = None,
-                   etcd_url: str | None = None) -> ManagedProcess:
+                   etcd_url: str | None = None, log_name: str = "operator") -> ManagedProcess:
     """Run ``python -m mlx_fleet_operator`` against ``cp``; returns once its liveness probe
     answers (kopf is connected to the API server and its handlers are registered). ``env`` is
     merged over ``cp.env()`` (e.g. a ``KUBECONFIG`` with a ServiceAccount's token).
     ``metrics_port``: where it serves ``/metrics`` (default: a free port). ``etcd_url``: the
-    assignments store (default ``cp.etcd_url``; the fault suite gives one it may stop)."""
+    assignments store (default ``cp.etcd_url``; the fault suite gives one it may stop).
+    ``log_name``: its log is ``cp.logs_dir / f"{log_name}.log"`` (give each of several
+    replicas its own)."""
     metrics, liveness = metrics_port or free_port(), free_port()
     proc = ManagedProcess("operator", [
         sys.executable, "-m", "mlx_fleet_operator",
         "--etcd-endpoint", etcd_url or cp.etcd_url, "--etcd-prefix", etcd_prefix,
         "--metrics-port", str(metrics), "--liveness-port", str(liveness), *extra_args,
-    ], cp.logs_dir / "operator.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
+    ], cp.logs_dir / f"{log_name}.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
     cp.extra.append(proc)
 
     def live() -> bool:
