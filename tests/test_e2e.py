@@ -8,6 +8,7 @@ by a label), so the tests do not depend on each other's order.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,7 +140,8 @@ async def stream_until_cut(url: str, model: str, started: asyncio.Event) -> Exce
     try:
         async with aiohttp.ClientSession() as http, http.post(
                 f"{url}/v1/completions", json={"model": model, "prompt": "A long story",
-                                               "max_tokens": 3500, "stream": True}) as r:
+                                               "max_tokens": 3500, "temperature": 0,
+                                               "stream": True}) as r:
             assert r.status == 200
             async for _ in r.content:
                 started.set()
@@ -148,10 +150,26 @@ async def stream_until_cut(url: str, model: str, started: asyncio.Event) -> Exce
     raise AssertionError("the stream ended without an error though its agent was killed")
 
 
+async def stream_in_full(url: str, model: str, max_tokens: int, started: asyncio.Event) -> int:
+    """Stream a greedy completion to its end; returns its completion tokens (from the usage)."""
+    tokens = 0
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "Go on", "temperature": 0,
+                                           "max_tokens": max_tokens, "stream": True,
+                                           "stream_options": {"include_usage": True}}) as r:
+        assert r.status == 200
+        async for line in r.content:
+            started.set()
+            if line.startswith(b"data: {") and b'"usage":{' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    return tokens
+
+
 @pytest.mark.fault("agent SIGKILL mid-stream",
                    holds="the client of the killed Mac gets a clean connection error at once, not a "
-                         "hang; the lease expires, the node record goes and the model is re-placed "
-                         "on the surviving Mac, Ready there (recovery: from the kill to Ready)")
+                         "hang; a stream on another Mac, running across the kill, finishes in full; "
+                         "the lease expires, the node record goes and the model is re-placed on the "
+                         "surviving Mac, Ready there (recovery: from the kill to Ready)")
 async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
                                            fleet_keys: Keys, test_model_dir: Path, namespace: str,
                                            fault_record: FaultRecord) -> None:
@@ -161,14 +179,19 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
                        lease_ttl=LEASE_TTL)
         for n in (f"{pool}-1", f"{pool}-2")
     }
-    name = "e2e-failover"
+    name, bystander = "e2e-failover", "e2e-bystander"
     try:
+        control_plane.kubectl("apply", "-f", "-", input=manifest(bystander, namespace, test_model_dir,
+                                                                 selector={"pool": "main"}))
         control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir, selector={"pool": pool}))
+        (other_url,) = wait_ready(control_plane, namespace, bystander)["status"]["endpoints"]
         first = wait_ready(control_plane, namespace, name)["status"]["nodes"]
         (serving,) = [n["name"] for n in first if n["state"] == "Ready"]
         survivor = next(n for n in victims if n != serving)
 
-        started = asyncio.Event()
+        other_started, started = asyncio.Event(), asyncio.Event()
+        other = asyncio.create_task(stream_in_full(other_url, bystander, 600, other_started))
+        await asyncio.wait_for(other_started.wait(), 60)
         stream = asyncio.create_task(stream_until_cut(victims[serving].url, name, started))
         await asyncio.wait_for(started.wait(), 60)
         async with EtcdStore(control_plane.etcd_url) as store:
@@ -177,6 +200,9 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
             # the client mid-stream gets a clean error, not a hang
             error = await asyncio.wait_for(stream, 10)
             fault_record.note(f"the client mid-stream got {type(error).__name__}")
+            assert not other.done()  # the other Mac's stream runs across the kill ...
+            assert await asyncio.wait_for(other, 120) == 600  # ... and finishes in full
+            fault_record.note("the stream on another Mac finished in full (600 tokens)")
             # The node record vanishes by itself when the lease expires ...
             await watch_until(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
             # ... and the deployment is placed on the surviving node, which reports Ready.
@@ -190,7 +216,8 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
         assert [n["name"] for n in md["status"]["nodes"]] == [survivor]
         assert md["status"]["endpoints"] == [victims[survivor].url]
     finally:
-        control_plane.kubectl("delete", "modeldeployment", name, "-n", namespace, "--ignore-not-found", "--timeout=60s")
+        control_plane.kubectl("delete", "modeldeployment", name, bystander, "-n", namespace,
+                              "--ignore-not-found", "--timeout=60s")
         for v in victims.values():
             if v.process.alive():
                 v.process.stop()
@@ -222,7 +249,8 @@ async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPl
 @pytest.mark.fault("operator SIGKILL mid-reconcile, then restart",
                    holds="the restarted operator converges to the state the spec asks for (a scale-up "
                          "made while it was down): one assignment per replica, both Ready, "
-                         "observedGeneration current (recovery: from the restart to 2 Ready)")
+                         "observedGeneration current; no assignment written more than twice (etcd's "
+                         "version of each key) (recovery: from the restart to 2 Ready)")
 async def test_operator_killed_mid_reconcile_converges_after_restart(
         control_plane: ControlPlane, operator: dict, fleet: dict[str, AgentProcess], fleet_keys: Keys,
         test_model_dir: Path, namespace: str, fault_record: FaultRecord) -> None:
@@ -244,9 +272,13 @@ async def test_operator_killed_mid_reconcile_converges_after_restart(
                            lambda v: sum(k.endswith(suffix) and AssignmentReport.from_json(b).state
                                          is AssignmentState.READY for k, b in v.items()) == 2, timeout=120)
         fault_record.recovered()
-        assigned = [kv.key for kv in (await store.list(fleet_keys.assignments_prefix)).items
+        assigned = [kv for kv in (await store.list(fleet_keys.assignments_prefix)).items
                     if kv.key.endswith(suffix)]
-        assert sorted(fleet_keys.parse_assignment(k)[0] for k in assigned) == ["mac-a", "mac-b"]
+        assert sorted(fleet_keys.parse_assignment(kv.key)[0] for kv in assigned) == ["mac-a", "mac-b"]
+        # etcd counts the writes of each key since its creation: none beyond one retry
+        writes = max(kv.version for kv in assigned)
+        assert writes <= 2, [(kv.key, kv.version) for kv in assigned]
+        fault_record.note(f"at most {writes} write(s) per assignment key")
     control_plane.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=2", f"modeldeployment/{name}",
                           "-n", namespace, "--timeout=60s", timeout=70)
     md = wait_ready(control_plane, namespace, name)
