@@ -39,7 +39,8 @@ from .registration import DEFAULT_LEASE_TTL, Registration
 
 log = logging.getLogger("node_agent")
 
-__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main", "EXIT_CORE_FAILED"]
+__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main", "EXIT_CORE_FAILED",
+           "health_verdict"]
 
 ENV_ETCD_ENDPOINT = "MLX_FLEET_ETCD_ENDPOINT"
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
@@ -324,6 +325,26 @@ def forward_tls_context(ca_file: str) -> ssl.SSLContext:
         raise StartupError(f"--forward-ca-file {ca_file!r}: cannot use ({reason})") from None
 
 
+def health_verdict(*, registered: bool, etcd_problem: str | None,
+                   failures: Sequence[str]) -> tuple[bool, str, list[str]]:
+    """``(serving, status, reasons)`` of a node agent for ``GET /health``.
+
+    ``registered``: the node has registered in etcd at least once; ``etcd_problem``: what is
+    wrong with its link to etcd now (:meth:`Registration.connectivity_problem`), None when
+    nothing; ``failures``: anything else that is wrong (serving core failed, a supervised task
+    restarting). ``status`` is ``"unhealthy"`` (``serving`` False: 503) before the first
+    registration or with any failure; ``"degraded"`` (``serving`` True: 200) when the only
+    problem is the link to etcd — the models it holds keep serving, a load balancer should keep
+    sending it requests, only assignment changes wait for etcd; ``"ok"`` otherwise. ``reasons``
+    lists every problem, the etcd one first.
+    """
+    problems = ([] if registered else ["not registered in etcd yet"]) + list(failures)
+    reasons = ([etcd_problem] if etcd_problem is not None else []) + problems
+    if problems:
+        return False, "unhealthy", reasons
+    return True, ("degraded" if etcd_problem is not None else "ok"), reasons
+
+
 class Agent:
     """The whole agent in one object (the CLI runs it; tests run several in one process).
 
@@ -373,36 +394,27 @@ class Agent:
         return NodeHealth.HEALTHY if self.core.healthy else NodeHealth.DEGRADED
 
     def health(self) -> tuple[bool, dict]:
-        """``(serving, details)`` for ``GET /health``.
-
-        ``details["status"]``: ``"ok"`` when the lease is alive and etcd answered within the
-        last TTL, the serving core is healthy, and no supervised background task (heartbeat,
-        assignment follower, converge worker) is waiting to restart; ``"degraded"`` when the
-        only problem is the link to etcd after the node had registered
-        (:meth:`Registration.connectivity_problem`): the models it holds keep serving, so
-        ``serving`` stays True (``/health`` answers 200 and a load balancer keeps sending
-        requests), only assignment changes wait for etcd; ``"unhealthy"`` otherwise
-        (``serving`` False, 503). ``details["reasons"]`` says what is wrong; the details also
-        list the registration, the tasks, every assignment's state and the loaded models."""
+        """``(serving, details)`` for ``GET /health``: :func:`health_verdict` over the
+        registration, the serving core and the supervised background tasks (heartbeat,
+        assignment follower, converge worker, traffic); the details also list the registration,
+        the tasks, every assignment's state and the loaded models."""
         reg, ctl, core = self.registration, self.controller, self.core
-        reasons: list[str] = []
-        degraded: list[str] = []
-        if reg is None or reg.registrations == 0:
-            reasons.append("not registered in etcd yet")
-        elif (problem := reg.connectivity_problem()) is not None:
-            degraded.append(problem)
+        failures: list[str] = []
         if not core.healthy:
-            reasons.append(f"serving core failed: {core.failure}" if core.failure
-                           else "serving core is not running")
+            failures.append(f"serving core failed: {core.failure}" if core.failure
+                            else "serving core is not running")
         tasks = [*(reg.tasks if reg is not None else []), *(ctl.tasks if ctl is not None else []),
                  *(self.traffic.tasks if self.traffic is not None else [])]
-        for t in tasks:
-            if t.backing_off:
-                reasons.append(f"task {t.name} failed ({t.last_error}); restarting")
-        serving = not reasons
+        failures += [f"task {t.name} failed ({t.last_error}); restarting"
+                     for t in tasks if t.backing_off]
+        registered = reg is not None and reg.registrations > 0
+        serving, status, reasons = health_verdict(
+            registered=registered,
+            etcd_problem=reg.connectivity_problem() if reg is not None and registered else None,
+            failures=failures)
         return serving, {
-            "status": "unhealthy" if reasons else "degraded" if degraded else "ok",
-            "reasons": [*degraded, *reasons],
+            "status": status,
+            "reasons": reasons,
             "node": self.config.node_name,
             "registration": reg.status() if reg is not None else None,
             "tasks": [t.status() for t in tasks],

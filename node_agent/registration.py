@@ -172,7 +172,7 @@ class Registration:
         unreachable"``, ``"lease not alive"`` (being re-established) or ``"no answer from etcd
         within the lease TTL"``. Models already loaded keep serving meanwhile (nothing is
         unloaded for want of etcd); only changes to the assignments wait. ``/health`` reports
-        such a node ``degraded`` (see ``node_agent.main.Agent.health``)."""
+        such a node ``degraded`` (see ``node_agent.main.health_verdict``)."""
         if self.healthy:
             return None
         return ("etcd unreachable" if not self._etcd_ok else
