@@ -425,6 +425,52 @@ async def test_network_to_etcd(mode: str, proxy: FaultProxy, proxied_agent: Agen
                           f"({body['registration']['registrations']} registrations)")
 
 
+@pytest.mark.fault("etcd compaction while an agent's watch is down",
+                   holds="an agent process whose connections to etcd are reset while an assignment "
+                         "is added and etcd's history compacted past it: when the network heals its "
+                         "watch meets the compaction, re-lists (logged) and loads the assignment; "
+                         "nothing missed (recovery: from the heal to the new assignment Ready)")
+async def test_compaction_while_the_agent_watch_is_down(
+        proxy: FaultProxy, proxied_agent: AgentProcess, fault_etcd: EtcdServer, direct_keys: Keys,
+        test_model_dir: Path, fault_record: FaultRecord) -> None:
+    url = proxied_agent.url
+    late = direct_assignment("late", test_model_dir)
+    late_key = direct_keys.assignment("proxied", "direct", "late", "v1")
+    report_key = direct_keys.report("proxied", "direct", "late", "v1")
+    log_mark = proxied_agent.process.log_path.stat().st_size
+    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+                EtcdStore(fault_etcd.client_url) as store):
+        load = Load(http, [url], "proxied")
+        proxy.reset()
+        try:
+            await load.until(url, "degraded")  # its link to etcd, and so its watch, is down
+            revision = await store.put(late_key, late.to_json())
+            await store._client.compact(revision)  # test-only: an etcd admin operation
+        finally:
+            proxy.heal()
+        fault_record.fault_ended()
+        await watch_until(store, report_key, lambda v: any(
+            AssignmentReport.from_json(b).state is AssignmentState.READY for b in v.values()),
+            timeout=RECOVERY_TIMEOUT)
+        fault_record.recovered()
+        async with http.post(f"{url}/v1/chat/completions", json={
+                "model": "late", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hi"}]}) as r:
+            assert r.status == 200, await r.text()
+        await store.delete(late_key)
+        await watch_until(store, report_key, lambda v: not v, timeout=RECOVERY_TIMEOUT)
+    with proxied_agent.process.log_path.open("rb") as f:
+        f.seek(log_mark)
+        since = f.read().decode(errors="replace")
+    prefix = direct_keys.node_assignments_prefix("proxied")
+    relisted = [line for line in since.splitlines()
+                if f"watch on {prefix}: " in line and line.endswith("; re-listing")]
+    assert relisted, since[-2000:]
+    assert load.failed == 0, load.errors[:5]
+    fault_record.note("the agent's log: its assignment watch met the compaction and re-listed; "
+                      "it then served the new model")
+
+
 # -- client disconnects mid-stream ---------------------------------------------------------------
 
 
