@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from fault_record import FaultRecord
-from fleet_helpers import get_md, manifest, wait_ready, watch_until
+from fleet_helpers import manifest, wait_ready, watch_until
 from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
