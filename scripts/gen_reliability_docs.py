@@ -54,6 +54,7 @@ ISSUE_ROWS = (
 
 HEADER = "| fault | must hold | outcome | recovery | measured | test |"
 NOT_MEASURED = "not measured yet"
+FLAKY = "**does not always hold**"
 
 INTRO = """# Reliability: the fault suite
 
@@ -70,7 +71,9 @@ match the tests.
 healed, the broken deployment applied, the garbage written) to the recovery the test awaits:
 for the etcd faults, every agent re-registered under a lease and `/health` ok again; for the
 network faults, `/health` ok and the agent's report back in etcd. *—* means the row has no
-recovery to time. Times come from a shared two-core machine and vary from run to run.
+recovery to time. Times come from a shared two-core machine and vary from run to run. A row
+that says **does not always hold** is a known gap: its test is marked `xfail` (so the suite
+stays green) with the reason the row quotes, and says whether it held on the run measured.
 
 The etcd faults last as long as the issue says (30 s stopped, 20 s frozen) unless
 `MLX_FLEET_FAULT_ETCD_DOWN_SECONDS` / `MLX_FLEET_FAULT_ETCD_FROZEN_SECONDS` shorten them; while
@@ -135,7 +138,11 @@ def scan(tests_dir: Path = TESTS) -> list[Row]:
                 for node in ast.walk(deco):
                     if (isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.param"):
                         for k in node.keywords:
-                            if k.arg == "marks" and (m := _fault_marker(k.value)) is not None:
+                            if k.arg != "marks":
+                                continue
+                            marks = (k.value.elts if isinstance(k.value, (ast.List, ast.Tuple))
+                                     else [k.value])
+                            for m in filter(None, map(_fault_marker, marks)):
                                 rows.append(Row(m[0], m[1], f"{rel}::{fn.name}[{_param_id(node)}]"))
     return sorted(rows, key=lambda r: _order(r.fault))
 
@@ -154,7 +161,11 @@ def load_results(results_dir: Path = RESULTS) -> dict[str, Measured]:
     for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
         r = json.loads(path.read_text())
         notes = "; ".join(r.get("notes") or [])
-        outcome = ("held" if r["outcome"] == "held" else "**FAILED**") + (f": {notes}" if notes else "")
+        if r["outcome"] == "flaky":
+            ran = "held this run" if r["held_this_run"] else "failed this run"
+            outcome = f"{FLAKY} ({ran}): {r['known_issue']}"
+        else:
+            outcome = ("held" if r["outcome"] == "held" else "**FAILED**") + (f": {notes}" if notes else "")
         rec = r.get("recovery_seconds")
         day = datetime.datetime.fromtimestamp(r["measured_unix"], datetime.timezone.utc).date()
         out[r["test"]] = Measured(outcome=outcome,

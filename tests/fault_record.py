@@ -6,7 +6,8 @@ records its outcome and measured recovery time as one JSON file, and
 with a qualifier after a colon); ``holds`` is what the test checks, in the doc's words. The
 fixture ``fault_record`` (tests/conftest.py) hands a :class:`FaultRecord` to the test; it is
 written after the test ran, with outcome ``held`` when the test passed and ``failed`` otherwise
-(a skipped test writes nothing). Files go to the pytest cache
+(a skipped test writes nothing). A fault known not to hold always is marked ``xfail`` with the
+reason: its row says so (``does not always hold``), whether this run failed or not. Files go to the pytest cache
 (``.pytest_cache/d/mlx-fleet-reliability/``, :data:`RESULTS_DIR`), one per test id, so a later
 run of a subset refreshes only its rows.
 """
@@ -53,13 +54,20 @@ class FaultRecord:
         self.recovery_seconds = time.monotonic() - self._fault_ended
         return self.recovery_seconds
 
-    def write(self, directory: Path, *, passed: bool) -> Path:
-        """Write ``{fault, holds, test, outcome, recovery_seconds, notes, machine, measured_unix}``
-        as ``directory/<test id>.json``; returns the path."""
+    def write(self, directory: Path, *, outcome: str, known_issue: str = "") -> Path:
+        """Write ``{fault, holds, test, outcome, known_issue, recovery_seconds, notes, machine,
+        measured_unix}`` as ``directory/<test id>.json``; returns the path. ``outcome``: the
+        test's, ``passed`` / ``failed`` / ``xfailed`` / ``xpassed``; it is recorded as ``held``,
+        ``failed`` or, for a test marked ``xfail`` (``known_issue``: its reason), ``flaky``:
+        known not to hold always, whichever way this run went."""
+        if outcome not in {"passed", "failed", "xfailed", "xpassed"}:
+            raise ValueError(f"outcome {outcome!r}: passed, failed, xfailed or xpassed")
         path = directory / (re.sub(r"[^A-Za-z0-9_.-]+", "_", self.test) + ".json")
         path.write_text(json.dumps({
             "fault": self.fault, "holds": self.holds, "test": self.test,
-            "outcome": "held" if passed else "failed",
+            "outcome": ("flaky" if outcome.startswith("x") else
+                        "held" if outcome == "passed" else "failed"),
+            "known_issue": known_issue, "held_this_run": outcome in {"passed", "xpassed"},
             "recovery_seconds": self.recovery_seconds, "notes": self.notes,
             "machine": f"{platform.system()} {platform.machine()}, {_cpus()} CPUs",
             "measured_unix": time.time()}, indent=2) + "\n")
