@@ -39,8 +39,7 @@ from .registration import DEFAULT_LEASE_TTL, Registration
 
 log = logging.getLogger("node_agent")
 
-__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main", "EXIT_CORE_FAILED",
-           "health_verdict"]
+__all__ = ["AgentConfig", "Agent", "StartupError", "build_parser", "main", "EXIT_CORE_FAILED"]
 
 ENV_ETCD_ENDPOINT = "MLX_FLEET_ETCD_ENDPOINT"
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
