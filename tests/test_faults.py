@@ -51,7 +51,7 @@ ETCD_DOWN_SECONDS = float(os.environ.get("MLX_FLEET_FAULT_ETCD_DOWN_SECONDS", "3
 ETCD_FROZEN_SECONDS = float(os.environ.get("MLX_FLEET_FAULT_ETCD_FROZEN_SECONDS", "20"))
 RECOVERY_TIMEOUT = 120  # seconds: the most any recovery may take before the test fails
 
-#: Why "etcd frozen" does not always hold: it failed 4 of 7 runs with the issue's 20 s (0 of 5 with
+#: Why "etcd frozen" does not always hold: it failed 5 of 8 runs with the issue's 20 s (0 of 5 with
 #: 6 s) on a loaded 2-core machine; the operator's and agents' logs of two failures showed this.
 FROZEN_ETCD_RACE = (
     "when etcd resumes, its lessor revokes the agents' leases (they expired during the freeze; a "
