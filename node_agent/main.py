@@ -392,6 +392,26 @@ def forward_tls_context(ca_file: str) -> ssl.SSLContext:
         raise StartupError(f"--forward-ca-file {ca_file!r}: cannot use ({reason})") from None
 
 
+def health_verdict(*, registered: bool, etcd_problem: str | None,
+                   failures: Sequence[str]) -> tuple[bool, str, list[str]]:
+    """``(serving, status, reasons)`` of a node agent for ``GET /health``.
+
+    ``registered``: the node has registered in etcd at least once; ``etcd_problem``: what is
+    wrong with its link to etcd now (:meth:`Registration.connectivity_problem`), None when
+    nothing; ``failures``: anything else that is wrong (serving core failed, a supervised task
+    restarting). ``status`` is ``"unhealthy"`` (``serving`` False: 503) before the first
+    registration or with any failure; ``"degraded"`` (``serving`` True: 200) when the only
+    problem is the link to etcd — the models it holds keep serving, a load balancer should keep
+    sending it requests, only assignment changes wait for etcd; ``"ok"`` otherwise. ``reasons``
+    lists every problem, the etcd one first.
+    """
+    problems = ([] if registered else ["not registered in etcd yet"]) + list(failures)
+    reasons = ([etcd_problem] if etcd_problem is not None else []) + problems
+    if problems:
+        return False, "unhealthy", reasons
+    return True, ("degraded" if etcd_problem is not None else "ok"), reasons
+
+
 class Agent:
     """The whole agent in one object (the CLI runs it; tests run several in one process).
 
@@ -442,33 +462,26 @@ class Agent:
         return NodeHealth.HEALTHY if self.core.healthy else NodeHealth.DEGRADED
 
     def health(self) -> tuple[bool, dict]:
-        """``(healthy, details)`` for ``GET /health``.
-
-        Healthy when the lease is alive and etcd answered within the last TTL, the serving core
-        is healthy, and no supervised background task (heartbeat, assignment follower, converge
-        worker) is waiting to restart after a failure. ``details["reasons"]`` says what is
-        wrong; the details also list the registration, the tasks, every assignment's state and
-        the loaded models."""
+        """``(serving, details)`` for ``GET /health``: :func:`health_verdict` over the
+        registration, the serving core and the supervised background tasks (heartbeat,
+        assignment follower, converge worker, traffic); the details also list the registration,
+        the tasks, every assignment's state and the loaded models."""
         reg, ctl, core = self.registration, self.controller, self.core
-        reasons: list[str] = []
-        if reg is None:
-            reasons.append("not registered in etcd yet")
-        elif not reg.healthy:
-            st = reg.status()
-            reasons.append("etcd unreachable" if not st["etcd_reachable"] else
-                           "lease not alive" if not st["lease_alive"] else
-                           "no answer from etcd within the lease TTL")
+        failures: list[str] = []
         if not core.healthy:
-            reasons.append(f"serving core failed: {core.failure}" if core.failure
-                           else "serving core is not running")
+            failures.append(f"serving core failed: {core.failure}" if core.failure
+                            else "serving core is not running")
         tasks = [*(reg.tasks if reg is not None else []), *(ctl.tasks if ctl is not None else []),
                  *(self.traffic.tasks if self.traffic is not None else [])]
-        for t in tasks:
-            if t.backing_off:
-                reasons.append(f"task {t.name} failed ({t.last_error}); restarting")
-        ok = not reasons
-        return ok, {
-            "status": "ok" if ok else "unhealthy",
+        failures += [f"task {t.name} failed ({t.last_error}); restarting"
+                     for t in tasks if t.backing_off]
+        registered = reg is not None and reg.registrations > 0
+        serving, status, reasons = health_verdict(
+            registered=registered,
+            etcd_problem=reg.connectivity_problem() if reg is not None and registered else None,
+            failures=failures)
+        return serving, {
+            "status": status,
             "reasons": reasons,
             "node": self.config.node_name,
             "registration": reg.status() if reg is not None else None,

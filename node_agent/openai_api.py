@@ -247,8 +247,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
               forward_ssl: ssl.SSLContext | None = None) -> web.Application:
     """Build the OpenAI-compatible app over ``core``.
 
-    ``health()`` returns ``(healthy, details)``; ``GET /health`` answers 200 or 503 with
-    ``details`` as JSON. ``GET /metrics`` exposes ``registry`` (pass the core's registry, or one
+    ``health()`` returns ``(serving, details)``; ``GET /health`` answers 200 (serving: healthy,
+    or degraded with its models still served) or 503 with ``details`` as JSON. ``GET /metrics`` exposes ``registry`` (pass the core's registry, or one
     that includes it, to see the serving metrics). ``router()`` returns the agent's
     :class:`~node_agent.traffic.TrafficManager`, or None while there is none (then a request is
     served by the model's only, or most recently loaded, revision). Request counts go to ``core.metrics``, labelled

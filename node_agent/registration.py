@@ -171,6 +171,18 @@ class Registration:
     def health(self) -> NodeHealth:
         return self._health
 
+    def connectivity_problem(self) -> str | None:
+        """Why the agent's link to etcd is degraded, or None while it is not: ``"etcd
+        unreachable"``, ``"lease not alive"`` (being re-established) or ``"no answer from etcd
+        within the lease TTL"``. Models already loaded keep serving meanwhile (nothing is
+        unloaded for want of etcd); only changes to the assignments wait. ``/health`` reports
+        such a node ``degraded`` (see ``node_agent.main.health_verdict``)."""
+        if self.healthy:
+            return None
+        return ("etcd unreachable" if not self._etcd_ok else
+                "lease not alive" if not self._lease_alive else
+                "no answer from etcd within the lease TTL")
+
     def status(self) -> dict:
         """A JSON-able summary for ``/health``: lease, etcd reachability, registrations."""
         return {"node": self.node_name, "lease_id": self._lease_id,

@@ -12,10 +12,48 @@ from pathlib import Path
 
 import pytest
 
+from fault_record import RESULTS_DIR, FaultRecord
 from mlx_fleet.contract import Keys
 from mlx_fleet.devcluster.binaries import Binaries, ensure_all
 from mlx_fleet.devcluster.controlplane import ControlPlane, EtcdServer, start_control_plane, start_etcd
 from mlx_fleet.store import EtcdStore
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fault(fault, holds): a fault-suite test, one row of "
+                                       "docs/reliability.md (tests/fault_record.py)")
+
+
+_OUTCOME = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if report.when == "call":
+        xfail = hasattr(report, "wasxfail")
+        item.stash[_OUTCOME] = ("xpassed" if xfail and report.passed else "xfailed" if xfail
+                                else "passed" if report.passed else "failed")
+    return report
+
+
+@pytest.fixture
+def fault_record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
+    """The :class:`FaultRecord` of a test marked ``@pytest.mark.fault(FAULT, holds=...)``,
+    written to the pytest cache after the test (outcome from its call phase; a known failure,
+    ``xfail``, records its reason)."""
+    marker = request.node.get_closest_marker("fault")
+    if marker is None:
+        raise pytest.UsageError(f"{request.node.nodeid} uses fault_record without a fault marker")
+    record = FaultRecord(fault=marker.args[0], holds=marker.kwargs["holds"],
+                         test=request.node.nodeid)
+    yield record
+    if _OUTCOME in request.node.stash:  # not when the setup failed or the test was skipped
+        cache = getattr(request.config, "cache", None)
+        xfail = request.node.get_closest_marker("xfail")
+        if cache is not None:
+            record.write(cache.mkdir(RESULTS_DIR), outcome=request.node.stash[_OUTCOME],
+                         known_issue=xfail.kwargs.get("reason", "") if xfail else "")
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,19 @@ node records as an agent would write them. Imported as ``from fleet_helpers impo
 from __future__ import annotations
 
 import asyncio
+import json
+import string
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from mlx_fleet.contract import Assignment, Keys, NodeCapacity, NodeRecord
+from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.store import Snapshot, Store, WatchEvent, follow_prefix
 
 GiB = 1024**3
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "modeldeployment.yaml"
 
 
 async def watch_until(store: Store, prefix: str, predicate: Callable[[dict[str, bytes]], bool],
@@ -63,3 +68,29 @@ def node_record(name: str, *, chip: str = "Apple M4 Max", generation: int = 4,
                       capacity=NodeCapacity(memory_total_bytes=memory_gib * GiB,
                                             memory_available_bytes=(memory_gib - 4) * GiB,
                                             chip=chip, chip_generation=generation, simulated=True))
+
+
+def manifest(name: str, namespace: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
+    """The shipped example, renamed, pointed at the generated model, optionally re-scoped."""
+    obj_text = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))
+    import yaml
+
+    obj = yaml.safe_load(obj_text)
+    obj["metadata"]["name"] = name
+    obj["metadata"]["namespace"] = namespace
+    obj["spec"]["model"]["servedModelName"] = name
+    obj["spec"]["replicas"] = replicas
+    if selector:
+        obj["spec"].setdefault("placement", {})["nodeSelector"] = selector
+    return json.dumps(obj)
+
+
+def get_md(cp: ControlPlane, namespace: str, name: str) -> dict:
+    return json.loads(cp.kubectl("get", "modeldeployment", name, "-n", namespace, "-o", "json").stdout)
+
+
+def wait_ready(cp: ControlPlane, namespace: str, name: str, timeout: int = 180) -> dict:
+    """``kubectl wait`` on the Ready condition (the API server pushes the change; no polling)."""
+    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
+               f"--timeout={timeout}s", timeout=timeout + 10)
+    return get_md(cp, namespace, name)

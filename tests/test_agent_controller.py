@@ -22,6 +22,7 @@ from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
+from fault_record import FaultRecord
 from serving_fixtures import mlx_thread_held, other_model_path, wait_for  # noqa: F401  (a session fixture)
 
 NODE = "mac-1"
@@ -405,9 +406,14 @@ def settled_ready(r: AssignmentReport | None) -> bool:
     return r is not None and r.state == AssignmentState.READY
 
 
+@pytest.mark.fault("etcd compaction while an agent's watch is down",
+                   holds="the agent's assignment follower resumes, meets the compaction, re-lists and "
+                         "converges: the assignment added meanwhile is Ready, the one removed is "
+                         "unloaded (the agent's controller in the test process, a real etcd; "
+                         "recovery: from the reconnect to converged)")
 async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core: ServingCore,
                                               flaky: FlakyStore, controller: Controller,
-                                              test_model_dir: Path) -> None:
+                                              test_model_dir: Path, fault_record: FaultRecord) -> None:
     ka, kb = keys.report(NODE, "default", "a", "r1"), keys.report(NODE, "default", "b", "r1")
     await put(store, keys, assignment("a", test_model_dir))
     assert (await wait_report(store, ka, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
@@ -418,11 +424,14 @@ async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core
     rev = await put(store, keys, assignment("b", test_model_dir))
     await store._client.compact(rev)  # the events above are gone from etcd's history
     flaky.reconnect()
+    fault_record.fault_ended()
 
     assert (await wait_report(store, kb, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
     assert await wait_report(store, ka, lambda r: r is None) is None
     assert controller.snapshots == 2  # resumed, hit the compaction, re-listed
     await wait_for(lambda: [m.model_id for m in core.models()] == ["b"], TIMEOUT)
+    fault_record.recovered()
+    fault_record.note("re-listed once after the compaction; no assignment missed")
 
 
 async def test_callback_bug_restarts_the_follower_which_converges(

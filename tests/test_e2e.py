@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import string
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,8 @@ import aiohttp
 import openai
 import pytest
 
-from fleet_helpers import watch_until
+from fault_record import FaultRecord
+from fleet_helpers import manifest, wait_ready, watch_until
 from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
@@ -27,7 +27,6 @@ from mlx_fleet.store import EtcdStore
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "modeldeployment.yaml"
 LEASE_TTL = 3  # seconds; short so node loss is detected quickly in tests
 
 
@@ -60,34 +59,6 @@ def fleet(control_plane: ControlPlane, fleet_keys: Keys, operator: dict) -> Iter
     yield agents
     for agent in agents.values():
         agent.process.stop()
-
-
-def manifest(name: str, namespace: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
-    """The shipped example, renamed, pointed at the generated model, optionally re-scoped."""
-    obj_text = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))
-    import yaml
-
-    obj = yaml.safe_load(obj_text)
-    obj["metadata"]["name"] = name
-    obj["metadata"]["namespace"] = namespace
-    obj["spec"]["model"]["servedModelName"] = name
-    obj["spec"]["replicas"] = replicas
-    if selector:
-        obj["spec"].setdefault("placement", {})["nodeSelector"] = selector
-    return json.dumps(obj)
-
-
-def get_md(cp: ControlPlane, namespace: str, name: str) -> dict:
-    return json.loads(cp.kubectl("get", "modeldeployment", name, "-n", namespace, "-o", "json").stdout)
-
-
-def wait_ready(cp: ControlPlane, namespace: str, name: str, timeout: int = 180) -> dict:
-    """``kubectl wait`` on the Ready condition (the API server pushes the change; no polling)."""
-    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
-               f"--timeout={timeout}s", timeout=timeout + 10)
-    return get_md(cp, namespace, name)
-
-
 
 
 async def test_apply_to_ready_then_complete(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
@@ -163,23 +134,75 @@ async def test_agent_api_rejects_bad_requests(fleet: dict[str, AgentProcess]) ->
             assert r.status == 200
 
 
+async def stream_until_cut(url: str, model: str, started: asyncio.Event) -> Exception:
+    """Stream a long completion from ``url``; set ``started`` at the first token; return the
+    error that ends the stream (the test kills the agent mid-stream), or fail if it ends well."""
+    try:
+        async with aiohttp.ClientSession() as http, http.post(
+                f"{url}/v1/completions", json={"model": model, "prompt": "A long story",
+                                               "max_tokens": 3500, "temperature": 0,
+                                               "stream": True}) as r:
+            assert r.status == 200
+            async for _ in r.content:
+                started.set()
+    except aiohttp.ClientError as e:
+        return e
+    raise AssertionError("the stream ended without an error though its agent was killed")
+
+
+async def stream_in_full(url: str, model: str, max_tokens: int, started: asyncio.Event) -> int:
+    """Stream a greedy completion to its end; returns its completion tokens (from the usage)."""
+    tokens = 0
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "Go on", "temperature": 0,
+                                           "max_tokens": max_tokens, "stream": True,
+                                           "stream_options": {"include_usage": True}}) as r:
+        assert r.status == 200
+        async for line in r.content:
+            started.set()
+            if line.startswith(b"data: {") and b'"usage":{' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    return tokens
+
+
+@pytest.mark.fault("agent SIGKILL mid-stream",
+                   holds="the client of the killed Mac gets a clean connection error at once, not a "
+                         "hang; a stream on another Mac, running across the kill, finishes in full; "
+                         "the lease expires, the node record goes and the model is re-placed on the "
+                         "surviving Mac, Ready there (recovery: from the kill to Ready)")
 async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: dict[str, AgentProcess],
-                                           fleet_keys: Keys, test_model_dir: Path, namespace: str) -> None:
+                                           fleet_keys: Keys, test_model_dir: Path, namespace: str,
+                                           fault_record: FaultRecord) -> None:
     pool = f"failover-{uuid.uuid4().hex[:6]}"
     victims = {
         n: start_agent(control_plane, n, etcd_prefix=fleet_keys.root, labels={"pool": pool},
                        lease_ttl=LEASE_TTL)
         for n in (f"{pool}-1", f"{pool}-2")
     }
-    name = "e2e-failover"
+    name, bystander = "e2e-failover", "e2e-bystander"
     try:
+        control_plane.kubectl("apply", "-f", "-", input=manifest(bystander, namespace, test_model_dir,
+                                                                 selector={"pool": "main"}))
         control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir, selector={"pool": pool}))
+        (other_url,) = wait_ready(control_plane, namespace, bystander)["status"]["endpoints"]
         first = wait_ready(control_plane, namespace, name)["status"]["nodes"]
         (serving,) = [n["name"] for n in first if n["state"] == "Ready"]
         survivor = next(n for n in victims if n != serving)
 
+        other_started, started = asyncio.Event(), asyncio.Event()
+        other = asyncio.create_task(stream_in_full(other_url, bystander, 600, other_started))
+        await asyncio.wait_for(other_started.wait(), 60)
+        stream = asyncio.create_task(stream_until_cut(victims[serving].url, name, started))
+        await asyncio.wait_for(started.wait(), 60)
         async with EtcdStore(control_plane.etcd_url) as store:
             victims[serving].process.kill()  # SIGKILL: no lease revocation, as a crashed Mac
+            fault_record.fault_ended()
+            # the client mid-stream gets a clean error, not a hang
+            error = await asyncio.wait_for(stream, 10)
+            fault_record.note(f"the client mid-stream got {type(error).__name__}")
+            assert not other.done()  # the other Mac's stream runs across the kill ...
+            assert await asyncio.wait_for(other, 120) == 600  # ... and finishes in full
+            fault_record.note("the stream on another Mac finished in full (600 tokens)")
             # The node record vanishes by itself when the lease expires ...
             await watch_until(store, fleet_keys.node(serving), lambda v: not v, timeout=LEASE_TTL + 30)
             # ... and the deployment is placed on the surviving node, which reports Ready.
@@ -187,12 +210,14 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
                 store, fleet_keys.report(survivor, namespace, name, "v1"),
                 lambda v: any(AssignmentReport.from_json(b).state is AssignmentState.READY for b in v.values()),
                 timeout=120)
+            fault_record.recovered()
             assert not (await store.list(fleet_keys.node_assignments_prefix(serving))).items
         md = wait_ready(control_plane, namespace, name)
         assert [n["name"] for n in md["status"]["nodes"]] == [survivor]
         assert md["status"]["endpoints"] == [victims[survivor].url]
     finally:
-        control_plane.kubectl("delete", "modeldeployment", name, "-n", namespace, "--ignore-not-found", "--timeout=60s")
+        control_plane.kubectl("delete", "modeldeployment", name, bystander, "-n", namespace,
+                              "--ignore-not-found", "--timeout=60s")
         for v in victims.values():
             if v.process.alive():
                 v.process.stop()
@@ -221,9 +246,14 @@ async def test_delete_removes_assignments_and_finalizer(control_plane: ControlPl
 
 
 
+@pytest.mark.fault("operator SIGKILL mid-reconcile, then restart",
+                   holds="the restarted operator converges to the state the spec asks for (a scale-up "
+                         "made while it was down): one assignment per replica, both Ready, "
+                         "observedGeneration current; no assignment written more than twice (etcd's "
+                         "version of each key) (recovery: from the restart to 2 Ready)")
 async def test_operator_killed_mid_reconcile_converges_after_restart(
         control_plane: ControlPlane, operator: dict, fleet: dict[str, AgentProcess], fleet_keys: Keys,
-        test_model_dir: Path, namespace: str) -> None:
+        test_model_dir: Path, namespace: str, fault_record: FaultRecord) -> None:
     name = "e2e-restart"
     control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir))
     suffix = f"/{namespace}/{name}/v1"
@@ -235,14 +265,20 @@ async def test_operator_killed_mid_reconcile_converges_after_restart(
         # While no operator runs, the user scales up.
         control_plane.kubectl("patch", "modeldeployment", name, "-n", namespace, "--type=merge",
                               "-p", '{"spec": {"replicas": 2}}')
+        fault_record.fault_ended()
         operator["process"] = start_operator(control_plane, etcd_prefix=fleet_keys.root,
                                              extra_args=("--namespace", namespace))
         await watch_until(store, fleet_keys.reports_prefix,
                            lambda v: sum(k.endswith(suffix) and AssignmentReport.from_json(b).state
                                          is AssignmentState.READY for k, b in v.items()) == 2, timeout=120)
-        assigned = [kv.key for kv in (await store.list(fleet_keys.assignments_prefix)).items
+        fault_record.recovered()
+        assigned = [kv for kv in (await store.list(fleet_keys.assignments_prefix)).items
                     if kv.key.endswith(suffix)]
-        assert sorted(fleet_keys.parse_assignment(k)[0] for k in assigned) == ["mac-a", "mac-b"]
+        assert sorted(fleet_keys.parse_assignment(kv.key)[0] for kv in assigned) == ["mac-a", "mac-b"]
+        # etcd counts the writes of each key since its creation: none beyond one retry
+        writes = max(kv.version for kv in assigned)
+        assert writes <= 2, [(kv.key, kv.version) for kv in assigned]
+        fault_record.note(f"at most {writes} write(s) per assignment key")
     control_plane.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=2", f"modeldeployment/{name}",
                           "-n", namespace, "--timeout=60s", timeout=70)
     md = wait_ready(control_plane, namespace, name)

@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
+
+from fault_record import FaultRecord
+from fleet_helpers import manifest
 
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.fleet import start_operator
@@ -48,8 +52,17 @@ def exporting(port: int) -> bool | None:
     return None
 
 
+def log_of(op: ManagedProcess) -> str:
+    return op.log_path.read_text(errors="replace")
+
+
+@pytest.mark.fault("two operator replicas",
+                   holds="never both reconcile: with kopf peering the lower-priority replica pauses, "
+                         "runs no handler for a deployment the active one reconciles and is not the "
+                         "fleet exporter; when the active one stops, the other takes over both "
+                         "(recovery: from the stop to the takeover of the exporter role)")
 def test_only_the_active_peer_exports_fleet_metrics(control_plane: ControlPlane,
-                                                    namespace: str) -> None:
+                                                    namespace: str, fault_record: FaultRecord) -> None:
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(PEERING_CRD))
     control_plane.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
                           "--timeout=30s")
@@ -63,13 +76,32 @@ def test_only_the_active_peer_exports_fleet_metrics(control_plane: ControlPlane,
         for name, priority in (("high", 20), ("low", 10)):
             ops[name] = start_operator(control_plane, etcd_prefix=root, metrics_port=ports[name],
                                        extra_args=("--namespace", namespace, "--peering",
-                                                   "--peering-priority", str(priority)))
+                                                   "--peering-priority", str(priority)),
+                                       log_name=f"operator-{name}")
         ops["high"].wait_until(lambda: exporting(ports["high"]) is True
                                and exporting(ports["low"]) is False,
                                timeout=30, what="the only fleet exporter")
+        # A deployment (no Mac can serve it: its status says so): only the active one
+        # reconciles it. kopf logs every object handler's run on the "kopf.objects" logger.
+        control_plane.kubectl("apply", "-f", "-", input=manifest("peered", namespace,
+                                                                 Path("/models/none")))
+        control_plane.kubectl("wait", "--for=jsonpath={.status.observedGeneration}=1",
+                              "modeldeployment/peered", "-n", namespace, "--timeout=60s",
+                              timeout=70)
+        tag = "kopf.objects"
+        assert tag in log_of(ops["high"])
+        assert tag not in log_of(ops["low"])
         ops["high"].stop()
+        fault_record.fault_ended()
         ops["low"].wait_until(lambda: exporting(ports["low"]) is True, timeout=30,
                               what="the fleet exporter after the other replica stopped")
+        fault_record.recovered()
+        ops["low"].wait_until(lambda: tag in log_of(ops["low"]), timeout=30,
+                              what="reconciling the deployment after the takeover")
+        fault_record.note("the standby ran no handler while the active replica ran; it took over "
+                          "the exporter role and the deployment's reconciles")
+        control_plane.kubectl("delete", "modeldeployment", "peered", "-n", namespace,
+                              "--timeout=60s", timeout=70)
     finally:
         for op in ops.values():
             op.stop()

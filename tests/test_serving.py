@@ -21,6 +21,7 @@ from node_agent.serving.admission import (MAX_RETRY_AFTER_SECONDS, DrainRate, ad
                                           kv_budget_bytes, request_kv_bytes,
                                           retry_after_seconds, waiting_requests)
 from node_agent.serving.detokenize import apply_stops, next_text
+from fault_record import FaultRecord
 from serving_fixtures import (other_model_path, safetensors_bytes, tiny_model_path,  # noqa: F401
                               wait_for)
 
@@ -445,7 +446,12 @@ async def test_detokenizer_error_fails_only_that_request(tiny_model_path: Path) 
         await c.close()
 
 
-async def test_generator_error_resets_that_model_only(tiny_model_path: Path) -> None:  # noqa: F811
+@pytest.mark.fault("a model that raises mid-generation",
+                   holds="the requests of that model's batch fail with the error (GenerationAborted), "
+                         "its batch is reset and it serves again; the other model on the same core "
+                         "keeps decoding (the serving core in the test process)")
+async def test_generator_error_resets_that_model_only(tiny_model_path: Path,  # noqa: F811
+                                                      fault_record: FaultRecord) -> None:
     c = await _two_models(tiny_model_path)
     try:
         first = await c.generate("a", prompt="One", max_tokens=LONG, temperature=0)
@@ -469,6 +475,7 @@ async def test_generator_error_resets_that_model_only(tiny_model_path: Path) -> 
         assert again.finish_reason == "length"
         assert c.healthy and c.is_loaded("a") and c.is_loaded("b")
         assert (c.crashes("a", "r1"), c.crashes("b", "r1")) == (1, 0)   # a's batch was reset
+        fault_record.note("1 crash counted on the failing model, 0 on the other")
         await wait_for(lambda: c.inflight_requests() == 0 and c.active_sequences() == 0)
     finally:
         await c.close()

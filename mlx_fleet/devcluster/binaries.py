@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,10 +29,14 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 #: Pinned versions. Kubernetes 1.34 is tested with etcd 3.6 (its go.mod requires etcd client 3.6).
 KUBERNETES_VERSION = "v1.34.4"
 ETCD_VERSION = "v3.6.16"
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(label, done, total)``: called as packages compile; ``total`` may grow."""
@@ -154,23 +159,24 @@ def ensure_etcd(progress: ProgressFn | None = None) -> Path:
     """
     dest = cache_dir() / "bin" / f"etcd-{ETCD_VERSION}"
     exe = dest / "etcd"
-    if exe.is_file():
+
+    def build(work: Path, log: Path) -> Path:
+        (work / "go.mod").write_text(
+            "module mlxfleet.local/etcdbuild\n\ngo 1.24\n\n"
+            f"require go.etcd.io/etcd/server/v3 {ETCD_VERSION}\n"
+        )
+        (work / "main.go").write_text(
+            "// Command etcd: the etcd server, built from the Go module proxy (see binaries.py).\n"
+            "package main\n\n"
+            'import (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
+            "func main() { etcdmain.Main(os.Args) }\n"
+        )
+        go_run(["go", "mod", "tidy"], work, log, "go mod tidy (etcd)")
+        go_build(work, {"etcd": "."}, "-s -w", log, f"etcd {ETCD_VERSION}", progress)
+        install_built(work, ["etcd"], dest)
         return exe
-    work, log = build_workspace(f"etcd-{ETCD_VERSION}")
-    (work / "go.mod").write_text(
-        "module mlxfleet.local/etcdbuild\n\ngo 1.24\n\n"
-        f"require go.etcd.io/etcd/server/v3 {ETCD_VERSION}\n"
-    )
-    (work / "main.go").write_text(
-        "// Command etcd: the etcd server, built from the Go module proxy (see binaries.py).\n"
-        "package main\n\n"
-        'import (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
-        "func main() { etcdmain.Main(os.Args) }\n"
-    )
-    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (etcd)")
-    go_build(work, {"etcd": "."}, "-s -w", log, f"etcd {ETCD_VERSION}", progress)
-    install_built(work, ["etcd"], dest)
-    return exe
+
+    return build_once(f"etcd-{ETCD_VERSION}", lambda: exe if exe.is_file() else None, build)
 
 
 def build_workspace(name: str) -> tuple[Path, Path]:
@@ -182,6 +188,40 @@ def build_workspace(name: str) -> tuple[Path, Path]:
     # `go mod download` needs a module context; a bare go.mod is enough until the real one.
     (work / "go.mod").write_text(f"module mlxfleet.local/{re.sub(r'[^a-z0-9]', '', name)}build\n\ngo 1.24.0\n")
     return work, work / "build.log"
+
+
+def build_once(name: str, cached: Callable[[], T | None], build: Callable[[Path, Path], T]) -> T:
+    """Build ``name`` at most once, even with several ``mlx-fleet provision`` runs at once.
+
+    ``cached()`` returns the installed result, or None while there is none; ``build(work, log)``
+    builds it in ``name``'s work directory (:func:`build_workspace`) and installs it. A run that
+    finds nothing cached takes an exclusive lock on ``$MLX_FLEET_CACHE/build/<name>.lock``
+    (``filelock``: ``flock`` on POSIX, released by the kernel if the holder dies); when another
+    run holds it, it logs that it waits (a warning on ``mlx_fleet.devcluster.binaries``) and
+    waits. Holding the lock it asks ``cached()`` again, so a run that waited returns what the
+    other one built. Raises what ``build`` raises (:class:`BuildError`), the lock released.
+    """
+    from filelock import FileLock, Timeout
+
+    found = cached()
+    if found is not None:
+        return found
+    lock_path = cache_dir() / "build" / f"{name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("another provision is building %s; waiting for it (lock %s)", name, lock_path)
+        lock.acquire()
+    try:
+        found = cached()
+        if found is not None:
+            return found
+        work, build_log = build_workspace(name)
+        return build(work, build_log)
+    finally:
+        lock.release()
 
 
 def module_gomod(work: Path, log: Path, module: str, version: str) -> str:
@@ -206,41 +246,42 @@ def ensure_kubernetes(progress: ProgressFn | None = None) -> tuple[Path, Path]:
     """
     dest = cache_dir() / "bin" / f"kubernetes-{KUBERNETES_VERSION}"
     apiserver, kubectl = dest / "kube-apiserver", dest / "kubectl"
-    if apiserver.is_file() and kubectl.is_file():
+
+    def build(work: Path, log: Path) -> tuple[Path, Path]:
+        staging = _staging_modules(module_gomod(work, log, "k8s.io/kubernetes", KUBERNETES_VERSION))
+        if not staging:
+            raise BuildError(f"found no staging replaces in k8s.io/kubernetes@{KUBERNETES_VERSION}'s go.mod")
+        minor_patch = KUBERNETES_VERSION.removeprefix("v1.")
+        replaces = "\n".join(f"\t{m} => {m} v0.{minor_patch}" for m in staging)
+        (work / "go.mod").write_text(
+            "module mlxfleet.local/k8sbuild\n\ngo 1.24.0\n\n"
+            f"require k8s.io/kubernetes {KUBERNETES_VERSION}\n\n"
+            f"replace (\n{replaces}\n)\n"
+        )
+        # The tools-file idiom: lets `go mod tidy` resolve the commands' dependency graph.
+        (work / "tools.go").write_text(
+            "//go:build tools\n\npackage tools\n\nimport (\n"
+            '\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kubectl"\n)\n'
+        )
+        go_run(["go", "mod", "tidy"], work, log, "go mod tidy (kubernetes)")
+        major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+        vpkg = "k8s.io/component-base/version"
+        ldflags = " ".join([
+            "-s -w",
+            f"-X {vpkg}.gitVersion={KUBERNETES_VERSION}",
+            f"-X {vpkg}.gitMajor={major}",
+            f"-X {vpkg}.gitMinor={minor}",
+            f"-X {vpkg}.gitTreeState=clean",
+            f"-X {vpkg}.buildDate=1970-01-01T00:00:00Z",
+            f"-X k8s.io/client-go/pkg/version.gitVersion={KUBERNETES_VERSION}",
+        ])
+        go_build(work, {"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+                         "kubectl": "k8s.io/kubernetes/cmd/kubectl"},
+                  ldflags, log, f"kubernetes {KUBERNETES_VERSION}", progress)
+        install_built(work, ["kube-apiserver", "kubectl"], dest)
         return apiserver, kubectl
-    work, log = build_workspace(f"kubernetes-{KUBERNETES_VERSION}")
-    staging = _staging_modules(module_gomod(work, log, "k8s.io/kubernetes", KUBERNETES_VERSION))
-    if not staging:
-        raise BuildError(f"found no staging replaces in k8s.io/kubernetes@{KUBERNETES_VERSION}'s go.mod")
-    minor_patch = KUBERNETES_VERSION.removeprefix("v1.")
-    replaces = "\n".join(f"\t{m} => {m} v0.{minor_patch}" for m in staging)
-    (work / "go.mod").write_text(
-        "module mlxfleet.local/k8sbuild\n\ngo 1.24.0\n\n"
-        f"require k8s.io/kubernetes {KUBERNETES_VERSION}\n\n"
-        f"replace (\n{replaces}\n)\n"
-    )
-    # The tools-file idiom: lets `go mod tidy` resolve the commands' dependency graph.
-    (work / "tools.go").write_text(
-        "//go:build tools\n\npackage tools\n\nimport (\n"
-        '\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kubectl"\n)\n'
-    )
-    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (kubernetes)")
-    major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
-    vpkg = "k8s.io/component-base/version"
-    ldflags = " ".join([
-        "-s -w",
-        f"-X {vpkg}.gitVersion={KUBERNETES_VERSION}",
-        f"-X {vpkg}.gitMajor={major}",
-        f"-X {vpkg}.gitMinor={minor}",
-        f"-X {vpkg}.gitTreeState=clean",
-        f"-X {vpkg}.buildDate=1970-01-01T00:00:00Z",
-        f"-X k8s.io/client-go/pkg/version.gitVersion={KUBERNETES_VERSION}",
-    ])
-    go_build(work, {"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
-                     "kubectl": "k8s.io/kubernetes/cmd/kubectl"},
-              ldflags, log, f"kubernetes {KUBERNETES_VERSION}", progress)
-    install_built(work, ["kube-apiserver", "kubectl"], dest)
-    return apiserver, kubectl
+
+    return build_once(f"kubernetes-{KUBERNETES_VERSION}", lambda: (apiserver, kubectl) if apiserver.is_file() and kubectl.is_file() else None, build)
 
 
 def ensure_all(progress: ProgressFn | None = None) -> Binaries:

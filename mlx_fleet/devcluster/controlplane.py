@@ -49,6 +49,16 @@ class EtcdServer:
     def stop(self) -> None:
         self.process.stop()
 
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start etcd again from its data directory with the very same command line (same
+        ports, same member), after :meth:`stop` or a kill: the fault suite's "etcd restarted".
+        Returns once ``/health`` is healthy; raises :class:`ProcessFailed` (with the log tail)
+        if it exits or stays unhealthy, ``RuntimeError`` if it is still running."""
+        if self.process.alive():
+            raise RuntimeError(f"{self.name} is still running (pid {self.process.pid})")
+        self.process = ManagedProcess(self.name, self.process.argv, self.process.log_path)
+        self.process.wait_until(self.healthy, timeout=timeout, what="healthy after a restart")
+
 
 @dataclass(frozen=True)
 class EtcdServerTLS:

@@ -36,17 +36,21 @@ class AgentProcess:
 def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float = 120.0,
                    extra_args: tuple[str, ...] = (),
                    env: dict[str, str] | None = None,
-                   metrics_port: int | None = None) -> ManagedProcess:
+                   metrics_port: int | None = None,
+                   etcd_url: str | None = None, log_name: str = "operator") -> ManagedProcess:
     """Run ``python -m mlx_fleet_operator`` against ``cp``; returns once its liveness probe
     answers (kopf is connected to the API server and its handlers are registered). ``env`` is
     merged over ``cp.env()`` (e.g. a ``KUBECONFIG`` with a ServiceAccount's token).
-    ``metrics_port``: where it serves ``/metrics`` (default: a free port)."""
+    ``metrics_port``: where it serves ``/metrics`` (default: a free port). ``etcd_url``: the
+    assignments store (default ``cp.etcd_url``; the fault suite gives one it may stop).
+    ``log_name``: its log is ``cp.logs_dir / f"{log_name}.log"`` (give each of several
+    replicas its own)."""
     metrics, liveness = metrics_port or free_port(), free_port()
     proc = ManagedProcess("operator", [
         sys.executable, "-m", "mlx_fleet_operator",
-        "--etcd-endpoint", cp.etcd_url, "--etcd-prefix", etcd_prefix,
+        "--etcd-endpoint", etcd_url or cp.etcd_url, "--etcd-prefix", etcd_prefix,
         "--metrics-port", str(metrics), "--liveness-port", str(liveness), *extra_args,
-    ], cp.logs_dir / "operator.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
+    ], cp.logs_dir / f"{log_name}.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
     cp.extra.append(proc)
 
     def live() -> bool:
@@ -60,15 +64,17 @@ def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float 
 def start_agent(cp: ControlPlane, name: str, *, etcd_prefix: str = ROOT,
                 chip: str = "Apple M3 Max", memory: str = "64Gi", labels: dict[str, str] | None = None,
                 lease_ttl: int = 5, timeout: float = 120.0,
-                extra_args: tuple[str, ...] = ()) -> AgentProcess:
+                extra_args: tuple[str, ...] = (), etcd_url: str | None = None) -> AgentProcess:
     """Run ``python -m node_agent`` as node ``name`` (simulated ``chip``/``memory`` on Linux);
-    returns once ``/health`` answers 200 (HTTP up and node registered under its lease)."""
+    returns once ``/health`` answers 200 (HTTP up and node registered under its lease).
+    ``etcd_url``: the etcd it talks to (default ``cp.etcd_url``; the fault suite puts a proxy
+    or an etcd of its own there)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     label_args = [a for k, v in (labels or {}).items() for a in ("--label", f"{k}={v}")]
     proc = ManagedProcess(f"agent {name}", [
         sys.executable, "-m", "node_agent",
-        "--node-name", name, "--etcd-endpoint", cp.etcd_url, "--etcd-prefix", etcd_prefix,
+        "--node-name", name, "--etcd-endpoint", etcd_url or cp.etcd_url, "--etcd-prefix", etcd_prefix,
         "--listen", f"127.0.0.1:{port}", "--advertise-url", url,
         "--simulated-chip", chip, "--simulated-memory", memory,
         "--lease-ttl", str(lease_ttl), *label_args, *extra_args,

@@ -20,7 +20,7 @@ from pathlib import Path
 from mlx_fleet.devcluster.binaries import (
     KUBERNETES_VERSION,
     ProgressFn,
-    build_workspace,
+    build_once,
     cache_dir,
     go_build,
     go_run,
@@ -54,32 +54,33 @@ def ensure_helm(progress: ProgressFn | None = None) -> Path:
     the log file with the full output.
     """
     exe = helm_path()
-    if exe.is_file():
-        return exe
     dest = exe.parent
-    work, log = build_workspace(f"helm-{HELM_VERSION}")
-    k8s = _aligned_k8s_requires(module_gomod(work, log, _HELM_MODULE, HELM_VERSION))
-    (work / "go.mod").write_text(
-        "module mlxfleet.local/helmbuild\n\ngo 1.24.0\n\n"
-        f"require (\n\t{_HELM_MODULE} {HELM_VERSION}\n" + "".join(f"{r}\n" for r in k8s) + ")\n"
-    )
-    # The tools-file idiom: lets `go mod tidy` resolve the command's dependency graph.
-    (work / "tools.go").write_text(
-        f'//go:build tools\n\npackage tools\n\nimport _ "{_HELM_MODULE}/cmd/helm"\n'
-    )
-    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (helm)")
-    # The same version stamps as helm's Makefile: `helm version` and the default
-    # Capabilities.KubeVersion used by `helm template` / `helm lint`.
-    k8s_minor = KUBERNETES_VERSION.lstrip("v").split(".")[1]
-    ldflags = " ".join([
-        "-s -w",
-        f"-X {_HELM_MODULE}/internal/version.version={HELM_VERSION}",
-        f"-X {_HELM_MODULE}/internal/version.gitTreeState=clean",
-        f"-X {_HELM_MODULE}/pkg/lint/rules.k8sVersionMajor=1",
-        f"-X {_HELM_MODULE}/pkg/lint/rules.k8sVersionMinor={k8s_minor}",
-        f"-X {_HELM_MODULE}/pkg/chartutil.k8sVersionMajor=1",
-        f"-X {_HELM_MODULE}/pkg/chartutil.k8sVersionMinor={k8s_minor}",
-    ])
-    go_build(work, {"helm": f"{_HELM_MODULE}/cmd/helm"}, ldflags, log, f"helm {HELM_VERSION}", progress)
-    install_built(work, ["helm"], dest)
-    return exe
+
+    def build(work: Path, log: Path) -> Path:
+        k8s = _aligned_k8s_requires(module_gomod(work, log, _HELM_MODULE, HELM_VERSION))
+        (work / "go.mod").write_text(
+            "module mlxfleet.local/helmbuild\n\ngo 1.24.0\n\n"
+            f"require (\n\t{_HELM_MODULE} {HELM_VERSION}\n" + "".join(f"{r}\n" for r in k8s) + ")\n"
+        )
+        # The tools-file idiom: lets `go mod tidy` resolve the command's dependency graph.
+        (work / "tools.go").write_text(
+            f'//go:build tools\n\npackage tools\n\nimport _ "{_HELM_MODULE}/cmd/helm"\n'
+        )
+        go_run(["go", "mod", "tidy"], work, log, "go mod tidy (helm)")
+        # The same version stamps as helm's Makefile: `helm version` and the default
+        # Capabilities.KubeVersion used by `helm template` / `helm lint`.
+        k8s_minor = KUBERNETES_VERSION.lstrip("v").split(".")[1]
+        ldflags = " ".join([
+            "-s -w",
+            f"-X {_HELM_MODULE}/internal/version.version={HELM_VERSION}",
+            f"-X {_HELM_MODULE}/internal/version.gitTreeState=clean",
+            f"-X {_HELM_MODULE}/pkg/lint/rules.k8sVersionMajor=1",
+            f"-X {_HELM_MODULE}/pkg/lint/rules.k8sVersionMinor={k8s_minor}",
+            f"-X {_HELM_MODULE}/pkg/chartutil.k8sVersionMajor=1",
+            f"-X {_HELM_MODULE}/pkg/chartutil.k8sVersionMinor={k8s_minor}",
+        ])
+        go_build(work, {"helm": f"{_HELM_MODULE}/cmd/helm"}, ldflags, log, f"helm {HELM_VERSION}", progress)
+        install_built(work, ["helm"], dest)
+        return exe
+
+    return build_once(f"helm-{HELM_VERSION}", lambda: exe if exe.is_file() else None, build)

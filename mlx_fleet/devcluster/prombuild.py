@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mlx_fleet.devcluster.binaries import (
     ProgressFn,
-    build_workspace,
+    build_once,
     cache_dir,
     go_build,
     go_run,
@@ -70,32 +70,32 @@ def ensure_prometheus(progress: ProgressFn | None = None) -> PrometheusBinaries:
     Raises :class:`~mlx_fleet.devcluster.binaries.BuildError` if ``go`` fails; the message names
     the log file with the full output.
     """
-    cached = cached_prometheus()
-    if cached is not None:
-        return cached
-    work, log = build_workspace(f"prometheus-{PROMETHEUS_MODULE_VERSION}")
-    (work / "go.mod").write_text(
-        "module mlxfleet.local/prometheusbuild\n\ngo 1.24.0\n\n"
-        f"require {_MODULE} {PROMETHEUS_MODULE_VERSION}\n"
-    )
-    # The tools-file idiom: lets `go mod tidy` resolve the commands' dependency graph.
-    (work / "tools.go").write_text(
-        "//go:build tools\n\npackage tools\n\nimport (\n"
-        f'\t_ "{_MODULE}/cmd/prometheus"\n\t_ "{_MODULE}/cmd/promtool"\n)\n'
-    )
-    go_run(["go", "mod", "tidy"], work, log, "go mod tidy (prometheus)")
-    # The version stamps of Prometheus' .promu.yml, so `--version` reports the release.
-    vpkg = "github.com/prometheus/common/version"
-    ldflags = " ".join([
-        "-s -w",
-        f"-X {vpkg}.Version={release_version()}",
-        f"-X {vpkg}.Branch=module-{PROMETHEUS_MODULE_VERSION}",
-        f"-X {vpkg}.BuildUser=mlx-fleet",
-        f"-X {vpkg}.BuildDate=19700101-00:00:00",
-    ])
-    go_build(work, {"prometheus": f"{_MODULE}/cmd/prometheus",
-                     "promtool": f"{_MODULE}/cmd/promtool"},
-             ldflags, log, f"prometheus {release_version()}", progress)
-    install_built(work, ["prometheus", "promtool"], prometheus_dir())
-    return PrometheusBinaries(prometheus=prometheus_dir() / "prometheus",
-                              promtool=prometheus_dir() / "promtool")
+
+    def build(work: Path, log: Path) -> PrometheusBinaries:
+        (work / "go.mod").write_text(
+            "module mlxfleet.local/prometheusbuild\n\ngo 1.24.0\n\n"
+            f"require {_MODULE} {PROMETHEUS_MODULE_VERSION}\n"
+        )
+        # The tools-file idiom: lets `go mod tidy` resolve the commands' dependency graph.
+        (work / "tools.go").write_text(
+            "//go:build tools\n\npackage tools\n\nimport (\n"
+            f'\t_ "{_MODULE}/cmd/prometheus"\n\t_ "{_MODULE}/cmd/promtool"\n)\n'
+        )
+        go_run(["go", "mod", "tidy"], work, log, "go mod tidy (prometheus)")
+        # The version stamps of Prometheus' .promu.yml, so `--version` reports the release.
+        vpkg = "github.com/prometheus/common/version"
+        ldflags = " ".join([
+            "-s -w",
+            f"-X {vpkg}.Version={release_version()}",
+            f"-X {vpkg}.Branch=module-{PROMETHEUS_MODULE_VERSION}",
+            f"-X {vpkg}.BuildUser=mlx-fleet",
+            f"-X {vpkg}.BuildDate=19700101-00:00:00",
+        ])
+        go_build(work, {"prometheus": f"{_MODULE}/cmd/prometheus",
+                         "promtool": f"{_MODULE}/cmd/promtool"},
+                 ldflags, log, f"prometheus {release_version()}", progress)
+        install_built(work, ["prometheus", "promtool"], prometheus_dir())
+        return PrometheusBinaries(prometheus=prometheus_dir() / "prometheus",
+                                  promtool=prometheus_dir() / "promtool")
+
+    return build_once(f"prometheus-{PROMETHEUS_MODULE_VERSION}", cached_prometheus, build)
