@@ -351,6 +351,7 @@ class Controller:
         self._done: dict[str, Assignment | _Invalid] = {}  # what each key's last task reached
         self._conflicts: set[str] = set()  # keys refused with ModelNameConflict
         self._claims: dict[str, str] = {}  # key → served name, while its task loads it
+        self._attempted: dict[str, _Spec] = {}  # key → the spec its tasks last tried to load
         self._bug: BaseException | None = None  # of a key's task; raised by the next pass
         # One lock per assignment key: a load, an idle unload, a reload and converging one
         # assignment never interleave (the lifecycle task skips a key that is busy).
@@ -635,6 +636,10 @@ class Controller:
         loaded = self._loaded.pop(key, None)
         if loaded is not None:
             self._let_go(key, loaded, "removed")
+        attempted = self._attempted.pop(key, None)
+        if attempted is not None and (attempted.model_id, attempted.revision) not in \
+                self._draining:  # (a drain forgets it once done)
+            self._forget(attempted)  # e.g. a cancelled download's series (unless loaded)
         self._failed.pop(key, None)
         self._conflicts.discard(key)
         if key in self._reported or loaded is not None:
@@ -746,6 +751,11 @@ class Controller:
             await self._standby(key, d, waiting)
             return True
         self._claims[key] = spec.model_id  # no await since the owner check: no race for it
+        tried = self._attempted.get(key)
+        self._attempted[key] = spec
+        if tried is not None and (tried.model_id, tried.revision) not in {
+                (spec.model_id, spec.revision), *self._draining}:
+            self._forget(tried)  # an earlier attempt under another name left its series
         try:
             return await self._load(key, d, spec, retry=failed)
         finally:
@@ -770,8 +780,11 @@ class Controller:
 
         async def run() -> None:
             try:
+                t0 = time.perf_counter()
                 await self._core.unload_model(spec.model_id, spec.revision,
                                               drain_seconds=DRAIN_SECONDS)
+                self._metrics.model_unload_seconds.labels(UNLOAD_UNASSIGNED).observe(
+                    time.perf_counter() - t0)
                 self._metrics.model_unloads.labels(UNLOAD_UNASSIGNED).inc()
             except Exception:  # noqa: BLE001 - logged; the core stays usable
                 log.exception("unloading %s revision %s failed", *ident)
@@ -997,9 +1010,12 @@ class Controller:
                 return None
             loaded.standby = True
             try:
+                t0 = time.perf_counter()
                 # nothing is in flight: the drain ends at once; it is only a safety net
                 await self._core.unload_model(spec.model_id, spec.revision,
                                               drain_seconds=DRAIN_SECONDS)
+                self._metrics.model_unload_seconds.labels(reason).observe(
+                    time.perf_counter() - t0)
             except Exception:  # noqa: BLE001 - logged; the core stays usable
                 log.exception("unloading %s revision %s (%s) failed", spec.model_id,
                               spec.revision, reason)

@@ -57,6 +57,7 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
     ctl = await controller(clock=clock, lifecycle_interval=PARKED,
                            budget_bytes=2 * need + need // 2)  # two fit, three don't
     evictions_before = sample(core, "mlxfleet_agent_model_unloads_total", reason=EVICTED) or 0
+    timed_before = sample(core, "mlxfleet_agent_model_unload_seconds_count", reason=EVICTED) or 0
     a = await assign_and_wait_ready(store, keys, idle_assignment(
         test_model_dir, idle=300, name="a", model="a"))
     clock.now += 1
@@ -82,6 +83,9 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
     assert ctl.served()["b"].standby == frozenset({"r1"}) and ctl.idle_unloaded == {}
     assert sample(core, "mlxfleet_agent_model_unloads_total",
                   reason=EVICTED) == evictions_before + 1
+    assert sample(core, "mlxfleet_agent_model_unload_seconds_count",
+                  reason=EVICTED) == timed_before + 1
+    assert sample(core, "mlxfleet_agent_model_unload_seconds_sum", reason=EVICTED) > 0
 
     # a request for b reloads it, evicting the least recently used of the others (a)
     await ctl.converged()
@@ -255,6 +259,8 @@ async def test_lifecycle_metrics_and_a_removed_revision_leaves_no_series(
 
     await wait_for(lambda: not core.is_loaded("m") and series_of_m() == [], TIMEOUT)
     assert sample(core, "mlxfleet_agent_model_unloads_total", reason="Unassigned") >= 1
+    assert sample(core, "mlxfleet_agent_model_unload_seconds_count", reason="Unassigned") == \
+        sample(core, "mlxfleet_agent_model_unloads_total", reason="Unassigned")
     assert ctl.history.times(("m", "r1")) == ()
 
 

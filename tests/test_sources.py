@@ -768,6 +768,8 @@ async def test_a_stalled_download_never_blocks_another_assignment(
     await controller.converged()
     assert not core.is_loaded("slow") and set(controller.served()) == {"local"}
     assert "default/slow/r1" not in controller.states()
+    assert core.registry.get_sample_value("mlxfleet_agent_download_bytes_total",
+                                          {"model": "slow", "revision": "r1"}) is None
 
     mirror.unstall.set()  # the server lets go; A is assigned again
     start = (await store.list(keys.root + "/")).revision + 1
