@@ -327,6 +327,31 @@ async def test_changed_source_of_a_revision_reloads_it(store: EtcdStore, keys: K
         ("m", "r1", str(other_model_path))]
 
 
+async def test_a_served_name_taken_by_another_deployment_is_refused_until_it_is_freed(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        test_model_dir: Path) -> None:
+    """Two deployments assigned the same served model name at once (converged concurrently):
+    exactly one loads, the other is Failed/ModelNameConflict naming it; once the first is
+    unassigned, the other loads without any change of its own assignment."""
+    a = assignment("first", test_model_dir, model="shared")
+    b = assignment("second", test_model_dir, model="shared")
+    await asyncio.gather(put(store, keys, a), put(store, keys, b))
+    ra, rb = [await wait_report(store, keys.report(NODE, "default", n, "r1"), settled)
+              for n in ("first", "second")]
+    assert ra is not None and rb is not None
+    assert sorted([ra.state, rb.state]) == [AssignmentState.FAILED, AssignmentState.READY]
+    winner, loser = ("first", "second") if ra.state == AssignmentState.READY else (
+        "second", "first")
+    refused = rb if winner == "first" else ra
+    assert refused.reason == "ModelNameConflict" and winner in refused.message
+    assert [m.model_id for m in core.models()] == ["shared"]
+
+    await store.delete(keys.assignment(NODE, "default", winner, "r1"))
+    r = await wait_report(store, keys.report(NODE, "default", loser, "r1"), settled_ready)
+    assert r is not None and r.generation == 1
+    assert controller.served()["shared"].name == loser
+
+
 async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
                                                 core: ServingCore, controller: Controller,
                                                 tmp_path: Path) -> None:

@@ -781,6 +781,27 @@ async def test_a_stalled_download_never_blocks_another_assignment(
     assert core.is_loaded("slow", "r1") and core.is_loaded("local", "r1")
 
 
+async def test_a_changed_source_restarts_a_held_download(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        mirror: Mirror, test_model_dir: Path) -> None:
+    """An assignment whose source changes while its download is held by the server: the
+    download is called off and the new source (a local directory) loads and is Ready, the
+    server still holding the old body."""
+    mirror.stall_at["model.safetensors"] = 50_000
+    akey = keys.assignment(NODE, "default", "moved", "r1")
+    rkey = keys.report(NODE, "default", "moved", "r1")
+    await store.put(akey, https_assignment("moved", mirror.url).to_json())
+    await asyncio.wait_for(mirror.stalled.wait(), TIMEOUT)
+    start = (await store.list(keys.root + "/")).revision + 1
+    await store.put(akey, assignment("moved", test_model_dir, generation=2).to_json())
+    seen = await report_events(store, rkey, start, settled)
+    assert seen[-1] is not None and seen[-1].state == AssignmentState.READY
+    assert seen[-1].generation == 2 and str(test_model_dir) in seen[-1].message
+    assert all(r is not None and r.generation == 2 for r in seen)  # nothing more of the old
+    assert not mirror.unstall.is_set()
+    assert [(m.model_id, m.path) for m in core.models()] == [("moved", str(test_model_dir))]
+
+
 # ---------------------------------------------------------------------------------------------
 # mlx-fleet status
 # ---------------------------------------------------------------------------------------------
