@@ -487,6 +487,40 @@ async def test_callback_bug_restarts_the_follower_which_converges(
             await core.unload_model(m.model_id)
 
 
+async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converges_it(
+        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        test_model_dir: Path) -> None:
+    """An unexpected exception in one assignment's task is raised by the converge worker (so
+    /health shows it and the supervisor restarts it); the restarted worker starts that
+    assignment's task again, which loads it."""
+    ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
+                     advertise_url=ADVERTISED)
+    real = ctl._converge_one
+    bugs = 0
+
+    async def converge_one(key, d):  # a bug, once
+        nonlocal bugs
+        if bugs == 0:
+            bugs += 1
+            raise RuntimeError("injected task bug")
+        return await real(key, d)
+
+    ctl._converge_one = converge_one  # type: ignore[method-assign]
+    await ctl.start()
+    try:
+        await put(store, keys, assignment("y", test_model_dir))
+        r = await wait_report(store, keys.report(NODE, "default", "y", "r1"), settled)
+        assert r is not None and r.state == AssignmentState.READY
+        worker = ctl.tasks[1]
+        assert worker.name == "controller:converge"
+        assert bugs == 1 and worker.restarts == 1
+        assert worker.last_error == "RuntimeError: injected task bug"
+    finally:
+        await ctl.stop()
+        for m in core.models():
+            await core.unload_model(m.model_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent process (main.py wiring)
 # ---------------------------------------------------------------------------------------------
