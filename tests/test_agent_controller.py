@@ -352,6 +352,27 @@ async def test_a_served_name_taken_by_another_deployment_is_refused_until_it_is_
     assert controller.served()["shared"].name == loser
 
 
+async def test_unassigning_a_revision_the_core_is_loading_calls_the_load_off(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        test_model_dir: Path) -> None:
+    """The MLX thread is held, so the load is queued on it: unassigning the revision cancels
+    its task at once (its report goes while the thread is still held), the core drops the
+    load, and nothing of it stays resident."""
+    rkey = keys.report(NODE, "default", "queued", "r1")
+    async with mlx_thread_held(core, TIMEOUT):
+        await put(store, keys, assignment("queued", test_model_dir))
+        r = await wait_report(store, rkey, state_is(AssignmentState.LOADING))
+        assert r is not None
+        await wait_for(lambda: [(p.model_id, p.state) for p in core.loads()]
+                       == [("queued", "Queued")], TIMEOUT)  # waiting for the MLX thread
+        await store.delete(keys.assignment(NODE, "default", "queued", "r1"))
+        assert await wait_report(store, rkey, lambda r: r is None) is None
+        await controller.converged()  # its task has ended, the thread still held
+        assert controller.served() == {} and controller.states() == {}
+    await wait_for(lambda: core.loads() == [], TIMEOUT)
+    assert core.models() == [] and not core.is_loaded("queued")
+
+
 async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
                                                 core: ServingCore, controller: Controller,
                                                 tmp_path: Path) -> None:
