@@ -11,29 +11,38 @@ one per assignment key — that is per (deployment, revision): two revisions of 
 entry in the core's registry. :meth:`Controller.served` tells the HTTP layer which revisions of
 each served model are loaded and in which :class:`~mlx_fleet.contract.Role`.
 
-Converging is serialized: one worker task waits for a "desired state changed" signal and runs
-a pass over the latest desired set. A pass first unloads revisions that are no longer assigned
-(or whose model name changed) — *draining* them in the background: the revision stops taking
-new requests at once, its running requests finish (up to :data:`DRAIN_SECONDS`), then it is
-unloaded; so removing the previous revision of a rolling update fails no request — then loads
-what is missing or changed (a changed source URI or serving limit reloads; a changed ``role``
-does not: promotion is free). Before each load it checks the signal again, so the newest desired
-state wins; a load that is running is never started a second time.
+Converging is concurrent per assignment key: each key gets a task of its own (download → check
+→ load → report), so a slow download never holds up another assignment's load, unload or
+unassignment. A converge worker only plans — :func:`~node_agent.lifecycle.plan_convergence`, a
+plain function over each key's state — and cancels and starts the keys' tasks; it never waits
+for a download or a load. A key's task whose target changes (source URI, serving limits, served
+name) or that is unassigned is cancelled (a download stops at once, its partial files stay for a
+resume; a load the core was reading is called off) and a new task takes over once it has ended:
+it loads the new target, or *retires* the key — a revision that is no longer assigned (or whose
+model name changed) is *drained* in the background: it stops taking new requests at once, its
+running requests finish (up to :data:`DRAIN_SECONDS`), then it is unloaded; so removing the
+previous revision of a rolling update fails no request — and its report is deleted. A change of
+``generation`` or ``role`` lets a running task finish and is reported after it (a changed
+``role`` is never a reload: promotion is free). One lock per key: a key's tasks, its idle unload
+and its reload on demand never interleave. The serving core queues loads and materialises one
+at a time; downloads, header checks and reports overlap.
 
 Reports (:class:`~mlx_fleet.contract.AssignmentReport` at
 ``keys.report(node, ns, name, revision)``) are written through
 :class:`~node_agent.registration.Registration`, bound to its lease: ``Loading`` → ``Ready``
 (``endpoint`` = the agent's advertised URL, ``resident_bytes`` = the weights' bytes from the
 safetensors headers, ``estimated_bytes`` = weights + KV cache at the assignment's limits,
-:mod:`node_agent.memory_estimate`) or ``Failed`` (``reason``/``message`` from
+:mod:`node_agent.memory_estimate`, carried by every report once known, Loading, Prefetching and
+Failed ones included) or ``Failed`` (``reason``/``message`` from
 :class:`~node_agent.serving.ModelLoadError`, :class:`~node_agent.sources.SourceError` or
 :class:`~node_agent.memory_estimate.ModelFileError` — a hostile or malformed safetensors header
 or ``config.json`` is refused before anything is loaded). The
 report is deleted when the assignment goes away. A malformed assignment value is logged and
 reported ``Failed``/``InvalidAssignment``; it never stops the controller.
 
-A failed load is retried with a capped exponential back-off (:data:`RETRY_INITIAL_BACKOFF`
-doubling to :data:`RETRY_MAX_BACKOFF`), because the cause is often transient: a model disk not
+A failed load is retried, per assignment, with a capped exponential back-off
+(:data:`RETRY_INITIAL_BACKOFF` doubling to :data:`RETRY_MAX_BACKOFF`; the converge worker starts
+the key's task again when its retry is due), because the cause is often transient: a model disk not
 mounted yet (``ModelNotFound``), memory still held by another process (``LoadFailed``). While it
 retries the report stays ``Failed`` (no ``Loading`` flicker); its message carries the attempt
 count and the next delay, and a successful retry reports ``Ready``. Failures no retry can fix
@@ -93,8 +102,9 @@ from mlx_fleet.store import KV, Snapshot, Store, WatchEvent, follow_prefix
 
 from mlx_fleet.supervise import Supervised
 
-from .lifecycle import (DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS, ModelUse,
-                        UsageHistory, evictions, idle_unloads, predict_prefetch)
+from .lifecycle import (DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS, KeyState,
+                        ModelUse, UsageHistory, evictions, idle_unloads, plan_convergence,
+                        predict_prefetch)
 from . import memory_estimate
 from .registration import Registration
 from .serving import MemoryUsage, ModelLoadError, ModelNotLoaded, Overloaded, ServingCore
@@ -238,6 +248,12 @@ class _Failure:
     message: str           # the report's message (with attempt count and next retry)
     attempts: int
     retry_at: float | None  # monotonic time of the next attempt; None: not retried
+    estimated_bytes: int = 0  # the revision's memory estimate, when the agent knows it
+
+
+#: ``done`` of a key that is not assigned and has something left (a report, a failure), so
+#: that the converge plan retires it.
+_RESIDUE = object()
 
 
 @dataclasses.dataclass
@@ -328,7 +344,15 @@ class Controller:
         self._observing: asyncio.Task | None = None
         self._loading: dict[str, int] = {}  # assignment key → estimate, while the core loads it
         self._loading_ids: dict[str, tuple[str, str]] = {}  # same keys → (model id, revision)
-        self._quiet = asyncio.Event()  # set while the converge worker waits for a change
+        self._quiet = asyncio.Event()  # set while no key's task runs and nothing is pending
+        # One task per assignment key (lifecycle.plan_convergence): key → (the target it
+        # works towards, None when it retires the key; the task)
+        self._key_tasks: dict[str, tuple[_Spec | _Invalid | None, asyncio.Task]] = {}
+        self._done: dict[str, Assignment | _Invalid] = {}  # what each key's last task reached
+        self._conflicts: set[str] = set()  # keys refused with ModelNameConflict
+        self._claims: dict[str, str] = {}  # key → served name, while its task loads it
+        self._attempted: dict[str, _Spec] = {}  # key → the spec its tasks last tried to load
+        self._bug: BaseException | None = None  # of a key's task; raised by the next pass
         # One lock per assignment key: a load, an idle unload, a reload and converging one
         # assignment never interleave (the lifecycle task skips a key that is busy).
         self._locks: dict[str, asyncio.Lock] = {}
@@ -365,6 +389,10 @@ class Controller:
         """Stop following and converging. Loaded models stay loaded (the core owns them)."""
         for t in self._tasks:
             await t.stop()
+        running = [t for _, t in self._key_tasks.values()]
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         for t in self._draining.values():
             t.cancel()
         for t in list(self._reloads.values()):
@@ -374,9 +402,9 @@ class Controller:
                 t.cancel()
 
     async def converged(self) -> None:
-        """Return once the converge worker has finished its passes over the desired state it
-        has seen and waits for a change (no pass running, none pending; failed loads may be
-        waiting for their retry). A change that arrives later starts a new pass."""
+        """Return once every assignment's task has ended and the converge worker has planned
+        over the desired state it has seen and waits for a change (failed loads may be
+        waiting for their retry). A change that arrives later starts new tasks."""
         await self._quiet.wait()
 
     def served(self) -> dict[str, ServedModel]:
@@ -486,7 +514,7 @@ class Controller:
         self.snapshots += 1
         log.info("assignments of %s at revision %d: %d", self.node_name, snap.revision,
                  len(desired))
-        self._changed.set()
+        self._signal()
 
     async def _on_event(self, ev: WatchEvent) -> None:
         if ev.type == "DELETE":
@@ -498,36 +526,147 @@ class Controller:
                 return
             self._desired[ev.kv.key] = value
             log.info("assignment %s changed (revision %d)", ev.kv.key, ev.kv.mod_revision)
-        self._changed.set()
+        self._signal()
 
     # -- converging --------------------------------------------------------------------------
+    def _signal(self) -> None:
+        """Something changed (desired state, a key's task ended, a drain ended): the converge
+        worker plans again; :meth:`converged` waits for that pass."""
+        self._quiet.clear()
+        self._changed.set()
+
     async def _worker(self) -> None:
-        """Converge whenever the desired state changes. A pass that raises is a bug: it ends
-        this run, and the supervisor restarts it (with a back-off), which converges again."""
+        """Plan whenever something changes, or when a failed load's retry is due. A pass that
+        raises is a bug: it ends this run, and the supervisor restarts it (with a back-off),
+        which plans again; the keys' tasks keep running meanwhile."""
         self._changed.set()  # (re)started: a pass may have been cut short
         while True:
-            retry_in = self._next_retry()
-            if not self._changed.is_set() and (retry_in is None or retry_in > 0):
+            self._changed.clear()
+            wake_at = await self._converge()
+            if not self._changed.is_set() and not self._key_tasks:
                 self._quiet.set()
-            if retry_in is None:
+            if wake_at is None:
                 await self._changed.wait()
-            elif retry_in > 0:
+            elif (retry_in := wake_at - time.monotonic()) > 0:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
                 # cancellation that arrives as the event is set, and stop() would hang
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(retry_in):
                         await self._changed.wait()
-            self._quiet.clear()
-            self._changed.clear()
-            await self._converge()
 
-    def _next_retry(self) -> float | None:
-        """Seconds until the earliest retry of a failed load that is still assigned as it
-        failed (≤ 0: due now), or None when none is pending."""
-        times = [f.retry_at for key, f in self._failed.items()
-                 if f.retry_at is not None and isinstance(d := self._desired.get(key), Assignment)
-                 and _Spec.of(d) == f.spec]
-        return min(times) - time.monotonic() if times else None
+    async def _converge(self) -> float | None:
+        """One pass of the converge worker: :func:`~.lifecycle.plan_convergence` over every
+        key's state, then cancel and start the keys' tasks it names (nothing here waits for a
+        download or a load). Returns the monotonic time of the next retry (None: none).
+        Re-raises the exception of a key's task that failed with a bug."""
+        if self._bug is not None:
+            bug, self._bug = self._bug, None
+            raise bug
+        plan = plan_convergence(self._key_states(), time.monotonic())
+        for key in plan.cancel:
+            self._key_tasks[key][1].cancel()
+        for key in plan.start:
+            self._start_key(key)
+        for key in set(self._locks) - self._desired.keys() - self._key_tasks.keys():
+            if not self._locks[key].locked():
+                del self._locks[key]
+        return plan.wake_at
+
+    @staticmethod
+    def _target(d: Assignment | _Invalid | None) -> _Spec | _Invalid | None:
+        """What a change of restarts ``d``'s task: its spec (an invalid value: itself)."""
+        return _Spec.of(d) if isinstance(d, Assignment) else d
+
+    def _key_states(self) -> dict[str, KeyState]:
+        """Every assignment key this controller knows of → its :class:`~.lifecycle.KeyState`."""
+        out: dict[str, KeyState] = {}
+        for key in {*self._desired, *self._done, *self._key_tasks, *self._loaded,
+                    *self._failed, *self._reported}:
+            d = self._desired.get(key)
+            target = self._target(d)
+            task = self._key_tasks.get(key)
+            f = self._failed.get(key)
+            done = self._done.get(key)
+            if d is None and done is None and task is None:
+                done = _RESIDUE  # something left of it (a report, a failure): retire it
+            out[key] = KeyState(
+                desired=d, target=target, busy=task is not None,
+                running=task[0] if task is not None else None, done=done,
+                retry_at=f.retry_at if f is not None and f.spec == target else None)
+        return out
+
+    def _start_key(self, key: str) -> None:
+        """Start ``key``'s task towards its desired state now (after its previous task, if
+        one runs: that one has just been cancelled, or is retiring the key)."""
+        d = self._desired.get(key)
+        previous = self._key_tasks.get(key)
+        task = asyncio.create_task(self._run_key(key, d, previous[1] if previous else None),
+                                   name=f"converge {key}")
+        self._key_tasks[key] = (self._target(d), task)
+        self._quiet.clear()
+
+        def ended(t: asyncio.Task) -> None:
+            if self._key_tasks.get(key, (None, None))[1] is t:
+                del self._key_tasks[key]
+            if not t.cancelled() and (e := t.exception()) is not None:
+                log.error("converging assignment %s failed", key, exc_info=e)
+                self._bug = self._bug or e
+            self._signal()
+
+        task.add_done_callback(ended)
+
+    async def _run_key(self, key: str, d: Assignment | _Invalid | None,
+                       previous: asyncio.Task | None) -> None:
+        """``key``'s task: bring it to ``d`` (None: retire it) under its lock, once its
+        previous task has ended; record what it converged to."""
+        if previous is not None:
+            await asyncio.wait({previous})
+        async with self._lock(key):
+            if d is None:
+                await self._retire(key)
+                self._done.pop(key, None)
+            elif await self._converge_one(key, d):
+                self._done[key] = d
+            else:
+                self._done.pop(key, None)  # called off: the next pass starts it again
+
+    async def _retire(self, key: str) -> None:
+        """``key`` is no longer assigned: drain what it has loaded (in the background), forget
+        its failure and delete its report (under its lock)."""
+        loaded = self._loaded.pop(key, None)
+        if loaded is not None:
+            self._let_go(key, loaded, "removed")
+        attempted = self._attempted.pop(key, None)
+        if attempted is not None and (attempted.model_id, attempted.revision) not in \
+                self._draining:  # (a drain forgets it once done)
+            self._forget(attempted)  # e.g. a cancelled download's series (unless loaded)
+        self._failed.pop(key, None)
+        self._conflicts.discard(key)
+        if key in self._reported or loaded is not None:
+            await self._reg.delete_report(self._report_key(key))
+        self._reported.discard(key)
+
+    def _let_go(self, key: str, loaded: _Loaded, why: str) -> None:
+        """``key`` no longer serves ``loaded`` (already removed from ``_loaded``): drain it, or
+        forget it if it is in standby; an assignment refused for its name may now load."""
+        if loaded.standby:  # unloaded already
+            log.info("forgetting standby %s revision %s (assignment %s %s)",
+                     loaded.spec.model_id, loaded.spec.revision, key, why)
+            self._forget(loaded.spec)
+        else:
+            log.info("draining %s revision %s (assignment %s %s)", loaded.spec.model_id,
+                     loaded.spec.revision, key, why)
+            self._drain(loaded.spec)
+        self._recheck_conflicts()
+
+    def _recheck_conflicts(self) -> None:
+        """A served name may have been freed: converge the keys refused with
+        ``ModelNameConflict`` again."""
+        if self._conflicts:
+            for key in self._conflicts:
+                self._done.pop(key, None)
+            self._conflicts.clear()
+            self._signal()
 
     def _report_key(self, key: str) -> str:
         parsed = self._keys.parse_assignment(key)
@@ -538,11 +677,12 @@ class Controller:
                       generation: int, revision: str = "", reason: str = "", message: str = "",
                       endpoint: str = "", resident_bytes: int = 0,
                       freed_bytes: int = 0, estimated_bytes: int = 0) -> None:
-        await self._reg.put_report(self._report_key(key), AssignmentReport(
+        # shielded: a key's task cancelled meanwhile never cuts another report's write short
+        await asyncio.shield(self._reg.put_report(self._report_key(key), AssignmentReport(
             node=self.node_name, namespace=namespace, name=name, generation=generation,
             revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
             resident_bytes=resident_bytes, freed_bytes=freed_bytes,
-            estimated_bytes=estimated_bytes))
+            estimated_bytes=estimated_bytes)))
 
     def _lock(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -550,66 +690,31 @@ class Controller:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
-    async def _converge(self) -> None:
-        desired = dict(self._desired)
-
-        # 1. drain and unload what is no longer assigned (or is now served under another name)
-        for key in list(self._loaded):
-            async with self._lock(key):  # a reload of it finishes first
-                loaded = self._loaded.get(key)
-                if loaded is None:
-                    continue
-                d = desired.get(key)
-                if isinstance(d, Assignment) and d.served_model_name == loaded.spec.model_id:
-                    continue  # same name: a changed spec reloads in place below
-                del self._loaded[key]
-                if loaded.standby:  # unloaded already
-                    log.info("forgetting standby %s revision %s (assignment %s %s)",
-                             loaded.spec.model_id, loaded.spec.revision, key,
-                             "removed" if d is None else "changed")
-                    self._forget(loaded.spec)
-                    continue
-                log.info("draining %s revision %s (assignment %s %s)", loaded.spec.model_id,
-                         loaded.spec.revision, key, "removed" if d is None else "changed")
-                self._drain(loaded.spec)
-        for key in list(self._failed):
-            if key not in desired:
-                del self._failed[key]
-        # reports of assignments that are gone (Ready, Failed or Loading alike)
-        for key in {*self._reported, *self._loaded} - desired.keys():
-            await self._reg.delete_report(self._report_key(key))
-            self._reported.discard(key)
-        for key in set(self._locks) - desired.keys():
-            if not self._locks[key].locked():
-                del self._locks[key]
-
-        # 2. load what is missing or changed; newest desired state wins
-        for key, d in desired.items():
-            if self._changed.is_set():
-                return  # the worker runs again at once with the latest desired set
-            async with self._lock(key):
-                if self._changed.is_set():
-                    return  # changed while a reload of this key held it
-                await self._converge_one(key, d)
-
-    async def _converge_one(self, key: str, d: Assignment | _Invalid) -> None:
-        """Bring one assignment to its desired state (under its key's lock)."""
+    async def _converge_one(self, key: str, d: Assignment | _Invalid) -> bool:
+        """Bring one assignment to ``d`` (under its key's lock): False when that was called
+        off (the assignment changed meanwhile, an unload called the load off), True when it
+        is done — loaded, in standby, or failed with its report written."""
         self._reported.add(key)
+        self._conflicts.discard(key)
         if isinstance(d, _Invalid):
             self._failed.pop(key, None)
             await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
                                name=d.name, generation=d.generation,
                                reason="InvalidAssignment", message=d.message)
-            return
+            return True
         spec = _Spec.of(d)
         loaded = self._loaded.get(key)
+        if loaded is not None and loaded.spec.model_id != spec.model_id:
+            del self._loaded[key]  # now served under another name: the old one goes
+            self._let_go(key, loaded, "changed")
+            loaded = None
         if loaded is not None and loaded.spec == spec:
             # no-op unless e.g. the generation moved
             if loaded.standby:
                 await self._standby(key, d, loaded)
             else:
                 await self._ready(key, d, loaded)
-            return
+            return True
         failed = self._failed.get(key)
         if failed is not None and failed.spec != spec:
             failed = None  # a new spec: load it at once, attempts start over
@@ -618,20 +723,24 @@ class Controller:
             # waiting to retry (or not retried); the report follows the generation
             await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
                                name=d.name, generation=d.generation, revision=spec.revision,
-                               reason=failed.reason, message=failed.message)
-            return
-        owner = next((k for k, v in self._loaded.items()
-                      if v.spec.model_id == spec.model_id
+                               reason=failed.reason, message=failed.message,
+                               estimated_bytes=failed.estimated_bytes)
+            return True
+        # the name is taken by another deployment's revision, loaded or being loaded
+        owner = next((k for k, m in [*((k, v.spec.model_id) for k, v in self._loaded.items()),
+                                     *self._claims.items()]
+                      if m == spec.model_id and k != key
                       and self._keys.parse_assignment(k)[1:3] != (d.namespace, d.name)),
                      None)
         if owner is not None:
-            self._failed.pop(key, None)  # re-evaluated on every pass instead
+            self._failed.pop(key, None)
+            self._conflicts.add(key)  # converged again once a served name is freed
             await self._report(key, AssignmentState.FAILED, namespace=d.namespace,
                                name=d.name, generation=d.generation,
                                revision=spec.revision, reason="ModelNameConflict",
                                message=f"model name {spec.model_id!r} is already served "
                                        f"for assignment {owner}")
-            return
+            return True
         if d.lifecycle.prefetch == PREFETCH_ON_DEMAND and failed is None and (
                 loaded is None or loaded.standby):
             # OnDemand: nothing is fetched or loaded before the first request (ensure_loaded)
@@ -640,8 +749,19 @@ class Controller:
             log.info("%s revision %s (assignment %s) is OnDemand: standby until the first "
                      "request", spec.model_id, spec.revision, key)
             await self._standby(key, d, waiting)
-            return
-        await self._load(key, d, spec, retry=failed)
+            return True
+        self._claims[key] = spec.model_id  # no await since the owner check: no race for it
+        tried = self._attempted.get(key)
+        self._attempted[key] = spec
+        if tried is not None and (tried.model_id, tried.revision) not in {
+                (spec.model_id, spec.revision), *self._draining}:
+            self._forget(tried)  # an earlier attempt under another name left its series
+        try:
+            return await self._load(key, d, spec, retry=failed)
+        finally:
+            del self._claims[key]
+            if key not in self._loaded:
+                self._recheck_conflicts()
 
     def _forget(self, spec: _Spec) -> None:
         """``spec``'s revision is no longer assigned here: drop its usage history and every
@@ -660,8 +780,11 @@ class Controller:
 
         async def run() -> None:
             try:
+                t0 = time.perf_counter()
                 await self._core.unload_model(spec.model_id, spec.revision,
                                               drain_seconds=DRAIN_SECONDS)
+                self._metrics.model_unload_seconds.labels(UNLOAD_UNASSIGNED).observe(
+                    time.perf_counter() - t0)
                 self._metrics.model_unloads.labels(UNLOAD_UNASSIGNED).inc()
             except Exception:  # noqa: BLE001 - logged; the core stays usable
                 log.exception("unloading %s revision %s failed", *ident)
@@ -669,7 +792,7 @@ class Controller:
                 self._forget(spec)  # after the core's last write to its series
                 if self._draining.get(ident) is task:
                     del self._draining[ident]
-                    self._changed.set()
+                    self._signal()
 
         task = asyncio.create_task(run(), name=f"drain {spec.model_id}@{spec.revision}")
         self._draining[ident] = task
@@ -830,7 +953,9 @@ class Controller:
                        "(--max-loaded-models) are resident")
             cause = f"{spec.model_id} revision {spec.revision} ({why})"
             for victim in victims:
-                await self._to_standby(victim, EVICTED, cause=cause)  # type: ignore[arg-type]
+                # shielded: the load being called off must not leave a victim half unloaded
+                await asyncio.shield(self._to_standby(victim, EVICTED,  # type: ignore[arg-type]
+                                                      cause=cause))
             used, held, free, needed, count = state()
             if needed <= free and (not limit or count < limit):
                 return
@@ -885,9 +1010,12 @@ class Controller:
                 return None
             loaded.standby = True
             try:
+                t0 = time.perf_counter()
                 # nothing is in flight: the drain ends at once; it is only a safety net
                 await self._core.unload_model(spec.model_id, spec.revision,
                                               drain_seconds=DRAIN_SECONDS)
+                self._metrics.model_unload_seconds.labels(reason).observe(
+                    time.perf_counter() - t0)
             except Exception:  # noqa: BLE001 - logged; the core stays usable
                 log.exception("unloading %s revision %s (%s) failed", spec.model_id,
                               spec.revision, reason)
@@ -1064,7 +1192,7 @@ class Controller:
             if now is not None and not now.standby and self._core.is_loaded(spec.model_id,
                                                                             spec.revision):
                 return
-            self._changed.set()  # the converge worker schedules the retry (or what replaced it)
+            self._signal()  # the converge worker schedules the retry (or what replaced it)
             failure = self._failed.get(key)
             if failure is not None:
                 raise ModelLoadError(failure.reason, failure.message)
@@ -1073,7 +1201,7 @@ class Controller:
 
     async def _load(self, key: str, a: Assignment, spec: _Spec, *,
                     retry: _Failure | None = None, on_demand: bool = False,
-                    reason: str = RELOADING_ON_DEMAND) -> None:
+                    reason: str = RELOADING_ON_DEMAND) -> bool:
         """Load ``spec`` for ``key``; ``retry``: the failure this attempt retries (the report
         then stays Failed until the load succeeds, unless a download shows progress).
         A remote source (``hf://``, ``https://``) is downloaded first: ``Prefetching`` with
@@ -1084,11 +1212,20 @@ class Controller:
         ``Loading`` reason (:data:`RELOADING_ON_DEMAND`, :data:`PREDICTIVE_PREFETCH`).
         Before the core loads anything, :meth:`_make_room` checks the estimate against the
         node's budget and the revision count against ``max_loaded_models``, evicting idle
-        revisions if needed (a prefetch never evicts)."""
+        revisions if needed (a prefetch never evicts). Every report carries the memory
+        estimate (``estimated_bytes``) once the agent knows it — from the files' headers, or
+        from the revision's last load or attempt — Failed ones included, so the operator can
+        place it with its size.
+
+        Returns True when it is done (Ready, or Failed and reported), False when it was called
+        off (the assignment changed or went away during the download, an unload called the
+        load off). Cancellable at any point: the download stops (its partial files stay for a
+        resume), a load the core completed regardless is unloaded again."""
         common = dict(namespace=a.namespace, name=a.name, generation=a.generation,
                       revision=spec.revision)
         remote = is_remote(spec.uri)
         t0 = time.monotonic()
+        known = self._known_estimate(key, spec)
         if on_demand:
             before = self._loaded.get(key)
             why = ("a request is expected soon (predictive prefetch)"
@@ -1096,13 +1233,14 @@ class Controller:
             was = (self._standby_reason(before) if before is not None else IDLE_UNLOADED)
             await self._report(key, AssignmentState.LOADING, reason=reason,
                                message=f"loading {spec.model_id} from {spec.uri} {why} "
-                                       f"(standby: {was})", **common)
+                                       f"(standby: {was})", estimated_bytes=known, **common)
         elif retry is None:
             if remote:
                 await self._report_prefetch(key, spec, DownloadProgress(), common)
             else:
                 await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
-                                   message=f"loading {spec.model_id} from {spec.uri}", **common)
+                                   message=f"loading {spec.model_id} from {spec.uri}",
+                                   estimated_bytes=known, **common)
             log.info("%s %s revision %s from %s (assignment %s)",
                      "fetching" if remote else "loading", spec.model_id, spec.revision,
                      spec.uri, key)
@@ -1112,16 +1250,21 @@ class Controller:
         draining = self._draining.get((spec.model_id, spec.revision))
         if draining is not None:  # assigned again while it drains: let the unload finish first
             await asyncio.shield(draining)
+        est: memory_estimate.MemoryEstimate | None = None
+
+        async def fail(reason: str, message: str) -> bool:
+            await self._fail(key, spec, reason, message, common,
+                             estimated_bytes=est.total_bytes if est is not None else known)
+            return True
+
         try:
+            shown = False
             if remote:
                 fetched = await self._prefetch(key, spec, common,
                                                shown=retry is None and not on_demand)
                 if fetched is None:
-                    return  # the assignment changed or went away; the next pass takes over
+                    return False  # the assignment changed or went away; its new task takes over
                 path, shown = fetched
-                if shown:
-                    await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
-                                       message=f"loading {spec.model_id} from {path}", **common)
             else:
                 path = await asyncio.to_thread(self._resolve, spec.uri)
             # Read and check the headers before anything is loaded: a hostile or malformed
@@ -1130,10 +1273,14 @@ class Controller:
             est = await asyncio.to_thread(
                 memory_estimate.estimate, path, max_context_tokens=spec.max_context_tokens,
                 max_concurrent_sequences=spec.max_concurrent_sequences)
+            if shown:
+                await self._report(key, AssignmentState.LOADING, reason="LoadingModel",
+                                   message=f"loading {spec.model_id} from {path}",
+                                   estimated_bytes=est.total_bytes, **common)
             await self._make_room(key, spec, est.total_bytes,
                                   evict=not (on_demand and reason == PREDICTIVE_PREFETCH))
-            # reserved until it is resident, so a concurrent load (a reload on demand next to
-            # the converge pass) counts it and cannot over-commit the budget
+            # reserved until it is resident, so a concurrent load (another assignment's, a
+            # reload on demand) counts it and cannot over-commit the budget
             self._loading[key] = est.total_bytes
             self._loading_ids[key] = (spec.model_id, spec.revision)
             try:
@@ -1141,30 +1288,34 @@ class Controller:
                     spec.model_id, path, revision=spec.revision,
                     max_concurrent_sequences=spec.max_concurrent_sequences,
                     max_context_tokens=spec.max_context_tokens)
+            except asyncio.CancelledError:
+                # the core calls the load off, unless it completed just now: then nothing may
+                # stay resident that no assignment tracks
+                held = self._loaded.get(key)
+                if (self._core.is_loaded(spec.model_id, spec.revision) and (
+                        held is None or (held.spec.model_id, held.spec.revision)
+                        != (spec.model_id, spec.revision))):
+                    self._drain(spec)
+                raise
             finally:
                 del self._loading[key]
                 del self._loading_ids[key]
             resident = est.weights_bytes
         except memory_estimate.ModelFileError as e:
-            await self._fail(key, spec, e.reason, e.message, common)
-            return
+            return await fail(e.reason, e.message)
         except ModelLoadError as e:
             if e.reason == LOAD_CANCELLED:  # an unload (the assignment changed or went) called
                 log.info("loading %s revision %s called off: %s", spec.model_id,  # it off
                          spec.revision, e.message)
-                return                      # not a failure: the pass that unloaded takes over
-            await self._fail(key, spec, e.reason, e.message, common)
-            return
+                return False                # not a failure: the key's next task takes over
+            return await fail(e.reason, e.message)
         except SourceError as e:
-            await self._fail(key, spec, e.reason, e.message, common)
-            return
+            return await fail(e.reason, e.message)
         except ValueError as e:
-            await self._fail(key, spec, "InvalidAssignment", str(e), common)
-            return
+            return await fail("InvalidAssignment", str(e))
         except Exception as e:  # MLX or anything else: the assignment fails, the agent lives
             log.exception("loading %s failed", spec.model_id)
-            await self._fail(key, spec, "LoadFailed", f"{type(e).__name__}: {e}", common)
-            return
+            return await fail("LoadFailed", f"{type(e).__name__}: {e}")
         self._failed.pop(key, None)
         self._loaded[key] = loaded = _Loaded(spec, resident, last_used=self._clock(),
                                              load_seconds=time.monotonic() - t0,
@@ -1172,13 +1323,22 @@ class Controller:
         self._metrics.model_loads.labels(reason if on_demand else LOAD_ASSIGNED).inc()
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._ready(key, a, loaded)
+        return True
 
     async def _report_prefetch(self, key: str, spec: _Spec, progress: DownloadProgress,
                                common: dict) -> None:
-        await self._reg.put_report(self._report_key(key), AssignmentReport(
+        await asyncio.shield(self._reg.put_report(self._report_key(key), AssignmentReport(
             node=self.node_name, state=AssignmentState.PREFETCHING, reason="FetchingModel",
             message=f"downloading {spec.model_id} from {spec.uri}", progress=progress,
-            **common))
+            estimated_bytes=self._known_estimate(key, spec), **common)))
+
+    def _known_estimate(self, key: str, spec: _Spec) -> int:
+        """``spec``'s memory estimate as far as the agent knows it before reading its files
+        (from its last load or failed attempt at ``key``), else 0."""
+        loaded, failed = self._loaded.get(key), self._failed.get(key)
+        if loaded is not None and loaded.spec == spec and loaded.estimated_bytes:
+            return loaded.estimated_bytes
+        return failed.estimated_bytes if failed is not None and failed.spec == spec else 0
 
     def _still_assigned(self, key: str, spec: _Spec) -> Assignment | None:
         """The assignment at ``key`` now, if it still asks for ``spec``."""
@@ -1255,11 +1415,18 @@ class Controller:
                 except Exception:  # noqa: BLE001 - superseded; its error no longer matters
                     pass
 
-    async def _fail(self, key: str, spec: _Spec, reason: str, message: str, common: dict) -> None:
+    async def _fail(self, key: str, spec: _Spec, reason: str, message: str, common: dict, *,
+                    estimated_bytes: int = 0) -> None:
+        """Report ``key``'s load of ``spec`` ``Failed`` with ``reason``/``message`` and
+        ``estimated_bytes`` (0: not known), and schedule its retry (capped exponential
+        back-off, :data:`RETRY_INITIAL_BACKOFF` … :data:`RETRY_MAX_BACKOFF`) unless the reason
+        is permanent (:data:`PERMANENT_REASONS`)."""
         previous = self._loaded.pop(key, None)
         if previous is not None or self._core.is_loaded(spec.model_id, spec.revision):
             # what is served must be what is assigned: don't keep an older copy around
             await self._core.unload_model(spec.model_id, spec.revision)
+        if previous is not None:
+            self._recheck_conflicts()
         before = self._failed.get(key)
         attempts = before.attempts + 1 if before is not None and before.spec == spec else 1
         if reason in PERMANENT_REASONS:
@@ -1270,5 +1437,6 @@ class Controller:
             retry_at = time.monotonic() + delay
             shown = f"{message} (attempt {attempts}; retrying in {delay:g}s)"
         log.error("assignment %s failed: %s: %s", key, reason, shown)
-        self._failed[key] = _Failure(spec, reason, shown, attempts, retry_at)
-        await self._report(key, AssignmentState.FAILED, reason=reason, message=shown, **common)
+        self._failed[key] = _Failure(spec, reason, shown, attempts, retry_at, estimated_bytes)
+        await self._report(key, AssignmentState.FAILED, reason=reason, message=shown,
+                           estimated_bytes=estimated_bytes, **common)

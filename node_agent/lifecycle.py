@@ -17,6 +17,10 @@ history and prefetches what its rule predicts will be needed within the prefetch
 * :class:`UsageHistory` and :func:`predict_prefetch` — which unloaded models to load ahead of a
   request that a periodicity rule expects within the window (seed 001:
   ``prefetch_window_sec: 30``, ``max_prefetch_per_gpu: 2``).
+* :func:`plan_convergence` — which assignments' convergence tasks to cancel and which to start
+  (issue 6 §3: "The agent converges assignments concurrently (one slow download never blocks
+  another assignment's load or unload)"): one task per assignment key, restarted when what it
+  works towards changes, started again when a failed load's retry is due.
 
 Pure: standard library and :mod:`mlx_fleet.contract` only. Time is an injected clock: every
 ``now``/``last_used``/timestamp is seconds of one monotonic clock chosen by the caller. Model
@@ -29,7 +33,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Hashable, Iterable, Iterator
+import math
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 from mlx_fleet.contract import LifecyclePolicy
@@ -37,8 +42,8 @@ from mlx_fleet.contract import LifecyclePolicy
 __all__ = [
     "DEFAULT_BURST_SECONDS", "DEFAULT_HISTORY_EVENTS", "DEFAULT_IDLE_UNLOAD_SECONDS",
     "DEFAULT_MAX_PREFETCHES", "DEFAULT_MIN_ARRIVALS", "DEFAULT_PREFETCH_WINDOW_SECONDS",
-    "DEFAULT_TOLERANCE", "ModelUse", "UsageHistory", "evictions", "expected_arrival",
-    "idle_unloads", "predict_prefetch",
+    "DEFAULT_TOLERANCE", "ConvergePlan", "KeyState", "ModelUse", "UsageHistory", "evictions",
+    "expected_arrival", "idle_unloads", "plan_convergence", "predict_prefetch",
 ]
 
 #: Seconds without a request before a model is unloaded: the contract's default (seed 001
@@ -300,3 +305,77 @@ def predict_prefetch(history: UsageHistory, now: float, *, unloaded: Iterable[Ha
             due.append((expected, key))
     due.sort()
     return [key for _, key in due[:max_prefetches]]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyState:
+    """One assignment key as :func:`plan_convergence` sees it (plain values compared with ``==``).
+
+    ``desired``: the assignment wanted now (None: not assigned here any more). ``target``: the
+    part of it whose change must restart work under way — source, serving limits, served name —
+    (None when not assigned); a change elsewhere (generation, role) lets the running task finish
+    and is picked up after it. ``busy``: a task of the key runs now; ``running``: the target it
+    works towards (None: it retires the key). ``done``: the desired value the key's last
+    finished task converged to (None: none did, or what it did must be done again).
+    ``retry_at``: clock seconds of the retry of a failed load of the current target (None: none
+    pending, or the failure is permanent).
+    """
+
+    desired: Any = None
+    target: Any = None
+    busy: bool = False
+    running: Any = None
+    done: Any = None
+    retry_at: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvergePlan:
+    """What the converge dispatcher does now. ``cancel``: keys whose running task works towards
+    a target that is no longer wanted (changed or unassigned); ``start``: keys that get a new
+    task — each started only once the key's previous task has ended, so a key's work never
+    interleaves; ``wake_at``: clock seconds of the earliest retry still to come (None: none)."""
+
+    cancel: tuple[Hashable, ...] = ()
+    start: tuple[Hashable, ...] = ()
+    wake_at: float | None = None
+
+
+def plan_convergence(keys: Mapping[Hashable, KeyState], now: float) -> ConvergePlan:
+    """Per assignment key, whether to cancel its task and whether to start one, at ``now``.
+
+    The rule, for each key (one task per key, keys independent of each other, so a slow
+    download of one never holds up another's load, unload or unassignment):
+
+    1. a task loads a target that is no longer the key's (its source, limits or name changed,
+       or the key was unassigned): cancel it and start a new one — it loads the new target, or
+       retires the key (drains what is loaded, deletes the report);
+    2. any other running task (one loading the current target, or one retiring the key) is
+       left to finish; what changed meanwhile is picked up by rule 3 once it has ended;
+    3. no task runs: start one when ``desired`` ≠ ``done`` (new, changed or unassigned since
+       the last task), or when a retry is due (``retry_at`` ≤ ``now``); a retry still to come
+       sets ``wake_at``.
+
+    Keys in ``cancel`` and ``start`` are in key order (deterministic). Raises ``ValueError``
+    for a ``retry_at`` that is not a finite number.
+    """
+    cancel: list[Hashable] = []
+    start: list[Hashable] = []
+    wake: list[float] = []
+    for key in sorted(keys):  # type: ignore[type-var]
+        k = keys[key]
+        if k.retry_at is not None and not math.isfinite(k.retry_at):
+            raise ValueError(f"{key!r}: retry_at must be finite, got {k.retry_at}")
+        if k.busy:
+            if k.running is not None and k.running != k.target:
+                cancel.append(key)
+                start.append(key)
+            continue
+        if k.desired != k.done:
+            start.append(key)
+        elif k.retry_at is not None:
+            if k.retry_at <= now:
+                start.append(key)
+            else:
+                wake.append(k.retry_at)
+    return ConvergePlan(tuple(cancel), tuple(start), min(wake) if wake else None)

@@ -14,6 +14,10 @@ __all__ = ["AgentMetrics"]
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
 _LOAD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: An unload to standby is one step of the MLX thread plus ``gc`` and ``mx.clear_cache()``
+#: (tens of milliseconds); an unassignment's includes its drain, up to the controller's
+#: ``DRAIN_SECONDS`` (60 s).
+_UNLOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class AgentMetrics:
@@ -55,7 +59,9 @@ class AgentMetrics:
     <node_agent.serving.options.ServingOptions.as_record>`),
     ``mlxfleet_agent_model_loads_total{reason}`` (``Assigned``,
     ``ReloadingOnDemand``, ``PredictivePrefetch``), ``mlxfleet_agent_model_unloads_total{reason}``
-    (``IdleUnloaded``, ``Evicted``, ``Unassigned``) and
+    (``IdleUnloaded``, ``Evicted``, ``Unassigned``), the histogram
+    ``mlxfleet_agent_model_unload_seconds{reason}`` (how long each took: for ``Unassigned``
+    including the drain of its running requests) and
     ``mlxfleet_agent_model_unload_freed_bytes_total{reason}`` (MLX memory measured freed by the
     unloads to standby), ``mlxfleet_agent_memory_bytes{kind}`` (``weights``, ``kv_cache``,
     ``mlx_cache``, ``free`` of the node's budget; set by the controller's lifecycle pass).
@@ -129,6 +135,12 @@ class AgentMetrics:
         self.model_unloads = Counter("mlxfleet_agent_model_unloads",
                                      "Model revision unloads by reason (IdleUnloaded, Evicted, "
                                      "Unassigned)", ["reason"], registry=registry)
+        self.model_unload_seconds = Histogram("mlxfleet_agent_model_unload_seconds",
+                                              "Duration of unloading a model revision, by "
+                                              "reason (IdleUnloaded, Evicted, Unassigned: "
+                                              "including the drain of its running requests)",
+                                              ["reason"], buckets=_UNLOAD_BUCKETS,
+                                              registry=registry)
         self.unload_freed_bytes = Counter("mlxfleet_agent_model_unload_freed_bytes",
                                           "MLX memory measured freed by unloads to standby, by "
                                           "reason", ["reason"], registry=registry)

@@ -264,6 +264,7 @@ def exposition(component: str) -> bytes:
         m.download_bytes.labels(*mr).inc(4096)
         m.model_loads.labels("Assigned").inc()
         m.model_unloads.labels("IdleUnloaded").inc()
+        m.model_unload_seconds.labels("IdleUnloaded").observe(0.05)
         m.unload_freed_bytes.labels("IdleUnloaded").inc(4096)
         for kind in ("weights", "kv_cache", "mlx_cache", "free"):
             m.memory_bytes.labels(kind).set(4096)

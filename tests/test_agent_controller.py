@@ -328,6 +328,52 @@ async def test_changed_source_of_a_revision_reloads_it(store: EtcdStore, keys: K
         ("m", "r1", str(other_model_path))]
 
 
+async def test_a_served_name_taken_by_another_deployment_is_refused_until_it_is_freed(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        test_model_dir: Path) -> None:
+    """Two deployments assigned the same served model name at once (converged concurrently):
+    exactly one loads, the other is Failed/ModelNameConflict naming it; once the first is
+    unassigned, the other loads without any change of its own assignment."""
+    a = assignment("first", test_model_dir, model="shared")
+    b = assignment("second", test_model_dir, model="shared")
+    await asyncio.gather(put(store, keys, a), put(store, keys, b))
+    ra, rb = [await wait_report(store, keys.report(NODE, "default", n, "r1"), settled)
+              for n in ("first", "second")]
+    assert ra is not None and rb is not None
+    assert sorted([ra.state, rb.state]) == [AssignmentState.FAILED, AssignmentState.READY]
+    winner, loser = ("first", "second") if ra.state == AssignmentState.READY else (
+        "second", "first")
+    refused = rb if winner == "first" else ra
+    assert refused.reason == "ModelNameConflict" and winner in refused.message
+    assert [m.model_id for m in core.models()] == ["shared"]
+
+    await store.delete(keys.assignment(NODE, "default", winner, "r1"))
+    r = await wait_report(store, keys.report(NODE, "default", loser, "r1"), settled_ready)
+    assert r is not None and r.generation == 1
+    assert controller.served()["shared"].name == loser
+
+
+async def test_unassigning_a_revision_the_core_is_loading_calls_the_load_off(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        test_model_dir: Path) -> None:
+    """The MLX thread is held, so the load is queued on it: unassigning the revision cancels
+    its task at once (its report goes while the thread is still held), the core drops the
+    load, and nothing of it stays resident."""
+    rkey = keys.report(NODE, "default", "queued", "r1")
+    async with mlx_thread_held(core, TIMEOUT):
+        await put(store, keys, assignment("queued", test_model_dir))
+        r = await wait_report(store, rkey, state_is(AssignmentState.LOADING))
+        assert r is not None
+        await wait_for(lambda: [(p.model_id, p.state) for p in core.loads()]
+                       == [("queued", "Queued")], TIMEOUT)  # waiting for the MLX thread
+        await store.delete(keys.assignment(NODE, "default", "queued", "r1"))
+        assert await wait_report(store, rkey, lambda r: r is None) is None
+        await controller.converged()  # its task has ended, the thread still held
+        assert controller.served() == {} and controller.states() == {}
+    await wait_for(lambda: core.loads() == [], TIMEOUT)
+    assert core.models() == [] and not core.is_loaded("queued")
+
+
 async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
                                                 core: ServingCore, controller: Controller,
                                                 tmp_path: Path) -> None:
@@ -465,6 +511,40 @@ async def test_callback_bug_restarts_the_follower_which_converges(
         assert bugs == 1 and follow.restarts == 1
         assert follow.last_error == "RuntimeError: injected callback bug"
         assert ctl.snapshots == 2  # the restarted follower re-listed
+    finally:
+        await ctl.stop()
+        for m in core.models():
+            await core.unload_model(m.model_id)
+
+
+async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converges_it(
+        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        test_model_dir: Path) -> None:
+    """An unexpected exception in one assignment's task is raised by the converge worker (so
+    /health shows it and the supervisor restarts it); the restarted worker starts that
+    assignment's task again, which loads it."""
+    ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
+                     advertise_url=ADVERTISED)
+    real = ctl._converge_one
+    bugs = 0
+
+    async def converge_one(key, d):  # a bug, once
+        nonlocal bugs
+        if bugs == 0:
+            bugs += 1
+            raise RuntimeError("injected task bug")
+        return await real(key, d)
+
+    ctl._converge_one = converge_one  # type: ignore[method-assign]
+    await ctl.start()
+    try:
+        await put(store, keys, assignment("y", test_model_dir))
+        r = await wait_report(store, keys.report(NODE, "default", "y", "r1"), settled)
+        assert r is not None and r.state == AssignmentState.READY
+        worker = ctl.tasks[1]
+        assert worker.name == "controller:converge"
+        assert bugs == 1 and worker.restarts == 1
+        assert worker.last_error == "RuntimeError: injected task bug"
     finally:
         await ctl.stop()
         for m in core.models():

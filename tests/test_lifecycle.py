@@ -1,4 +1,5 @@
-"""Idle-unload, LRU eviction and predictive prefetch, table-driven over an injected clock."""
+"""Idle-unload, LRU eviction, predictive prefetch and the convergence plan, table-driven over an
+injected clock."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 from mlx_fleet.contract import LifecyclePolicy
 from node_agent import lifecycle
 from node_agent.lifecycle import (
-    ModelUse, UsageHistory, evictions, expected_arrival, idle_unloads, predict_prefetch)
+    ConvergePlan, KeyState, ModelUse, UsageHistory, evictions, expected_arrival, idle_unloads,
+    plan_convergence, predict_prefetch)
 
 GB = 10**9
 
@@ -344,3 +346,73 @@ def test_predict_refuses_bad_parameters() -> None:
         predict_prefetch(UsageHistory(), 0, unloaded=set(), window_s=-1)
     with pytest.raises(ValueError):
         predict_prefetch(UsageHistory(), 0, unloaded=set(), max_prefetches=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_convergence: one task per assignment key
+# ---------------------------------------------------------------------------------------------
+
+# desired values are (spec, generation); the target is the spec
+def key(spec: str | None, generation: int = 1, **kw) -> KeyState:
+    desired = (spec, generation) if spec is not None else None
+    return KeyState(desired=desired, target=spec, **kw)
+
+
+PLAN_CASES = [
+    # (name, keys, now, expected cancel, expected start, expected wake_at)
+    ("new assignment: start", {"a": key("A")}, 0, [], ["a"], None),
+    ("converged: nothing", {"a": key("A", done=("A", 1))}, 0, [], [], None),
+    ("new generation, same spec: start (re-report)", {"a": key("A", 2, done=("A", 1))}, 0,
+     [], ["a"], None),
+    ("unassigned after converging: start (retire)", {"a": key(None, done=("A", 1))}, 0,
+     [], ["a"], None),
+    ("unassigned, nothing left: nothing", {"a": key(None)}, 0, [], [], None),
+    ("loading the current spec: leave it", {"a": key("A", busy=True, running="A")}, 0,
+     [], [], None),
+    ("loading, generation moved on: leave it (picked up after)",
+     {"a": key("A", 3, busy=True, running="A", done=("A", 1))}, 0, [], [], None),
+    ("loading a spec that changed: cancel and restart",
+     {"a": key("B", busy=True, running="A")}, 0, ["a"], ["a"], None),
+    ("loading, then unassigned: cancel and retire",
+     {"a": key(None, busy=True, running="A")}, 0, ["a"], ["a"], None),
+    ("retiring, assigned again: leave it (loads after)",
+     {"a": key("A", busy=True, running=None)}, 0, [], [], None),
+    ("retry due", {"a": key("A", done=("A", 1), retry_at=10)}, 10, [], ["a"], None),
+    ("retry to come: wake then", {"a": key("A", done=("A", 1), retry_at=10)}, 9.5, [], [], 10),
+    ("retry of a task that runs: not started twice",
+     {"a": key("A", busy=True, running="A", retry_at=1)}, 10, [], [], None),
+    ("one slow key never holds up the others", {
+        "slow": key("S", busy=True, running="S"),           # downloading
+        "new": key("N"),                                    # assigned meanwhile
+        "gone": key(None, done=("G", 1)),                   # unassigned meanwhile
+        "wait": key("W", done=("W", 1), retry_at=30),       # failed, retry to come
+        "soon": key("X", done=("X", 1), retry_at=20)},
+     5, [], ["gone", "new"], 20),
+]
+
+
+@pytest.mark.parametrize("keys, now, cancel, start, wake_at", [c[1:] for c in PLAN_CASES],
+                         ids=[c[0] for c in PLAN_CASES])
+def test_plan_convergence(keys: dict[str, KeyState], now: float, cancel: list[str],
+                          start: list[str], wake_at: float | None) -> None:
+    assert plan_convergence(keys, now) == ConvergePlan(tuple(cancel), tuple(start), wake_at)
+
+
+def test_plan_convergence_over_a_key_s_life() -> None:
+    """A key downloading A is changed to B (cancel + start), B fails (retry later), is retried
+    when due, then unassigned while retrying (cancel + retire)."""
+    k = key("A", busy=True, running="A")
+    assert plan_convergence({"k": k}, 0).start == ()
+    k = key("B", busy=True, running="A")
+    assert plan_convergence({"k": k}, 1) == ConvergePlan(("k",), ("k",))
+    k = key("B", done=("B", 1), retry_at=3)  # B's task ended Failed: retry in 2 s
+    assert plan_convergence({"k": k}, 2) == ConvergePlan(wake_at=3)
+    assert plan_convergence({"k": k}, 3) == ConvergePlan(start=("k",))
+    k = key(None, busy=True, running="B", done=("B", 1))
+    assert plan_convergence({"k": k}, 4) == ConvergePlan(("k",), ("k",))
+    assert plan_convergence({"k": key(None)}, 5) == ConvergePlan()
+
+
+def test_plan_convergence_refuses_a_non_finite_retry() -> None:
+    with pytest.raises(ValueError, match="retry_at"):
+        plan_convergence({"a": key("A", retry_at=float("nan"))}, 0)

@@ -57,6 +57,7 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
     ctl = await controller(clock=clock, lifecycle_interval=PARKED,
                            budget_bytes=2 * need + need // 2)  # two fit, three don't
     evictions_before = sample(core, "mlxfleet_agent_model_unloads_total", reason=EVICTED) or 0
+    timed_before = sample(core, "mlxfleet_agent_model_unload_seconds_count", reason=EVICTED) or 0
     a = await assign_and_wait_ready(store, keys, idle_assignment(
         test_model_dir, idle=300, name="a", model="a"))
     clock.now += 1
@@ -82,6 +83,9 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
     assert ctl.served()["b"].standby == frozenset({"r1"}) and ctl.idle_unloaded == {}
     assert sample(core, "mlxfleet_agent_model_unloads_total",
                   reason=EVICTED) == evictions_before + 1
+    assert sample(core, "mlxfleet_agent_model_unload_seconds_count",
+                  reason=EVICTED) == timed_before + 1
+    assert sample(core, "mlxfleet_agent_model_unload_seconds_sum", reason=EVICTED) > 0
 
     # a request for b reloads it, evicting the least recently used of the others (a)
     await ctl.converged()
@@ -94,6 +98,7 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
     assert ra is not None and ra.reason == EVICTED and "b revision r1" in ra.message
     seen = await report_events(store, b, start, ready)
     assert [r.state for r in seen if r] == [AssignmentState.LOADING, AssignmentState.READY]
+    assert [r.estimated_bytes for r in seen if r] == [need, need]  # known from its last load
 
 
 async def test_pinned_model_is_never_idle_unloaded_nor_evicted(
@@ -116,6 +121,7 @@ async def test_pinned_model_is_never_idle_unloaded_nor_evicted(
     r = await wait_report(store, rkey, settled)
     assert r is not None and r.state == AssignmentState.FAILED
     assert r.reason == INSUFFICIENT_MEMORY
+    assert r.estimated_bytes == need  # the operator re-places it with its size
     assert format_bytes(need) in r.message and format_bytes(budget) in r.message
     assert "pinned" in r.message
     assert core.is_loaded("a") and not core.is_loaded("b") and ctl.evicted == {}
@@ -253,6 +259,8 @@ async def test_lifecycle_metrics_and_a_removed_revision_leaves_no_series(
 
     await wait_for(lambda: not core.is_loaded("m") and series_of_m() == [], TIMEOUT)
     assert sample(core, "mlxfleet_agent_model_unloads_total", reason="Unassigned") >= 1
+    assert sample(core, "mlxfleet_agent_model_unload_seconds_count", reason="Unassigned") == \
+        sample(core, "mlxfleet_agent_model_unloads_total", reason="Unassigned")
     assert ctl.history.times(("m", "r1")) == ()
 
 
@@ -305,8 +313,15 @@ async def test_model_limit_refuses_a_load_when_the_resident_model_is_pinned(
     await store.put(keys.assignment("mac-1", "default", "b", "r1"), b.to_json())
     r = await wait_report(store, rkey, settled)
     assert r is not None and r.state == AssignmentState.FAILED and r.reason == MODEL_LIMIT
+    assert r.estimated_bytes == estimate(test_model_dir)
     assert "would be loaded model 2" in r.message and "limit is 1" in r.message
     assert "pinned" in r.message and "retrying in" in r.message  # retried, like memory
+    # waiting for its retry, a new generation is reported Failed again: still with the size
+    await store.put(keys.assignment("mac-1", "default", "b", "r1"),
+                    b.model_copy(update={"generation": 2}).to_json())
+    r = await wait_report(store, rkey, lambda r: r is not None and r.generation == 2)
+    assert r is not None and r.state == AssignmentState.FAILED and r.reason == MODEL_LIMIT
+    assert r.estimated_bytes == estimate(test_model_dir)
     assert core.is_loaded("a") and not core.is_loaded("b") and ctl.evicted == {}
     assert (await wait_report(store, a, ready)) is not None
 

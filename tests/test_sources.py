@@ -28,7 +28,7 @@ from node_agent.fetch import STATE_FILE, fetch, mirror_dir, parse_hf_uri, parse_
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, check_model_dir, is_remote, resolve_source
-from test_agent_controller import ADVERTISED, NODE, Capacity, core  # noqa: F401 - fixture
+from test_agent_controller import ADVERTISED, NODE, Capacity, assignment, core  # noqa: F401
 
 TIMEOUT = 120  # a model load on two busy CPU cores
 
@@ -728,13 +728,78 @@ async def test_download_stops_when_the_assignment_goes_away(
     await store.delete(akey)
     seen = await report_events(store, rkey, start, lambda r: r is None)
     assert {r.state for r in seen if r} == {AssignmentState.PREFETCHING}
-    # the controller is free again: another assignment loads (from the same, now quick, mirror)
+    # another assignment loads (from the same, now quick, mirror), resuming the partial file
     mirror.unstall.set()
     await store.put(keys.assignment(NODE, "default", "next", "r1"),
                     https_assignment("next", mirror.url).to_json())
     seen = await report_events(store, keys.report(NODE, "default", "next", "r1"), start, settled)
     assert seen[-1] is not None and seen[-1].state == AssignmentState.READY
     assert mirror.ranges("model.safetensors")[-1] == "bytes=50000-"  # resumed, not restarted
+
+
+async def test_a_stalled_download_never_blocks_another_assignment(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        mirror: Mirror, test_model_dir: Path) -> None:
+    """Issue 6 §3, "the agent converges assignments concurrently": while assignment A's
+    download is held by the server, assignment B (a local directory) loads and is Ready;
+    unassigning A while it downloads retires it without waiting for the server (nothing of A
+    was ever Loading or Ready, nothing of it is resident); re-assigned once the server lets go,
+    A resumes its download and is Ready."""
+    mirror.stall_at["model.safetensors"] = 50_000
+    akey = keys.assignment(NODE, "default", "slow", "r1")
+    arep = keys.report(NODE, "default", "slow", "r1")
+    start = (await store.list(keys.root + "/")).revision + 1
+    await store.put(akey, https_assignment("slow", mirror.url).to_json())
+    await asyncio.wait_for(mirror.stalled.wait(), TIMEOUT)  # A's body is held from here on
+
+    b = assignment("local", test_model_dir)
+    await store.put(keys.assignment(NODE, "default", "local", "r1"), b.to_json())
+    seen_b = await report_events(store, keys.report(NODE, "default", "local", "r1"), start,
+                                 settled)
+    assert seen_b[-1] is not None and seen_b[-1].state == AssignmentState.READY
+    assert not mirror.unstall.is_set()  # B came up while A's download was still held
+    a_now = AssignmentReport.from_json((await store.get(arep)).value)  # type: ignore[union-attr]
+    assert a_now.state == AssignmentState.PREFETCHING
+    assert core.is_loaded("local", "r1") and not core.is_loaded("slow")
+
+    await store.delete(akey)  # unassigned mid-download, the server still holding the body
+    seen_a = await report_events(store, arep, start, lambda r: r is None)
+    assert {r.state for r in seen_a if r} == {AssignmentState.PREFETCHING}
+    await controller.converged()
+    assert not core.is_loaded("slow") and set(controller.served()) == {"local"}
+    assert "default/slow/r1" not in controller.states()
+    assert core.registry.get_sample_value("mlxfleet_agent_download_bytes_total",
+                                          {"model": "slow", "revision": "r1"}) is None
+
+    mirror.unstall.set()  # the server lets go; A is assigned again
+    start = (await store.list(keys.root + "/")).revision + 1
+    await store.put(akey, https_assignment("slow", mirror.url, generation=2).to_json())
+    seen_a = await report_events(store, arep, start, settled)
+    assert seen_a[-1] is not None and seen_a[-1].state == AssignmentState.READY
+    assert seen_a[-1].generation == 2 and seen_a[-1].estimated_bytes > 0
+    assert mirror.ranges("model.safetensors")[-1] == "bytes=50000-"  # resumed, not restarted
+    assert core.is_loaded("slow", "r1") and core.is_loaded("local", "r1")
+
+
+async def test_a_changed_source_restarts_a_held_download(
+        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        mirror: Mirror, test_model_dir: Path) -> None:
+    """An assignment whose source changes while its download is held by the server: the
+    download is called off and the new source (a local directory) loads and is Ready, the
+    server still holding the old body."""
+    mirror.stall_at["model.safetensors"] = 50_000
+    akey = keys.assignment(NODE, "default", "moved", "r1")
+    rkey = keys.report(NODE, "default", "moved", "r1")
+    await store.put(akey, https_assignment("moved", mirror.url).to_json())
+    await asyncio.wait_for(mirror.stalled.wait(), TIMEOUT)
+    start = (await store.list(keys.root + "/")).revision + 1
+    await store.put(akey, assignment("moved", test_model_dir, generation=2).to_json())
+    seen = await report_events(store, rkey, start, settled)
+    assert seen[-1] is not None and seen[-1].state == AssignmentState.READY
+    assert seen[-1].generation == 2 and str(test_model_dir) in seen[-1].message
+    assert all(r is not None and r.generation == 2 for r in seen)  # nothing more of the old
+    assert not mirror.unstall.is_set()
+    assert [(m.model_id, m.path) for m in core.models()] == [("moved", str(test_model_dir))]
 
 
 # ---------------------------------------------------------------------------------------------
