@@ -227,12 +227,15 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
 
 
 def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
-          assignments: Mapping[str, Sequence[Assignment]]) -> PlacementDecision:
+          assignments: Mapping[str, Sequence[Assignment]],
+          held: frozenset[str] = frozenset()) -> PlacementDecision:
     """Choose the nodes for ``request``'s replicas (rules in the module docstring).
 
     ``nodes``: every node record. ``assignments``: node name → all assignments stored for that
     node (every deployment, including ``request``'s own; nodes without a record may appear).
-    Raises ``ValueError`` if two records share a name or ``replicas`` is negative.
+    ``held``: vanished nodes whose replicas are kept where they are, neither moved nor given
+    new ones (a control-plane disruption, :mod:`.disruption`). Raises ``ValueError`` if two
+    records share a name or ``replicas`` is negative.
     """
     if request.replicas < 0:
         raise ValueError(f"replicas must be >= 0, got {request.replicas}")
@@ -251,10 +254,11 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
         for name, n in by_name.items()}
     eligible = {name for name, v in verdict.items() if v is None}
 
-    kept = [n for n in current if n in eligible or verdict.get(n) == _CORDONED]
+    kept = [n for n in current
+            if n in eligible or verdict.get(n) == _CORDONED or (n in held and n not in by_name)]
     # Scale down: drop from the most loaded nodes first (least free; ties: last name first).
     if len(kept) > request.replicas:
-        kept.sort(key=lambda n: (free[n], _neg(n)))
+        kept.sort(key=lambda n: (free.get(n, 0), _neg(n)))
         kept = kept[len(kept) - request.replicas:] if request.replicas else []
     chosen = set(kept)
 
