@@ -64,11 +64,14 @@ def start_operator(cp: ControlPlane, *, etcd_prefix: str = ROOT, timeout: float 
 def start_agent(cp: ControlPlane, name: str, *, etcd_prefix: str = ROOT,
                 chip: str = "Apple M3 Max", memory: str = "64Gi", labels: dict[str, str] | None = None,
                 lease_ttl: int = 5, timeout: float = 120.0,
-                extra_args: tuple[str, ...] = (), etcd_url: str | None = None) -> AgentProcess:
+                extra_args: tuple[str, ...] = (), etcd_url: str | None = None,
+                env: dict[str, str] | None = None) -> AgentProcess:
     """Run ``python -m node_agent`` as node ``name`` (simulated ``chip``/``memory`` on Linux);
     returns once ``/health`` answers 200 (HTTP up and node registered under its lease).
     ``etcd_url``: the etcd it talks to (default ``cp.etcd_url``; the fault suite puts a proxy
-    or an etcd of its own there)."""
+    or an etcd of its own there). ``env`` is merged over ``cp.env()`` (e.g. ``MLX_FLEET_CACHE``
+    for its download directory, ``SSL_CERT_FILE`` to trust a test mirror). A process started
+    again with the same ``name`` appends to the same log."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     label_args = [a for k, v in (labels or {}).items() for a in ("--label", f"{k}={v}")]
@@ -78,7 +81,7 @@ def start_agent(cp: ControlPlane, name: str, *, etcd_prefix: str = ROOT,
         "--listen", f"127.0.0.1:{port}", "--advertise-url", url,
         "--simulated-chip", chip, "--simulated-memory", memory,
         "--lease-ttl", str(lease_ttl), *label_args, *extra_args,
-    ], cp.logs_dir / f"agent-{name}.log", env={**cp.env(), "PYTHONUNBUFFERED": "1"})
+    ], cp.logs_dir / f"agent-{name}.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
     cp.extra.append(proc)
     agent = AgentProcess(name=name, url=url, process=proc)
     proc.wait_until(lambda: agent.health()[0] == 200, timeout=timeout, what="healthy (/health)")
