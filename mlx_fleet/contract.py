@@ -35,7 +35,7 @@ import time
 from decimal import Decimal
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from mlx_fleet.quantity import format_bytes
 
@@ -44,9 +44,22 @@ ROOT = "/mlx-fleet/v2"
 #: The first Apple-Silicon generation mlx-fleet supports (seed 004: M3 or later).
 MIN_CHIP_GENERATION = 3
 
-#: Fraction of a Mac's unified memory that resident models may take; the rest is left to macOS,
-#: the agent and KV-cache growth. Source: seed 004's node budget, "watermark 80%".
+#: The default share of a Mac's unified memory that resident models may take; the rest is left
+#: to macOS, the agent and KV-cache growth. Source: seed 004's node budget, "watermark 80%".
+#: Each agent may set its own (``--memory-watermark``, reported as
+#: :attr:`NodeCapacity.memory_watermark`); this is the value of agents that don't, and of node
+#: records written before the field existed.
 WATERMARK = 0.8
+
+
+def check_watermark(value: object) -> float:
+    """``value`` as a memory watermark: a number in (0, 1], the share of unified memory resident
+    models may take (not a bool, not NaN or infinite). Returns it as a ``float``. Raises
+    ``ValueError`` saying what is wrong. The one check of the range: :func:`node_budget_bytes`,
+    :class:`NodeCapacity` and the agent's ``--memory-watermark`` all use it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"watermark must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def node_budget_bytes(memory_total_bytes: int, wired_limit_bytes: int,
@@ -58,8 +71,10 @@ def node_budget_bytes(memory_total_bytes: int, wired_limit_bytes: int,
     ``memory_total_bytes``: unified memory (``hw.memsize``); ``wired_limit_bytes``: the GPU
     wired-memory limit (macOS ``iogpu.wired_limit_mb``, which caps what the GPU may wire; 0 =
     the OS default, no extra cap here); ``watermark``: share in (0, 1], default
-    :data:`WATERMARK` (seed 004: 80 %). The product is exact (decimal), floored.
-    Raises ``ValueError`` for negative bytes or a watermark outside (0, 1].
+    :data:`WATERMARK` (seed 004: 80 %; a node's own is :attr:`NodeCapacity.memory_watermark`,
+    see :meth:`NodeCapacity.budget_bytes`). The product is exact (decimal), floored.
+    Raises ``ValueError`` for negative bytes or a watermark outside (0, 1]
+    (:func:`check_watermark`).
     """
     if not (isinstance(memory_total_bytes, int) and not isinstance(memory_total_bytes, bool) and memory_total_bytes >= 0):
         raise ValueError(f"memory_total_bytes must be a non-negative integer, "
@@ -67,9 +82,7 @@ def node_budget_bytes(memory_total_bytes: int, wired_limit_bytes: int,
     if not (isinstance(wired_limit_bytes, int) and not isinstance(wired_limit_bytes, bool) and wired_limit_bytes >= 0):
         raise ValueError(f"wired_limit_bytes must be a non-negative integer, "
                          f"got {wired_limit_bytes!r}")
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
-            0 < watermark <= 1):
-        raise ValueError(f"watermark must be in (0, 1], got {watermark!r}")
+    check_watermark(watermark)
     budget = int(Decimal(memory_total_bytes) * Decimal(str(watermark)))
     return min(budget, wired_limit_bytes) if wired_limit_bytes else budget
 
@@ -219,6 +232,10 @@ class NodeCapacity(_Record):
     agent's ``--max-loaded-models``; seed 004: "Per-worker max loaded models: 2"); 0 = no
     limit but memory. Placement assigns no further revision to a node whose assignments reach
     it (both sides of a canary count); the agent evicts idle revisions to stay within it.
+    ``memory_watermark``: the share of ``memory_total_bytes`` resident models may take, in
+    (0, 1] (the agent's ``--memory-watermark``; default and value of records older than the
+    field: :data:`WATERMARK`, seed 004's 80 %); the node's budget is :meth:`budget_bytes`, the
+    one rule placement and the agent share.
     """
 
     memory_total_bytes: Annotated[int, Field(ge=0)]
@@ -228,6 +245,13 @@ class NodeCapacity(_Record):
     chip_generation: Annotated[int, Field(ge=0)]
     simulated: bool = False
     max_loaded_models: Annotated[int, Field(ge=0)] = 0
+    memory_watermark: Annotated[float, BeforeValidator(check_watermark)] = WATERMARK
+
+    def budget_bytes(self) -> int:
+        """Bytes this node's resident models may take: :func:`node_budget_bytes` of
+        ``memory_total_bytes``, ``wired_limit_bytes`` and ``memory_watermark``."""
+        return node_budget_bytes(self.memory_total_bytes, self.wired_limit_bytes,
+                                 self.memory_watermark)
 
 
 class NodeRecord(_Record):

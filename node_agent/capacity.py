@@ -1,5 +1,5 @@
-"""What this node offers: unified memory, GPU wired-memory limit, chip and the configured limit on
-loaded models → :class:`NodeCapacity`.
+"""What this node offers: unified memory, GPU wired-memory limit, chip, the configured limit on
+loaded models and memory watermark → :class:`NodeCapacity`.
 
 On macOS every value comes from the hardware:
 
@@ -29,7 +29,7 @@ import sys
 
 import psutil
 
-from mlx_fleet.contract import NodeCapacity
+from mlx_fleet.contract import WATERMARK, NodeCapacity
 from mlx_fleet.quantity import format_bytes, parse_quantity
 
 log = logging.getLogger(__name__)
@@ -59,11 +59,15 @@ class CapacityConfig:
     values (either one forces simulation; off macOS simulation is always on, with
     :data:`DEFAULT_SIMULATED_CHIP` and the host's physical memory as defaults).
     ``max_loaded_models``: the node's limit on resident revisions, reported as is in
-    :attr:`NodeCapacity.max_loaded_models` (``--max-loaded-models``; 0 = no limit)."""
+    :attr:`NodeCapacity.max_loaded_models` (``--max-loaded-models``; 0 = no limit).
+    ``memory_watermark``: the share of unified memory resident models may take, reported as is
+    in :attr:`NodeCapacity.memory_watermark` (``--memory-watermark``; default
+    :data:`mlx_fleet.contract.WATERMARK`, 0.8)."""
 
     simulated_chip: str | None = None
     simulated_memory_bytes: int | None = None
     max_loaded_models: int = 0
+    memory_watermark: float = WATERMARK
 
     @property
     def simulated(self) -> bool:
@@ -128,7 +132,8 @@ class CapacityProbe:
         return NodeCapacity(memory_total_bytes=total, memory_available_bytes=available,
                             wired_limit_bytes=wired, chip=chip,
                             chip_generation=chip_generation(chip), simulated=self.simulated,
-                            max_loaded_models=self.config.max_loaded_models)
+                            max_loaded_models=self.config.max_loaded_models,
+                            memory_watermark=self.config.memory_watermark)
 
 
 def materially_different(old: NodeCapacity | None, new: NodeCapacity, *,
@@ -139,9 +144,9 @@ def materially_different(old: NodeCapacity | None, new: NodeCapacity, *,
     if old is None:
         return True
     if (old.memory_total_bytes, old.wired_limit_bytes, old.chip, old.chip_generation,
-            old.simulated, old.max_loaded_models) != (
+            old.simulated, old.max_loaded_models, old.memory_watermark) != (
                 new.memory_total_bytes, new.wired_limit_bytes, new.chip, new.chip_generation,
-                new.simulated, new.max_loaded_models):
+                new.simulated, new.max_loaded_models, new.memory_watermark):
         return True
     threshold = (available_threshold_bytes if available_threshold_bytes is not None
                  else max(256 * 2**20, new.memory_total_bytes // 20))

@@ -291,8 +291,9 @@ class Controller:
     :data:`LIFECYCLE_INTERVAL_SECONDS`); ``max_reload_waiters``: requests that may wait for one
     reload (default :data:`MAX_RELOAD_WAITERS`); ``clock``: monotonic seconds for idle times
     and the usage history (injectable for tests). ``budget_bytes``: memory the node's resident
-    revisions may take (:func:`mlx_fleet.contract.node_budget_bytes`; None: no check, no
-    eviction). ``prefetch_window_seconds`` / ``max_prefetches``: the predictive prefetch's
+    revisions may take (the agent passes its capacity's
+    :meth:`~mlx_fleet.contract.NodeCapacity.budget_bytes`, with its ``--memory-watermark``;
+    None: no check, no eviction). ``prefetch_window_seconds`` / ``max_prefetches``: the predictive prefetch's
     window and the most reloads it runs at once (:mod:`.lifecycle`, seed 001: 30 s, 2).
     ``max_loaded_models``: the most revisions resident at once (seed 004: "Per-worker max
     loaded models: 2"; default 0 = no limit but memory); raises ``ValueError`` when negative.

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from mlx_fleet.contract import (IDLE_STATS_INTERVAL_SECONDS, ROOT, Keys, NodeHealth,
-                                node_budget_bytes)
+from mlx_fleet.contract import (IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, Keys, NodeHealth,
+                                check_watermark)
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
 from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
@@ -120,6 +120,19 @@ def positive_seconds(text: str) -> float:
     if x == 0:
         raise ValueError(f"must be more than 0, got {text!r}")
     return x
+
+
+def memory_watermark(text: str) -> float:
+    """``--memory-watermark``: a fraction in (0, 1] (``0.8`` for 80 %), checked by
+    :func:`mlx_fleet.contract.check_watermark`; raises ``ValueError``."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"expected a fraction in (0, 1] such as 0.8, got {text!r}") from None
+    try:
+        return check_watermark(x)
+    except ValueError:
+        raise ValueError(f"must be a fraction in (0, 1] such as 0.8, got {text!r}") from None
 
 
 def etcd_endpoint(text: str) -> str:
@@ -234,6 +247,7 @@ class AgentConfig:
     max_prefetches: int = DEFAULT_MAX_PREFETCHES
     stats_interval_seconds: float = IDLE_STATS_INTERVAL_SECONDS
     max_loaded_models: int = 0  # 0 = no limit but memory (see --max-loaded-models)
+    memory_watermark: float = WATERMARK  # share of unified memory models may take
     api_key_file: str | None = None  # client keys; None: the API is open
     forward_key_file: str | None = None  # fleet-internal key(s) for forwarded requests
     metrics_auth: str = "open"  # "open" or "api-key"
@@ -313,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "but memory; default: %(default)s, because a canary keeps two revisions "
                         "of one deployment resident, so a default of 2 would block every other "
                         "model on the Mac during a canary: set it per Mac)")
+    p.add_argument("--memory-watermark", type=_argtype(memory_watermark), default=WATERMARK,
+                   metavar="FRACTION",
+                   help="share of this Mac's unified memory resident models may take, in (0, 1]; "
+                        "the budget is total memory x FRACTION, capped by the GPU wired-memory "
+                        "limit, enforced by the agent and by placement, reported in the node "
+                        "record (default: %(default)s, seed 004's 80 %%)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="require 'Authorization: Bearer <key>' on the API with one of the keys "
                         "in this file (one per line, '#' comments, blank lines ignored); the "
@@ -363,6 +383,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        max_prefetches=args.max_prefetches,
                        stats_interval_seconds=args.stats_interval_seconds,
                        max_loaded_models=args.max_loaded_models,
+                       memory_watermark=args.memory_watermark,
                        api_key_file=args.api_key_file, forward_key_file=args.forward_key_file,
                        metrics_auth=args.metrics_auth, tls_cert_file=args.tls_cert_file,
                        tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file,
@@ -434,7 +455,8 @@ class Agent:
                                 options=config.serving)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes,
-                                                  config.max_loaded_models))
+                                                  config.max_loaded_models,
+                                                  config.memory_watermark))
         self.store = EtcdStore(config.etcd_endpoint, credentials=config.etcd_credentials)
         self.registration: Registration | None = None
         self.controller = None
@@ -504,6 +526,8 @@ class Agent:
             log.info("capacity: %s (generation %d), %s unified memory, wired limit %s",
                      cap.chip, cap.chip_generation, format_bytes(cap.memory_total_bytes),
                      format_bytes(cap.wired_limit_bytes) if cap.wired_limit_bytes else "default")
+        log.info("memory budget for models: %s (watermark %g)", format_bytes(cap.budget_bytes()),
+                 cap.memory_watermark)
         await self.core.start()
         app = build_app(self.core, health=self.health, registry=self.registry,
                         router=lambda: self.traffic,
@@ -565,7 +589,7 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         cap = await self.probe.read()  # the budget's inputs are static (hw.memsize, wired limit)
-        budget = node_budget_bytes(cap.memory_total_bytes, cap.wired_limit_bytes)
+        budget = cap.budget_bytes()  # the rule placement uses on the node record
         self.controller = Controller(self.store, self.keys, node_name=self.config.node_name,
                                      core=self.core, registration=self.registration,
                                      advertise_url=self.url, budget_bytes=budget,

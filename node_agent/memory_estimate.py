@@ -25,9 +25,10 @@ size raise :class:`ModelFileError` with a CamelCase ``reason`` and a message nam
 the numbers.
 
 The node budget (:func:`node_budget_bytes`) is what the agent lets resident models take: the
-watermark share of unified memory (seed 004: "Total memory watermark: 80%"), capped by the GPU
-wired-memory limit when one is configured (macOS ``iogpu.wired_limit_mb`` caps what the GPU may
-wire; 0 reports the OS default, see :class:`mlx_fleet.contract.NodeCapacity`).
+watermark share of unified memory (the node's ``--memory-watermark``, default seed 004's "Total
+memory watermark: 80%"), capped by the GPU wired-memory limit when one is configured (macOS
+``iogpu.wired_limit_mb`` caps what the GPU may wire; 0 reports the OS default, see
+:class:`mlx_fleet.contract.NodeCapacity`).
 
 Pure: standard library and :mod:`mlx_fleet.contract` only. The parsers work on ``bytes``
 (:func:`parse_safetensors_header`, :func:`parse_config`); thin wrappers read a path's first
@@ -78,8 +79,9 @@ KV_CACHE_STEP_TOKENS = 256
 #: 2, the float16/bfloat16 that released checkpoints are published in.
 DEFAULT_KV_DTYPE_BYTES = 2
 
-#: The share of unified memory resident models may take (seed 004: "Total memory watermark:
-#: 80%"; the operator's placement uses the same 0.8).
+#: The default share of unified memory resident models may take (seed 004: "Total memory
+#: watermark: 80%"); a node's own is ``NodeCapacity.memory_watermark`` (``--memory-watermark``),
+#: which the operator's placement reads from the node record.
 DEFAULT_WATERMARK = WATERMARK
 
 #: Bits per element of the 22 dtypes the safetensors format defines (the reference
@@ -520,8 +522,11 @@ def estimate(model_dir: str | os.PathLike, *, max_context_tokens: int,
     return MemoryEstimate(weights_bytes=weights, kv_cache_bytes=kv, total_bytes=weights + kv)
 
 
-def node_budget_for(capacity: NodeCapacity, watermark: float = DEFAULT_WATERMARK) -> int:
-    """:func:`node_budget_bytes` of a node's :class:`~mlx_fleet.contract.NodeCapacity`."""
+def node_budget_for(capacity: NodeCapacity, watermark: float | None = None) -> int:
+    """:func:`node_budget_bytes` of a node's :class:`~mlx_fleet.contract.NodeCapacity`, with
+    ``watermark`` instead of the node's own (``capacity.memory_watermark``) when given."""
+    if watermark is None:
+        return capacity.budget_bytes()
     return node_budget_bytes(capacity.memory_total_bytes, capacity.wired_limit_bytes, watermark)
 
 

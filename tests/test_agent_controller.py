@@ -562,7 +562,8 @@ def test_cli_parses_every_flag() -> None:
         "--etcd-prefix", "/fleet", "--listen", "0.0.0.0:9000", "--advertise-url", "http://s:9",
         "--label", "rack=a", "--label", "tier=gold", "--lease-ttl", "9",
         "--simulated-chip", "Apple M4 Max", "--simulated-memory", "128Gi",
-        "--max-queued-requests", "5", "--max-loaded-models", "2", "--log-level", "DEBUG"])
+        "--max-queued-requests", "5", "--max-loaded-models", "2", "--memory-watermark", "0.9",
+        "--log-level", "DEBUG"])
     cfg = config_from_args(args)
     assert (cfg.node_name, cfg.etcd_endpoint, cfg.etcd_prefix) == (
         "studio-1", "http://10.0.0.2:2379", "/fleet")
@@ -571,6 +572,8 @@ def test_cli_parses_every_flag() -> None:
     assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30
     assert cfg.max_queued_requests == 5 and cfg.max_loaded_models == 2
     assert config_from_args(build_parser().parse_args([])).max_loaded_models == 0  # no limit
+    assert cfg.memory_watermark == 0.9
+    assert config_from_args(build_parser().parse_args([])).memory_watermark == 0.8  # seed 004
     default = config_from_args(build_parser().parse_args([])).serving
     assert default.as_record() == {"prompt_cache": "on", "prompt_cache_bytes": "auto",
                                    "admission_policy": "kv", "stream_buffer_chunks": "1024",
@@ -626,6 +629,23 @@ def test_cli_rejects_a_bad_model_limit(value: str, error: str,
     assert f"argument --max-loaded-models: {error}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, error", [
+    ("0", "must be a fraction in (0, 1] such as 0.8, got '0'"),
+    ("1.5", "must be a fraction in (0, 1] such as 0.8, got '1.5'"),
+    ("-0.2", "must be a fraction in (0, 1] such as 0.8, got '-0.2'"),
+    ("nan", "must be a fraction in (0, 1] such as 0.8, got 'nan'"),
+    ("inf", "must be a fraction in (0, 1] such as 0.8, got 'inf'"),
+    ("80%", "expected a fraction in (0, 1] such as 0.8, got '80%'"),
+    ("", "expected a fraction in (0, 1] such as 0.8, got ''"),
+])
+def test_cli_rejects_a_bad_memory_watermark(value: str, error: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([f"--memory-watermark={value}"])
+    assert exc.value.code == 2
+    assert f"argument --memory-watermark: {error}" in capsys.readouterr().err
+
+
 async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                                 test_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                 caplog: pytest.LogCaptureFixture) -> None:
@@ -634,7 +654,8 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
     monkeypatch.setattr(supervise_module, "SUPERVISOR_MAX_BACKOFF", 3600.0)
     agent = Agent(AgentConfig(node_name="e2e", etcd_endpoint=etcd_server.client_url,
                               etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
-                              lease_ttl=5, simulated_memory_bytes=64 * 2**30))
+                              lease_ttl=5, simulated_memory_bytes=64 * 2**30,
+                              memory_watermark=0.75))
     try:
         with caplog.at_level(logging.WARNING, logger="node_agent"):
             await agent.start()
@@ -647,6 +668,9 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
         rec = NodeRecord.from_json(kv.value)
         assert rec.address == agent.url and rec.capacity.simulated and rec.labels == {"rack": "a"}
         assert rec.capacity.memory_total_bytes == 64 * 2**30
+        # --memory-watermark: in the record for placement, and the agent's own budget
+        assert rec.capacity.memory_watermark == 0.75
+        assert agent.controller.budget_bytes == rec.capacity.budget_bytes() == 48 * 2**30
 
         a = assignment("chat", test_model_dir, model="tiny")
         await store.put(keys.assignment("e2e", "default", "chat", "r1"), a.to_json())

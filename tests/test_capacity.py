@@ -43,6 +43,7 @@ def _cap(**kw) -> NodeCapacity:
     (_cap(), _cap(wired_limit_bytes=48 * 2**30), True),
     (_cap(), _cap(chip="Apple M4 Max", chip_generation=4), True),
     (_cap(), _cap(max_loaded_models=2), True),
+    (_cap(), _cap(memory_watermark=0.9), True),
 ])
 def test_materially_different(old, new, changed: bool) -> None:
     assert materially_different(old, new) is changed
@@ -63,6 +64,17 @@ async def test_simulated_probe() -> None:
 async def test_probe_reports_the_configured_model_limit() -> None:
     cap = await CapacityProbe(CapacityConfig(max_loaded_models=2)).read()
     assert cap.max_loaded_models == 2
+
+
+@pytest.mark.parametrize("config, watermark, budget", [
+    (CapacityConfig(simulated_memory_bytes=100 * 2**30), 0.8, 80 * 2**30),  # seed 004's 80 %
+    (CapacityConfig(simulated_memory_bytes=100 * 2**30, memory_watermark=0.6), 0.6, 60 * 2**30),
+    (CapacityConfig(simulated_memory_bytes=100 * 2**30, memory_watermark=1.0), 1.0, 100 * 2**30),
+])
+async def test_probe_reports_the_configured_watermark(config: CapacityConfig, watermark: float,
+                                                      budget: int) -> None:
+    cap = await CapacityProbe(config).read()
+    assert cap.memory_watermark == watermark and cap.budget_bytes() == budget
 
 
 async def test_defaults_are_simulated_off_macos() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -21,6 +23,9 @@ from mlx_fleet.contract import (
     Role,
     StatsReport,
     TrafficSplit,
+    WATERMARK,
+    check_watermark,
+    node_budget_bytes,
 )
 
 
@@ -130,6 +135,40 @@ def test_records_round_trip_and_reject_garbage() -> None:
         NodeRecord.from_json(b"not json")
     with pytest.raises(ValidationError):
         Assignment.from_json(a.model_copy(update={"memory_bytes": -1}).model_dump_json())
+
+
+NODE_CAPACITY = {"memory_total_bytes": 10 * 2**30, "memory_available_bytes": 9 * 2**30,
+                 "chip": "Apple M4 Max", "chip_generation": 4}
+
+
+@pytest.mark.parametrize("capacity, watermark, budget", [
+    # a record written before memory_watermark existed: the default, 80 % (seed 004)
+    (NODE_CAPACITY, WATERMARK, 8 * 2**30),
+    ({**NODE_CAPACITY, "memory_watermark": 0.5}, 0.5, 5 * 2**30),
+    ({**NODE_CAPACITY, "memory_watermark": 1}, 1.0, 10 * 2**30),
+    ({**NODE_CAPACITY, "memory_watermark": 0.29, "memory_total_bytes": 100}, 0.29, 29),
+    # the GPU wired limit still caps it
+    ({**NODE_CAPACITY, "memory_watermark": 0.9, "wired_limit_bytes": 6 * 2**30}, 0.9, 6 * 2**30),
+    ({**NODE_CAPACITY, "memory_watermark": 0.5, "wired_limit_bytes": 6 * 2**30}, 0.5, 5 * 2**30),
+])
+def test_node_capacity_carries_its_watermark(capacity: dict, watermark: float,
+                                             budget: int) -> None:
+    cap = NodeCapacity.from_json(json.dumps(capacity))
+    assert cap.memory_watermark == watermark and cap.budget_bytes() == budget
+    assert cap.budget_bytes() == node_budget_bytes(cap.memory_total_bytes, cap.wired_limit_bytes,
+                                                   watermark)
+    assert NodeCapacity.from_json(cap.to_json()) == cap
+
+
+@pytest.mark.parametrize("watermark", [0, 0.0, -0.5, 1.01, 80, True, "0.8", None,
+                                       float("nan"), float("inf")])
+def test_node_capacity_refuses_a_bad_watermark(watermark: object) -> None:
+    with pytest.raises(ValidationError) as e:
+        NodeCapacity.model_validate({**NODE_CAPACITY, "memory_watermark": watermark})
+    assert e.value.errors()[0]["loc"] == ("memory_watermark",)
+    assert "watermark must be a number in (0, 1]" in str(e.value)
+    with pytest.raises(ValueError, match=r"watermark must be a number in \(0, 1\]"):
+        check_watermark(watermark)
 
 
 def test_assignment_role_and_revision() -> None:

@@ -22,14 +22,15 @@ GiB = 1024**3
 
 
 def rec(health: NodeHealth = NodeHealth.HEALTHY, wired: int = 0, beat: float = 1_700_000_000.0,
-        simulated: bool = True, limit: int = 0) -> NodeRecord:
+        simulated: bool = True, limit: int = 0, watermark: float = 0.8) -> NodeRecord:
     return NodeRecord(name="mac-a", address="http://mac-a:8000", health=health,
                       heartbeat_unix=beat,
                       capacity=NodeCapacity(memory_total_bytes=64 * GiB,
                                             memory_available_bytes=60 * GiB,
                                             wired_limit_bytes=wired, chip="Apple M4 Max",
                                             chip_generation=4, simulated=simulated,
-                                            max_loaded_models=limit))
+                                            max_loaded_models=limit,
+                                            memory_watermark=watermark))
 
 
 def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assignment:
@@ -40,7 +41,12 @@ def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assig
 @pytest.mark.parametrize("record, assignments, want", [
     (rec(), [], {"health": "Healthy", "memoryReservedBytes": 0, "loadedModels": [],
                  "modelCount": 0, "memoryBudgetBytes": node_budget_bytes(64 * GiB, 0),
-                 "maxLoadedModels": 0}),
+                 "memoryWatermark": 0.8, "maxLoadedModels": 0}),
+    # the agent's --memory-watermark: the budget and the summary follow it
+    (rec(watermark=0.5), [asg("a", 2)], {"memoryWatermark": 0.5,
+                                          "memoryBudgetBytes": 32 * GiB,
+                                          "memory": "2.0GiB / 32.0GiB"}),
+    (rec(wired=24 * GiB, watermark=0.5), [], {"memoryBudgetBytes": 24 * GiB}),
     (rec(limit=2), [asg("a", 2)], {"modelCount": 1, "maxLoadedModels": 2}),
     (rec(), [asg("b", 4), asg("a", 2, "v2"), asg("a", 2, "v1")],
      {"memoryReservedBytes": 8 * GiB, "modelCount": 3, "memory": "8.0GiB / 51.2GiB",
@@ -50,7 +56,8 @@ def asg(name: str, gib: int, revision: str = "v1", ns: str = "default") -> Assig
     (rec(), [], {"chip": "Apple M4 Max", "chipGeneration": 4, "memoryTotalBytes": 64 * GiB,
                  "address": "http://mac-a:8000", "simulated": True,
                  "lastSeen": "2023-11-14T22:13:20Z", "unschedulable": False}),
-], ids=["empty", "model limit", "reserved and models", "wired cap", "health", "static fields"])
+], ids=["empty", "watermark", "wired cap below the watermark", "model limit",
+        "reserved and models", "wired cap", "health", "static fields"])
 def test_macnode_status(record, assignments, want):
     got = macnode_status(record, assignments)
     assert {k: got[k] for k in want} == want
@@ -129,7 +136,8 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
             lease = await store.grant_lease(60)
             record = node_record(mac)
             record = record.model_copy(update={"capacity": record.capacity.model_copy(
-                update={"max_loaded_models": 1})})  # the agent's --max-loaded-models 1
+                update={"max_loaded_models": 1,  # the agent's --max-loaded-models 1
+                        "memory_watermark": 0.5})})  # and --memory-watermark 0.5
             await store.put(keys.node(mac), record.to_json(), lease=lease)
             try:
                 # the operator may not have created it yet: a wait for a field of a missing
@@ -143,9 +151,16 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
                 # the limit survives the CRD's schema and shows in the wide listing
                 await kwait(control_plane, f"macnode/{mac}",
                             "jsonpath={.status.maxLoadedModels}=1")
+                # so does the watermark, with the budget it gives (half of 64 GiB)
+                await kwait(control_plane, f"macnode/{mac}",
+                            "jsonpath={.status.memoryWatermark}=0.5")
+                await kwait(control_plane, f"macnode/{mac}",
+                            f"jsonpath={{.status.memoryBudgetBytes}}={32 * GiB}")
                 wide = await asyncio.to_thread(control_plane.kubectl, "get", "macnodes", mac,
                                                "-o", "wide")
-                assert "MAX MODELS" in wide.stdout.splitlines()[0], wide.stdout
+                header, line = wide.stdout.splitlines()[:2]
+                assert "MAX MODELS" in header and "WATERMARK" in header, wide.stdout
+                assert "0B / 32.0GiB" in line and " 0.5 " in line, wide.stdout
 
                 # cordon: once the operator applies it, a new deployment is not placed there
                 assert await asyncio.to_thread(cli, ["cordon", mac, "--kubeconfig", kc]) == 0

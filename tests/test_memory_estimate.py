@@ -481,6 +481,8 @@ def test_node_budget_for_a_capacity() -> None:
                        wired_limit_bytes=96 * GiB, chip="Apple M3 Max", chip_generation=3)
     assert node_budget_for(cap) == 96 * GiB
     assert node_budget_for(cap, 0.5) == 64 * GiB
+    own = cap.model_copy(update={"memory_watermark": 0.25})  # the agent's --memory-watermark
+    assert node_budget_for(own) == 32 * GiB and node_budget_for(own, 0.5) == 64 * GiB
 
 
 @pytest.mark.parametrize("total, wired, watermark", [

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_fleet.contract import (Assignment, ModelSource, NodeCapacity, NodeHealth, NodeRecord)
-from mlx_fleet_operator.placement import (WATERMARK, PlacementRequest, is_mine, node_budget_bytes,
+from mlx_fleet.contract import (WATERMARK, Assignment, ModelSource, NodeCapacity, NodeHealth,
+                                NodeRecord)
+from mlx_fleet_operator.placement import (PlacementRequest, is_mine, node_budget_bytes,
                                           place, used_by_others)
 from mlx_fleet_operator.spec import SpecError, parse_spec, resolve_int_or_percent, to_assignment
 
@@ -15,11 +16,13 @@ GiB = 1024**3
 
 
 def node(name: str, mem_gib: float = 10, gen: int = 3, health: NodeHealth = NodeHealth.HEALTHY,
-         **labels: str) -> NodeRecord:
+         watermark: float = WATERMARK, wired_gib: float = 0, **labels: str) -> NodeRecord:
     return NodeRecord(name=name, address=f"http://{name}:8000", labels=labels, health=health,
                       capacity=NodeCapacity(memory_total_bytes=int(mem_gib * GiB),
                                             memory_available_bytes=int(mem_gib * GiB),
-                                            chip=f"Apple M{gen}", chip_generation=gen))
+                                            wired_limit_bytes=int(wired_gib * GiB),
+                                            chip=f"Apple M{gen}", chip_generation=gen,
+                                            memory_watermark=watermark))
 
 
 def asg(name: str, mem_gib: float, ns: str = "default", served: str | None = None,
@@ -157,9 +160,39 @@ def test_used_by_others_counts_other_revisions_not_this_one():
     assert [is_mine(req(revision="v2"), a) for a in on_node] == [False, True, False, False]
 
 
-def test_budget_uses_watermark():
+@pytest.mark.parametrize("record, budget_gib", [
+    (node("a", 10), 8),                                  # the default watermark, 80 % (seed 004)
+    (node("a", 10, watermark=0.5), 5),
+    (node("a", 10, watermark=1.0), 10),
+    (node("a", 64, watermark=0.9, wired_gib=40), 40),    # the GPU wired limit still caps it
+    (node("a", 64, watermark=0.5, wired_gib=40), 32),
+], ids=["default", "half", "all", "wired cap", "watermark below the cap"])
+def test_budget_uses_the_node_watermark(record: NodeRecord, budget_gib: int):
     assert WATERMARK == 0.8
-    assert node_budget_bytes(node("a", 10)) == 8 * GiB
+    assert node_budget_bytes(record) == budget_gib * GiB
+
+
+def test_a_record_without_a_watermark_gets_the_default():
+    """Node records of agents older than ``memory_watermark`` parse with 80 %."""
+    raw = node("old", 10).model_dump(mode="json")
+    del raw["capacity"]["memory_watermark"]
+    assert node_budget_bytes(NodeRecord.model_validate(raw)) == 8 * GiB
+
+
+@pytest.mark.parametrize("nodes, request_gib, strategy, placed, message", [
+    # 6 GiB fits 80 % of 10 GiB, not 50 %: the numbers name the node's own budget
+    ([node("a", 10, watermark=0.5)], 6, "Spread", (), "a 5.0GiB free of 5.0GiB"),
+    ([node("a", 10, watermark=0.5), node("b", 10)], 6, "Spread", ("b",), ""),
+    # same memory, the higher watermark has more free budget (Spread) / the lower fits (Binpack)
+    ([node("a", 10, watermark=0.5), node("b", 10, watermark=0.9)], 2, "Spread", ("b",), ""),
+    ([node("a", 10, watermark=0.5), node("b", 10, watermark=0.9)], 2, "Binpack", ("a",), ""),
+    ([node("a", 10, watermark=1.0)], 10, "Spread", ("a",), ""),
+], ids=["too low", "elsewhere", "spread", "binpack", "everything"])
+def test_placement_uses_each_node_watermark(nodes, request_gib, strategy, placed, message):
+    d = place(req(mem_gib=request_gib, strategy=strategy), nodes, {})
+    assert tuple(d.nodes) == placed
+    assert d.unplaced == 1 - len(placed)
+    assert message in d.message
 
 
 # --- spec parsing ------------------------------------------------------------------------------

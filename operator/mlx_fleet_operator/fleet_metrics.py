@@ -102,7 +102,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
     _spec("node_memory_available_bytes", "gauge", ["node"],
           "Unified memory free or reclaimable on the node at its agent's last report"),
     _spec("node_memory_budget_bytes", "gauge", ["node"],
-          "Bytes assignments may reserve on the node: total x the placement watermark"),
+          "Bytes assignments may reserve on the node: total x the node's memory watermark "
+          "(its agent's --memory-watermark, default 0.8), capped by the GPU wired limit"),
     _spec("node_memory_reserved_bytes", "gauge", ["node"],
           "Sum of the memory_bytes of the assignments placed on the node (what placement "
           "counts against the budget)"),

@@ -21,7 +21,7 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mlx_fleet.contract import Assignment, NodeRecord, node_budget_bytes
+from mlx_fleet.contract import Assignment, NodeRecord
 from mlx_fleet.quantity import format_bytes
 
 from .status import condition
@@ -76,18 +76,21 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
                    now: str = "") -> dict[str, Any]:
     """The MacNode ``status`` of a live node ``record`` with the ``assignments`` on it
     (``maxLoadedModels``: the agent's limit on loaded models, 0 = none; placement counts
-    ``modelCount`` against it). ``draining``/``blocked``/``generation``/``previous``/``now``: see
+    ``modelCount`` against it; ``memoryBudgetBytes``: the node's budget,
+    :meth:`~mlx_fleet.contract.NodeCapacity.budget_bytes`, from ``memoryWatermark``, the
+    agent's ``--memory-watermark``). ``draining``/``blocked``/``generation``/``previous``/``now``: see
     :func:`drained_condition`."""
     asg = list(assignments)
     c = record.capacity
     models = _models(asg)
+    budget, reserved = c.budget_bytes(), sum(a.memory_bytes for a in asg)
     return {
         "chip": c.chip, "chipGeneration": c.chip_generation,
         "memoryTotalBytes": c.memory_total_bytes,
-        "memoryBudgetBytes": node_budget_bytes(c.memory_total_bytes, c.wired_limit_bytes),
-        "memoryReservedBytes": sum(a.memory_bytes for a in asg),
-        "memory": memory_summary(sum(a.memory_bytes for a in asg),
-                                 node_budget_bytes(c.memory_total_bytes, c.wired_limit_bytes)),
+        "memoryWatermark": c.memory_watermark,
+        "memoryBudgetBytes": budget,
+        "memoryReservedBytes": reserved,
+        "memory": memory_summary(reserved, budget),
         "health": record.health.value, "simulated": c.simulated, "address": record.address,
         "loadedModels": models, "modelCount": len(models),
         "maxLoadedModels": c.max_loaded_models, "unschedulable": unschedulable,

@@ -24,8 +24,8 @@ Rules
   (``MacNode`` ``spec.drain``: its replicas are replicas to replace — they are left out of the
   decision and placed elsewhere; :mod:`.rollout` keeps the drained one serving until its
   replacement is Ready). The budget is
-  ``memory_total_bytes × WATERMARK`` (capped by the GPU wired limit)
-  minus the ``memory_bytes`` of every
+  ``memory_total_bytes × memory_watermark`` (the node's own, reported by its agent; default
+  80 %, seed 004), capped by the GPU wired limit, minus the ``memory_bytes`` of every
   other assignment on that node — other deployments *and other revisions of this one* (both
   sides of a canary, or of a surge, are resident at once); only the revision being placed does
   not count against itself.
@@ -59,9 +59,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from mlx_fleet.contract import (MIN_CHIP_GENERATION, WATERMARK, Assignment, AssignmentReport,
-                                NodeHealth, NodeRecord)
-from mlx_fleet.contract import node_budget_bytes as contract_budget
+from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentReport, NodeHealth,
+                                NodeRecord)
 from mlx_fleet.quantity import format_bytes
 
 
@@ -147,11 +146,12 @@ def revision_estimates(reports: Mapping[tuple[str, str], AssignmentReport]) -> d
 
 
 def node_budget_bytes(node: NodeRecord) -> int:
-    """Bytes assignments may reserve on ``node``: :func:`mlx_fleet.contract.node_budget_bytes`
-    of its capacity — ``memory_total_bytes × WATERMARK`` (80 %), floored, capped by the GPU
-    wired-memory limit when the node reports one (the same rule the agent uses)."""
-    c = node.capacity
-    return contract_budget(c.memory_total_bytes, c.wired_limit_bytes)
+    """Bytes assignments may reserve on ``node``: its capacity's
+    :meth:`~mlx_fleet.contract.NodeCapacity.budget_bytes` — ``memory_total_bytes ×
+    memory_watermark`` (the agent's ``--memory-watermark``; 80 % by default and for records
+    without the field), floored, capped by the GPU wired-memory limit when the node reports one
+    (the same rule the agent uses)."""
+    return node.capacity.budget_bytes()
 
 
 def is_mine(request: PlacementRequest, a: Assignment) -> bool:
