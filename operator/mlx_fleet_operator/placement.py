@@ -56,6 +56,8 @@ longer eligible, and its replica moves.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -151,7 +153,12 @@ def node_budget_bytes(node: NodeRecord) -> int:
     of its capacity — ``memory_total_bytes × WATERMARK`` (80 %), floored, capped by the GPU
     wired-memory limit when the node reports one (the same rule the agent uses)."""
     c = node.capacity
-    return contract_budget(c.memory_total_bytes, c.wired_limit_bytes)
+    return _budget(c.memory_total_bytes, c.wired_limit_bytes)
+
+
+#: The contract's budget rule (exact decimal arithmetic) per distinct (total, wired limit): a
+#: fleet has few distinct machine sizes, and placement asks once per node per reconcile.
+_budget = functools.lru_cache(maxsize=1024)(contract_budget)
 
 
 def is_mine(request: PlacementRequest, a: Assignment) -> bool:
@@ -163,6 +170,8 @@ def is_mine(request: PlacementRequest, a: Assignment) -> bool:
 def used_by_others(request: PlacementRequest, assignments: Sequence[Assignment]) -> int:
     """Memory reserved on one node by every assignment but the revision ``request`` places
     (other deployments and other revisions of the same deployment)."""
+    if not assignments:
+        return 0
     return sum(a.memory_bytes for a in assignments if not is_mine(request, a))
 
 
@@ -209,11 +218,12 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
                 assignments: Sequence[Assignment]) -> int | None:
     if node.health != NodeHealth.HEALTHY:
         return _UNHEALTHY
-    if any(node.labels.get(k) != v for k, v in request.node_selector.items()):
+    if request.node_selector and any(node.labels.get(k) != v
+                                     for k, v in request.node_selector.items()):
         return _SELECTOR
     if node.capacity.chip_generation < request.min_chip_generation:
         return _CHIP
-    if serves_name_of_another(request, assignments):
+    if assignments and serves_name_of_another(request, assignments):
         return _NAME
     if free < request.memory_bytes:
         return _MEMORY
@@ -244,11 +254,12 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     current = sorted(node for node, items in assignments.items()
                      if any(is_mine(request, a) for a in items))
 
-    free: dict[str, int] = {name: free_bytes(request, n, assignments.get(name, ()))
-                            for name, n in by_name.items()}
-    verdict: dict[str, int | None] = {
-        name: _ineligible(request, n, free[name], assignments.get(name, ()))
-        for name, n in by_name.items()}
+    free: dict[str, int] = {}
+    verdict: dict[str, int | None] = {}
+    for name, n in by_name.items():
+        items = assignments.get(name, ())
+        free[name] = f = free_bytes(request, n, items)
+        verdict[name] = _ineligible(request, n, f, items)
     eligible = {name for name, v in verdict.items() if v is None}
 
     kept = [n for n in current if n in eligible or verdict.get(n) == _CORDONED]
@@ -262,12 +273,13 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     wanted = request.replicas
     if request.estimate_pending:  # one replica first, where most memory is free
         wanted = min(request.replicas, max(len(chosen), 1))
-        candidates.sort(key=lambda n: (-free[n], n))
+        order: Any = lambda n: (-free[n], n)  # noqa: E731
     elif request.strategy == "Binpack":
-        candidates.sort(key=lambda n: (n not in request.preferred, free[n], n))
+        order = lambda n: (n not in request.preferred, free[n], n)  # noqa: E731
     else:
-        candidates.sort(key=lambda n: (n not in request.preferred, -free[n], n))
-    added = candidates[:max(wanted - len(chosen), 0)]
+        order = lambda n: (n not in request.preferred, -free[n], n)  # noqa: E731
+    # the first few in that order (keys are unique: the same as sorting and slicing)
+    added = heapq.nsmallest(max(wanted - len(chosen), 0), candidates, key=order)
     chosen.update(added)
     waiting = request.replicas - wanted
     unplaced = wanted - len(chosen)

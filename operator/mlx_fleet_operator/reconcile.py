@@ -240,8 +240,10 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
     # Malformed values under this deployment's keys are rewritten or removed too.
     for node, items in view.assignments.items():
         for s in items:
+            if s.assignment is not None:
+                continue
             parsed = keys.parse_assignment(s.key)
-            if s.assignment is None and parsed and parsed[:3] == (node, namespace, name):
+            if parsed and parsed[:3] == (node, namespace, name):
                 mine[(node, parsed[3])] = s
     if intent is None:
         dplan = DeploymentPlan(desired={}, stable=PlacementDecision(
