@@ -3,9 +3,10 @@
 Every decision is made by the pure modules (:mod:`.spec`, :mod:`.placement`, :mod:`.status`);
 this module only moves data between the Kubernetes API, etcd and them.
 
-* ``on.startup``: kopf settings, the etcd store, two etcd followers (``nodes/`` and
-  ``reports/``, via :func:`mlx_fleet.store.follow_prefix`) that keep an in-memory view and wake
-  the affected deployments — supervised (:mod:`mlx_fleet.supervise`: logged, restarted with backoff,
+* ``on.startup``: kopf settings, the etcd store, etcd followers (``nodes/``, ``reports/``,
+  ``stats/`` and ``assignments/``, via :func:`mlx_fleet.store.follow_prefix`) that keep
+  in-memory views — reconciles plan from the node and assignment views instead of listing etcd
+  (:mod:`.view`) — and wake the affected deployments — supervised (:mod:`mlx_fleet.supervise`: logged, restarted with backoff,
   liveness fails while one is down) — the Kubernetes client for status patches, the metrics
   server.
 * ``on.create`` / ``on.update`` / ``on.resume``: :func:`sync` — parse the spec, reconcile
@@ -59,6 +60,7 @@ from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collec
 from .rollout import DrainState, RevisionTarget
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
+from .view import AssignmentsView
 
 GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
@@ -189,6 +191,9 @@ class Runtime:
         self.placement_lock = asyncio.Lock()
         #: Parsed node records and assignments reused between reconciles (reconcile.ParseMemo).
         self.fleet_memo = (ParseMemo(), ParseMemo())
+        #: The stored assignments, kept by the assignments follower and by our own commits;
+        #: reconciles plan from it (and from ``nodes``) instead of listing etcd (view.py).
+        self.assignments = AssignmentsView()
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
@@ -345,8 +350,19 @@ class Runtime:
                 self.wakeups[key].set()
             self.wake_canary(key)
 
+    async def on_assignments_snapshot(self, snap: Snapshot) -> None:
+        self.assignments.reset(snap.items, snap.revision)
+
+    async def on_assignments_event(self, ev: WatchEvent) -> None:
+        self.assignments.apply(ev)
+
+    def placement_nodes(self) -> dict[str, NodeRecord] | None:
+        """The followed node records for placement, None until the follower's first listing
+        (a reconcile then lists ``nodes/`` itself)."""
+        return self.nodes if self.nodes_synced.is_set() else None
+
     def start_followers(self) -> None:
-        """Start the two etcd followers, each under :func:`mlx_fleet.supervise.supervise` (logged and
+        """Start the etcd followers, each under :func:`mlx_fleet.supervise.supervise` (logged and
         restarted with backoff if it fails; :func:`probe_followers` fails meanwhile)."""
         for name, prefix, on_snapshot, on_event in (
                 ("etcd follower: nodes", self.keys.nodes_prefix, self.on_nodes_snapshot,
@@ -354,7 +370,9 @@ class Runtime:
                 ("etcd follower: reports", self.keys.reports_prefix, self.on_reports_snapshot,
                  self.on_reports_event),
                 ("etcd follower: stats", self.keys.stats_prefix, self.on_stats_snapshot,
-                 self.on_stats_event)):
+                 self.on_stats_event),
+                ("etcd follower: assignments", self.keys.assignments_prefix,
+                 self.on_assignments_snapshot, self.on_assignments_event)):
             health = self.followers[name] = TaskHealth(name)
             on_snapshot = metrics.relists_counted(name.rsplit(" ", 1)[-1], on_snapshot)
 
@@ -790,7 +808,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
-                                     serialize=rt.placement_lock, memo=rt.fleet_memo)
+                                     serialize=rt.placement_lock, memo=rt.fleet_memo,
+                                     nodes=rt.placement_nodes(), assignments=rt.assignments)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -921,7 +940,9 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     async with rt.lock(key):
         try:
             result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer,
-                                             serialize=rt.placement_lock, memo=rt.fleet_memo)
+                                             serialize=rt.placement_lock, memo=rt.fleet_memo,
+                                             nodes=rt.placement_nodes(),
+                                             assignments=rt.assignments)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             raise kopf.TemporaryError(str(e), delay=1) from e
