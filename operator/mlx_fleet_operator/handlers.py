@@ -30,7 +30,10 @@ this module only moves data between the Kubernetes API, etcd and them.
 Why status is patched with the ``kubernetes`` client: kopf 1.45 applies a daemon's ``patch``
 only when the daemon function returns (``_core/engines/daemons.py``), and this daemon runs
 forever; so :func:`sync` patches the ``status`` subresource itself (JSON merge patch, in a
-worker thread) — and only when the computed status differs from the last one.
+worker thread) — and only when the computed status differs from the last one, coalesced: a
+writer task per deployment patches the latest status :data:`STATUS_COALESCE_SECONDS` after a
+change (statuses computed meanwhile replace it), so the reconcile does not wait for the API
+server and a burst of changes is one patch.
 """
 
 from __future__ import annotations
@@ -79,6 +82,13 @@ MACNODE_PLURAL = "macnodes"
 #: ``status.endpoints`` is published, so that clients following the endpoints stop sending to
 #: it before its agent stops taking requests (the role of a Pod's preStop delay in Kubernetes).
 ENDPOINT_GRACE_SECONDS = 2.0
+#: Seconds a ModelDeployment's changed status waits before it is patched, so that statuses
+#: computed in quick succession (a replica placed, then Ready a moment later; a burst of node
+#: changes) reach the API server as one patch of the latest (:meth:`Runtime.queue_status`).
+#: A status that withdraws endpoints is patched at once: the grace above counts from its patch.
+STATUS_COALESCE_SECONDS = 0.25
+#: Seconds before a failed status patch is tried again (with the latest status by then).
+STATUS_RETRY_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
 DeploymentKey = tuple[str, str]
@@ -169,7 +179,14 @@ class Runtime:
         self.canary_wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.locks: dict[DeploymentKey, asyncio.Lock] = {}
+        #: ModelDeployment → the status computed last (queued or patched): ``previous`` of
+        #: the next status computation.
         self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
+        #: ModelDeployment → the status computed last and not patched yet, its writer task
+        #: and the lock that keeps its patches in order (:meth:`queue_status`).
+        self.pending_status: dict[DeploymentKey, dict[str, Any]] = {}
+        self.status_writers: dict[DeploymentKey, asyncio.Task] = {}
+        self.status_locks: dict[DeploymentKey, asyncio.Lock] = {}
         self.tasks: list[asyncio.Task] = []
         self.followers: dict[str, TaskHealth] = {}
         #: Whether this replica exports the fleet metric families (fleet_metrics): always when
@@ -207,6 +224,52 @@ class Runtime:
     def rearm(self, key: DeploymentKey, delay: float) -> None:
         """Wake ``key``'s daemon again in ``delay`` seconds (a prompt retry, not the resync)."""
         asyncio.get_running_loop().call_later(delay, self.wakeup(key).set)
+
+    # -- status writer -----------------------------------------------------------------------
+    def queue_status(self, key: DeploymentKey, status: dict[str, Any]) -> None:
+        """Patch ``status`` onto ``key``'s ModelDeployment :data:`STATUS_COALESCE_SECONDS` from
+        now, unless a later one is queued meanwhile (then that one). Failed patches are logged
+        and retried after :data:`STATUS_RETRY_SECONDS`."""
+        self.pending_status[key] = status
+        writer = self.status_writers.get(key)
+        if writer is None or writer.done():
+            self.status_writers[key] = asyncio.create_task(self._write_status(key),
+                                                           name=f"status {key[0]}/{key[1]}")
+
+    async def _write_status(self, key: DeploymentKey) -> None:
+        delay = STATUS_COALESCE_SECONDS
+        while key in self.pending_status:
+            await asyncio.sleep(delay)  # the coalescing window (or the retry delay)
+            try:
+                await self.flush_status(key)
+                delay = STATUS_COALESCE_SECONDS
+            except Exception as e:
+                log.warning("status of %s/%s not patched (%s: %s); retrying in %.0f s", *key,
+                            type(e).__name__, (str(e).splitlines() or [""])[0],
+                            STATUS_RETRY_SECONDS)
+                delay = STATUS_RETRY_SECONDS
+
+    async def flush_status(self, key: DeploymentKey) -> None:
+        """Patch ``key``'s queued status now (nothing when none is queued). Raises what the
+        patch raised; the status then stays queued."""
+        async with self.status_locks.setdefault(key, asyncio.Lock()):
+            status = self.pending_status.pop(key, None)
+            if status is None:
+                return
+            try:
+                await _patch_status(self, key[0], key[1], status)
+            except BaseException:
+                self.pending_status.setdefault(key, status)  # unless a newer one came
+                raise
+
+    def forget_status(self, key: DeploymentKey) -> None:
+        """The deployment is gone: drop its queued status and stop its writer."""
+        self.pending_status.pop(key, None)
+        self.last_status.pop(key, None)
+        self.status_locks.pop(key, None)
+        writer = self.status_writers.pop(key, None)
+        if writer is not None:
+            writer.cancel()
 
     def wake_all(self) -> None:
         for ev in self.wakeups.values():
@@ -436,7 +499,7 @@ class Runtime:
             await wait_event(self.macnode_wake, MACNODE_SECONDS)
 
     async def close(self) -> None:
-        for t in self.tasks:
+        for t in [*self.tasks, *self.status_writers.values()]:
             t.cancel()
         for t in self.tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -746,11 +809,17 @@ def _post(body: Mapping[str, Any], events: list[Event]) -> None:
 
 
 async def _publish(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
-                   status: dict[str, Any], events: list[Event], desired: int) -> None:
+                   status: dict[str, Any], events: list[Event], desired: int, *,
+                   at_once: bool = False) -> None:
+    """Queue ``status`` when it differs from the last one (coalesced, :meth:`Runtime.queue_status`),
+    post ``events``, set the replica gauges. ``at_once``: patch before returning (raises what
+    the patch raises)."""
     previous = rt.last_status.get(key) or body.get("status") or {}
     if status_changed(previous, status):
-        await _patch_status(rt, key[0], key[1], status)
         rt.last_status[key] = status
+        rt.queue_status(key, status)
+    if at_once:
+        await rt.flush_status(key)
     _post(body, events)
     metrics.set_replicas(key[0], key[1], desired, status["readyReplicas"])
 
@@ -842,7 +911,9 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             rollout_reason=result.rollout.reason, rollout_message=result.rollout.message,
             withdrawn=frozenset(result.drain.withdraw), waiting=result.decision.waiting),
             previous)
-        await _publish(rt, body, key, status, events, spec.replicas)
+        # a status that withdraws endpoints is patched now: the grace counts from its patch
+        await _publish(rt, body, key, status, events, spec.replicas,
+                       at_once=bool(result.drain.withdraw))
         # withdrawn from the endpoints now that this status is published: removed after the grace
         now = time.monotonic()
         rt.withdrawn[key] = {slot: published.get(slot, now) for slot in result.drain.withdraw}
@@ -951,7 +1022,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         logger.info("removed assignments of %s/%s from %s", namespace, name,
                     list(result.decision.removed))
-    rt.last_status.pop(key, None)
+    rt.forget_status(key)
     rt.wakeups.pop(key, None)
     rt.locks.pop(key, None)
     rt.deployments.pop(key, None)
