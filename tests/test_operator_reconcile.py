@@ -501,6 +501,11 @@ async def test_followed_views_replace_the_listings(store, keys):
     listed = rc.plan(keys, await rc.read_fleet(store, keys), "ns", "d4", intent("d4", mem_gib=6))
     assert from_view == listed and from_view.decision.nodes == ("b",)
     assert counting.listed == [keys.assignments_prefix]
+    # nothing changed since: the same FleetView again (its indexes built once)
+    first = await rc.read_fleet(counting, keys, nodes=nodes, assignments=view)
+    assert await rc.read_fleet(counting, keys, nodes=nodes, assignments=view) is first
+    await rc.reconcile(counting, keys, intent("d4", mem_gib=6), nodes=nodes, assignments=view)
+    assert await rc.read_fleet(counting, keys, nodes=nodes, assignments=view) is not first
 
 
 async def test_followed_view_never_overcommits_on_a_write_it_has_not_seen(store, keys):

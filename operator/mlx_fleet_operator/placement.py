@@ -163,16 +163,18 @@ _budget = functools.lru_cache(maxsize=1024)(contract_budget)
 
 def is_mine(request: PlacementRequest, a: Assignment) -> bool:
     """True when ``a`` is the assignment of the very revision ``request`` places."""
-    return (a.namespace, a.name, a.revision) == (request.namespace, request.name,
-                                                 request.revision)
+    return (a.name == request.name and a.namespace == request.namespace
+            and a.source.revision == request.revision)
 
 
 def used_by_others(request: PlacementRequest, assignments: Sequence[Assignment]) -> int:
     """Memory reserved on one node by every assignment but the revision ``request`` places
     (other deployments and other revisions of the same deployment)."""
-    if not assignments:
-        return 0
-    return sum(a.memory_bytes for a in assignments if not is_mine(request, a))
+    total = 0
+    for a in assignments:  # (a loop, not sum() over a generator: called per node per reconcile)
+        if not is_mine(request, a):
+            total += a.memory_bytes
+    return total
 
 
 def free_bytes(request: PlacementRequest, node: NodeRecord,
@@ -188,9 +190,12 @@ def _fmt(n: int) -> str:
 def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assignment]) -> bool:
     """True when one node's ``assignments`` include another deployment serving the same model
     name as ``request``."""
-    return any(a.served_model_name == request.model_name
-               and (a.namespace, a.name) != (request.namespace, request.name)
-               for a in assignments)
+    model_name = request.model_name
+    for a in assignments:
+        if a.served_model_name == model_name and (a.name != request.name
+                                                  or a.namespace != request.namespace):
+            return True
+    return False
 
 
 #: Nodes named (with their numbers) in an insufficient-memory reason; the rest are counted.
@@ -258,7 +263,9 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     verdict: dict[str, int | None] = {}
     for name, n in by_name.items():
         items = assignments.get(name, ())
-        free[name] = f = free_bytes(request, n, items)
+        # free_bytes(), with the sum skipped for the (many) nodes that hold nothing
+        free[name] = f = (node_budget_bytes(n) - used_by_others(request, items) if items
+                          else node_budget_bytes(n))
         verdict[name] = _ineligible(request, n, f, items)
     eligible = {name for name, v in verdict.items() if v is None}
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import socket
@@ -89,13 +90,23 @@ class FleetView:
 
     def of(self, namespace: str, name: str) -> dict[Slot, StoredAssignment]:
         """(node, revision) → this deployment's stored assignment (parseable ones)."""
-        out = {}
+        return dict(self._by_deployment.get((namespace, name), {}))
+
+    @functools.cached_property
+    def _by_deployment(self) -> dict[tuple[str, str], dict[Slot, StoredAssignment]]:
+        out: dict[tuple[str, str], dict[Slot, StoredAssignment]] = {}
         for node, items in self.assignments.items():
             for s in items:
-                if s.assignment is not None and (s.assignment.namespace, s.assignment.name) == (
-                        namespace, name):
-                    out[(node, s.assignment.revision)] = s
+                if s.assignment is not None:
+                    out.setdefault((s.assignment.namespace, s.assignment.name), {})[
+                        (node, s.assignment.revision)] = s
         return out
+
+    @functools.cached_property
+    def current(self) -> dict[str, list[Assignment]]:
+        """node → its parseable stored assignments (placement's input; do not modify)."""
+        return {n: [s.assignment for s in items if s.assignment is not None]
+                for n, items in self.assignments.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +198,10 @@ async def read_fleet(store: Store, keys: Keys, memo: tuple[ParseMemo, ParseMemo]
         nodes_l = await store.list(keys.nodes_prefix)
         revision = nodes_l.revision
     if assignments is not None and assignments.covers(epoch.mod_revision if epoch else 0):
+        cached = assignments.derived
+        if (nodes is not None and cached is not None and cached[0] == assignments.changes
+                and cached[1] == epoch and cached[2] == nodes):
+            return cached[3]  # nothing changed since the last read: the same view (and indexes)
         asg_items, revision = assignments.items(), max(revision, assignments.complete)
     else:
         asg_l = await store.list(keys.assignments_prefix)
@@ -230,7 +245,11 @@ async def read_fleet(store: Store, keys: Keys, memo: tuple[ParseMemo, ParseMemo]
         if got is not None:
             parsed, a = got
             stored.setdefault(parsed[0], []).append(StoredAssignment(kv.key, kv, a))
-    return FleetView(nodes=records, assignments=stored, epoch=epoch, revision=revision)
+    view = FleetView(nodes=records, assignments=stored, epoch=epoch, revision=revision)
+    if assignments is not None and nodes is not None and assignments.covers(
+            epoch.mod_revision if epoch else 0):
+        assignments.derived = (assignments.changes, epoch, dict(nodes), view)
+    return view
 
 
 def report_slots(view: FleetView, namespace: str, name: str,
@@ -273,8 +292,7 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
             nodes=(), removed=tuple(sorted({n for n, _ in mine}))), candidate=None,
             rollout=RolloutState())
     else:
-        current = {n: [s.assignment for s in items if s.assignment is not None]
-                   for n, items in view.assignments.items()}
+        current = view.current
         ready, failed = report_slots(view, namespace, name, reports or {})
         dplan = plan_deployment(intent.stable, intent.candidate, max_surge=intent.max_surge,
                                 max_unavailable=intent.max_unavailable,

@@ -47,6 +47,9 @@ class AssignmentsView:
         self.complete = 0
         self.loaded = False
         self.changes = 0
+        #: What a reader built from this state, tagged by its owner with ``changes`` at the
+        #: time (:func:`.reconcile.read_fleet` keeps its FleetView here); never read here.
+        self.derived: tuple | None = None
 
     def covers(self, epoch_mod_revision: int) -> bool:
         """Whether the view reflects every assignment write up to ``epoch_mod_revision`` (the
