@@ -600,8 +600,12 @@ def _macnode_round(api: Any, nodes: Mapping[str, NodeRecord],
     for name, rec in sorted(nodes.items()):
         if name not in existing:
             try:
-                api.create_cluster_custom_object(GROUP, VERSION, MACNODE_PLURAL,
-                                                 macnodes.new_macnode(name), _request_timeout=30)
+                # the created object (its metadata.generation, 1): the status patched below
+                # then carries the right observedGeneration at once, not 0 and again 1 the
+                # next round (measured: a second patch of every new MacNode)
+                existing[name] = api.create_cluster_custom_object(
+                    GROUP, VERSION, MACNODE_PLURAL, macnodes.new_macnode(name),
+                    _request_timeout=30)
                 log.info("MacNode %s created", name)
             except kubernetes.client.ApiException as e:
                 if e.status != 409:
