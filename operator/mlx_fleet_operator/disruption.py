@@ -14,8 +14,11 @@ given no new replicas — until they come back or :data:`HOLD_SECONDS` pass, whi
 A single Mac lost in a fleet of two or more is still re-placed at once.
 
 Pure: :func:`observe` maps the previous :class:`Disruption` and the live node names at a time to
-the next; the operator calls it whenever its view of the nodes changes and passes
-:attr:`Disruption.held` to placement.
+the next, and placement keeps the replicas of :attr:`Disruption.held` (``place(held=...)``).
+**Not wired into the operator yet**: node records vanish one watch event at a time, so the
+operator must feed it the nodes that vanished within a short window (not one event, nor one
+reconcile's view against the last); until then the "etcd frozen" fault of issue 8 can drop
+replicas for about a second (docs/reliability.md).
 """
 
 from __future__ import annotations
