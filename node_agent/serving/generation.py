@@ -78,26 +78,69 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._ended = False
+        self._error: BaseException | None = None   # an error after chunks (next_batch)
 
     def __aiter__(self) -> "Generation":
         return self
 
     async def __anext__(self) -> Chunk:
+        if self._error is not None:
+            self._raise_error()
         if self._ended:
             raise StopAsyncIteration
-        try:
-            item = await self._out.get()
-        except BaseException:
-            self.cancel()
-            raise
+        item = await self._get()
         if isinstance(item, BaseException):
             self._ended = True
             raise item
+        self._took(item)
+        return item
+
+    async def next_batch(self) -> list[Chunk]:
+        """The next chunks, in order: waits for one, then takes every chunk already waiting
+        (up to and including the last one), so that a consumer that fell behind catches up in
+        one wake-up (one write of a stream instead of one per chunk). ``[]`` once the
+        generation has ended. An error that follows chunks is raised by the call after the one
+        that returns them (nothing is lost). Same errors and cancellation as iterating."""
+        if self._error is not None:
+            self._raise_error()
+        if self._ended:
+            return []
+        item = await self._get()
+        out: list[Chunk] = []
+        while True:
+            if isinstance(item, BaseException):
+                if out:
+                    self._error = item
+                    return out
+                self._ended = True
+                raise item
+            out.append(item)
+            self._took(item)
+            if self._ended:
+                return out
+            try:
+                item = self._out.get_nowait()
+            except asyncio.QueueEmpty:
+                return out
+
+    async def _get(self) -> Any:
+        try:
+            return await self._out.get()
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _took(self, item: Chunk) -> None:
         self.completion_tokens = item.completion_tokens
         if item.finish_reason is not None:
             self.finish_reason = item.finish_reason
             self._ended = True
-        return item
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        self._ended = True
+        assert error is not None
+        raise error
 
     @property
     def cached_tokens(self) -> int:
