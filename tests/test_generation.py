@@ -1,5 +1,6 @@
-"""Generation.next_batch (node_agent/serving/generation.py): every chunk already waiting in one
-call, in order; an error after chunks comes with the next call; nothing is lost or repeated."""
+"""Generation.next_batch (node_agent/serving/generation.py) over its Inbox
+(node_agent/serving/inbox.py): every chunk already waiting in one call, in order; an error after
+chunks comes with the next call; nothing is lost or repeated."""
 
 from __future__ import annotations
 
@@ -9,25 +10,28 @@ import pytest
 
 from node_agent.serving.errors import GenerationAborted, StreamBufferOverflow
 from node_agent.serving.generation import Generation, Request
+from node_agent.serving.inbox import Inbox
 from node_agent.serving.types import Chunk
 
 
-class _Queue(asyncio.Queue):
-    """A queue that tells when a consumer waits on it."""
+class _Inbox(Inbox):
+    """An inbox that tells when its consumer waits on it."""
+
+    __slots__ = ("waiting",)
 
     def __init__(self) -> None:
         super().__init__()
         self.waiting = asyncio.Event()
 
-    async def get(self):  # type: ignore[no-untyped-def]
+    async def _wait(self) -> None:
         if self.empty():
             self.waiting.set()
-        return await super().get()
+        await super()._wait()
 
 
 def _generation(items: list, cancelled: list | None = None) -> Generation:
     loop = asyncio.get_running_loop()
-    q = _Queue()
+    q = _Inbox()
     for item in items:
         q.put_nowait(item)
     req = Request(("m", "r"), "p", None, None, 0.0, 1.0, [], None, q, loop)
@@ -88,3 +92,30 @@ async def test_cancelling_a_waiting_batch_cancels_the_generation() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(cancelled) == 1
+
+
+async def test_inbox_is_fifo_and_wakes_its_consumer() -> None:
+    box = _Inbox()
+    assert box.empty() and box.qsize() == 0
+    with pytest.raises(asyncio.QueueEmpty):
+        box.get_nowait()
+    waiting = asyncio.ensure_future(box.get())
+    await box.waiting.wait()
+    box.put_nowait(1)
+    box.put_nowait(2)
+    assert await waiting == 1
+    assert box.qsize() == 1 and box.get_nowait() == 2
+    for i in range(3):
+        box.put_nowait(i)
+    assert await box.get_all() == [0, 1, 2] and box.empty()
+
+
+async def test_a_cancelled_wait_leaves_the_inbox_usable() -> None:
+    box = _Inbox()
+    waiting = asyncio.ensure_future(box.get_all())
+    await box.waiting.wait()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    box.put_nowait("x")
+    assert await box.get_all() == ["x"]

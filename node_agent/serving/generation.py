@@ -8,6 +8,7 @@ import itertools
 import time
 from typing import Any, Callable, Sequence
 
+from .inbox import Inbox
 from .types import Chunk, ModelKey
 
 __all__ = ["Request", "Generation"]
@@ -15,7 +16,8 @@ __all__ = ["Request", "Generation"]
 
 class Request:
     """A generation request; the fields below ``# thread`` are touched only on the MLX thread.
-    ``out`` receives its events (``put_nowait``): an ``asyncio.Queue``, or the
+    ``out`` receives its events (``put_nowait``): an :class:`~node_agent.serving.inbox.Inbox`,
+    or the
     :class:`~node_agent.serving.coalesce.SharedGeneration` that fans them out."""
 
     _ids = itertools.count(1)
@@ -66,7 +68,7 @@ class Generation:
     """
 
     def __init__(self, cancel: Callable[[Request], None], req: Request, prompt_tokens: int,
-                 max_tokens: int, *, out: asyncio.Queue | None = None) -> None:
+                 max_tokens: int, *, out: Inbox | None = None) -> None:
         self._cancel_request = cancel
         self._req = req
         self._out = req.out if out is None else out
@@ -105,9 +107,13 @@ class Generation:
             self._raise_error()
         if self._ended:
             return []
-        item = await self._get()
+        try:
+            items = await self._out.get_all()
+        except BaseException:
+            self.cancel()
+            raise
         out: list[Chunk] = []
-        while True:
+        for item in items:
             if isinstance(item, BaseException):
                 if out:
                     self._error = item
@@ -117,11 +123,8 @@ class Generation:
             out.append(item)
             self._took(item)
             if self._ended:
-                return out
-            try:
-                item = self._out.get_nowait()
-            except asyncio.QueueEmpty:
-                return out
+                break
+        return out
 
     async def _get(self) -> Any:
         try:
