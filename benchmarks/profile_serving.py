@@ -1,14 +1,17 @@
 """Where the agent's serving path spends its host time per token: the agent's serving core and
-OpenAI app in this process under ``cProfile`` (one profile of the event-loop thread, one of the
-MLX thread), driven by ``benchmarks/serving.py``'s out-of-process load generator.
+OpenAI app in this process, driven by ``benchmarks/serving.py``'s out-of-process load
+generator, with ``cProfile`` on the event-loop thread and on the MLX thread.
 
-    python benchmarks/profile_serving.py --workload duplicate            # 20 identical, coalesced
-    python benchmarks/profile_serving.py --workload unique --concurrency 32
+    python benchmarks/profile_serving.py --model DIR --workload duplicate   # 20 identical
+    python benchmarks/profile_serving.py --model DIR --workload unique --concurrency 32
+    python benchmarks/profile_serving.py --model DIR --no-profile           # CPU times only
 
-Prints the CPU time each thread spent per delivered token and, per thread, the functions with the largest own time (``tottime``) and cumulative time,
-with their share of that thread's profiled time, plus the tokens delivered; ``--dump DIR`` keeps
-the raw ``pstats`` files (``loop.prof``, ``mlx.prof``). The numbers are those of a profiled run
-(cProfile slows Python code several-fold): read them as shares, not as speeds.
+Prints the tokens delivered, each thread's CPU time per 1 000 delivered tokens
+(``time.thread_time``; one delivered token is one subscriber's token) and, per thread, the
+functions with the largest own (``tottime``) and cumulative time; ``--dump DIR`` keeps the raw
+``pstats`` files (``loop.prof``, ``mlx.prof``). Profiled times are those of a profiled run
+(cProfile slows Python code several-fold): read them as shares. The code profiled is the
+``node_agent`` first on ``sys.path``: set ``PYTHONPATH`` to another checkout to profile it.
 """
 
 from __future__ import annotations
@@ -23,18 +26,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
 
 def _table(prof: cProfile.Profile, sort: str, top: int) -> str:
     out = io.StringIO()
-    st = pstats.Stats(prof, stream=out)
-    st.strip_dirs().sort_stats(sort).print_stats(top)
+    pstats.Stats(prof, stream=out).strip_dirs().sort_stats(sort).print_stats(top)
     return out.getvalue()
 
 
-async def _main(args: argparse.Namespace) -> dict:
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
     from aiohttp import web
     from prometheus_client import CollectorRegistry
@@ -65,25 +68,26 @@ async def _main(args: argparse.Namespace) -> dict:
         out, _ = await p.communicate(json.dumps(bodies).encode())
         return json.loads(out)
 
-    n = bench.DUPLICATES if args.workload == "duplicate" else args.concurrency
-    c = bench.DUPLICATES if args.workload == "duplicate" else args.concurrency
+    def on_mlx_thread(fn: Any) -> Any:
+        return core._call(fn)  # noqa: SLF001 - the core's command channel, between two steps
+
+    n = c = bench.DUPLICATES if args.workload == "duplicate" else args.concurrency
     await client(bench.requests_for(args.workload, n, 8, -1), c)   # warm-up
     loop_prof, mlx_prof = cProfile.Profile(), cProfile.Profile()
-    results = []
-    # the MLX thread's profiler is switched on and off on that thread, between two steps
-    # (its CPU time is read there too: time.thread_time is per thread)
-    if args.profile:
-        await core._call(mlx_prof.enable)  # noqa: SLF001 - the core's command channel
+    if args.profile:   # each thread's profiler is switched on (and off) on that thread
+        await on_mlx_thread(mlx_prof.enable)
         loop_prof.enable()
-    mlx0, loop0, wall0 = await core._call(time.thread_time), time.thread_time(), time.perf_counter()  # noqa: SLF001
+    mlx0, loop0 = await on_mlx_thread(time.thread_time), time.thread_time()
+    wall0 = time.perf_counter()
+    results = []
     for i in range(args.rounds):
         results.append(await client(bench.requests_for(args.workload, n, args.max_tokens, i), c))
     cpu = {"loop": time.thread_time() - loop0,
-           "mlx": await core._call(time.thread_time) - mlx0,  # noqa: SLF001
+           "mlx": await on_mlx_thread(time.thread_time) - mlx0,
            "wall": time.perf_counter() - wall0}
     if args.profile:
         loop_prof.disable()
-        await core._call(mlx_prof.disable)  # noqa: SLF001
+        await on_mlx_thread(mlx_prof.disable)
     await runner.cleanup()
     await core.close()
     return {"loop": loop_prof, "mlx": mlx_prof, "results": results, "cpu": cpu}
@@ -92,26 +96,28 @@ async def _main(args: argparse.Namespace) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="duplicate", choices=("duplicate", "unique"))
+    p.add_argument("--model", type=Path, required=True, help="an mlx-lm model directory")
+    p.add_argument("--workload", default="duplicate", choices=("duplicate", "unique"),
+                   help="duplicate: 20 identical greedy requests (coalesced); unique: "
+                        "--concurrency distinct ones")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--model", type=Path, required=True, help="an mlx-lm model directory")
-    p.add_argument("--ours-args", default="")
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--dump", type=Path)
+    p.add_argument("--ours-args", default="", help="the agent's serving flags (see serving.py)")
+    p.add_argument("--top", type=int, default=25, help="functions listed per table")
+    p.add_argument("--dump", type=Path, help="keep loop.prof and mlx.prof here")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="only the CPU time of each thread per delivered token (no cProfile)")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
-    sys.path.append(str(HERE.parent))  # after PYTHONPATH: profile another checkout's code
+    sys.path.append(str(HERE.parent))   # after PYTHONPATH: another checkout's code wins
     out = asyncio.run(_main(args))
     tokens = sum(r["output_tokens"] for r in out["results"])
-    print(f"{args.workload}: {tokens} tokens delivered in {len(out['results'])} rounds; "
-          f"tok/s per round: {[round(r['output_tokens_per_second']) for r in out['results']]}")
     cpu = out["cpu"]
-    print(f"CPU time per 1000 delivered tokens: event loop {1000 * cpu['loop'] / tokens * 1000:.1f} "
-          f"ms, MLX thread {1000 * cpu['mlx'] / tokens * 1000:.1f} ms (wall {cpu['wall']:.2f} s; "
+    print(f"{args.workload}: {tokens} tokens delivered in {args.rounds} rounds; tok/s per "
+          f"round: {[round(r['output_tokens_per_second']) for r in out['results']]}")
+    print(f"CPU time per 1000 delivered tokens: event loop {1e6 * cpu['loop'] / tokens:.1f} ms, "
+          f"MLX thread {1e6 * cpu['mlx'] / tokens:.1f} ms (wall {cpu['wall']:.2f} s; "
           f"{tokens / cpu['wall']:.0f} tokens/s)")
     if not args.profile:
         return 0

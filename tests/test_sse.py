@@ -50,9 +50,10 @@ CASES = [(kind, usage, finish, name, text)
                          ids=[f"{k}-usage{u}-{f}-{n}" for k, u, f, n, _ in CASES])
 def test_chunk_event_is_the_reference_event(kind: str, include_usage: bool, finish: str | None,
                                             name: str, text: str) -> None:
-    enc = StreamEncoder(kind, RID, CREATED, "tiny-ü\"model", include_usage)  # type: ignore[arg-type]
+    model = 'tiny-ü"model'
+    enc = StreamEncoder(kind, RID, CREATED, model, include_usage)  # type: ignore[arg-type]
     got = enc.chunk(text, finish)
-    want = reference_event(kind, "tiny-ü\"model", include_usage,
+    want = reference_event(kind, model, include_usage,
                            [reference_choice(kind, text, finish)])
     assert got == want
     assert got.startswith(b"data: ") and got.endswith(b"\n\n")

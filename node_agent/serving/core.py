@@ -3,8 +3,9 @@
 One dedicated thread owns MLX: every ``mlx`` / ``mlx_lm`` call (load, prefill, decode, cache
 clean-up) happens on it. The asyncio side talks to it through a ``queue.Queue`` of commands;
 results come back with ``loop.call_soon_threadsafe`` into a per-request
-:class:`~node_agent.serving.inbox.Inbox`. What the thread does to a revision is :class:`~node_agent.serving.engine.Engine`; this module is the
-asyncio API, the command channel and the thread's step loop.
+:class:`~node_agent.serving.inbox.Inbox`. What the thread does to a revision is
+:class:`~node_agent.serving.engine.Engine`; this module is the asyncio API, the command channel
+and the thread's step loop.
 
 Identity: a loaded model is a *revision* ``(model_id, revision)``. Several revisions of one model
 id can be resident at once (a rolling update's surge, a canary's stable and candidate); each has
