@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.metrics import MetricWrapperBase
 
-__all__ = ["AgentMetrics"]
+__all__ = ["AgentMetrics", "RevisionSeries"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
@@ -18,6 +18,22 @@ _LOAD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 #: (tens of milliseconds); an unassignment's includes its drain, up to the controller's
 #: ``DRAIN_SECONDS`` (60 s).
 _UNLOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RevisionSeries:
+    """The series of one revision that the MLX thread updates at every step or token (what
+    ``metric.labels(model, revision)`` returns, looked up once instead of per token):
+    ``ttft`` / ``inter_token`` histograms, ``generated_tokens`` counter, ``batch_occupancy`` /
+    ``queue_depth`` gauges."""
+
+    __slots__ = ("ttft", "inter_token", "generated_tokens", "batch_occupancy", "queue_depth")
+
+    def __init__(self, metrics: "AgentMetrics", model: str, revision: str) -> None:
+        self.ttft = metrics.ttft.labels(model, revision)
+        self.inter_token = metrics.inter_token.labels(model, revision)
+        self.generated_tokens = metrics.generated_tokens.labels(model, revision)
+        self.batch_occupancy = metrics.batch_occupancy.labels(model, revision)
+        self.queue_depth = metrics.queue_depth.labels(model, revision)
 
 
 class AgentMetrics:
@@ -148,6 +164,17 @@ class AgentMetrics:
                                   "Node memory by kind: weights and kv_cache of the resident "
                                   "revisions, mlx_cache (MLX's buffer cache), free (of the "
                                   "node's budget)", ["kind"], registry=registry)
+        self._series: dict[tuple[str, str], RevisionSeries] = {}
+
+    def series(self, model: str, revision: str) -> RevisionSeries:
+        """The per-step series of ``model``/``revision`` (:class:`RevisionSeries`), made on
+        first use and kept until :meth:`remove_revision` drops them. Safe to call from any
+        thread (a lookup in a dict)."""
+        key = (model, revision)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = RevisionSeries(self, model, revision)
+        return found
 
     def set_serving_options(self, options: dict[str, str]) -> None:
         """Export ``options`` (``{option: value}``) as ``mlxfleet_agent_serving_option_info``."""
@@ -157,6 +184,7 @@ class AgentMetrics:
     def remove_revision(self, model: str, revision: str) -> None:
         """Remove every series labelled ``model``/``revision`` from every family (the revision
         is no longer assigned here)."""
+        self._series.pop((model, revision), None)
         for metric in vars(self).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue

@@ -74,7 +74,6 @@ sent) and logged as one INFO line ``client disconnected during POST <path>`` (no
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 import time
@@ -91,6 +90,7 @@ from .api_models import (PIN_HEADER, REVISION_HEADER, SESSION_HEADER, AssistantM
                          ErrorDetail, ErrorResponse, ModelCard, ModelList, PromptTokensDetails,
                          SamplingRequest, TextChoice, TextCompletion, Usage)
 from .openapi import OPENAPI_PATH, openapi_document
+from .sse import DONE, StreamEncoder, data_event
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                       ModelNotLoaded, Overloaded, ServingCore, StreamBufferOverflow)
 
@@ -503,9 +503,9 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 return await stream(request, req, kind, gen, rid, created, headers, outcome)
             parts: list[str] = []
             try:
-                async for chunk in gen:
-                    outcome.token(chunk.completion_tokens)
-                    parts.append(chunk.text)
+                while batch := await gen.next_batch():
+                    outcome.token(batch[-1].completion_tokens)
+                    parts.extend(chunk.text for chunk in batch)
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
@@ -532,38 +532,26 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 usage=usage)
         return web.json_response(body.model_dump(), headers=headers)
 
-    async def stream(request: web.Request, req: SamplingRequest, kind: str, gen: Any, rid: str,
+    async def stream(request: web.Request, req: SamplingRequest, kind: Literal["chat", "text"],
+                     gen: Any, rid: str,
                      created: int, headers: dict[str, str], outcome: "_Outcome"
                      ) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def event(choices: list[dict], usage: dict | None = None) -> bytes:
-            body: dict[str, Any] = {"id": rid, "object": obj, "created": created,
-                                    "model": req.model, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-        def choice(text: str, finish: str | None, first: bool = False) -> dict:
-            if kind == "chat":
-                delta: dict[str, Any] = {"content": text}
-                if first:
-                    delta = {"role": "assistant", "content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
+        events = StreamEncoder(kind, rid, created, req.model, include_usage)
         try:
             if kind == "chat":
-                await resp.write(event([choice("", None, first=True)]))
+                await resp.write(events.first())
             try:
-                async for chunk in gen:
-                    outcome.token(chunk.completion_tokens)
-                    if chunk.text or chunk.finish_reason is not None:
-                        await resp.write(event([choice(chunk.text, chunk.finish_reason)]))
+                # every chunk already waiting goes out in one write (a stream that fell behind
+                # catches up in one wake-up); the events are those of one chunk each
+                while batch := await gen.next_batch():
+                    outcome.token(batch[-1].completion_tokens)
+                    data = events.chunks(batch)
+                    if data:
+                        await resp.write(data)
             except GenerationAborted as e:
                 slow = isinstance(e, StreamBufferOverflow)
                 if not slow:  # a slow client is not a failure of the revision
@@ -571,13 +559,13 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 err = ErrorResponse(error=ErrorDetail(
                     message=str(e), type="server_error", param=None,
                     code="stream_buffer_overflow" if slow else "unavailable"))
-                await resp.write(b"data: " + err.model_dump_json().encode() + b"\n\n")
+                await resp.write(data_event(err.model_dump_json().encode()))
                 await resp.write_eof()
                 return resp
             outcome.done(failed=False)
             if include_usage:
-                await resp.write(event([], _usage(gen).model_dump()))
-            await resp.write(b"data: [DONE]\n\n")
+                await resp.write(events.usage(_usage(gen).model_dump()))
+            await resp.write(DONE)
             await resp.write_eof()
         except ConnectionResetError:
             # The client went away mid-stream: stop generating (the caller's `async with`

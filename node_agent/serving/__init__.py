@@ -2,7 +2,8 @@
 
 Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Chunk),
 :mod:`.options` (the serving switches behind the agent's flags),
-:mod:`.generation` (a request and its streaming handle), :mod:`.admission` (queue limits and
+:mod:`.generation` (a request and its streaming handle), :mod:`.inbox` (a consumer's waiting
+events), :mod:`.admission` (queue limits and
 Retry-After, pure),
 :mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers),
 :mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's

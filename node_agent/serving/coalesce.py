@@ -33,6 +33,7 @@ import asyncio
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from .errors import StreamBufferOverflow
+from .inbox import Inbox
 
 __all__ = ["coalesce_key", "SharedGeneration", "Coalescer"]
 
@@ -111,7 +112,7 @@ class SharedGeneration:
         self.finished = False
         self.submitted: asyncio.Future | None = None
         self.request: Any = None
-        self._queues: list[asyncio.Queue] = []
+        self._queues: list[Inbox] = []
         self._cancel = cancel
         self._closed = closed
         self._limit = buffer_limit
@@ -163,15 +164,15 @@ class SharedGeneration:
         """0: the buffer bound is kept per subscriber (see the class docstring)."""
         return 0
 
-    def subscribe(self) -> asyncio.Queue:
+    def subscribe(self) -> Inbox:
         """A new subscriber's queue, holding every event so far; later ones follow live."""
-        q: asyncio.Queue = asyncio.Queue()
+        q = Inbox()
         for item in self.events:
             q.put_nowait(item)
         self._queues.append(q)
         return q
 
-    def leave(self, q: asyncio.Queue) -> None:
+    def leave(self, q: Inbox) -> None:
         """The subscriber of ``q`` is gone (idempotent). The last one to leave before the end
         cancels the generation."""
         try:

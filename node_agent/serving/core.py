@@ -2,9 +2,10 @@
 
 One dedicated thread owns MLX: every ``mlx`` / ``mlx_lm`` call (load, prefill, decode, cache
 clean-up) happens on it. The asyncio side talks to it through a ``queue.Queue`` of commands;
-results come back with ``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue``. What
-the thread does to a revision is :class:`~node_agent.serving.engine.Engine`; this module is the
-asyncio API, the command channel and the thread's step loop.
+results come back with ``loop.call_soon_threadsafe`` into a per-request
+:class:`~node_agent.serving.inbox.Inbox`. What the thread does to a revision is
+:class:`~node_agent.serving.engine.Engine`; this module is the asyncio API, the command channel
+and the thread's step loop.
 
 Identity: a loaded model is a *revision* ``(model_id, revision)``. Several revisions of one model
 id can be resident at once (a rolling update's surge, a canary's stable and candidate); each has
@@ -90,6 +91,7 @@ from .engine import Engine, Events
 from .errors import (LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded,
                      Overloaded, StreamBufferOverflow)
 from .generation import Generation, Request
+from .inbox import Inbox
 from .loading import LoadPacing, Materialization, load_tokenizer
 from .options import ServingOptions
 from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
@@ -647,7 +649,7 @@ class ServingCore:
         self._admit(info)
         loop = asyncio.get_running_loop()
         req = Request(info.key, prompt, messages, max_tokens, temperature, top_p,
-                      stops, seed, asyncio.Queue(), loop)
+                      stops, seed, Inbox(), loop)
         if key is not None:
             return await self._lead(key, req)
         try:

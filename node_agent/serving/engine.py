@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..memory_estimate import kv_cache_bytes
-from ..metrics import AgentMetrics
+from ..metrics import AgentMetrics, RevisionSeries
 from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
 from .detokenize import feed, next_text
@@ -350,8 +350,9 @@ class Engine:
 
     def update_gauges(self, res: Resident) -> None:
         res.refresh_stats()
-        self.metrics.batch_occupancy.labels(*res.key).set(res.stats.active)
-        self.metrics.queue_depth.labels(*res.key).set(res.stats.queued)
+        series = self.metrics.series(*res.key)
+        series.batch_occupancy.set(res.stats.active)
+        series.queue_depth.set(res.stats.queued)
 
     def _insert(self, res: Resident, req: Request) -> None:
         """Put ``req`` into ``res``'s BatchGenerator, reusing the longest cached prefix of its
@@ -382,9 +383,10 @@ class Engine:
                 reason: str | None = "stop"
             else:
                 reason = "length" if max_tokens <= 1 else None
+            series = self.metrics.series(*res.key)
             chunk = self._token(res, req, _FirstToken(token, reason, cache, prompt),
-                                time.perf_counter(), res.key)
-            self.metrics.generated_tokens.labels(*res.key).inc()
+                                time.perf_counter(), series)
+            series.generated_tokens.inc()
             if not req.done:
                 # into the batch before the token goes out: whoever reads the stats or cancels
                 # after seeing it finds the request running
@@ -427,7 +429,7 @@ class Engine:
             return
         _, responses = res.generator.next()
         now = time.perf_counter()
-        labels = res.key
+        series = self.metrics.series(*res.key)
         events: Events = []
         to_remove: list[int] = []                # sequences that ended here but not in mlx-lm
         n_tokens = 0
@@ -438,7 +440,7 @@ class Engine:
                     continue
                 n_tokens += 1
                 try:
-                    chunk: Any = self._token(res, req, r, now, labels)
+                    chunk: Any = self._token(res, req, r, now, series)
                 except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("processing a token of request %d (%s@%s) failed", req.rid,
                                   *req.key)
@@ -455,18 +457,18 @@ class Engine:
             # what was produced goes out even if the step fails below (then reset aborts the
             # rest): a request that finished here must not wait for an event that never comes
             if n_tokens:
-                self.metrics.generated_tokens.labels(*labels).inc(n_tokens)
+                series.generated_tokens.inc(n_tokens)
             self.update_gauges(res)
             self._send(events)
 
     def _token(self, res: Resident, req: Request, r: Any, now: float,
-               labels: ModelKey) -> Chunk:
+               series: RevisionSeries) -> Chunk:
         """One generated token of ``req`` → its chunk; marks ``req.done`` at its end."""
         req.n_generated += 1
         if req.last_token_at is None:
-            self.metrics.ttft.labels(*labels).observe(now - req.submitted)
+            series.ttft.observe(now - req.submitted)
         else:
-            self.metrics.inter_token.labels(*labels).observe(now - req.last_token_at)
+            series.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
         segment = feed(req.detok, r.token, r.finish_reason)
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)

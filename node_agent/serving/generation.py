@@ -8,6 +8,7 @@ import itertools
 import time
 from typing import Any, Callable, Sequence
 
+from .inbox import Inbox
 from .types import Chunk, ModelKey
 
 __all__ = ["Request", "Generation"]
@@ -15,7 +16,8 @@ __all__ = ["Request", "Generation"]
 
 class Request:
     """A generation request; the fields below ``# thread`` are touched only on the MLX thread.
-    ``out`` receives its events (``put_nowait``): an ``asyncio.Queue``, or the
+    ``out`` receives its events (``put_nowait``): an :class:`~node_agent.serving.inbox.Inbox`,
+    or the
     :class:`~node_agent.serving.coalesce.SharedGeneration` that fans them out."""
 
     _ids = itertools.count(1)
@@ -66,7 +68,7 @@ class Generation:
     """
 
     def __init__(self, cancel: Callable[[Request], None], req: Request, prompt_tokens: int,
-                 max_tokens: int, *, out: asyncio.Queue | None = None) -> None:
+                 max_tokens: int, *, out: Inbox | None = None) -> None:
         self._cancel_request = cancel
         self._req = req
         self._out = req.out if out is None else out
@@ -78,26 +80,70 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._ended = False
+        self._error: BaseException | None = None   # an error after chunks (next_batch)
 
     def __aiter__(self) -> "Generation":
         return self
 
     async def __anext__(self) -> Chunk:
+        if self._error is not None:
+            self._raise_error()
         if self._ended:
             raise StopAsyncIteration
-        try:
-            item = await self._out.get()
-        except BaseException:
-            self.cancel()
-            raise
+        item = await self._get()
         if isinstance(item, BaseException):
             self._ended = True
             raise item
+        self._took(item)
+        return item
+
+    async def next_batch(self) -> list[Chunk]:
+        """The next chunks, in order: waits for one, then takes every chunk already waiting
+        (up to and including the last one), so that a consumer that fell behind catches up in
+        one wake-up (one write of a stream instead of one per chunk). ``[]`` once the
+        generation has ended. An error that follows chunks is raised by the call after the one
+        that returns them (nothing is lost). Same errors and cancellation as iterating."""
+        if self._error is not None:
+            self._raise_error()
+        if self._ended:
+            return []
+        try:
+            items = await self._out.get_all()
+        except BaseException:
+            self.cancel()
+            raise
+        out: list[Chunk] = []
+        for item in items:
+            if isinstance(item, BaseException):
+                if out:
+                    self._error = item
+                    return out
+                self._ended = True
+                raise item
+            out.append(item)
+            self._took(item)
+            if self._ended:
+                break
+        return out
+
+    async def _get(self) -> Any:
+        try:
+            return await self._out.get()
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _took(self, item: Chunk) -> None:
         self.completion_tokens = item.completion_tokens
         if item.finish_reason is not None:
             self.finish_reason = item.finish_reason
             self._ended = True
-        return item
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        self._ended = True
+        assert error is not None
+        raise error
 
     @property
     def cached_tokens(self) -> int:

@@ -1,0 +1,105 @@
+"""Server-sent events of OpenAI's streaming completions, encoded without a dict per token.
+
+A streamed completion sends one event per chunk, ``data: <json>\\n\\n``, whose JSON object is
+``{"id", "object", "created", "model", "choices": [<choice>]}`` plus ``"usage": null`` when the
+client asked for ``stream_options.include_usage`` (OpenAI's chunk shapes: ``chat.completion.chunk``
+with ``choices[0].delta``, ``text_completion`` with ``choices[0].text``). The head of that object
+is the same for every event of a stream, and the ``choices`` part depends only on the chunk: so
+:class:`StreamEncoder` encodes the head once per stream, :func:`choice_part` encodes the rest once
+per distinct chunk (memoised: the subscribers of one coalesced generation,
+:mod:`node_agent.serving.coalesce`, receive the very same chunk objects), and an event costs one
+bytes concatenation per subscriber.
+
+The bytes are exactly ``json.dumps(event, separators=(",", ":"))`` of the event's dict (ASCII
+only: non-ASCII text is ``\\uXXXX``-escaped, as ``json.dumps`` does by default). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Iterable, Literal
+
+__all__ = ["StreamEncoder", "choice_part", "DONE", "data_event"]
+
+#: The event that ends a successful stream.
+DONE = b"data: [DONE]\n\n"
+#: How many distinct chunks :func:`choice_part` remembers: several times the chunks in flight at
+#: once (one per running sequence per step; a coalesced generation's subscribers read the same
+#: chunk within a few steps of each other).
+CHOICE_CACHE_SIZE = 4096
+
+Kind = Literal["chat", "text"]
+
+
+def data_event(body: bytes) -> bytes:
+    """``body`` (one JSON document) as one server-sent event."""
+    return b"data: " + body + b"\n\n"
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+@functools.lru_cache(maxsize=CHOICE_CACHE_SIZE)
+def choice_part(kind: Kind, include_usage: bool, text: str, finish_reason: str | None,
+                role: bool = False) -> bytes:
+    """The end of one chunk's event, from ``"choices"`` to the event's final newlines:
+    ``"choices":[{"index":0,"delta":{"content":text},"logprobs":null,"finish_reason":...}]``
+    (``kind`` ``"chat"``; with ``role``: ``"delta":{"role":"assistant","content":text}``, the
+    first chunk) or ``"choices":[{"index":0,"text":text,...}]`` (``"text"``), then
+    ``,"usage":null`` when ``include_usage``, ``}`` and ``\\n\\n``. Memoised
+    (:data:`CHOICE_CACHE_SIZE` entries): equal arguments give the same bytes object."""
+    if kind == "chat":
+        delta: dict[str, Any] = ({"role": "assistant", "content": text} if role
+                                 else {"content": text})
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+    return b'"choices":[' + _dumps(choice) + b"]" + tail
+
+
+class StreamEncoder:
+    """The events of one streamed completion.
+
+    ``kind``: ``"chat"`` (``object`` ``chat.completion.chunk``) or ``"text"``
+    (``text_completion``); ``rid``, ``created`` (Unix seconds) and ``model``: the stream's
+    ``id``, ``created`` and ``model``; ``include_usage``: the client's
+    ``stream_options.include_usage`` (every chunk then carries ``"usage": null`` and
+    :meth:`usage` gives the final usage event)."""
+
+    def __init__(self, kind: Kind, rid: str, created: int, model: str,
+                 include_usage: bool) -> None:
+        if kind not in ("chat", "text"):
+            raise ValueError(f"kind must be 'chat' or 'text', not {kind!r}")
+        self.kind: Kind = kind
+        self.include_usage = include_usage
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        # `{"id":…,"object":…,"created":…,"model":…,` — everything before "choices"
+        self._head = b"data: " + _dumps({"id": rid, "object": obj, "created": created,
+                                         "model": model})[:-1] + b","
+
+    def first(self) -> bytes:
+        """The chat stream's first event: ``delta`` ``{"role": "assistant", "content": ""}``."""
+        return self._head + choice_part(self.kind, self.include_usage, "", None, True)
+
+    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+        """One chunk's event: ``text`` (may be empty) and its ``finish_reason`` (``None`` but
+        for the last chunk)."""
+        return self._head + choice_part(self.kind, self.include_usage, text, finish_reason)
+
+    def chunks(self, chunks: Iterable[Any]) -> bytes:
+        """The events of several chunks (objects with ``text`` and ``finish_reason``, e.g.
+        :class:`~node_agent.serving.types.Chunk`) back to back, leaving out those with neither
+        text nor a finish reason (a token whose text is held back: nothing to send); ``b""``
+        when none is left."""
+        head, kind, usage = self._head, self.kind, self.include_usage
+        return b"".join(head + choice_part(kind, usage, c.text, c.finish_reason)
+                        for c in chunks if c.text or c.finish_reason is not None)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        """The final usage event (only with ``include_usage``): ``choices`` ``[]`` and
+        ``usage`` (OpenAI's ``usage`` object as a dict)."""
+        return self._head + b'"choices":[],"usage":' + _dumps(usage) + b"}\n\n"
