@@ -458,6 +458,34 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
 
 
+async def test_runtime_close_abandons_a_task_that_ignores_cancellation(store, keys, monkeypatch, caplog):
+    """Closing never hangs: a task that swallows its cancellation is logged by name after the
+    close timeout and abandoned, and the store is still closed."""
+    from mlx_fleet_operator import handlers
+
+    monkeypatch.setattr(handlers, "CLOSE_TIMEOUT_SECONDS", 0.2)
+    rt = handlers.Runtime(store=store, keys=keys, writer="test")
+    release, started = asyncio.Event(), asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await release.wait()  # ignores the cancellation until released
+
+    rt.tasks.append(asyncio.create_task(stubborn(), name="stubborn"))
+    await started.wait()  # so the cancel lands inside its try
+    closed = []
+    monkeypatch.setattr(store, "close", lambda: closed.append(True) or asyncio.sleep(0))
+    with caplog.at_level(logging.WARNING):
+        await rt.close()
+    assert closed == [True]
+    assert "'stubborn' did not stop within 0 s" in caplog.text
+    release.set()
+    await rt.tasks[0]
+
+
 async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(store, keys, monkeypatch):
     """A spec that becomes invalid: one InvalidSpec Warning (not one from status and another
     from the handler), and status still shows the replica placed for the last valid spec —

@@ -54,7 +54,8 @@ import kopf
 
 from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, StatsReport
 from mlx_fleet.etcd_credentials import EtcdCredentials
-from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
+from mlx_fleet.store import (CLOSE_TIMEOUT_SECONDS, EtcdStore, Snapshot, StoreError, WatchEvent,
+                             follow_prefix)
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics, peering
@@ -505,11 +506,24 @@ class Runtime:
             await wait_event(self.macnode_wake, MACNODE_SECONDS - MACNODE_MIN_SECONDS)
 
     async def close(self) -> None:
-        for t in [*self.tasks, *self.status_writers.values()]:
+        """Cancel every task this runtime started (followers, collectors, status writers), wait
+        up to :data:`~mlx_fleet.store.CLOSE_TIMEOUT_SECONDS` for them to end, then close the
+        store. A task still running then is logged with where it waits, and abandoned: closing
+        never hangs (a start-up failure or a shutdown must end the process)."""
+        tasks = [*self.tasks, *self.status_writers.values()]
+        for t in tasks:
             t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_SECONDS)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: its failure was logged by its supervisor
+            for t in pending:
+                frames = t.get_stack(limit=1)
+                where = (f"{frames[0].f_code.co_filename}:{frames[0].f_lineno}" if frames
+                         else "unknown")
+                log.warning("task %r did not stop within %.0f s of being cancelled (waiting "
+                            "at %s); abandoned", t.get_name(), CLOSE_TIMEOUT_SECONDS, where)
         await self.store.close()
 
 
