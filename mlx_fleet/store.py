@@ -104,7 +104,7 @@ class Store(Protocol):
     async def list(self, prefix: str) -> Listing: ...
 
     async def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
-                  failure: Sequence[Put | Delete] = ()) -> bool: ...
+                  failure: Sequence[Put | Delete] = ()) -> int: ...
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> int: ...
 
@@ -319,14 +319,24 @@ class EtcdStore:
         return lhs > c.value
 
     async def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
-                  failure: Sequence[Put | Delete] = ()) -> bool:
-        """Apply ``success`` atomically if every compare holds (else ``failure``); True if held."""
-        ok, _ = await self._call(lambda: self._client.transaction(
+                  failure: Sequence[Put | Delete] = ()) -> int:
+        """Apply ``success`` atomically if every compare holds (else ``failure``).
+
+        Returns the store revision the transaction committed at when the compares held (≥ 1,
+        so the result is truthy), 0 when they failed. The revision is read from the response
+        of the first operation (etcd stamps each with the transaction's revision); with no
+        operations it is the store revision read right after, which may be later."""
+        ok, responses = await self._call(lambda: self._client.transaction(
             compare=[self._cmp(c) for c in compares],
             success=[self._op(o) for o in success],
             failure=[self._op(o) for o in failure],
         ))
-        return bool(ok)
+        if not ok:
+            return 0
+        for r in responses:
+            kind = r.WhichOneof("response")
+            return int(getattr(r, kind).header.revision)
+        return (await self.list("\0")).revision
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         """Unconditional put; returns the new store revision."""

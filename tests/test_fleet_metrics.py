@@ -479,7 +479,7 @@ def test_watch_restarts() -> None:
     before = {w: _value(name, {"watch": w}) for w in metrics.WATCHES}
     metrics.watch_restarted("reports")
     assert {w: _value(name, {"watch": w}) - before[w] for w in metrics.WATCHES} == {
-        "nodes": 0, "reports": 1, "stats": 0}
+        "nodes": 0, "reports": 1, "stats": 0, "assignments": 0}
     with pytest.raises(ValueError):
         metrics.watch_restarted("nodes/mac-a")  # labels stay bounded
 
@@ -498,4 +498,4 @@ async def test_relists_counted_counts_every_list_after_the_first() -> None:
     assert seen == [0, 1, 2]
     assert _value(name, {"watch": "stats"}) == before + 2
     with pytest.raises(ValueError):
-        metrics.relists_counted("assignments", on_snapshot)
+        metrics.relists_counted("traffic", on_snapshot)

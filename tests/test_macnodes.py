@@ -202,3 +202,42 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
             finally:
                 await asyncio.to_thread(control_plane.kubectl, "delete", "macnode", mac,
                                         "--wait=false", check=False)
+
+
+class _FakeMacNodeAPI:
+    """The three CustomObjectsApi calls of a mirror round, over a dict, counting writes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict] = {}
+        self.creates: list[str] = []
+        self.patches: list[tuple[str, dict]] = []
+
+    def list_cluster_custom_object(self, *_args, **_kw) -> dict:
+        return {"items": [json.loads(json.dumps(o)) for o in self.objects.values()]}
+
+    def create_cluster_custom_object(self, _g, _v, _p, body, **_kw) -> dict:
+        name = body["metadata"]["name"]
+        self.creates.append(name)
+        self.objects[name] = {**body, "metadata": {**body["metadata"], "generation": 1}}
+        return json.loads(json.dumps(self.objects[name]))
+
+    def patch_cluster_custom_object_status(self, _g, _v, _p, name, body, **_kw) -> None:
+        self.patches.append((name, body["status"]))
+        self.objects[name]["status"] = body["status"]
+
+
+def test_a_new_macnode_is_patched_once_with_its_generation():
+    """A mirror round creates the missing MacNode and patches its status once, observing the
+    created object's generation; the next round, with nothing changed, writes nothing (before,
+    the status said generation 0 and every new MacNode was patched again the next round)."""
+    from mlx_fleet_operator.handlers import _macnode_round
+
+    api, cache = _FakeMacNodeAPI(), {}
+    nodes = {"mac-a": node_record("mac-a")}
+    assert _macnode_round(api, nodes, {}, cache, {}) == (frozenset(), frozenset())
+    assert api.creates == ["mac-a"]
+    [(name, status)] = api.patches
+    assert name == "mac-a" and status["conditions"][0]["observedGeneration"] == 1
+    _macnode_round(api, nodes, {}, cache, {})
+    _macnode_round(api, nodes, {}, {}, {})  # a restarted operator (no cache): the stored status
+    assert len(api.patches) == 1 and api.creates == ["mac-a"]

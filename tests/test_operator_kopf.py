@@ -458,6 +458,34 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
 
 
+async def test_runtime_close_abandons_a_task_that_ignores_cancellation(store, keys, monkeypatch, caplog):
+    """Closing never hangs: a task that swallows its cancellation is logged by name after the
+    close timeout and abandoned, and the store is still closed."""
+    from mlx_fleet_operator import handlers
+
+    monkeypatch.setattr(handlers, "CLOSE_TIMEOUT_SECONDS", 0.2)
+    rt = handlers.Runtime(store=store, keys=keys, writer="test")
+    release, started = asyncio.Event(), asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await release.wait()  # ignores the cancellation until released
+
+    rt.tasks.append(asyncio.create_task(stubborn(), name="stubborn"))
+    await started.wait()  # so the cancel lands inside its try
+    closed = []
+    monkeypatch.setattr(store, "close", lambda: closed.append(True) or asyncio.sleep(0))
+    with caplog.at_level(logging.WARNING):
+        await rt.close()
+    assert closed == [True]
+    assert "'stubborn' did not stop within 0 s" in caplog.text
+    release.set()
+    await rt.tasks[0]
+
+
 async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(store, keys, monkeypatch):
     """A spec that becomes invalid: one InvalidSpec Warning (not one from status and another
     from the handler), and status still shows the replica placed for the last valid spec —
@@ -489,11 +517,55 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
         await handlers.reconcile_handler(body=body, logger=logging.getLogger("test"),
                                          namespace="ns", name="llm")
     assert [p for p in posted if p[1] == "InvalidSpec"] == [("Warning", "InvalidSpec")]
+    await rt.flush_status(("ns", "llm"))  # (patched by the status writer a moment later)
     [status] = patched
     assert status["replicas"] == 1 and status["readyReplicas"] == 1
     assert [(n["name"], n["state"]) for n in status["nodes"]] == [("mac-a", "Ready")]
     assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "InvalidSpec"
     assert (await store.get(asg_key(keys, "mac-a", "ns", "llm"))) is not None  # still served
+
+
+async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(store, keys,
+                                                                              monkeypatch):
+    """Statuses computed in quick succession (replica placed, then Ready) become one patch of
+    the latest; a re-sync with nothing changed writes nothing to etcd and patches nothing."""
+    import kopf
+
+    from mlx_fleet_operator import handlers
+
+    rt = handlers.Runtime(store=store, keys=keys, writer="test")
+    monkeypatch.setattr(handlers, "RUNTIME", rt)
+    monkeypatch.setattr(handlers, "STATUS_COALESCE_SECONDS", 3600.0)  # flushed by hand below
+    patched: list[dict] = []
+
+    async def patch_status(rt_, namespace, name, status):
+        patched.append(dict(status))
+
+    monkeypatch.setattr(handlers, "_patch_status", patch_status)
+    monkeypatch.setattr(kopf, "event", lambda body, **_: None)
+    await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
+    key = ("ns", "llm")
+    body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
+            "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1,
+                     "resources": {"memory": "1Gi"}}}
+    log = logging.getLogger("test")
+    await handlers.sync(body, log)  # placed: not Ready yet
+    assert rt.pending_status[key]["readyReplicas"] == 0 and patched == []
+    rt.reports[key] = {("mac-a", "v1"): AssignmentReport(
+        node="mac-a", namespace="ns", name="llm", generation=1, revision="v1",
+        state=AssignmentState.READY, endpoint="http://mac-a.local:8000")}
+    await handlers.sync(body, log)  # Ready
+    await rt.flush_status(key)
+    assert [p["readyReplicas"] for p in patched] == [1]  # one patch: the latest status
+
+    before = (await store.list(keys.nodes_prefix)).revision
+    for _ in range(3):  # the daemon's resyncs
+        await handlers.sync(body, log)
+    assert key not in rt.pending_status
+    await rt.flush_status(key)
+    assert len(patched) == 1
+    assert (await store.list(keys.nodes_prefix)).revision == before  # no etcd write at all
+    rt.forget_status(key)
 
 
 def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():

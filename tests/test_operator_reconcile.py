@@ -120,10 +120,10 @@ async def test_stale_read_loses_and_retries(store, keys):
     real_read = rc.read_fleet
     calls = 0
 
-    async def read_then_race(store_, keys_, memo=None):
+    async def read_then_race(store_, keys_, memo=None, **views):
         nonlocal calls
         calls += 1
-        v = await real_read(store_, keys_, memo)
+        v = await real_read(store_, keys_, memo, **views)
         if calls == 1:  # a concurrent writer bumps the epoch right after our first read
             await store.put(keys.placement_epoch, PlacementEpoch(counter=99, writer="x").to_json())
         return v
@@ -464,3 +464,73 @@ async def test_parse_memo_reuses_unchanged_records_and_sees_changes(store, keys)
     assert changed.nodes == (await rc.read_fleet(store, keys)).nodes
     assert changed.nodes["a"].capacity.memory_total_bytes == 32 * 2**30
     assert set(changed.nodes) == {"a"} and len(memo[0]._seen) == 1
+
+
+class _CountingStore:
+    """Wraps the store, counting the prefixes it lists."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.listed = inner, []
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    async def list(self, prefix):
+        self.listed.append(prefix)
+        return await self.inner.list(prefix)
+
+
+async def test_followed_views_replace_the_listings(store, keys):
+    """With the operator's views (followed node records, AssignmentsView) a reconcile reads the
+    epoch only: the assignments are listed once, to load the view; its own commits keep the view
+    current, and it plans exactly what a reconcile that lists everything plans."""
+    from mlx_fleet_operator.view import AssignmentsView
+
+    await put_nodes(store, keys, node("a", 16), node("b", 32), node("c", 8))
+    nodes = dict((await rc.read_fleet(store, keys)).nodes)
+    counting, view = _CountingStore(store), AssignmentsView()
+    results = [await rc.reconcile(counting, keys, intent(f"d{i}", mem_gib=6), nodes=nodes,
+                                  assignments=view) for i in range(4)]
+    assert counting.listed == [keys.assignments_prefix]
+    assert [r.decision.nodes for r in results] == [("b",), ("b",), ("b",), ("a",)]
+    listing = await store.list(keys.assignments_prefix)
+    assert [(kv.key, kv.value, kv.mod_revision) for kv in view.items()] == [
+        (kv.key, kv.value, kv.mod_revision) for kv in listing.items]
+    from_view = rc.plan(keys, await rc.read_fleet(counting, keys, nodes=nodes, assignments=view),
+                        "ns", "d4", intent("d4", mem_gib=6))
+    listed = rc.plan(keys, await rc.read_fleet(store, keys), "ns", "d4", intent("d4", mem_gib=6))
+    assert from_view == listed and from_view.decision.nodes == ("b",)
+    assert counting.listed == [keys.assignments_prefix]
+    # nothing changed since: the same FleetView again (its indexes built once)
+    first = await rc.read_fleet(counting, keys, nodes=nodes, assignments=view)
+    assert await rc.read_fleet(counting, keys, nodes=nodes, assignments=view) is first
+    await rc.reconcile(counting, keys, intent("d4", mem_gib=6), nodes=nodes, assignments=view)
+    assert await rc.read_fleet(counting, keys, nodes=nodes, assignments=view) is not first
+
+
+async def test_followed_view_never_overcommits_on_a_write_it_has_not_seen(store, keys):
+    """Another writer (another operator replica, not through our view) commits right after our
+    epoch read: the view does not hold its assignment, so our transaction fails its compare;
+    the retry finds the view behind the epoch, lists, and sees the memory taken. One 10 GiB node
+    = 8 GiB budget."""
+    from mlx_fleet_operator.view import AssignmentsView
+
+    await put_nodes(store, keys, node("a", 10))
+    nodes = dict((await rc.read_fleet(store, keys)).nodes)
+    view = AssignmentsView()
+    await rc.reconcile(store, keys, intent("small", mem_gib=1), nodes=nodes, assignments=view)
+    other = []
+
+    async def other_replica():
+        other.append(await rc.reconcile(store, keys, intent("b", mem_gib=6)))
+
+    counting = _CountingStore(_RacyStore(store, 1, other_replica))
+    res = await rc.reconcile(counting, keys, intent("a", mem_gib=6), nodes=nodes,
+                             assignments=view)
+    assert other and other[0].decision.nodes == ("a",)
+    assert res.conflicts == 1 and not res.written
+    assert res.decision.nodes == () and res.decision.unplaced == 1
+    assert counting.listed == [keys.assignments_prefix]  # the retry's listing
+    listing = await store.list(keys.assignments_prefix)
+    assert sorted(keys.parse_assignment(kv.key)[::2] for kv in listing.items) == [
+        ("a", "b"), ("a", "small")]

@@ -221,6 +221,10 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
                 assert "mlx-fleet.io/finalizer" in obj["metadata"]["finalizers"]
 
                 # The Mac mirror, created and kept by the ServiceAccount's operator.
+                # (created by the mirror's next round: wait for it to exist first, since
+                # `kubectl wait --for=jsonpath` fails at once on an object not there yet)
+                await admin(control_plane, "wait", f"macnode/{NODE}", "--for=create",
+                            f"--timeout={int(TIMEOUT)}s")
                 await admin(control_plane, "wait", f"macnode/{NODE}",
                             "--for=jsonpath={.status.health}=Healthy",
                             f"--timeout={int(TIMEOUT)}s")

@@ -22,15 +22,21 @@ from mlx_fleet.store import (
 
 async def test_txn_is_fenced_on_mod_revision(store: EtcdStore, keys: Keys) -> None:
     key = keys.placement_epoch
-    assert await store.txn([Compare(key, "mod", "==", 0)], [Put(key, b"1")])  # absent → created
+    # absent → created; the result is the revision it committed at
+    created = await store.txn([Compare(key, "mod", "==", 0)], [Put(key, b"1")])
     first = await store.get(key)
-    assert first is not None and first.value == b"1"
+    assert first is not None and first.value == b"1" and created == first.mod_revision
     # A writer that read before `first` loses and changes nothing.
-    assert not await store.txn([Compare(key, "mod", "==", 0)], [Put(key, b"stale")])
+    assert await store.txn([Compare(key, "mod", "==", 0)], [Put(key, b"stale")]) == 0
     assert (await store.get(key)).value == b"1"
-    # The writer that read `first` wins.
-    assert await store.txn([Compare(key, "mod", "==", first.mod_revision)], [Put(key, b"2")])
-    assert (await store.get(key)).value == b"2"
+    # The writer that read `first` wins (a delete and a put: one revision for both).
+    other = keys.node("n")
+    await store.put(other, b"x")
+    won = await store.txn([Compare(key, "mod", "==", first.mod_revision)],
+                          [Delete(other), Put(key, b"2")])
+    second = await store.get(key)
+    assert second.value == b"2" and won == second.mod_revision > first.mod_revision
+    assert await store.get(other) is None
 
 
 async def test_list_reports_revision_and_sorted_items(store: EtcdStore, keys: Keys) -> None:

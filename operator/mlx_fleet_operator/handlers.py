@@ -3,9 +3,10 @@
 Every decision is made by the pure modules (:mod:`.spec`, :mod:`.placement`, :mod:`.status`);
 this module only moves data between the Kubernetes API, etcd and them.
 
-* ``on.startup``: kopf settings, the etcd store, two etcd followers (``nodes/`` and
-  ``reports/``, via :func:`mlx_fleet.store.follow_prefix`) that keep an in-memory view and wake
-  the affected deployments — supervised (:mod:`mlx_fleet.supervise`: logged, restarted with backoff,
+* ``on.startup``: kopf settings, the etcd store, etcd followers (``nodes/``, ``reports/``,
+  ``stats/`` and ``assignments/``, via :func:`mlx_fleet.store.follow_prefix`) that keep
+  in-memory views — reconciles plan from the node and assignment views instead of listing etcd
+  (:mod:`.view`) — and wake the affected deployments — supervised (:mod:`mlx_fleet.supervise`: logged, restarted with backoff,
   liveness fails while one is down) — the Kubernetes client for status patches, the metrics
   server.
 * ``on.create`` / ``on.update`` / ``on.resume``: :func:`sync` — parse the spec, reconcile
@@ -17,7 +18,8 @@ this module only moves data between the Kubernetes API, etcd and them.
   etcd conflicts) or a periodic resync (:data:`RESYNC_SECONDS`) and runs
   :func:`sync` again, so node churn re-places replicas and agents' reports reach ``status``.
 * MacNode mirror (supervised, like the GC): every :data:`MACNODE_SECONDS`, on node events and
-  when a MacNode's cordon or drain changes (``on.event``, :func:`macnode_event`),
+  when a MacNode's cordon or drain changes (``on.event``, :func:`macnode_event`) — at most one
+  round per :data:`MACNODE_MIN_SECONDS` —
   each node record becomes a cluster-scoped ``MacNode`` (status only, :mod:`.macnodes`); the
   MacNodes' ``spec.unschedulable`` (cordons) and ``spec.drain`` (drains) are read back into
   ``Runtime.cordoned`` / ``Runtime.draining``, which placement honours: no new replica on a
@@ -29,7 +31,10 @@ this module only moves data between the Kubernetes API, etcd and them.
 Why status is patched with the ``kubernetes`` client: kopf 1.45 applies a daemon's ``patch``
 only when the daemon function returns (``_core/engines/daemons.py``), and this daemon runs
 forever; so :func:`sync` patches the ``status`` subresource itself (JSON merge patch, in a
-worker thread) — and only when the computed status differs from the last one.
+worker thread) — and only when the computed status differs from the last one, coalesced: a
+writer task per deployment patches the latest status :data:`STATUS_COALESCE_SECONDS` after a
+change (statuses computed meanwhile replace it), so the reconcile does not wait for the API
+server and a burst of changes is one patch.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ import kopf
 
 from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, StatsReport
 from mlx_fleet.etcd_credentials import EtcdCredentials
-from mlx_fleet.store import EtcdStore, Snapshot, StoreError, WatchEvent, follow_prefix
+from mlx_fleet.store import (CLOSE_TIMEOUT_SECONDS, EtcdStore, Snapshot, StoreError, WatchEvent,
+                             follow_prefix)
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics, peering
@@ -59,6 +65,7 @@ from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collec
 from .rollout import DrainState, RevisionTarget
 from .spec import SpecError, parse_spec, to_assignment
 from .status import Event, StatusInput, compute_status, status_changed
+from .view import AssignmentsView
 
 GROUP, VERSION, PLURAL = "mlx-fleet.io", "v1alpha1", "modeldeployments"
 FINALIZER = "mlx-fleet.io/finalizer"
@@ -72,11 +79,22 @@ GC_SECONDS = 60.0
 CONFLICT_RETRY_SECONDS = 1.0
 #: Seconds between MacNode mirror rounds (node events wake it sooner).
 MACNODE_SECONDS = 5.0
+#: Seconds at least between two MacNode mirror rounds: each lists every MacNode, and while
+#: placements land back to back every write would wake another round (measured: 37 rounds
+#: listing 1 000 MacNodes while 500 deployments converged); changes meanwhile are coalesced.
+MACNODE_MIN_SECONDS = 1.0
 MACNODE_PLURAL = "macnodes"
 #: Seconds a drained replica stays assigned after the status that withdraws it from
 #: ``status.endpoints`` is published, so that clients following the endpoints stop sending to
 #: it before its agent stops taking requests (the role of a Pod's preStop delay in Kubernetes).
 ENDPOINT_GRACE_SECONDS = 2.0
+#: Seconds a ModelDeployment's changed status waits before it is patched, so that statuses
+#: computed in quick succession (a replica placed, then Ready a moment later; a burst of node
+#: changes) reach the API server as one patch of the latest (:meth:`Runtime.queue_status`).
+#: A status that withdraws endpoints is patched at once: the grace above counts from its patch.
+STATUS_COALESCE_SECONDS = 0.25
+#: Seconds before a failed status patch is tried again (with the latest status by then).
+STATUS_RETRY_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
 DeploymentKey = tuple[str, str]
@@ -167,7 +185,14 @@ class Runtime:
         self.canary_wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.locks: dict[DeploymentKey, asyncio.Lock] = {}
+        #: ModelDeployment → the status computed last (queued or patched): ``previous`` of
+        #: the next status computation.
         self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
+        #: ModelDeployment → the status computed last and not patched yet, its writer task
+        #: and the lock that keeps its patches in order (:meth:`queue_status`).
+        self.pending_status: dict[DeploymentKey, dict[str, Any]] = {}
+        self.status_writers: dict[DeploymentKey, asyncio.Task] = {}
+        self.status_locks: dict[DeploymentKey, asyncio.Lock] = {}
         self.tasks: list[asyncio.Task] = []
         self.followers: dict[str, TaskHealth] = {}
         #: Whether this replica exports the fleet metric families (fleet_metrics): always when
@@ -189,6 +214,9 @@ class Runtime:
         self.placement_lock = asyncio.Lock()
         #: Parsed node records and assignments reused between reconciles (reconcile.ParseMemo).
         self.fleet_memo = (ParseMemo(), ParseMemo())
+        #: The stored assignments, kept by the assignments follower and by our own commits;
+        #: reconciles plan from it (and from ``nodes``) instead of listing etcd (view.py).
+        self.assignments = AssignmentsView()
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
@@ -202,6 +230,52 @@ class Runtime:
     def rearm(self, key: DeploymentKey, delay: float) -> None:
         """Wake ``key``'s daemon again in ``delay`` seconds (a prompt retry, not the resync)."""
         asyncio.get_running_loop().call_later(delay, self.wakeup(key).set)
+
+    # -- status writer -----------------------------------------------------------------------
+    def queue_status(self, key: DeploymentKey, status: dict[str, Any]) -> None:
+        """Patch ``status`` onto ``key``'s ModelDeployment :data:`STATUS_COALESCE_SECONDS` from
+        now, unless a later one is queued meanwhile (then that one). Failed patches are logged
+        and retried after :data:`STATUS_RETRY_SECONDS`."""
+        self.pending_status[key] = status
+        writer = self.status_writers.get(key)
+        if writer is None or writer.done():
+            self.status_writers[key] = asyncio.create_task(self._write_status(key),
+                                                           name=f"status {key[0]}/{key[1]}")
+
+    async def _write_status(self, key: DeploymentKey) -> None:
+        delay = STATUS_COALESCE_SECONDS
+        while key in self.pending_status:
+            await asyncio.sleep(delay)  # the coalescing window (or the retry delay)
+            try:
+                await self.flush_status(key)
+                delay = STATUS_COALESCE_SECONDS
+            except Exception as e:
+                log.warning("status of %s/%s not patched (%s: %s); retrying in %.0f s", *key,
+                            type(e).__name__, (str(e).splitlines() or [""])[0],
+                            STATUS_RETRY_SECONDS)
+                delay = STATUS_RETRY_SECONDS
+
+    async def flush_status(self, key: DeploymentKey) -> None:
+        """Patch ``key``'s queued status now (nothing when none is queued). Raises what the
+        patch raised; the status then stays queued."""
+        async with self.status_locks.setdefault(key, asyncio.Lock()):
+            status = self.pending_status.pop(key, None)
+            if status is None:
+                return
+            try:
+                await _patch_status(self, key[0], key[1], status)
+            except BaseException:
+                self.pending_status.setdefault(key, status)  # unless a newer one came
+                raise
+
+    def forget_status(self, key: DeploymentKey) -> None:
+        """The deployment is gone: drop its queued status and stop its writer."""
+        self.pending_status.pop(key, None)
+        self.last_status.pop(key, None)
+        self.status_locks.pop(key, None)
+        writer = self.status_writers.pop(key, None)
+        if writer is not None:
+            writer.cancel()
 
     def wake_all(self) -> None:
         for ev in self.wakeups.values():
@@ -345,8 +419,19 @@ class Runtime:
                 self.wakeups[key].set()
             self.wake_canary(key)
 
+    async def on_assignments_snapshot(self, snap: Snapshot) -> None:
+        self.assignments.reset(snap.items, snap.revision)
+
+    async def on_assignments_event(self, ev: WatchEvent) -> None:
+        self.assignments.apply(ev)
+
+    def placement_nodes(self) -> dict[str, NodeRecord] | None:
+        """The followed node records for placement, None until the follower's first listing
+        (a reconcile then lists ``nodes/`` itself)."""
+        return self.nodes if self.nodes_synced.is_set() else None
+
     def start_followers(self) -> None:
-        """Start the two etcd followers, each under :func:`mlx_fleet.supervise.supervise` (logged and
+        """Start the etcd followers, each under :func:`mlx_fleet.supervise.supervise` (logged and
         restarted with backoff if it fails; :func:`probe_followers` fails meanwhile)."""
         for name, prefix, on_snapshot, on_event in (
                 ("etcd follower: nodes", self.keys.nodes_prefix, self.on_nodes_snapshot,
@@ -354,7 +439,9 @@ class Runtime:
                 ("etcd follower: reports", self.keys.reports_prefix, self.on_reports_snapshot,
                  self.on_reports_event),
                 ("etcd follower: stats", self.keys.stats_prefix, self.on_stats_snapshot,
-                 self.on_stats_event)):
+                 self.on_stats_event),
+                ("etcd follower: assignments", self.keys.assignments_prefix,
+                 self.on_assignments_snapshot, self.on_assignments_event)):
             health = self.followers[name] = TaskHealth(name)
             on_snapshot = metrics.relists_counted(name.rsplit(" ", 1)[-1], on_snapshot)
 
@@ -415,14 +502,28 @@ class Runtime:
         while True:
             self.macnode_wake.clear()
             await mirror_macnodes(self)
-            await wait_event(self.macnode_wake, MACNODE_SECONDS)
+            await asyncio.sleep(MACNODE_MIN_SECONDS)  # rate limit (wake-ups meanwhile count)
+            await wait_event(self.macnode_wake, MACNODE_SECONDS - MACNODE_MIN_SECONDS)
 
     async def close(self) -> None:
-        for t in self.tasks:
+        """Cancel every task this runtime started (followers, collectors, status writers), wait
+        up to :data:`~mlx_fleet.store.CLOSE_TIMEOUT_SECONDS` for them to end, then close the
+        store. A task still running then is logged with where it waits, and abandoned: closing
+        never hangs (a start-up failure or a shutdown must end the process)."""
+        tasks = [*self.tasks, *self.status_writers.values()]
+        for t in tasks:
             t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_SECONDS)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: its failure was logged by its supervisor
+            for t in pending:
+                frames = t.get_stack(limit=1)
+                where = (f"{frames[0].f_code.co_filename}:{frames[0].f_lineno}" if frames
+                         else "unknown")
+                log.warning("task %r did not stop within %.0f s of being cancelled (waiting "
+                            "at %s); abandoned", t.get_name(), CLOSE_TIMEOUT_SECONDS, where)
         await self.store.close()
 
 
@@ -513,8 +614,12 @@ def _macnode_round(api: Any, nodes: Mapping[str, NodeRecord],
     for name, rec in sorted(nodes.items()):
         if name not in existing:
             try:
-                api.create_cluster_custom_object(GROUP, VERSION, MACNODE_PLURAL,
-                                                 macnodes.new_macnode(name), _request_timeout=30)
+                # the created object (its metadata.generation, 1): the status patched below
+                # then carries the right observedGeneration at once, not 0 and again 1 the
+                # next round (measured: a second patch of every new MacNode)
+                existing[name] = api.create_cluster_custom_object(
+                    GROUP, VERSION, MACNODE_PLURAL, macnodes.new_macnode(name),
+                    _request_timeout=30)
                 log.info("MacNode %s created", name)
             except kubernetes.client.ApiException as e:
                 if e.status != 409:
@@ -728,11 +833,17 @@ def _post(body: Mapping[str, Any], events: list[Event]) -> None:
 
 
 async def _publish(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
-                   status: dict[str, Any], events: list[Event], desired: int) -> None:
+                   status: dict[str, Any], events: list[Event], desired: int, *,
+                   at_once: bool = False) -> None:
+    """Queue ``status`` when it differs from the last one (coalesced, :meth:`Runtime.queue_status`),
+    post ``events``, set the replica gauges. ``at_once``: patch before returning (raises what
+    the patch raises)."""
     previous = rt.last_status.get(key) or body.get("status") or {}
     if status_changed(previous, status):
-        await _patch_status(rt, key[0], key[1], status)
         rt.last_status[key] = status
+        rt.queue_status(key, status)
+    if at_once:
+        await rt.flush_status(key)
     _post(body, events)
     metrics.set_replicas(key[0], key[1], desired, status["readyReplicas"])
 
@@ -790,7 +901,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
-                                     serialize=rt.placement_lock, memo=rt.fleet_memo)
+                                     serialize=rt.placement_lock, memo=rt.fleet_memo,
+                                     nodes=rt.placement_nodes(), assignments=rt.assignments)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()
@@ -823,7 +935,9 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             rollout_reason=result.rollout.reason, rollout_message=result.rollout.message,
             withdrawn=frozenset(result.drain.withdraw), waiting=result.decision.waiting),
             previous)
-        await _publish(rt, body, key, status, events, spec.replicas)
+        # a status that withdraws endpoints is patched now: the grace counts from its patch
+        await _publish(rt, body, key, status, events, spec.replicas,
+                       at_once=bool(result.drain.withdraw))
         # withdrawn from the endpoints now that this status is published: removed after the grace
         now = time.monotonic()
         rt.withdrawn[key] = {slot: published.get(slot, now) for slot in result.drain.withdraw}
@@ -921,7 +1035,9 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
     async with rt.lock(key):
         try:
             result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer,
-                                             serialize=rt.placement_lock, memo=rt.fleet_memo)
+                                             serialize=rt.placement_lock, memo=rt.fleet_memo,
+                                             nodes=rt.placement_nodes(),
+                                             assignments=rt.assignments)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             raise kopf.TemporaryError(str(e), delay=1) from e
@@ -930,7 +1046,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_:
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         logger.info("removed assignments of %s/%s from %s", namespace, name,
                     list(result.decision.removed))
-    rt.last_status.pop(key, None)
+    rt.forget_status(key)
     rt.wakeups.pop(key, None)
     rt.locks.pop(key, None)
     rt.deployments.pop(key, None)

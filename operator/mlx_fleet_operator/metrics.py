@@ -44,7 +44,7 @@ WATCH_RESTARTS = Counter("mlxfleet_operator_watch_restarts_total",
                          "Re-lists of a followed etcd prefix after its first list (its watch "
                          "revision was compacted, or the follower was restarted)", ["watch"])
 #: The ``watch`` label values: the followed key prefixes.
-WATCHES = ("nodes", "reports", "stats")
+WATCHES = ("nodes", "reports", "stats", "assignments")
 for _watch in WATCHES:
     WATCH_RESTARTS.labels(watch=_watch)
 DEPLOYMENT_REPLICAS = Gauge("mlxfleet_operator_deployment_replicas",

@@ -56,11 +56,14 @@ longer eligible, and its replica moves.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentReport, NodeHealth,
                                 NodeRecord)
+from mlx_fleet.contract import node_budget_bytes as contract_budget
 from mlx_fleet.quantity import format_bytes
 
 
@@ -150,20 +153,31 @@ def node_budget_bytes(node: NodeRecord) -> int:
     :meth:`~mlx_fleet.contract.NodeCapacity.budget_bytes` — ``memory_total_bytes ×
     memory_watermark`` (the agent's ``--memory-watermark``; 80 % by default and for records
     without the field), floored, capped by the GPU wired-memory limit when the node reports one
-    (the same rule the agent uses)."""
-    return node.capacity.budget_bytes()
+    (the same rule the agent uses; computed once per distinct machine size and watermark)."""
+    c = node.capacity
+    return _budget(c.memory_total_bytes, c.wired_limit_bytes, c.memory_watermark)
+
+
+#: The contract's budget rule (exact decimal arithmetic) per distinct (total, wired limit,
+#: watermark): a fleet has few distinct machine sizes, and placement asks once per node per
+#: reconcile.
+_budget = functools.lru_cache(maxsize=1024)(contract_budget)
 
 
 def is_mine(request: PlacementRequest, a: Assignment) -> bool:
     """True when ``a`` is the assignment of the very revision ``request`` places."""
-    return (a.namespace, a.name, a.revision) == (request.namespace, request.name,
-                                                 request.revision)
+    return (a.name == request.name and a.namespace == request.namespace
+            and a.source.revision == request.revision)
 
 
 def used_by_others(request: PlacementRequest, assignments: Sequence[Assignment]) -> int:
     """Memory reserved on one node by every assignment but the revision ``request`` places
     (other deployments and other revisions of the same deployment)."""
-    return sum(a.memory_bytes for a in assignments if not is_mine(request, a))
+    total = 0
+    for a in assignments:  # (a loop, not sum() over a generator: called per node per reconcile)
+        if not is_mine(request, a):
+            total += a.memory_bytes
+    return total
 
 
 def free_bytes(request: PlacementRequest, node: NodeRecord,
@@ -179,9 +193,12 @@ def _fmt(n: int) -> str:
 def serves_name_of_another(request: PlacementRequest, assignments: Sequence[Assignment]) -> bool:
     """True when one node's ``assignments`` include another deployment serving the same model
     name as ``request``."""
-    return any(a.served_model_name == request.model_name
-               and (a.namespace, a.name) != (request.namespace, request.name)
-               for a in assignments)
+    model_name = request.model_name
+    for a in assignments:
+        if a.served_model_name == model_name and (a.name != request.name
+                                                  or a.namespace != request.namespace):
+            return True
+    return False
 
 
 #: Nodes named (with their numbers) in an insufficient-memory reason; the rest are counted.
@@ -209,11 +226,12 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
                 assignments: Sequence[Assignment]) -> int | None:
     if node.health != NodeHealth.HEALTHY:
         return _UNHEALTHY
-    if any(node.labels.get(k) != v for k, v in request.node_selector.items()):
+    if request.node_selector and any(node.labels.get(k) != v
+                                     for k, v in request.node_selector.items()):
         return _SELECTOR
     if node.capacity.chip_generation < request.min_chip_generation:
         return _CHIP
-    if serves_name_of_another(request, assignments):
+    if assignments and serves_name_of_another(request, assignments):
         return _NAME
     if free < request.memory_bytes:
         return _MEMORY
@@ -247,11 +265,14 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     current = sorted(node for node, items in assignments.items()
                      if any(is_mine(request, a) for a in items))
 
-    free: dict[str, int] = {name: free_bytes(request, n, assignments.get(name, ()))
-                            for name, n in by_name.items()}
-    verdict: dict[str, int | None] = {
-        name: _ineligible(request, n, free[name], assignments.get(name, ()))
-        for name, n in by_name.items()}
+    free: dict[str, int] = {}
+    verdict: dict[str, int | None] = {}
+    for name, n in by_name.items():
+        items = assignments.get(name, ())
+        # free_bytes(), with the sum skipped for the (many) nodes that hold nothing
+        free[name] = f = (node_budget_bytes(n) - used_by_others(request, items) if items
+                          else node_budget_bytes(n))
+        verdict[name] = _ineligible(request, n, f, items)
     eligible = {name for name, v in verdict.items() if v is None}
 
     kept = [n for n in current
@@ -266,12 +287,13 @@ def place(request: PlacementRequest, nodes: Sequence[NodeRecord],
     wanted = request.replicas
     if request.estimate_pending:  # one replica first, where most memory is free
         wanted = min(request.replicas, max(len(chosen), 1))
-        candidates.sort(key=lambda n: (-free[n], n))
+        order: Any = lambda n: (-free[n], n)  # noqa: E731
     elif request.strategy == "Binpack":
-        candidates.sort(key=lambda n: (n not in request.preferred, free[n], n))
+        order = lambda n: (n not in request.preferred, free[n], n)  # noqa: E731
     else:
-        candidates.sort(key=lambda n: (n not in request.preferred, -free[n], n))
-    added = candidates[:max(wanted - len(chosen), 0)]
+        order = lambda n: (n not in request.preferred, -free[n], n)  # noqa: E731
+    # the first few in that order (keys are unique: the same as sorting and slicing)
+    added = heapq.nsmallest(max(wanted - len(chosen), 0), candidates, key=order)
     chosen.update(added)
     waiting = request.replicas - wanted
     unplaced = wanted - len(chosen)

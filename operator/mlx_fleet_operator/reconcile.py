@@ -3,7 +3,8 @@
 :func:`reconcile` (one ModelDeployment):
 
 1. :func:`read_fleet` gets ``placement-epoch`` FIRST, then lists ``nodes/`` and
-   ``assignments/`` (the order matters, see :func:`read_fleet`);
+   ``assignments/`` (the order matters, see :func:`read_fleet`) — or, in the operator, takes
+   them from its followers' in-memory views when those cover the epoch (:mod:`.view`);
 2. :func:`plan` runs :func:`~mlx_fleet_operator.rollout.plan_deployment` (every revision the
    deployment should hold: stable, previous ones still rolling out, a canary's candidate) and
    diffs the desired (node, revision) assignments against the stored ones → puts and deletes;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import socket
@@ -39,6 +41,7 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, K
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
 from .placement import PlacementDecision
+from .view import AssignmentsView
 from .rollout import (DeploymentPlan, DrainState, RevisionTarget, RolloutState, Slot,
                       plan_deployment, same_for_node)
 from .spec import pin_replicas
@@ -87,13 +90,23 @@ class FleetView:
 
     def of(self, namespace: str, name: str) -> dict[Slot, StoredAssignment]:
         """(node, revision) → this deployment's stored assignment (parseable ones)."""
-        out = {}
+        return dict(self._by_deployment.get((namespace, name), {}))
+
+    @functools.cached_property
+    def _by_deployment(self) -> dict[tuple[str, str], dict[Slot, StoredAssignment]]:
+        out: dict[tuple[str, str], dict[Slot, StoredAssignment]] = {}
         for node, items in self.assignments.items():
             for s in items:
-                if s.assignment is not None and (s.assignment.namespace, s.assignment.name) == (
-                        namespace, name):
-                    out[(node, s.assignment.revision)] = s
+                if s.assignment is not None:
+                    out.setdefault((s.assignment.namespace, s.assignment.name), {})[
+                        (node, s.assignment.revision)] = s
         return out
+
+    @functools.cached_property
+    def current(self) -> dict[str, list[Assignment]]:
+        """node → its parseable stored assignments (placement's input; do not modify)."""
+        return {n: [s.assignment for s in items if s.assignment is not None]
+                for n, items in self.assignments.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +169,20 @@ class ParseMemo:
         return out
 
 
-async def read_fleet(store: Store, keys: Keys, memo: tuple[ParseMemo, ParseMemo] | None = None
-                     ) -> FleetView:
+async def read_fleet(store: Store, keys: Keys, memo: tuple[ParseMemo, ParseMemo] | None = None,
+                     *, nodes: Mapping[str, NodeRecord] | None = None,
+                     assignments: AssignmentsView | None = None) -> FleetView:
     """Get the epoch, then list node records and assignments. Unparseable records are skipped
     (logged); an assignment key outside the layout is ignored. ``memo``: (node records,
     assignments) :class:`ParseMemo` s kept between calls by one caller (the operator's
     Runtime), so unchanged records are not parsed again.
+
+    ``nodes``: node name → record, from a follower of ``nodes/`` (the operator's; None: list
+    them). Node records are not fenced by the epoch either way: a node may vanish right after
+    any read; a follower's view is as recent as a listing, give or take the watch's delay.
+    ``assignments``: the operator's :class:`~.view.AssignmentsView`: used instead of listing
+    when it covers the epoch just read (so the fencing below holds unchanged), else the
+    listing made now resets it.
 
     The epoch is read before the lists on purpose: its ``mod_revision`` is what the fenced
     transaction compares, and every assignment write bumps it. Reading it first means any
@@ -171,9 +192,22 @@ async def read_fleet(store: Store, keys: Keys, memo: tuple[ParseMemo, ParseMemo]
     over-commit a node's memory).
     """
     epoch = await store.get(keys.placement_epoch)
-    nodes_l = await store.list(keys.nodes_prefix)
-    asg_l = await store.list(keys.assignments_prefix)
     node_memo, asg_memo = memo or (ParseMemo(), ParseMemo())
+    revision = 0
+    if nodes is None:
+        nodes_l = await store.list(keys.nodes_prefix)
+        revision = nodes_l.revision
+    if assignments is not None and assignments.covers(epoch.mod_revision if epoch else 0):
+        cached = assignments.derived
+        if (nodes is not None and cached is not None and cached[0] == assignments.changes
+                and cached[1] == epoch and cached[2] == nodes):
+            return cached[3]  # nothing changed since the last read: the same view (and indexes)
+        asg_items, revision = assignments.items(), max(revision, assignments.complete)
+    else:
+        asg_l = await store.list(keys.assignments_prefix)
+        if assignments is not None:
+            assignments.reset(asg_l.items, asg_l.revision)
+        asg_items, revision = asg_l.items, max(revision, asg_l.revision)
 
     def parse_node(kv: KV) -> NodeRecord | None:
         name = keys.parse_node(kv.key)
@@ -199,15 +233,23 @@ async def read_fleet(store: Store, keys: Keys, memo: tuple[ParseMemo, ParseMemo]
             a = a.model_copy(update={"namespace": parsed[1], "name": parsed[2]})
         return parsed, a
 
-    nodes: dict[str, NodeRecord] = {
-        rec.name: rec for _, rec in node_memo.parse(nodes_l.items, parse_node) if rec is not None}
-    assignments: dict[str, list[StoredAssignment]] = {}
-    for kv, got in asg_memo.parse(asg_l.items, parse_assignment):
+    if nodes is None:
+        records: dict[str, NodeRecord] = {
+            rec.name: rec for _, rec in node_memo.parse(nodes_l.items, parse_node)
+            if rec is not None}
+    else:
+        records = {name: rec if rec.name == name else rec.model_copy(update={"name": name})
+                   for name, rec in nodes.items()}
+    stored: dict[str, list[StoredAssignment]] = {}
+    for kv, got in asg_memo.parse(asg_items, parse_assignment):
         if got is not None:
             parsed, a = got
-            assignments.setdefault(parsed[0], []).append(StoredAssignment(kv.key, kv, a))
-    return FleetView(nodes=nodes, assignments=assignments, epoch=epoch,
-                     revision=max(nodes_l.revision, asg_l.revision))
+            stored.setdefault(parsed[0], []).append(StoredAssignment(kv.key, kv, a))
+    view = FleetView(nodes=records, assignments=stored, epoch=epoch, revision=revision)
+    if assignments is not None and nodes is not None and assignments.covers(
+            epoch.mod_revision if epoch else 0):
+        assignments.derived = (assignments.changes, epoch, dict(nodes), view)
+    return view
 
 
 def report_slots(view: FleetView, namespace: str, name: str,
@@ -240,16 +282,17 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
     # Malformed values under this deployment's keys are rewritten or removed too.
     for node, items in view.assignments.items():
         for s in items:
+            if s.assignment is not None:
+                continue
             parsed = keys.parse_assignment(s.key)
-            if s.assignment is None and parsed and parsed[:3] == (node, namespace, name):
+            if parsed and parsed[:3] == (node, namespace, name):
                 mine[(node, parsed[3])] = s
     if intent is None:
         dplan = DeploymentPlan(desired={}, stable=PlacementDecision(
             nodes=(), removed=tuple(sorted({n for n, _ in mine}))), candidate=None,
             rollout=RolloutState())
     else:
-        current = {n: [s.assignment for s in items if s.assignment is not None]
-                   for n, items in view.assignments.items()}
+        current = view.current
         ready, failed = report_slots(view, namespace, name, reports or {})
         dplan = plan_deployment(intent.stable, intent.candidate, max_surge=intent.max_surge,
                                 max_unavailable=intent.max_unavailable,
@@ -278,10 +321,11 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
                 rollout=dplan.rollout, drain=dplan.drain)
 
 
-async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT_WRITER) -> bool:
-    """Commit ``p`` in one fenced transaction that also bumps the epoch. True if it held."""
+async def apply_plan(store: Store, keys: Keys, p: Plan, *, writer: str = DEFAULT_WRITER) -> int:
+    """Commit ``p`` in one fenced transaction that also bumps the epoch. Returns the revision
+    it committed at, 0 if a compare failed (and -1 for an empty plan: nothing to commit)."""
     if not p.ops:
-        return True
+        return -1
     counter = 0
     if p.epoch is not None:
         try:
@@ -296,13 +340,17 @@ async def _converge(store: Store, keys: Keys, namespace: str, name: str, intent:
                     reports: Mapping[Slot, AssignmentReport] | None, *, writer: str,
                     max_attempts: int, released: Collection[Slot] = (),
                     serialize: asyncio.Lock | None = None,
-                    memo: tuple[ParseMemo, ParseMemo] | None = None) -> ReconcileResult:
+                    memo: tuple[ParseMemo, ParseMemo] | None = None,
+                    nodes: Mapping[str, NodeRecord] | None = None,
+                    assignments: AssignmentsView | None = None) -> ReconcileResult:
     conflicts = 0
     for attempt in range(1, max_attempts + 1):
         async with serialize or contextlib.nullcontext():
-            view = await read_fleet(store, keys, memo)
+            view = await read_fleet(store, keys, memo, nodes=nodes, assignments=assignments)
             p = plan(keys, view, namespace, name, intent, reports, released)
             applied = bool(p.ops) and await apply_plan(store, keys, p, writer=writer)
+            if applied and assignments is not None:  # it compared the epoch the view covered
+                assignments.committed(p.ops, applied, keys.assignments_prefix)
         if not p.ops:
             return ReconcileResult(p.decision, p.desired, written=False, conflicts=conflicts,
                                    candidate=p.candidate, rollout=p.rollout, drain=p.drain)
@@ -326,7 +374,9 @@ async def reconcile(store: Store, keys: Keys, intent: Intent,
                     writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS,
                     released: Collection[Slot] = (),
                     serialize: asyncio.Lock | None = None,
-                    memo: tuple[ParseMemo, ParseMemo] | None = None) -> ReconcileResult:
+                    memo: tuple[ParseMemo, ParseMemo] | None = None,
+                    nodes: Mapping[str, NodeRecord] | None = None,
+                    assignments: AssignmentsView | None = None) -> ReconcileResult:
     """Store the assignments ``intent`` asks for (module docstring). ``reports``: (node,
     revision) → this deployment's agent reports (a rolling update advances on them).
     ``released``: see :func:`plan`. ``serialize``: a lock that the read-plan-write of every
@@ -334,7 +384,8 @@ async def reconcile(store: Store, keys: Keys, intent: Intent,
     epoch, so run concurrently they would mostly lose races to each other (measured with
     500 deployments: most transactions failed their compares); the epoch still fences other
     writers (another operator replica, the garbage collector). ``memo``: see
-    :func:`read_fleet`.
+    :func:`read_fleet`. ``nodes`` / ``assignments``: the operator's followed views (see
+    :func:`read_fleet`); the assignments view also takes this reconcile's committed writes.
 
     Writes nothing when the stored state already matches. Raises :class:`ConflictError` after
     ``max_attempts`` lost races, ``StoreError`` when etcd is unreachable.
@@ -342,17 +393,20 @@ async def reconcile(store: Store, keys: Keys, intent: Intent,
     req = intent.stable.request
     return await _converge(store, keys, req.namespace, req.name, intent, reports,
                            writer=writer, max_attempts=max_attempts, released=released,
-                           serialize=serialize, memo=memo)
+                           serialize=serialize, memo=memo, nodes=nodes, assignments=assignments)
 
 
 async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str, *,
                             writer: str = DEFAULT_WRITER, max_attempts: int = MAX_ATTEMPTS,
                             serialize: asyncio.Lock | None = None,
-                            memo: tuple[ParseMemo, ParseMemo] | None = None) -> ReconcileResult:
+                            memo: tuple[ParseMemo, ParseMemo] | None = None,
+                            nodes: Mapping[str, NodeRecord] | None = None,
+                            assignments: AssignmentsView | None = None) -> ReconcileResult:
     """Delete every assignment (every revision) of ``namespace/name``, fenced (and
     ``serialize``-d) like :func:`reconcile`."""
     return await _converge(store, keys, namespace, name, None, None, writer=writer,
-                           max_attempts=max_attempts, serialize=serialize, memo=memo)
+                           max_attempts=max_attempts, serialize=serialize, memo=memo,
+                           nodes=nodes, assignments=assignments)
 
 
 def assignments_of(view: FleetView, namespace: str, name: str) -> Mapping[Slot, Assignment]:
