@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -205,9 +206,13 @@ def ours_options(ours_args: str) -> Any:
 
 
 async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb: float,
-                     ours_args: str = "") -> None:
+                     ours_args: str = "", memory_log: Path | None = None,
+                     sample_seconds: float = 5.0) -> None:
     """The agent's serving path: ServingCore + the agent's OpenAI app, nothing else;
-    ``ours_args``: the agent's serving flags (:func:`ours_options`)."""
+    ``ours_args``: the agent's serving flags (:func:`ours_options`). With ``memory_log``, every
+    ``sample_seconds`` one JSON line ``{"t", "active_bytes", "cache_bytes", "rss_bytes"}``
+    (``ServingCore.memory_usage()``, ``t`` in monotonic seconds) is appended to it
+    (``serving_soak.py``)."""
     import mlx.core as mx
     from aiohttp import web
     from prometheus_client import CollectorRegistry
@@ -227,8 +232,23 @@ async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb:
     await web.TCPSite(runner, "127.0.0.1", port).start()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def sample_memory(path: Path) -> None:
+        with path.open("a") as f:
+            while not stop.is_set():
+                u = await core.memory_usage()
+                f.write(json.dumps({"t": time.monotonic(), "active_bytes": u.active_bytes,
+                                    "cache_bytes": u.cache_bytes, "rss_bytes": u.rss_bytes})
+                        + "\n")
+                f.flush()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), sample_seconds)
+
+    sampler = asyncio.create_task(sample_memory(memory_log)) if memory_log else None
     try:
         await stop.wait()
+        if sampler is not None:
+            await sampler
     finally:
         await runner.cleanup()
         await core.close()
@@ -446,12 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-ours", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--max-sequences", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--memory-log", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--sample-seconds", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--concurrency-client", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_ours:
         asyncio.run(serve_ours(args.serve_ours, args.port, args.max_sequences,
-                               args.cache_limit_gb, args.ours_args))
+                               args.cache_limit_gb, args.ours_args, args.memory_log,
+                               args.sample_seconds))
         return 0
     if args.client:
         bodies = json.load(sys.stdin)
