@@ -214,7 +214,13 @@ async def test_followers_wake_only_on_relevant_changes():
     await rt.on_nodes_event(ev(keys.node("mac-a"), beat.to_json(), 3))
     assert not wake.is_set() and not other.is_set()
     await rt.on_nodes_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
-    assert wake.is_set() and other.is_set() and not settled.is_set() and rt.nodes == {}
+    # judged a moment later, with whatever else vanished by then (disruption.py); meanwhile
+    # its replicas are held
+    assert rt.nodes == {} and rt.held_nodes() == {"mac-a"} and not wake.is_set()
+    rt._judge_timer.cancel()
+    rt._judge_nodes()  # what the timer runs: one node of one gone is node loss
+    assert wake.is_set() and other.is_set() and not settled.is_set()
+    assert rt.held_nodes() == frozenset()
     wake.clear(), other.clear()
 
     # Reports are per (node, revision); a changed one wakes the deployment and its Canary.
@@ -231,6 +237,77 @@ async def test_followers_wake_only_on_relevant_changes():
     assert not wake.is_set() and not canary.is_set()
     await rt.on_reports_event(ev(report_key, b"", 7, "DELETE"))
     assert wake.is_set() and canary.is_set() and rt.reports[("default", "llm")] == {}
+
+
+async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after_the_hold(
+        monkeypatch):
+    """Most nodes vanishing within the judging window (etcd revoking every lease as it resumes
+    from a freeze): their replicas are held, not re-placed; a node back is released at once, one
+    still missing when the hold ends is re-placed then. A lone node lost is re-placed."""
+    from mlx_fleet.store import KV
+    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator.handlers import Runtime
+
+    monkeypatch.setattr(handlers, "DISRUPTION_HOLD_SECONDS", 30.0)
+    keys = Keys("/t")
+    rt = Runtime(store=None, keys=keys, writer="test")
+    now = [100.0]
+    rt.clock = lambda: now[0]
+    names = ("mac-a", "mac-b", "mac-c")
+    recs = {n: node_record(n) for n in names}
+    wakes = {n: rt.wakeup(("default", n)) for n in names}  # one deployment per node
+    rt.placed = {("default", n): {(n, "v1"): None} for n in names}
+
+    def ev(name: str, rev: int, gone: bool = False) -> WatchEvent:
+        return WatchEvent(type="DELETE" if gone else "PUT", kv=KV(
+            key=keys.node(name), value=b"" if gone else recs[name].to_json(), mod_revision=rev))
+
+    def judge() -> None:
+        rt._judge_timer.cancel()
+        rt._judge_nodes()
+
+    await rt.on_nodes_snapshot(Snapshot(items=[ev(n, 1).kv for n in names], revision=1))
+    for w in wakes.values():
+        w.clear()
+    try:
+        await rt.on_nodes_event(ev("mac-a", 2, gone=True))
+        await rt.on_nodes_event(ev("mac-b", 3, gone=True))
+        judge()  # 2 of 3 gone within the window: a disruption
+        assert rt.held_nodes() == {"mac-a", "mac-b"}
+        assert not any(w.is_set() for w in wakes.values())  # nothing re-placed
+        assert deployment_intent_held(rt) == {"mac-a", "mac-b"}
+
+        now[0] += 0.05
+        await rt.on_nodes_event(ev("mac-a", 4))  # re-registered: released at once
+        assert rt.held_nodes() == {"mac-b"} and wakes["mac-a"].is_set()
+        assert not wakes["mac-b"].is_set()
+
+        now[0] += 30.0  # the hold ends with mac-b still missing: its replicas are re-placed
+        rt._hold_timer.cancel()
+        rt._observe_nodes()  # what the hold timer runs
+        assert rt.held_nodes() == frozenset() and wakes["mac-b"].is_set()
+        assert not wakes["mac-c"].is_set()
+
+        for w in wakes.values():
+            w.clear()
+        await rt.on_nodes_event(ev("mac-c", 5, gone=True))  # 1 of 2: node loss
+        assert rt.held_nodes() == {"mac-c"}  # (until judged)
+        judge()
+        assert rt.held_nodes() == frozenset() and wakes["mac-c"].is_set()
+    finally:
+        for timer in (rt._judge_timer, rt._hold_timer):
+            if timer is not None:
+                timer.cancel()
+
+
+def deployment_intent_held(rt) -> frozenset[str]:
+    """The ``held`` a reconcile now plans with (what sync() passes to deployment_intent)."""
+    from mlx_fleet_operator.handlers import deployment_intent
+    from mlx_fleet_operator.spec import parse_spec
+
+    spec = parse_spec({"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1})
+    return deployment_intent(spec, ("default", "x"), uid="u", generation=1, candidate=None,
+                             held=rt.held_nodes()).held
 
 
 async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_trip_only():

@@ -56,9 +56,10 @@ def triples(plan) -> set[tuple[str, str, Role]]:
 
 def run(stable: RevisionTarget, stored: dict[str, list[Assignment]], nodes: list[NodeRecord], *,
         candidate: RevisionTarget | None = None, surge: int = 1, unavailable: int = 1,
-        ready=(), failed=()):
+        ready=(), failed=(), held=frozenset()):
     return plan_deployment(stable, candidate, max_surge=surge, max_unavailable=unavailable,
-                           nodes=nodes, assignments=stored, ready=set(ready), failed=set(failed))
+                           nodes=nodes, assignments=stored, ready=set(ready), failed=set(failed),
+                           held=frozenset(held))
 
 
 THREE = [node("a"), node("b"), node("c")]
@@ -138,6 +139,17 @@ CASES = [
     ("rollback to a previous revision still loading: it turns Stable, the other Previous",
      target("v1", 1), placed(("a", asg("v2")), ("a", asg("v1", P))), [node("a")],
      {"ready": {("a", "v2")}}, {("a", "v1", S), ("a", "v2", P)}, "RollingUpdate"),
+    # nodes that vanished together (a control-plane disruption, disruption.py): held
+    ("every node vanished, held: the replicas stay where they are", target("v1", 2), V1_ON_AB,
+     [], {"held": {"a", "b"}}, {("a", "v1", S), ("b", "v1", S)}, "Complete"),
+    ("the same, not held (node loss): dropped, nothing to place them on", target("v1", 2),
+     V1_ON_AB, [], {}, set(), "Complete"),
+    ("one node back, one held: neither moves to the spare node", target("v1", 2), V1_ON_AB,
+     THREE[::2], {"held": {"b"}, "ready": {("a", "v1")}}, {("a", "v1", S), ("b", "v1", S)},
+     "Complete"),
+    ("mid rolling update, the node of the previous revision held: it keeps serving",
+     target("v2", 1), placed(("a", asg("v2")), ("b", asg("v1", P))), [node("a")],
+     {"held": {"b"}}, {("a", "v2", S), ("b", "v1", P)}, "RollingUpdate"),
     ("rollback to a previous revision that is Ready: the other goes at once",
      target("v1", 1), placed(("a", asg("v2")), ("a", asg("v1", P))), [node("a")],
      {"ready": {("a", "v1"), ("a", "v2")}}, {("a", "v1", S)}, "Complete"),

@@ -15,17 +15,18 @@ A single Mac lost in a fleet of two or more is still re-placed at once.
 
 Pure: :func:`observe` maps the previous :class:`Disruption` and the live node names at a time to
 the next, and placement keeps the replicas of :attr:`Disruption.held` (``place(held=...)``).
-**Not wired into the operator yet**: node records vanish one watch event at a time, so the
-operator must feed it the nodes that vanished within a short window (not one event, nor one
-reconcile's view against the last); until then the "etcd frozen" fault of issue 8 can drop
-replicas for about a second (docs/reliability.md).
+The operator (``handlers.Runtime``) feeds it from its nodes follower: node records vanish one
+watch event at a time, so a vanished node is judged :data:`DISRUPTION_WINDOW_SECONDS` after it
+went, together with every other node gone by then (its replicas are kept meanwhile); a node
+that appears or comes back is observed at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Disruption", "observe", "MASS_LOSS_FRACTION", "MASS_LOSS_MIN_NODES", "HOLD_SECONDS"]
+__all__ = ["Disruption", "observe", "MASS_LOSS_FRACTION", "MASS_LOSS_MIN_NODES", "HOLD_SECONDS",
+           "DISRUPTION_WINDOW_SECONDS"]
 
 #: More than this fraction of the nodes seen must vanish at once to count as a disruption
 #: (Kubernetes' ``--unhealthy-zone-threshold`` default).
@@ -36,6 +37,10 @@ MASS_LOSS_MIN_NODES = 2
 #: after etcd returns (they retry every ≤ 2 s and re-register at once), short enough that Macs
 #: that really died are replaced well within a minute.
 HOLD_SECONDS = 30.0
+#: How long after a node record vanishes the operator judges it, with every other node gone
+#: by then (seconds): etcd deletes the records of leases it revokes together within a few
+#: milliseconds; an ordinary node loss is re-placed this much later.
+DISRUPTION_WINDOW_SECONDS = 1.0
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ from mlx_fleet.store import (CLOSE_TIMEOUT_SECONDS, EtcdStore, Snapshot, StoreEr
 from mlx_fleet.supervise import TaskHealth, dead, supervise, wait_event
 
 from . import macnodes, metrics, peering
+from .disruption import DISRUPTION_WINDOW_SECONDS, Disruption
+from .disruption import HOLD_SECONDS as DISRUPTION_HOLD_SECONDS
+from .disruption import observe as observe_disruption
 from .placement import PlacementRequest, affected_by_node, resolve_memory, revision_estimates
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collect_garbage,
                         read_fleet, reconcile, remove_deployment)
@@ -220,6 +223,15 @@ class Runtime:
         #: MacNode name → the status last written (or read); wakes the mirror on node events.
         self.macnode_status: dict[str, dict[str, Any]] = {}
         self.macnode_wake = asyncio.Event()
+        #: Nodes that vanished together (:mod:`.disruption`): whose replicas are held.
+        self.disruption = Disruption()
+        #: Nodes whose record vanished less than ``DISRUPTION_WINDOW_SECONDS`` ago, not yet
+        #: judged (node loss or part of a disruption): their replicas are held meanwhile.
+        self.vanishing: set[str] = set()
+        self._judge_timer: asyncio.TimerHandle | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None
+        #: The disruption rule's clock (seconds; tests replace it).
+        self.clock: Callable[[], float] = time.monotonic
 
     def wakeup(self, key: DeploymentKey) -> asyncio.Event:
         return self.wakeups.setdefault(key, asyncio.Event())
@@ -341,7 +353,14 @@ class Runtime:
             if rec is not None:
                 nodes[self.keys.parse_node(kv.key)] = rec
         old = {n: self._placement_view(r) for n, r in self.nodes.items()}
+        first = not self.nodes_synced.is_set()
         self.nodes = nodes
+        if first:  # the nodes seen at start-up: what a later mass loss is measured against
+            self.disruption = observe_disruption(self.disruption, set(nodes), self.clock())
+        else:  # a re-list: what vanished meanwhile is judged like vanished records
+            for name in set(old) - set(nodes):
+                self._node_vanished(name)
+            self._node_seen()
         self.nodes_synced.set()
         self.macnode_wake.set()
         if old != {n: self._placement_view(r) for n, r in nodes.items()}:
@@ -354,9 +373,13 @@ class Runtime:
         before = self._placement_view(self.nodes.get(name))
         rec = self._parse_node(ev.kv.key, ev.kv.value) if ev.type == "PUT" else None
         if rec is None:
-            self.nodes.pop(name, None)
+            if self.nodes.pop(name, None) is not None:
+                self._node_vanished(name)
+                self.macnode_wake.set()
+                return  # judged (and its deployments woken) after the window: _judge_nodes
         else:
             self.nodes[name] = rec
+            self._node_seen()
         self.macnode_wake.set()
         if before != self._placement_view(rec):
             affected = affected_by_node(name, self.placed, self.unsettled)
@@ -366,6 +389,82 @@ class Runtime:
             for key in affected:
                 if key in self.wakeups:
                     self.wakeups[key].set()
+
+    # -- vanished nodes: node loss or a control-plane disruption (disruption.py) ------------
+    def held_nodes(self) -> frozenset[str]:
+        """The vanished nodes whose replicas placement keeps (``place(held=...)``): those of a
+        disruption, and those that vanished within the last window and are not judged yet."""
+        return (self.disruption.held | self.vanishing) - self.nodes.keys()
+
+    def _node_vanished(self, name: str) -> None:
+        """A node record went away: judge it with whatever else vanishes within
+        :data:`~.disruption.DISRUPTION_WINDOW_SECONDS` (etcd deletes the records of expired
+        leases one by one, a few milliseconds apart)."""
+        self.vanishing.add(name)
+        if self._judge_timer is None:
+            self._judge_timer = asyncio.get_running_loop().call_later(
+                DISRUPTION_WINDOW_SECONDS, self._judge_nodes)
+
+    def _node_seen(self) -> None:
+        """A node record appeared or changed: outside a window, update the nodes seen (and
+        release held nodes that are back); inside one, the judgement at its end does."""
+        self.vanishing -= self.nodes.keys()
+        if self._judge_timer is None and (self.nodes.keys() - self.disruption.seen
+                                          or self.disruption.held & self.nodes.keys()):
+            self._observe_nodes()
+
+    def _judge_nodes(self) -> None:
+        self._judge_timer = None
+        gone = self.vanishing - self.nodes.keys()
+        self.vanishing = set()
+        before = self.disruption.held
+        known = len(self.disruption.seen - before)
+        self._observe_nodes()
+        held = self.disruption.held - before
+        if held:
+            log.warning("%d of %d nodes vanished within %.0f s (%s): treating it as a control-"
+                        "plane disruption, not node failures; their replicas are held for up "
+                        "to %.0f s while the agents re-register", len(held), known,
+                        DISRUPTION_WINDOW_SECONDS,
+                        ", ".join(sorted(held)), DISRUPTION_HOLD_SECONDS)
+        self._wake_for(gone - self.disruption.held, "gone")
+
+    def _observe_nodes(self) -> None:
+        """:func:`~.disruption.observe` the live nodes now; wake what a released hold
+        concerns and arm the timer of the hold's end."""
+        now = self.clock()
+        before = self.disruption.held
+        self.disruption = observe_disruption(self.disruption, set(self.nodes), now,
+                                             hold_seconds=DISRUPTION_HOLD_SECONDS)
+        released = before - self.disruption.held
+        if released:
+            back = released & self.nodes.keys()
+            if back:
+                log.info("held node(s) back: %s", ", ".join(sorted(back)))
+            if released - back:
+                log.warning("held node(s) not back after %.0f s: %s; re-placing their "
+                            "replicas", DISRUPTION_HOLD_SECONDS,
+                            ", ".join(sorted(released - back)))
+            self._wake_for(released, "released")
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if self.disruption.held:
+            self._hold_timer = asyncio.get_running_loop().call_later(
+                max(self.disruption.until - now, 0.0) + 0.01, self._observe_nodes)
+
+    def _wake_for(self, names: set[str] | frozenset[str], what: str) -> None:
+        affected: set[DeploymentKey] = set()
+        for name in names:
+            affected |= affected_by_node(name, self.placed, self.unsettled)
+        if names:
+            log.info("node(s) %s %s; re-placing the %d deployment(s) they concern",
+                     ", ".join(sorted(names)), what, len(affected))
+        for key in affected:
+            if key in self.wakeups:
+                self.wakeups[key].set()
+        if names:
+            self.macnode_wake.set()
 
     def _parse_report(self, key: str, value: bytes) -> tuple[tuple[str, str, str, str] | None,
                                                             AssignmentReport | None]:
@@ -506,10 +605,13 @@ class Runtime:
             await wait_event(self.macnode_wake, MACNODE_SECONDS - MACNODE_MIN_SECONDS)
 
     async def close(self) -> None:
-        """Cancel every task this runtime started (followers, collectors, status writers), wait
+        """Cancel the node-judging timers and every task this runtime started (followers, collectors, status writers), wait
         up to :data:`~mlx_fleet.store.CLOSE_TIMEOUT_SECONDS` for them to end, then close the
         store. A task still running then is logged with where it waits, and abandoned: closing
         never hangs (a start-up failure or a shutdown must end the process)."""
+        for timer in (self._judge_timer, self._hold_timer):
+            if timer is not None:
+                timer.cancel()
         tasks = [*self.tasks, *self.status_writers.values()]
         for t in tasks:
             t.cancel()
@@ -893,7 +995,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         rt.deployments[key] = (spec, generation, meta.get("uid", ""))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
                                    candidate=rt.candidates.get(key), cordoned=rt.cordoned,
-                                   draining=rt.draining,
+                                   draining=rt.draining, held=rt.held_nodes(),
                                    estimates=revision_estimates(rt.reports.get(key, {})))
         published = rt.withdrawn.get(key, {})
         released = {slot for slot, at in published.items()
@@ -952,6 +1054,7 @@ def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: in
                       candidate: CandidateIntent | None,
                       cordoned: frozenset[str] = frozenset(),
                       draining: frozenset[str] = frozenset(),
+                      held: frozenset[str] = frozenset(),
                       estimates: Mapping[str, int] | None = None) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
@@ -983,7 +1086,7 @@ def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: in
                           revision=candidate.revision, memory_bytes=memory))
     surge, unavailable = spec.surge_limits()
     return Intent(stable=stable, candidate=cand, max_surge=surge, max_unavailable=unavailable,
-                  min_ready=spec.lifecycle.min_ready)
+                  min_ready=spec.lifecycle.min_ready, held=frozenset(held))
 
 
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)

@@ -119,6 +119,8 @@ class Intent:
     max_surge: int = 1
     max_unavailable: int = 1
     min_ready: int = 0  # spec.lifecycle.minReady: replicas pinned resident (spec.pin_replicas)
+    #: vanished nodes whose replicas are kept (a control-plane disruption, :mod:`.disruption`)
+    held: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +299,8 @@ def plan(keys: Keys, view: FleetView, namespace: str, name: str, intent: Intent 
         dplan = plan_deployment(intent.stable, intent.candidate, max_surge=intent.max_surge,
                                 max_unavailable=intent.max_unavailable,
                                 nodes=list(view.nodes.values()), assignments=current,
-                                ready=ready, failed=failed, released=released)
+                                ready=ready, failed=failed, released=released,
+                                held=intent.held)
         dplan = dataclasses.replace(dplan, desired=pin_replicas(
             dplan.desired, revision=intent.stable.request.revision, min_ready=intent.min_ready,
             stored={slot: s.assignment for slot, s in mine.items() if s.assignment is not None},

@@ -131,7 +131,8 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
                     max_surge: int, max_unavailable: int, nodes: Sequence[NodeRecord],
                     assignments: Mapping[str, Sequence[Assignment]],
                     ready: Collection[Slot], failed: Collection[Slot] = (),
-                    released: Collection[Slot] = ()) -> DeploymentPlan:
+                    released: Collection[Slot] = (),
+                    held: frozenset[str] = frozenset()) -> DeploymentPlan:
     """The deployment's desired assignments (module docstring).
 
     ``assignments``: node → every stored assignment on it (all deployments, all revisions).
@@ -139,7 +140,8 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
     Failed for the stored record's generation. ``max_surge`` / ``max_unavailable``: resolved
     against ``replicas`` (:meth:`~.spec.DeploymentSpec.surge_limits`). ``released``: withdrawn
     slots on draining nodes (``DrainState.withdraw`` of an earlier plan) whose withdrawal from
-    ``status.endpoints`` is published: they are removed now.
+    ``status.endpoints`` is published: they are removed now. ``held``: vanished nodes whose
+    replicas are kept, of every revision (``place(held=...)``, :mod:`.disruption`).
     """
     req = stable.request
     me = (req.namespace, req.name)
@@ -154,12 +156,14 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
     prev = {slot: a for slot, a in mine.items()
             if slot[1] not in (s_rev, c_rev) and a.role != Role.CANDIDATE}
     healthy = {n.name for n in nodes if n.health == NodeHealth.HEALTHY}
-    prev = {slot: a for slot, a in prev.items() if slot[0] in healthy}  # gone nodes: dropped
+    # gone nodes: dropped, unless held (a disruption: the agent is most likely still serving)
+    prev = {slot: a for slot, a in prev.items() if slot[0] in healthy or slot[0] in held}
     prev_nodes = {n for n, _ in prev}
     draining = req.draining & healthy
 
     # 1. the stable revision, next to the previous one where it fits
-    dec_s = place(dataclasses.replace(req, preferred=frozenset(prev_nodes)), nodes, assignments)
+    dec_s = place(dataclasses.replace(req, preferred=frozenset(prev_nodes)), nodes, assignments,
+                  held=held)
     s_nodes = set(dec_s.nodes)
     if prev_nodes:
         limit = req.replicas + max_surge
@@ -213,7 +217,7 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
             if r == c_rev:
                 after.setdefault(n, []).append(a)
         dec_c = place(dataclasses.replace(candidate.request, preferred=frozenset(s_nodes)),
-                      nodes, after)
+                      nodes, after, held=held)
         for n in dec_c.nodes:
             desired[(n, c_rev)] = _pick(mine.get((n, c_rev)), candidate.assignment)
         ready_c = sum(1 for n in dec_c.nodes if (n, c_rev) in ready)
