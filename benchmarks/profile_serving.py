@@ -74,9 +74,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     n = c = bench.DUPLICATES if args.workload == "duplicate" else args.concurrency
     await client(bench.requests_for(args.workload, n, 8, -1), c)   # warm-up
     loop_prof, mlx_prof = cProfile.Profile(), cProfile.Profile()
+    threads = ("loop", "mlx") if args.thread == "both" else (args.thread,)
     if args.profile:   # each thread's profiler is switched on (and off) on that thread
-        await on_mlx_thread(mlx_prof.enable)
-        loop_prof.enable()
+        if "mlx" in threads:
+            await on_mlx_thread(mlx_prof.enable)
+        if "loop" in threads:
+            loop_prof.enable()
     mlx0, loop0 = await on_mlx_thread(time.thread_time), time.thread_time()
     wall0 = time.perf_counter()
     results = []
@@ -86,8 +89,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
            "mlx": await on_mlx_thread(time.thread_time) - mlx0,
            "wall": time.perf_counter() - wall0}
     if args.profile:
-        loop_prof.disable()
-        await on_mlx_thread(mlx_prof.disable)
+        if "loop" in threads:
+            loop_prof.disable()
+        if "mlx" in threads:
+            await on_mlx_thread(mlx_prof.disable)
     await runner.cleanup()
     await core.close()
     return {"loop": loop_prof, "mlx": mlx_prof, "results": results, "cpu": cpu}
@@ -108,7 +113,13 @@ def main() -> int:
     p.add_argument("--dump", type=Path, help="keep loop.prof and mlx.prof here")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="only the CPU time of each thread per delivered token (no cProfile)")
+    p.add_argument("--thread", choices=("both", "loop", "mlx"), default="both",
+                   help="which thread(s) to profile (default both; Python 3.12+ allows one "
+                        "cProfile at a time in a process: choose loop or mlx there)")
     args = p.parse_args()
+    if args.profile and args.thread == "both" and sys.version_info >= (3, 12):
+        p.error("on Python 3.12+ only one thread can be profiled per run: --thread loop or "
+                "--thread mlx (or --no-profile)")
     sys.path.insert(0, str(HERE))
     sys.path.append(str(HERE.parent))   # after PYTHONPATH: another checkout's code wins
     out = asyncio.run(_main(args))
@@ -121,7 +132,7 @@ def main() -> int:
           f"{tokens / cpu['wall']:.0f} tokens/s)")
     if not args.profile:
         return 0
-    for name in ("loop", "mlx"):
+    for name in ("loop", "mlx") if args.thread == "both" else (args.thread,):
         prof = out[name]
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)
