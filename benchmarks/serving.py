@@ -375,15 +375,32 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     return path
 
 
-def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
-    from common import machine
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The served model's options: ``--model DIR``, or a llama generated from ``--hidden-size``,
+    ``--num-layers`` and ``--vocab-size`` into ``--model-cache`` (:func:`model_from_args`)."""
+    p.add_argument("--model", type=Path, help="an existing mlx-lm model directory to serve")
+    p.add_argument("--model-cache", type=Path, help="where generated models are kept")
+    p.add_argument("--hidden-size", type=int, default=256, help="generated model width")
+    p.add_argument("--num-layers", type=int, default=4, help="generated model depth")
+    p.add_argument("--vocab-size", type=int, default=1024, help="generated vocabulary")
+
+
+def model_from_args(args: argparse.Namespace) -> Path:
+    """``args.model``, or the generated llama of :func:`add_model_arguments` (made once, cached
+    under ``--model-cache``, default ``<mlx-fleet cache>/models``)."""
     from mlx_fleet.devcluster.binaries import cache_dir
     from mlx_fleet.testmodel import make_test_model
 
-    model = args.model or make_test_model(
+    return Path(args.model or make_test_model(
         (args.model_cache or cache_dir() / "models") /
         f"serving-h{args.hidden_size}-l{args.num_layers}-v{args.vocab_size}",
-        hidden_size=args.hidden_size, num_layers=args.num_layers, vocab_size=args.vocab_size)
+        hidden_size=args.hidden_size, num_layers=args.num_layers, vocab_size=args.vocab_size))
+
+
+def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
+    from common import machine
+
+    model = model_from_args(args)
     weight_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
@@ -446,11 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests per round = concurrency × this (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="A/B rounds per cell (default 2)")
     p.add_argument("--max-tokens", type=int, default=32, help="completion tokens (default 32)")
-    p.add_argument("--model", type=Path, help="an existing mlx-lm model directory to serve")
-    p.add_argument("--model-cache", type=Path, help="where generated models are kept")
-    p.add_argument("--hidden-size", type=int, default=256, help="generated model width")
-    p.add_argument("--num-layers", type=int, default=4, help="generated model depth")
-    p.add_argument("--vocab-size", type=int, default=1024, help="generated vocabulary")
+    add_model_arguments(p)
     p.add_argument("--bandwidth-gbs", type=float, default=0.0,
                    help="the device's memory bandwidth in GB/s (report the fraction reached)")
     p.add_argument("--cache-limit-gb", type=float, default=8.0,

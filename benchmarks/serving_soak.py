@@ -38,8 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from mlx_fleet.devcluster.soakstats import slope  # noqa: E402
-from serving import (MODEL_ID, RESULTS, Server, _free_port, _one, percentile,  # noqa: E402
-                     requests_for, versions)
+from serving import (MODEL_ID, RESULTS, Server, _free_port, _one,  # noqa: E402
+                     add_model_arguments, model_from_args, percentile, requests_for, versions)
 
 MIB = 1024 * 1024
 
@@ -140,13 +140,8 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def run(args: argparse.Namespace) -> dict:
     from common import machine
-    from mlx_fleet.devcluster.binaries import cache_dir
-    from mlx_fleet.testmodel import make_test_model
 
-    model = args.model or make_test_model(
-        (args.model_cache or cache_dir() / "models") /
-        f"serving-h{args.hidden_size}-l{args.num_layers}-v{args.vocab_size}",
-        hidden_size=args.hidden_size, num_layers=args.num_layers, vocab_size=args.vocab_size)
+    model = model_from_args(args)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     memlog = logs / "memory.jsonl"
@@ -192,11 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds left out of the memory slope (default 60)")
     p.add_argument("--sample-seconds", type=float, default=5.0,
                    help="memory sampling interval in the server (default 5)")
-    p.add_argument("--model", type=Path, help="an existing mlx-lm model directory to serve")
-    p.add_argument("--model-cache", type=Path, help="where generated models are kept")
-    p.add_argument("--hidden-size", type=int, default=256, help="generated model width")
-    p.add_argument("--num-layers", type=int, default=4, help="generated model depth")
-    p.add_argument("--vocab-size", type=int, default=1024, help="generated vocabulary")
+    add_model_arguments(p)
     p.add_argument("--cache-limit-gb", type=float, default=8.0,
                    help="MLX buffer-cache limit of the server, GB (default 8)")
     p.add_argument("--ours-args", default="", metavar="FLAGS",
