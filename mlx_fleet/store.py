@@ -18,13 +18,14 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlparse
 
 from mlx_fleet.etcd_credentials import EtcdCredentials
 from mlx_fleet.etcd_security import Access, AuthPlan
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,8 +355,9 @@ class EtcdStore:
         the stream breaks. The caller resumes from ``last seen mod_revision + 1``.
         """
         key = prefix.encode()
-        watch = await self._call(lambda: self._client.watch(
-            key, range_end=_prefix_end(key), start_revision=start_revision))
+        watch = await _abandonable(self._call(lambda: self._client.watch(
+            key, range_end=_prefix_end(key), start_revision=start_revision)),
+            on_late=lambda w: _bounded(w.cancel(), CLOSE_TIMEOUT_SECONDS))
         try:
             async for ev in watch:
                 if not ev.kv.key.startswith(key):
@@ -613,6 +615,28 @@ async def _bounded(aw: Awaitable, seconds: float) -> bool:
     if not task.cancelled():
         task.exception()  # retrieved: a failed clean-up is not an unhandled task error
     return True
+
+
+async def _abandonable(aw: Awaitable[T], *, on_late: Callable[[T], Awaitable[Any]]) -> T:
+    """``await aw``, run in a task of its own, so that cancelling the caller returns at once
+    even when ``aw`` cannot finish cancelling. aetcd's watch creation waits on a condition of
+    its watcher's lock, and a cancelled wait must take that lock again before it ends; a
+    response handler stuck holding it (a full request queue on a broken stream) then hangs
+    whoever cancelled — seen in CI as a test's follower cancel that never returned. On
+    cancellation the task is cancelled and left; if it still produces a result, ``on_late`` is
+    run on it (cancel the watch nobody will read)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+
+        def late(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                asyncio.ensure_future(on_late(t.result()))
+
+        task.add_done_callback(late)
+        raise
 
 
 async def follow_prefix(store: Store, prefix: str,
