@@ -29,11 +29,16 @@ from .fleet_metrics import FleetCollector
 RECONCILE_TOTAL = Counter("mlxfleet_operator_reconcile_total",
                           "ModelDeployment reconciles by result: changed (a transaction was "
                           "written), unchanged, invalid (bad spec), conflict, error", ["result"])
+#: Reconcile durations include the wait for the placement lock (every reconcile of the process
+#: is serialised on it): a burst of hundreds of deployments queues for tens of seconds, beyond
+#: prometheus_client's default top bucket (10 s), so the buckets go to two minutes.
+RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+                     60.0, 120.0)
 RECONCILE_DURATIONS = Histogram(
     "mlxfleet_operator_reconcile_duration_seconds",
-    "Duration of one ModelDeployment reconcile (etcd read, placement, transaction, status "
-    "patch) by result: success (changed, unchanged) or failure (invalid, conflict, error)",
-    ["result"])
+    "Duration of one ModelDeployment reconcile (the wait for the placement lock, etcd read, "
+    "placement, transaction, status patch) by result: success (changed, unchanged) or failure "
+    "(invalid, conflict, error)", ["result"], buckets=RECONCILE_BUCKETS)
 #: The successful reconciles' child (``RECONCILE_DURATION.observe(seconds)``, as before the
 #: ``result`` label); failures go through :func:`observe_reconcile`.
 RECONCILE_DURATION = RECONCILE_DURATIONS.labels(result="success")
