@@ -623,20 +623,25 @@ async def _abandonable(aw: Awaitable[T], *, on_late: Callable[[T], Awaitable[Any
     its watcher's lock, and a cancelled wait must take that lock again before it ends; a
     response handler stuck holding it (a full request queue on a broken stream) then hangs
     whoever cancelled — seen in CI as a test's follower cancel that never returned. On
-    cancellation the task is cancelled and left; if it still produces a result, ``on_late`` is
-    run on it (cancel the watch nobody will read)."""
+    cancellation the task is left to finish (not cancelled: a cancel racing etcd's answer could
+    leave a registered watch behind with no result to cancel it by); when it produces a
+    result, ``on_late`` is run on it (cancel the watch nobody will read)."""
     task = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.cancel()
-
         def late(t: asyncio.Future) -> None:
             if not t.cancelled() and t.exception() is None:
-                asyncio.ensure_future(on_late(t.result()))
+                cleanup = asyncio.ensure_future(on_late(t.result()))
+                _CLEANUPS.add(cleanup)  # (a reference, so it is not collected mid-way)
+                cleanup.add_done_callback(_CLEANUPS.discard)
 
         task.add_done_callback(late)
         raise
+
+
+#: Clean-ups of abandoned calls still running (:func:`_abandonable`).
+_CLEANUPS: set[asyncio.Future] = set()
 
 
 async def follow_prefix(store: Store, prefix: str,

@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from fleet_helpers import node_record, until_assignments
+from mlx_fleet.contract import AssignmentReport, AssignmentState
 from mlx_fleet.devcluster.fleet import start_operator
 from mlx_fleet.store import EtcdStore, follow_prefix
 
@@ -65,10 +66,17 @@ async def test_replicas_of_nodes_vanishing_together_are_held_not_re_placed(
             assert r.returncode == 0, r.stderr
             placed = await until_assignments(store, keys, lambda v: len(v) == 2, timeout=TIMEOUT)
             holders = sorted(placed)  # two of the three Macs
+            for n in holders:  # Ready reports under the same leases, as agents write them:
+                # revoked with the node records, they wake the deployment at that moment
+                await store.put(keys.report(n, namespace, name, "v1"), AssignmentReport(
+                    node=n, namespace=namespace, name=name, revision="v1",
+                    generation=placed[n].generation, state=AssignmentState.READY,
+                    endpoint=f"http://{n}.local:8000").to_json(), lease=leases[n])
             deletes: list[str] = []
+            following = asyncio.Event()
 
             async def on_snapshot(snap) -> None:
-                pass
+                following.set()
 
             async def on_event(ev) -> None:
                 if ev.type == "DELETE":
@@ -77,6 +85,7 @@ async def test_replicas_of_nodes_vanishing_together_are_held_not_re_placed(
             follower = asyncio.create_task(
                 follow_prefix(store, keys.assignments_prefix, on_snapshot, on_event))
             try:
+                await asyncio.wait_for(following.wait(), TIMEOUT)
                 offset = log_path.stat().st_size
                 for n in holders:  # what etcd does to every expired lease as it resumes
                     await store.revoke_lease(leases[n])

@@ -50,16 +50,6 @@ ETCD_DOWN_SECONDS = float(os.environ.get("MLX_FLEET_FAULT_ETCD_DOWN_SECONDS", "3
 #: issue 8 §2: "etcd frozen (SIGSTOP) 20 s"
 ETCD_FROZEN_SECONDS = float(os.environ.get("MLX_FLEET_FAULT_ETCD_FROZEN_SECONDS", "20"))
 RECOVERY_TIMEOUT = 120  # seconds: the most any recovery may take before the test fails
-#: Why "etcd frozen" still does not always hold. Its main failure (5 of 8 runs: the operator
-#: dropping every replica between etcd revoking the expired leases and the agents
-#: re-registering) is fixed — vanished nodes are held (tests/test_disruption_e2e.py causes
-#: it every time and shows no assignment deleted). A rarer one remains: 1 of 8 runs on a loaded
-#: 2-core machine, one request answered 404 "model not loaded" after etcd came back, with the
-#: assignments unchanged; its cause is not found yet.
-FROZEN_ETCD_REMAINS = (
-    "1 of 8 runs on a loaded machine: one request answered 404 'model not loaded on this node' "
-    "after etcd came back, assignments unchanged; cause not found yet (the operator's dropping "
-    "of replicas, the former cause, is fixed: tests/test_disruption_e2e.py)")
 
 
 # -- the module's fleet ----------------------------------------------------------------------------
@@ -191,12 +181,11 @@ def ready_reports(keys: Keys, namespace: str, name: str):
         holds="agents keep serving what they had (every request during the outage answered) and "
               "report themselves degraded; leases re-established; no assignment lost or "
               "duplicated; the operator converges (a new deployment becomes Ready)")),
-    pytest.param("freeze", id="frozen", marks=[pytest.mark.fault(
+    pytest.param("freeze", id="frozen", marks=pytest.mark.fault(
         "etcd frozen (SIGSTOP) 20 s",
         holds="as above: agents keep serving and report degraded, leases re-established, no "
               "assignment lost or duplicated (the operator holds the replicas of nodes that "
-              "vanish together as etcd resumes), the operator converges"), pytest.mark.xfail(
-        strict=False, reason=FROZEN_ETCD_REMAINS)]),
+              "vanish together as etcd resumes), the operator converges")),
 ])
 async def test_etcd_outage_loses_nothing(fault: str, control_plane: ControlPlane,
                                          fault_etcd: EtcdServer, fleet_keys: Keys,

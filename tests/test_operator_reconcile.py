@@ -534,3 +534,26 @@ async def test_followed_view_never_overcommits_on_a_write_it_has_not_seen(store,
     listing = await store.list(keys.assignments_prefix)
     assert sorted(keys.parse_assignment(kv.key)[::2] for kv in listing.items) == [
         ("a", "b"), ("a", "small")]
+
+
+async def test_held_nodes_are_read_with_the_fleet_not_before(store, keys):
+    """The vanished nodes whose replicas are held (a control-plane disruption) are asked for
+    when the fleet is read, inside the placement lock: a node that vanished while this
+    reconcile waited for the lock is held by it, not dropped (the race seen in the
+    etcd-frozen fault: a report deletion woke the reconcile just before the node record
+    went). Without ``held`` the same reconcile drops the replica (node loss)."""
+    await put_nodes(store, keys, node("mac-a"), node("mac-b"))
+    res = await rc.reconcile(store, keys, intent(replicas=2))
+    assert set(res.assignments) == {("mac-a", "v1"), ("mac-b", "v1")}
+    await store.delete(keys.node("mac-a"))  # vanished while the next reconcile was queued
+    asked = []
+
+    def held() -> frozenset[str]:
+        asked.append(True)
+        return frozenset({"mac-a"})
+
+    kept = await rc.reconcile(store, keys, intent(replicas=2), held=held)
+    assert asked and set(kept.assignments) == {("mac-a", "v1"), ("mac-b", "v1")}
+    assert not kept.written
+    dropped = await rc.reconcile(store, keys, intent(replicas=2))
+    assert set(dropped.assignments) == {("mac-b", "v1")}

@@ -150,6 +150,10 @@ CASES = [
     ("mid rolling update, the node of the previous revision held: it keeps serving",
      target("v2", 1), placed(("a", asg("v2")), ("b", asg("v1", P))), [node("a")],
      {"held": {"b"}}, {("a", "v2", S), ("b", "v1", P)}, "RollingUpdate"),
+    ("mid rolling update, new revision Ready elsewhere, the previous one's node held: kept, "
+     "no room is made on a node that is away", target("v2", 2),
+     placed(("a", asg("v2")), ("b", asg("v1", P))), [node("a")],
+     {"held": {"b"}, "ready": {("a", "v2")}}, {("a", "v2", S), ("b", "v1", P)}, "RollingUpdate"),
     ("rollback to a previous revision that is Ready: the other goes at once",
      target("v1", 1), placed(("a", asg("v2")), ("a", asg("v1", P))), [node("a")],
      {"ready": {("a", "v1"), ("a", "v2")}}, {("a", "v1", S)}, "Complete"),

@@ -995,7 +995,7 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
         rt.deployments[key] = (spec, generation, meta.get("uid", ""))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
                                    candidate=rt.candidates.get(key), cordoned=rt.cordoned,
-                                   draining=rt.draining, held=rt.held_nodes(),
+                                   draining=rt.draining,
                                    estimates=revision_estimates(rt.reports.get(key, {})))
         published = rt.withdrawn.get(key, {})
         released = {slot for slot, at in published.items()
@@ -1004,7 +1004,8 @@ async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
                                      serialize=rt.placement_lock, memo=rt.fleet_memo,
-                                     nodes=rt.placement_nodes(), assignments=rt.assignments)
+                                     nodes=rt.placement_nodes(), assignments=rt.assignments,
+                                     held=rt.held_nodes)
         except ConflictError as e:
             metrics.TXN_CONFLICTS.inc(e.conflicts)
             metrics.RECONCILE_TOTAL.labels(result="conflict").inc()

@@ -345,11 +345,14 @@ async def _converge(store: Store, keys: Keys, namespace: str, name: str, intent:
                     serialize: asyncio.Lock | None = None,
                     memo: tuple[ParseMemo, ParseMemo] | None = None,
                     nodes: Mapping[str, NodeRecord] | None = None,
-                    assignments: AssignmentsView | None = None) -> ReconcileResult:
+                    assignments: AssignmentsView | None = None,
+                    held: Callable[[], frozenset[str]] | None = None) -> ReconcileResult:
     conflicts = 0
     for attempt in range(1, max_attempts + 1):
         async with serialize or contextlib.nullcontext():
             view = await read_fleet(store, keys, memo, nodes=nodes, assignments=assignments)
+            if held is not None and intent is not None:  # the same moment as the view
+                intent = dataclasses.replace(intent, held=held())
             p = plan(keys, view, namespace, name, intent, reports, released)
             applied = bool(p.ops) and await apply_plan(store, keys, p, writer=writer)
             if applied and assignments is not None:  # it compared the epoch the view covered
@@ -379,7 +382,8 @@ async def reconcile(store: Store, keys: Keys, intent: Intent,
                     serialize: asyncio.Lock | None = None,
                     memo: tuple[ParseMemo, ParseMemo] | None = None,
                     nodes: Mapping[str, NodeRecord] | None = None,
-                    assignments: AssignmentsView | None = None) -> ReconcileResult:
+                    assignments: AssignmentsView | None = None,
+                    held: Callable[[], frozenset[str]] | None = None) -> ReconcileResult:
     """Store the assignments ``intent`` asks for (module docstring). ``reports``: (node,
     revision) → this deployment's agent reports (a rolling update advances on them).
     ``released``: see :func:`plan`. ``serialize``: a lock that the read-plan-write of every
@@ -389,6 +393,9 @@ async def reconcile(store: Store, keys: Keys, intent: Intent,
     writers (another operator replica, the garbage collector). ``memo``: see
     :func:`read_fleet`. ``nodes`` / ``assignments``: the operator's followed views (see
     :func:`read_fleet`); the assignments view also takes this reconcile's committed writes.
+    ``held``: called when the fleet is read, the vanished nodes whose replicas are kept
+    (``Intent.held``, :mod:`.disruption`) — read at the same moment as ``nodes``: a set taken
+    earlier, before a node vanished from the view, would let its replicas be dropped.
 
     Writes nothing when the stored state already matches. Raises :class:`ConflictError` after
     ``max_attempts`` lost races, ``StoreError`` when etcd is unreachable.
@@ -396,7 +403,8 @@ async def reconcile(store: Store, keys: Keys, intent: Intent,
     req = intent.stable.request
     return await _converge(store, keys, req.namespace, req.name, intent, reports,
                            writer=writer, max_attempts=max_attempts, released=released,
-                           serialize=serialize, memo=memo, nodes=nodes, assignments=assignments)
+                           serialize=serialize, memo=memo, nodes=nodes, assignments=assignments,
+                           held=held)
 
 
 async def remove_deployment(store: Store, keys: Keys, namespace: str, name: str, *,

@@ -185,8 +185,10 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
         node = slot[0]
         if node in ready_s or len(ready_s) >= req.replicas:
             continue  # switched on this node, or surplus
-        if node in s_nodes or stalled or loading_s or unplaced_s <= 0 or node in draining:
-            kept_prev[slot] = prev[slot]  # (nothing new lands on a draining node: no room made)
+        if (node in s_nodes or stalled or loading_s or unplaced_s <= 0 or node in draining
+                or node in held):
+            # (nothing new lands on a draining or held node: no room is made there)
+            kept_prev[slot] = prev[slot]
             continue
         if len(serving - {node}) >= min_available:
             serving.discard(node)  # make room: the stable revision lands here next round
@@ -234,10 +236,11 @@ def plan_deployment(stable: RevisionTarget, candidate: RevisionTarget | None, *,
                       and slot in ready and slot not in released)
     for slot in withdraw:
         desired[slot] = mine[slot]
-    blocked = [_stuck(moving_s, dec_s.message if dec_s.unplaced else ""),
-               _stuck(moving_c, dec_c.message if dec_c is not None and dec_c.unplaced else "")]
+    drain_stuck = [_stuck(moving_s, dec_s.message if dec_s.unplaced else ""),
+                   _stuck(moving_c, dec_c.message if dec_c is not None and dec_c.unplaced
+                          else "")]
     drain = DrainState(moving=tuple(sorted(moving_s + moving_c)), withdraw=tuple(withdraw),
-                       blocked="; ".join(b for b in blocked if b))
+                       blocked="; ".join(b for b in drain_stuck if b))
 
     if not kept_prev and not made_room:
         rollout = RolloutState()
