@@ -70,6 +70,18 @@ def node_record(name: str, *, chip: str = "Apple M4 Max", generation: int = 4,
                                             chip=chip, chip_generation=generation, simulated=True))
 
 
+def stub_manifest(name: str, namespace: str, *, replicas: int = 1,
+                  placement: dict | None = None) -> str:
+    """A ModelDeployment for simulated Macs (node records only: no agent loads it), as JSON
+    for ``kubectl apply -f -``: 1 GiB per replica, so placement needs no estimate."""
+    spec: dict = {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
+                  "replicas": replicas, "resources": {"memory": "1Gi"}}
+    if placement:
+        spec["placement"] = placement
+    return json.dumps({"apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
+                       "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+
+
 def manifest(name: str, namespace: str, model_dir: Path, *, replicas: int = 1, selector: dict[str, str] | None = None) -> str:
     """The shipped example, renamed, pointed at the generated model, optionally re-scoped."""
     obj_text = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))

@@ -8,28 +8,18 @@ sometimes; the rule itself is table-tested in tests/test_disruption.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
 import pytest
 
-from fleet_helpers import node_record, until_assignments
+from fleet_helpers import node_record, stub_manifest, until_assignments
 from mlx_fleet.contract import AssignmentReport, AssignmentState
 from mlx_fleet.devcluster.fleet import start_operator
 from mlx_fleet.store import EtcdStore, follow_prefix
 
 TIMEOUT = 60.0
 NODES = ("mac-hold-a", "mac-hold-b", "mac-hold-c")
-
-
-def manifest(name: str, namespace: str) -> str:
-    return json.dumps({
-        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
-                 "replicas": 2, "resources": {"memory": "1Gi"}},
-    })
 
 
 async def until_logged(path, offset: int, text: str, timeout: float = TIMEOUT) -> str:
@@ -62,7 +52,8 @@ async def test_replicas_of_nodes_vanishing_together_are_held_not_re_placed(
             for n in NODES:
                 await store.put(keys.node(n), node_record(n).to_json(), lease=leases[n])
             r = await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
-                                        input=manifest(name, namespace), check=False)
+                                        input=stub_manifest(name, namespace, replicas=2),
+                                        check=False)
             assert r.returncode == 0, r.stderr
             placed = await until_assignments(store, keys, lambda v: len(v) == 2, timeout=TIMEOUT)
             holders = sorted(placed)  # two of the three Macs

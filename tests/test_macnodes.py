@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from fleet_helpers import node_record, until_assignments
+from fleet_helpers import node_record, stub_manifest, until_assignments
 from mlx_fleet.contract import (Assignment, ModelSource, NodeCapacity, NodeHealth, NodeRecord,
                                 node_budget_bytes)
 from mlx_fleet.store import EtcdStore
@@ -115,14 +115,6 @@ async def kwait(control_plane, obj: str, condition: str, namespace: str | None =
                              f"last: {last.stdout}")
 
 
-def manifest(name: str, namespace: str) -> str:
-    return json.dumps({
-        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
-                 "replicas": 1, "resources": {"memory": "1Gi"}}})
-
-
 @pytest.mark.integration
 async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_path):
     from test_operator_kopf import running_operator
@@ -167,7 +159,7 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
                 await kwait(control_plane, f"macnode/{mac}", "jsonpath={.status.unschedulable}=true")
                 name = f"llm-{uuid.uuid4().hex[:6]}"
                 await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
-                                        input=manifest(name, namespace))
+                                        input=stub_manifest(name, namespace))
                 await kwait(control_plane, f"modeldeployment/{name}",
                             "condition=Degraded", namespace)
                 obj = json.loads((await asyncio.to_thread(
@@ -186,7 +178,7 @@ async def test_macnode_mirror_and_cordon(control_plane, keys, namespace, tmp_pat
                 # at its limit of one model: a second deployment is not placed, with the reason
                 second = f"llm-{uuid.uuid4().hex[:6]}"
                 await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
-                                        input=manifest(second, namespace))
+                                        input=stub_manifest(second, namespace))
                 await kwait(control_plane, f"modeldeployment/{second}",
                             "condition=Degraded", namespace)
                 obj = json.loads((await asyncio.to_thread(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet_helpers import node_record, until_assignments
+from fleet_helpers import node_record, stub_manifest, until_assignments
 from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Keys, Role
 from mlx_fleet.devcluster.processes import ManagedProcess, free_port
 from mlx_fleet.store import EtcdStore, Snapshot, WatchEvent
@@ -89,14 +89,6 @@ async def get_object(control_plane, namespace: str, name: str) -> dict:
 
 
 
-def manifest(name: str, namespace: str) -> str:
-    return json.dumps({
-        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
-                 "replicas": 1, "resources": {"memory": "1Gi"},
-                 "placement": {"minChipGeneration": "M4"}},
-    })
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -121,7 +113,8 @@ async def test_modeldeployment_lifecycle(control_plane, operator, fleet_keys, na
         lease = await store.grant_lease(60)
         await store.put(keys.node("mac-a"), node_record("mac-a").to_json(), lease=lease)
 
-        await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=manifest(name, namespace))
+        await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=stub_manifest(
+            name, namespace, placement={"minChipGeneration": "M4"}))
         placed = await until_assignments(store, keys, lambda v: "mac-a" in v)
         asg = placed["mac-a"]
         assert (asg.namespace, asg.name, asg.served_model_name) == (namespace, name, name)

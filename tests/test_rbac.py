@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fleet_helpers import node_record, until_assignments, watch_until
+from fleet_helpers import node_record, stub_manifest, until_assignments, watch_until
 from mlx_fleet.contract import Assignment, AssignmentReport, AssignmentState, Role
 from mlx_fleet.devcluster.fleet import start_operator
 from mlx_fleet.devcluster.helm import ensure_helm
@@ -165,17 +165,6 @@ def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconf
 
 
 
-def manifest(name: str, namespace: str) -> str:
-    return json.dumps({
-        "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"source": "file:///models/tiny-llama", "revision": "v1"},
-                 "replicas": 1, "resources": {"memory": "1Gi"}},
-    })
-
-
-
-
 def canary_manifest(name: str, namespace: str, target: str, revision: str) -> str:
     return json.dumps({
         "apiVersion": "mlx-fleet.io/v1alpha1", "kind": "Canary",
@@ -202,7 +191,7 @@ async def test_operator_lifecycle_as_the_chart_serviceaccount(control_plane, nam
             lease = await store.grant_lease(60)
             try:
                 await store.put(keys.node(NODE), node_record(NODE).to_json(), lease=lease)
-                await admin(control_plane, "apply", "-f", "-", input=manifest(name, namespace))
+                await admin(control_plane, "apply", "-f", "-", input=stub_manifest(name, namespace))
 
                 placed = await until_assignments(store, keys, lambda v: NODE in v)
                 asg = placed[NODE]

@@ -605,10 +605,11 @@ class Runtime:
             await wait_event(self.macnode_wake, MACNODE_SECONDS - MACNODE_MIN_SECONDS)
 
     async def close(self) -> None:
-        """Cancel the node-judging timers and every task this runtime started (followers, collectors, status writers), wait
-        up to :data:`~mlx_fleet.store.CLOSE_TIMEOUT_SECONDS` for them to end, then close the
-        store. A task still running then is logged with where it waits, and abandoned: closing
-        never hangs (a start-up failure or a shutdown must end the process)."""
+        """Cancel the node-judging timers and every task this runtime started (followers,
+        collectors, status writers), wait up to :data:`~mlx_fleet.store.CLOSE_TIMEOUT_SECONDS`
+        for them to end, then close the store. A task still running then is logged with where
+        it waits, and abandoned: closing never hangs (a start-up failure or a shutdown must end
+        the process)."""
         for timer in (self._judge_timer, self._hold_timer):
             if timer is not None:
                 timer.cancel()
@@ -1055,7 +1056,6 @@ def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: in
                       candidate: CandidateIntent | None,
                       cordoned: frozenset[str] = frozenset(),
                       draining: frozenset[str] = frozenset(),
-                      held: frozenset[str] = frozenset(),
                       estimates: Mapping[str, int] | None = None) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
@@ -1087,7 +1087,7 @@ def deployment_intent(spec: Any, key: DeploymentKey, *, uid: str, generation: in
                           revision=candidate.revision, memory_bytes=memory))
     surge, unavailable = spec.surge_limits()
     return Intent(stable=stable, candidate=cand, max_surge=surge, max_unavailable=unavailable,
-                  min_ready=spec.lifecycle.min_ready, held=frozenset(held))
+                  min_ready=spec.lifecycle.min_ready)
 
 
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
