@@ -172,7 +172,8 @@ def prompt_cache_bytes(text: str) -> int:
 def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     """The serving options' flags (:class:`~node_agent.serving.options.ServingOptions`):
     ``--prompt-cache``/``--no-prompt-cache``, ``--prompt-cache-bytes``, ``--admission-policy``,
-    ``--stream-buffer-chunks``, ``--coalesce-requests``, ``--fast-first-token``.
+    ``--stream-buffer-chunks``, ``--coalesce-requests``, ``--fast-first-token``,
+    ``--prefill-batch-tokens``.
     ``benchmarks/serving.py`` adds them too, to serve with the agent's very flags."""
     d = ServingOptions()
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction,
@@ -209,6 +210,13 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help="a request that finds its model's batch empty gets its first token from "
                         "one forward pass before it joins the batch: lower time to first token "
                         "(default: on; --no-fast-first-token turns it off)")
+    p.add_argument("--prefill-batch-tokens", type=_argtype(non_negative_int),
+                   default=d.prefill_batch_tokens, metavar="N",
+                   help="padded prompt tokens one prefill pass may take: prompts waiting for a "
+                        "batch slot are prefilled together as far as they fit, so a burst of "
+                        "short prompts gets its first tokens after one pass, not one pass per 8 "
+                        "(0: mlx-lm's fixed groups of 8 prompts; default: %(default)s, the "
+                        "largest pass mlx-lm's defaults make, 8 x 2048)")
 
 
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
@@ -219,7 +227,8 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
                           admission_policy=args.admission_policy,
                           stream_buffer_chunks=args.stream_buffer_chunks,
                           request_coalescing=args.coalesce_requests,
-                          fast_first_token=args.fast_first_token)
+                          fast_first_token=args.fast_first_token,
+                          prefill_batch_tokens=args.prefill_batch_tokens)
 
 
 class StartupError(Exception):

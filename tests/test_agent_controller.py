@@ -577,15 +577,18 @@ def test_cli_parses_every_flag() -> None:
     default = config_from_args(build_parser().parse_args([])).serving
     assert default.as_record() == {"prompt_cache": "on", "prompt_cache_bytes": "auto",
                                    "admission_policy": "kv", "stream_buffer_chunks": "1024",
-                                   "request_coalescing": "on", "fast_first_token": "on"}
+                                   "request_coalescing": "on", "fast_first_token": "on",
+                                   "prefill_batch_tokens": "16384"}
     off = config_from_args(build_parser().parse_args([
         "--no-prompt-cache", "--prompt-cache-bytes", "1.5Gi", "--admission-policy", "count",
-        "--stream-buffer-chunks", "7", "--no-coalesce-requests", "--no-fast-first-token"])).serving
+        "--stream-buffer-chunks", "7", "--no-coalesce-requests", "--no-fast-first-token",
+        "--prefill-batch-tokens", "0"])).serving
     assert not off.request_coalescing and not off.fast_first_token
+    assert off.prefill_batch_tokens == 0 and off.as_record()["prefill_batch_tokens"] == "0"
     assert (off.prompt_cache, off.prompt_cache_bytes, off.admission_policy,
             off.stream_buffer_chunks) == (False, 1536 * 2**20, "count", 7)
     for bad in (["--listen", "8000"], ["--label", "novalue"], ["--simulated-memory", "64GB"],
-                ["--etcd-endpoint", "unix:///run/etcd.sock"]):
+                ["--etcd-endpoint", "unix:///run/etcd.sock"], ["--prefill-batch-tokens", "-1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
     with pytest.raises(ValueError, match="is https: --etcd-ca-file is required"):

@@ -32,6 +32,7 @@ from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, Mo
                      ModelNotLoaded, Overloaded)
 from .generation import Request
 from .options import PROMPT_CACHE_ENTRIES, ServingOptions
+from .prefill import MLX_LM_PREFILL_BATCH_SIZE, prefill_group_size
 from .registry import Registry, Resident, parameter_bytes
 from .sampling import SamplerCache
 from .types import Chunk, ModelInfo, ModelKey
@@ -177,7 +178,7 @@ class Engine:
         # BatchGenerator reads these public attributes at every step (as set by its __init__);
         # the core's own cap in step() is what bounds the batch.
         n = info.max_concurrent_sequences
-        res.generator.prefill_batch_size = min(8, n)
+        res.generator.prefill_batch_size = min(MLX_LM_PREFILL_BATCH_SIZE, n)
         res.generator.completion_batch_size = max(n, res.generator.prefill_batch_size)
         res.stats.peak_active = len(res.active)
         self.update_gauges(res)
@@ -255,7 +256,7 @@ class Engine:
             model,
             stop_tokens=[[t] for t in tokenizer.eos_token_ids],
             completion_batch_size=info.max_concurrent_sequences,
-            prefill_batch_size=min(8, info.max_concurrent_sequences),
+            prefill_batch_size=min(MLX_LM_PREFILL_BATCH_SIZE, info.max_concurrent_sequences),
             stream=self.stream,
         )
         # mlx-lm (0.32) raises the process-wide wired limit to the recommended size in
@@ -397,6 +398,7 @@ class Engine:
             self.update_gauges(res)
             self._send([(req, chunk)])
             return
+        req.prefill_tokens = len(to_feed)
         (uid,) = res.generator.insert(
             [to_feed],
             max_tokens=[max_tokens],
@@ -427,6 +429,7 @@ class Engine:
         self.update_gauges(res)
         if not res.active:
             return
+        self._size_prefill(res, cap)
         _, responses = res.generator.next()
         now = time.perf_counter()
         series = self.metrics.series(*res.key)
@@ -460,6 +463,17 @@ class Engine:
                 series.generated_tokens.inc(n_tokens)
             self.update_gauges(res)
             self._send(events)
+
+    def _size_prefill(self, res: Resident, cap: int) -> None:
+        """Set the generator's prefill group for its next step
+        (:func:`~node_agent.serving.prefill.prefill_group_size`): the sequences without a first
+        token yet are the ones it has still to prefill, in insertion (uid) order."""
+        waiting = [r.prefill_tokens for r in res.active.values() if r.last_token_at is None]
+        if not waiting:
+            return
+        res.generator.prefill_batch_size = prefill_group_size(
+            waiting, cap - (len(res.active) - len(waiting)),
+            batch_tokens=self.options.prefill_batch_tokens)
 
     def _token(self, res: Resident, req: Request, r: Any, now: float,
                series: RevisionSeries) -> Chunk:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from .admission import DEFAULT_POLICY, POLICIES
+from .prefill import DEFAULT_PREFILL_BATCH_TOKENS
 
 __all__ = ["ServingOptions", "DEFAULT_STREAM_BUFFER_CHUNKS", "PROMPT_CACHE_ENTRIES"]
 
@@ -38,7 +39,9 @@ class ServingOptions:
     ``request_coalescing``: identical concurrent deterministic requests share one generation
     (:mod:`node_agent.serving.coalesce`). ``fast_first_token``: a request that finds its
     revision's batch empty gets its first token from one forward pass before it joins the batch
-    (:mod:`node_agent.serving.fastpath`).
+    (:mod:`node_agent.serving.fastpath`). ``prefill_batch_tokens``: padded prompt tokens one
+    prefill pass may take, so that waiting prompts are prefilled together as far as they fit
+    (:mod:`node_agent.serving.prefill`); 0: mlx-lm's fixed groups of 8 prompts.
     """
 
     prompt_cache: bool = True
@@ -47,6 +50,7 @@ class ServingOptions:
     stream_buffer_chunks: int = DEFAULT_STREAM_BUFFER_CHUNKS
     request_coalescing: bool = True
     fast_first_token: bool = True
+    prefill_batch_tokens: int = DEFAULT_PREFILL_BATCH_TOKENS
 
     def __post_init__(self) -> None:
         if self.admission_policy not in POLICIES:
@@ -54,6 +58,9 @@ class ServingOptions:
                              f"{self.admission_policy!r}")
         if self.prompt_cache_bytes is not None and self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
+        if self.prefill_batch_tokens < 0:
+            raise ValueError(f"prefill_batch_tokens must be >= 0, got "
+                             f"{self.prefill_batch_tokens}")
         if self.stream_buffer_chunks < 1:
             raise ValueError(f"stream_buffer_chunks must be >= 1, got "
                              f"{self.stream_buffer_chunks}")
@@ -62,7 +69,8 @@ class ServingOptions:
         """``{option: value}`` as text, the form of ``/metrics`` and the node record:
         ``prompt_cache`` / ``request_coalescing`` / ``fast_first_token`` ``on``|``off``, ``prompt_cache_bytes`` a
         number of bytes or ``auto`` (the KV reservation), ``admission_policy``,
-        ``stream_buffer_chunks``."""
+        ``stream_buffer_chunks``, ``prefill_batch_tokens`` a number of tokens (``0``: mlx-lm's
+        fixed groups)."""
         def onoff(b: bool) -> str:
             return "on" if b else "off"
         return {
@@ -73,4 +81,5 @@ class ServingOptions:
             "stream_buffer_chunks": str(self.stream_buffer_chunks),
             "request_coalescing": onoff(self.request_coalescing),
             "fast_first_token": onoff(self.fast_first_token),
+            "prefill_batch_tokens": str(self.prefill_batch_tokens),
         }
