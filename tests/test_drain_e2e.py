@@ -127,7 +127,10 @@ async def test_drain_under_load_moves_the_replica_and_fails_no_request(
     withdrawn = [s for s in watch.statuses
                  if any(n.get("reason") == "Withdrawn" for n in s.get("nodes", []))]
     assert withdrawn and all(s["endpoints"] == [b_url] for s in withdrawn), watch.statuses
-    md = get(control_plane, "modeldeployment", name, namespace)
+    # the drain command returns once A's assignments are gone; the status follows (entries are
+    # sorted by node name, so B first means A is no longer listed)
+    md = wait_for(control_plane, "modeldeployment", name,
+                  f"jsonpath={{.status.nodes[0].name}}={B}", namespace)
     assert [(n["name"], n["state"]) for n in md["status"]["nodes"]] == [(B, "Ready")]
     async with EtcdStore(control_plane.etcd_url) as store:
         assert not (await store.list(drain_keys.node_assignments_prefix(A))).items
