@@ -317,7 +317,8 @@ def versions() -> dict[str, str]:
 
 
 def summarise(rounds: list[dict]) -> dict:
-    """Medians per (workload, concurrency, server) and the ours ÷ reference ratios."""
+    """Medians per (workload, concurrency, server) and the ours ÷ reference ratios (and ours ÷
+    baseline, ``baseline_*_ratio``, when ``--baseline-args`` ran a third server)."""
     out: dict = {}
     keys = ("output_tokens_per_second", "requests_per_second", "ttft_p50_seconds",
             "ttft_p95_seconds", "itl_p50_seconds", "itl_p95_seconds")
@@ -342,6 +343,14 @@ def summarise(rounds: list[dict]) -> dict:
                 med["ttft_p50_ratio"] = (o["ttft_p50_seconds"] / ref["ttft_p50_seconds"]
                                          if o["ttft_p50_seconds"] and ref["ttft_p50_seconds"]
                                          else None)
+            base = med.get("baseline")
+            if o and base and not (o["errors"] or base["errors"]):
+                med["baseline_tokens_per_second_ratio"] = (
+                    o["output_tokens_per_second"] / base["output_tokens_per_second"]
+                    if base["output_tokens_per_second"] else None)
+                med["baseline_ttft_p50_ratio"] = (
+                    o["ttft_p50_seconds"] / base["ttft_p50_seconds"]
+                    if o["ttft_p50_seconds"] and base["ttft_p50_seconds"] else None)
             by_c[c] = med
     return out
 
@@ -417,6 +426,12 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
                                "--log-level", "WARNING"], logs / "reference.log",
                  "default_model")
     servers = {"ours": ours, "reference": ref}
+    if args.baseline_args is not None:
+        # ours again with some optimisations off: what they buy, measured in the same rounds
+        servers["baseline"] = Server("baseline", [
+            sys.executable, here, "--serve-ours", str(model), "--port", str(_free_port()),
+            "--max-sequences", str(max_seq), "--cache-limit-gb", str(args.cache_limit_gb),
+            f"--ours-args={args.baseline_args}"], logs / "baseline.log", MODEL_ID)
     rounds: list[dict] = []
     try:
         for s in servers.values():
@@ -426,8 +441,10 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
                 n = DUPLICATES if wl == "duplicate" else max(c * args.requests_per_stream, 1)
                 for s in servers.values():  # warm-up: kernels compiled, caches primed
                     client_round(s, requests_for(wl, min(n, c), 8, -1), c)
+                names = list(servers)
                 for i in range(args.rounds):
-                    order = ("ours", "reference") if i % 2 == 0 else ("reference", "ours")
+                    # A B (C) / B (C) A ...: each server goes first in turn
+                    order = names[i % len(names):] + names[:i % len(names)]
                     for name in order:
                         r = client_round(servers[name], requests_for(wl, n, args.max_tokens, i), c)
                         rounds.append({"workload": wl, "concurrency": c, "server": name,
@@ -475,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the agent's serving flags for ours, one string after '=', e.g. "
                         "--ours-args=--no-prompt-cache or --ours-args='--admission-policy count' "
                         "(default: none, the agent's defaults)")
+    p.add_argument("--baseline-args", default=None, metavar="FLAGS",
+                   help="also serve ours with these agent flags as a third server in the same "
+                        "rounds, e.g. --baseline-args='--prefill-batch-tokens 0': ours ÷ "
+                        "baseline is what the flags' optimisations buy (default: no baseline)")
     # internal modes
     p.add_argument("--serve-ours", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -497,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "gpu" if "gpu" in str(mx.default_device()) else "cpu"
     ours_options(args.ours_args)  # a bad agent flag fails here, not in a server
+    if args.baseline_args is not None:
+        ours_options(args.baseline_args)
     flags = "".join("-" + f.lstrip("-").replace(" ", "-") for f in shlex.split(args.ours_args))
     out = args.output or RESULTS / f"serving-{device}{flags}.json"
     result = run(args, partial=out.with_suffix(".partial.json"))
@@ -511,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
                                           if m.get("tokens_per_second_ratio") else "n/a (errors)")
                           for c, m in sorted(by_c.items(), key=lambda kv: int(kv[0])))
         print(f"{wl:>14}: tokens/s ours ÷ mlx_lm.server  {cells}")
+        if args.baseline_args is not None:
+            cells = ", ".join(f"c={c}: " + (f"×{m['baseline_tokens_per_second_ratio']:.2f}"
+                                              if m.get("baseline_tokens_per_second_ratio")
+                                              else "n/a (errors)")
+                              for c, m in sorted(by_c.items(), key=lambda kv: int(kv[0])))
+            print(f"{wl:>14}: tokens/s ours ÷ ours {args.baseline_args}  {cells}")
     print(f"→ {out}" + (f" and {png}" if png else ""))
     return 0
 

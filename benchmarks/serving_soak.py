@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from mlx_fleet.devcluster.soakstats import slope  # noqa: E402
-from serving import (MODEL_ID, RESULTS, Server, _free_port, _one,  # noqa: E402
+from serving import (_REFERENCE, MODEL_ID, RESULTS, Server, _free_port, _one,  # noqa: E402
                      add_model_arguments, model_from_args, percentile, requests_for, versions)
 
 MIB = 1024 * 1024
@@ -57,6 +57,8 @@ def memory_trend(samples: list[dict], warmup: float) -> dict:
               "mlx_total": lambda s: s["active_bytes"] + s["cache_bytes"]}
     out = {}
     for name, get in series.items():
+        if name != "rss" and window[0].get("active_bytes") is None:
+            continue   # sampled from outside the process (the reference): RSS only
         pts = [(s["t"] - t0, get(s) / MIB) for s in window]
         per_second = slope(pts)
         out[name] = {"slope_mib_per_minute": None if per_second is None else per_second * 60,
@@ -66,10 +68,28 @@ def memory_trend(samples: list[dict], warmup: float) -> dict:
     return out
 
 
-async def drive(url: str, concurrency: int, duration: float, max_tokens: int) -> list[dict]:
+async def drive(url: str, concurrency: int, duration: float, max_tokens: int, *,
+                model_name: str = MODEL_ID, rss_of: int | None = None,
+                memlog: Path | None = None, sample_seconds: float = 5.0) -> list[dict]:
     """``concurrency`` workers sending back to back until ``duration`` s have passed; every
-    request's outcome with its start time (seconds since the start)."""
+    request's outcome with its start time (seconds since the start). ``rss_of``: a server
+    process that logs no memory itself (the reference): its RSS is sampled from here every
+    ``sample_seconds`` into ``memlog``, in the server's format with no MLX fields."""
     import aiohttp
+    import psutil
+
+    if rss_of is not None and memlog is not None:
+        proc = psutil.Process(rss_of)
+
+        async def sample() -> None:
+            with memlog.open("a") as f:
+                while True:
+                    f.write(json.dumps({"t": time.monotonic(), "active_bytes": None,
+                                        "cache_bytes": None,
+                                        "rss_bytes": proc.memory_info().rss}) + "\n")
+                    f.flush()
+                    await asyncio.sleep(sample_seconds)   # a fixed sampling period
+        sampler = asyncio.create_task(sample())
 
     results: list[dict] = []
     t0 = time.monotonic()
@@ -79,7 +99,7 @@ async def drive(url: str, concurrency: int, duration: float, max_tokens: int) ->
         async def worker(w: int) -> None:
             i = 0
             while time.monotonic() < deadline:
-                body = requests_for("unique", concurrency, max_tokens, i)[w] | {"model": MODEL_ID}
+                body = requests_for("unique", concurrency, max_tokens, i)[w] | {"model": model_name}
                 started = time.monotonic() - t0
                 r = await _one(http, url, body)  # (a failed request: only its "error")
                 results.append({"ttft": None, "gaps": [], "tokens": 0} | r | {
@@ -87,6 +107,8 @@ async def drive(url: str, concurrency: int, duration: float, max_tokens: int) ->
                 i += 1
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    if rss_of is not None and memlog is not None:
+        sampler.cancel()
     return results
 
 
@@ -124,14 +146,16 @@ def plot(result: dict, path: Path) -> Path | None:
     ts = [(s["t"] - t0) / 60 for s in samples]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(ts, [s["rss_bytes"] / MIB for s in samples], label="process RSS")
-    ax.plot(ts, [s["active_bytes"] / MIB for s in samples], label="MLX active")
-    ax.plot(ts, [(s["active_bytes"] + s["cache_bytes"]) / MIB for s in samples],
-            label="MLX active + cache")
+    if samples[0].get("active_bytes") is not None:
+        ax.plot(ts, [s["active_bytes"] / MIB for s in samples], label="MLX active")
+        ax.plot(ts, [(s["active_bytes"] + s["cache_bytes"]) / MIB for s in samples],
+                label="MLX active + cache")
     ax.axvline(result["params"]["warmup"] / 60, color="grey", lw=1, ls="--")
     ax.set_xlabel("minutes")
     ax.set_ylabel("MiB")
     ax.legend(fontsize=8)
-    ax.set_title(f"serving soak, {result['params']['concurrency']} streams, "
+    ax.set_title(f"serving soak ({result['params']['server']}), "
+                 f"{result['params']['concurrency']} streams, "
                  f"{result['machine']['accelerator']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -146,19 +170,28 @@ def run(args: argparse.Namespace) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     memlog = logs / "memory.jsonl"
     memlog.unlink(missing_ok=True)
-    ours = Server("ours", [sys.executable, str(HERE / "serving.py"), "--serve-ours", str(model),
-                           "--port", str(_free_port()), "--max-sequences",
-                           str(max(args.concurrency, 8)), "--cache-limit-gb",
-                           str(args.cache_limit_gb), f"--ours-args={args.ours_args}",
-                           "--memory-log", str(memlog), "--sample-seconds",
-                           str(args.sample_seconds)], logs / "ours-soak.log", MODEL_ID)
+    if args.server == "ours":
+        server = Server("ours", [
+            sys.executable, str(HERE / "serving.py"), "--serve-ours", str(model), "--port",
+            str(_free_port()), "--max-sequences", str(max(args.concurrency, 8)),
+            "--cache-limit-gb", str(args.cache_limit_gb), f"--ours-args={args.ours_args}",
+            "--memory-log", str(memlog), "--sample-seconds", str(args.sample_seconds)],
+            logs / "ours-soak.log", MODEL_ID)
+    else:
+        server = Server("reference", [
+            sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb), "--model", str(model),
+            "--port", str(_free_port()), "--decode-concurrency", str(max(args.concurrency, 8)),
+            "--log-level", "WARNING"], logs / "reference-soak.log", "default_model")
     try:
-        ours.wait_ready()
-        print(f"soak: {args.concurrency} streams for {args.duration:.0f} s against {ours.url}",
-              file=sys.stderr)
-        results = asyncio.run(drive(ours.url, args.concurrency, args.duration, args.max_tokens))
+        server.wait_ready()
+        print(f"soak: {args.concurrency} streams for {args.duration:.0f} s against "
+              f"{server.name} at {server.url}", file=sys.stderr)
+        results = asyncio.run(drive(server.url, args.concurrency, args.duration,
+                                    args.max_tokens, model_name=server.model_name,
+                                    rss_of=None if args.server == "ours" else server.proc.pid,
+                                    memlog=memlog, sample_seconds=args.sample_seconds))
     finally:
-        ours.stop()
+        server.stop()
     samples = [json.loads(line) for line in memlog.read_text().splitlines() if line.strip()]
     ok = [r for r in results if not r["error"]]
     result = {
@@ -192,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="MLX buffer-cache limit of the server, GB (default 8)")
     p.add_argument("--ours-args", default="", metavar="FLAGS",
                    help="the agent's serving flags, as for serving.py (default: none)")
+    p.add_argument("--server", choices=("ours", "reference"), default="ours",
+                   help="soak ours (RSS and MLX memory logged by the server) or mlx_lm.server "
+                        "(its RSS sampled from outside; same load, same prompt cache on) "
+                        "(default: ours)")
     p.add_argument("--logs", default="/tmp/mlx-fleet-serving-soak", help="server log and samples")
     p.add_argument("--output", type=Path,
                    help="default benchmarks/results/serving-soak-<device>.json")
@@ -199,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     device = "gpu" if "gpu" in str(mx.default_device()) else "cpu"
-    out = args.output or RESULTS / f"serving-soak-{device}.json"
+    out = args.output or RESULTS / (f"serving-soak-{device}.json" if args.server == "ours"
+                                    else f"serving-soak-{device}-reference.json")
     result = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
