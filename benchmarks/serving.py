@@ -234,15 +234,28 @@ async def serve_ours(model: Path, port: int, max_sequences: int, cache_limit_gb:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
     async def sample_memory(path: Path) -> None:
+        # Under PYTHONTRACEMALLOC=N each sample also has the bytes Python allocated and still
+        # holds ("traced_bytes"), and the growth by source line between the sample a minute in
+        # and the end goes to <log>.tracemalloc.txt: a leak in Python code shows there.
+        import tracemalloc
+
+        t0, first = time.monotonic(), None
         with path.open("a") as f:
             while not stop.is_set():
                 u = await core.memory_usage()
+                traced = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else None
                 f.write(json.dumps({"t": time.monotonic(), "active_bytes": u.active_bytes,
-                                    "cache_bytes": u.cache_bytes, "rss_bytes": u.rss_bytes})
-                        + "\n")
+                                    "cache_bytes": u.cache_bytes, "rss_bytes": u.rss_bytes,
+                                    "traced_bytes": traced}) + "\n")
                 f.flush()
+                if traced is not None and first is None and time.monotonic() - t0 >= 60:
+                    first = tracemalloc.take_snapshot()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), sample_seconds)
+        if first is not None:
+            growth = tracemalloc.take_snapshot().compare_to(first, "lineno")[:30]
+            path.with_suffix(".tracemalloc.txt").write_text(
+                "".join(f"{stat}\n" for stat in growth))
 
     sampler = asyncio.create_task(sample_memory(memory_log)) if memory_log else None
     try:

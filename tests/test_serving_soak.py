@@ -58,3 +58,12 @@ def test_per_minute_counts_errors_and_rates_by_start_minute():
     assert (first["itl_p50_seconds"], first["ttft_p50_seconds"]) == (pytest.approx(0.02), 0.1)
     assert (second["minute"], second["requests"], second["errors"]) == (1, 1, 0)
     assert second["output_tokens_per_second"] == pytest.approx(10 / 2.0)  # 60 s → 62 s
+
+
+def test_memory_trend_of_a_server_sampled_from_outside_has_rss_only():
+    # --server reference: RSS read with psutil from the load generator, no MLX fields
+    samples = [{"t": t, "active_bytes": None, "cache_bytes": None,
+                "rss_bytes": (300 + t / 60) * MIB} for t in range(0, 300, 5)]
+    trend = memory_trend(samples, 60)
+    assert set(trend) == {"rss", "window_seconds"}
+    assert trend["rss"]["slope_mib_per_minute"] == pytest.approx(1.0)

@@ -1,0 +1,41 @@
+"""benchmarks/serving.py's summary: medians per cell and the ratios ours ÷ reference and, when a
+third server ran with --baseline-args, ours ÷ baseline (plain data, no server)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from serving import summarise  # noqa: E402
+
+
+def round_(server: str, tps: float, ttft: float, errors: int = 0) -> dict:
+    return {"workload": "unique", "concurrency": 8, "server": server,
+            "output_tokens_per_second": tps, "requests_per_second": tps / 100,
+            "ttft_p50_seconds": ttft, "ttft_p95_seconds": ttft, "itl_p50_seconds": 0.01,
+            "itl_p95_seconds": 0.02, "errors": errors}
+
+
+def test_ratios_against_the_reference_and_the_baseline() -> None:
+    rounds = [round_("ours", 300, 0.1), round_("ours", 500, 0.3), round_("reference", 200, 0.4),
+              round_("baseline", 250, 0.2), round_("baseline", 350, 0.2)]
+    cell = summarise(rounds)["unique"]["8"]
+    assert cell["ours"]["output_tokens_per_second"] == 400          # medians
+    assert cell["tokens_per_second_ratio"] == pytest.approx(2.0)
+    assert cell["ttft_p50_ratio"] == pytest.approx(0.5)
+    assert cell["baseline_tokens_per_second_ratio"] == pytest.approx(400 / 300)
+    assert cell["baseline_ttft_p50_ratio"] == pytest.approx(1.0)
+
+
+def test_a_server_with_errors_gives_no_ratio() -> None:
+    cell = summarise([round_("ours", 300, 0.1), round_("reference", 200, 0.4),
+                      round_("baseline", 100, 0.2, errors=3)])["unique"]["8"]
+    assert cell["tokens_per_second_ratio"] == pytest.approx(1.5)
+    assert "baseline_tokens_per_second_ratio" not in cell
+    cell = summarise([round_("ours", 300, 0.1, errors=1),
+                      round_("reference", 200, 0.4)])["unique"]["8"]
+    assert cell["tokens_per_second_ratio"] is None and cell["invalid"]
