@@ -9,7 +9,7 @@ import contextlib
 import json
 import struct
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from pathlib import Path
 
 import pytest
@@ -121,3 +121,22 @@ async def mlx_thread_held(core, timeout: float):
     finally:
         release.set()
         await held
+
+
+@contextlib.asynccontextmanager
+async def started_cores(path: Path, options: Mapping[Hashable, ServingOptions],
+                        timeout: float = 60.0, **load: object
+                        ) -> AsyncIterator[dict[Hashable, ServingCore]]:
+    """One started core per entry of ``options`` (same keys), each with ``path`` loaded as
+    ``m@r1`` (``load``: more ``load_model`` arguments): the same requests compared with an
+    option on and off. Closed on the way out."""
+    cores: dict[Hashable, ServingCore] = {}
+    try:
+        for key, opts in options.items():
+            cores[key] = c = ServingCore(registry=CollectorRegistry(), options=opts)
+            await c.start()
+            await c.load_model("m", path, revision="r1", **load)
+        yield cores
+    finally:
+        for c in cores.values():
+            await asyncio.wait_for(c.close(), timeout)

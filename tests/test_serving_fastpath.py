@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from prometheus_client import CollectorRegistry
 
 from node_agent.serving import ServingCore, ServingOptions
 from node_agent.serving.fastpath import MAX_PREFILL_TOKENS, applies
-from serving_fixtures import tiny_model_path  # noqa: F401
+from serving_fixtures import started_cores, tiny_model_path  # noqa: F401
 
 BOUND = 60
 
@@ -35,16 +34,9 @@ def test_applies(enabled: bool, batch: int, prefill: int, expected: bool) -> Non
 
 @pytest_asyncio.fixture(scope="module")
 async def cores(tiny_model_path: Path) -> AsyncIterator[dict[bool, ServingCore]]:  # noqa: F811
-    out = {}
-    for fast in (True, False):
-        c = ServingCore(registry=CollectorRegistry(),
-                        options=ServingOptions(fast_first_token=fast))
-        await c.start()
-        await c.load_model("m", tiny_model_path, revision="r1", max_context_tokens=8192)
-        out[fast] = c
-    yield out
-    for c in out.values():
-        await asyncio.wait_for(c.close(), BOUND)
+    options = {fast: ServingOptions(fast_first_token=fast) for fast in (True, False)}
+    async with started_cores(tiny_model_path, options, BOUND, max_context_tokens=8192) as out:
+        yield out
 
 
 class NextCalls:

@@ -5,18 +5,17 @@ one pass per 8 (mlx-lm's fixed groups, ``prefill_batch_tokens=0``), with the sam
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from prometheus_client import CollectorRegistry
 
 from node_agent.serving import ServingCore, ServingOptions
 from node_agent.serving.prefill import (DEFAULT_PREFILL_BATCH_TOKENS,
                                         MLX_LM_PREFILL_BATCH_SIZE, prefill_group_size)
-from serving_fixtures import tiny_model_path, wait_for  # noqa: F401
+from serving_fixtures import (mlx_thread_held, started_cores, tiny_model_path,  # noqa: F401
+                              wait_for)
 
 BOUND = 60
 BURST = 12          # more than one of mlx-lm's fixed groups of 8
@@ -54,18 +53,13 @@ def test_option_is_validated() -> None:
 
 @pytest_asyncio.fixture(scope="module")
 async def cores(tiny_model_path: Path) -> AsyncIterator[dict[int, ServingCore]]:  # noqa: F811
-    out = {}
-    for budget in (DEFAULT_PREFILL_BATCH_TOKENS, 0):
-        c = ServingCore(registry=CollectorRegistry(),
-                        options=ServingOptions(prefill_batch_tokens=budget,
-                                               request_coalescing=False,
-                                               fast_first_token=False))
-        await c.start()
-        await c.load_model("m", tiny_model_path, revision="r1", max_concurrent_sequences=16)
-        out[budget] = c
-    yield out
-    for c in out.values():
-        await asyncio.wait_for(c.close(), BOUND)
+    # (the fast path is off: every request's first token comes out of the generator)
+    async with started_cores(tiny_model_path, {
+            budget: ServingOptions(prefill_batch_tokens=budget, request_coalescing=False,
+                                   fast_first_token=False)
+            for budget in (DEFAULT_PREFILL_BATCH_TOKENS, 0)},
+            BOUND, max_concurrent_sequences=16) as out:
+        yield out
 
 
 class FirstTokens:
@@ -89,19 +83,11 @@ class FirstTokens:
 async def burst(core: ServingCore) -> list[str]:
     """``BURST`` distinct greedy requests submitted while the MLX thread is held, so that all of
     them wait for the same step; their texts."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(BOUND)
-    blocker = core._call_soon(hold)
-    await asyncio.wait_for(asyncio.to_thread(held.wait, BOUND), BOUND)
-    tasks = [asyncio.create_task(core.generate("m", prompt=f"request {i}: tell me about {i}",
-                                               max_tokens=6, temperature=0))
-             for i in range(BURST)]
-    await wait_for(lambda: core._cmds.qsize() >= BURST)   # every submit queued behind hold
-    release.set()
-    await blocker
+    async with mlx_thread_held(core, BOUND):
+        tasks = [asyncio.create_task(core.generate("m", prompt=f"request {i}: tell me about {i}",
+                                                   max_tokens=6, temperature=0))
+                 for i in range(BURST)]
+        await wait_for(lambda: core._cmds.qsize() >= BURST)   # every submit queued behind it
     gens = await asyncio.gather(*tasks)
 
     async def text(g) -> str:
@@ -116,7 +102,6 @@ async def test_a_burst_is_prefilled_in_one_pass(cores: dict[int, ServingCore],
     assert texts[DEFAULT_PREFILL_BATCH_TOKENS] == texts[0]
     grouped = set(seen[DEFAULT_PREFILL_BATCH_TOKENS].first_call.values())
     fixed = sorted(set(seen[0].first_call.values()))
-    # (the fast path is off: every request's first token comes out of the generator)
     assert len(seen[DEFAULT_PREFILL_BATCH_TOKENS].first_call) == len(seen[0].first_call) == BURST
     assert len(grouped) == 1
     assert len(fixed) == 2                     # 8, then the other 4 in a later pass
