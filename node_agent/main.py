@@ -212,11 +212,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: on; --no-fast-first-token turns it off)")
     p.add_argument("--prefill-batch-tokens", type=_argtype(non_negative_int),
                    default=d.prefill_batch_tokens, metavar="N",
-                   help="padded prompt tokens one prefill pass may take: prompts waiting for a "
+                   help="padded prompt tokens one prefill pass may feed: prompts waiting for a "
                         "batch slot are prefilled together as far as they fit, so a burst of "
-                        "short prompts gets its first tokens after one pass, not one pass per 8 "
-                        "(0: mlx-lm's fixed groups of 8 prompts; default: %(default)s, the "
-                        "largest pass mlx-lm's defaults make, 8 x 2048)")
+                        "short prompts shares one pass instead of one pass per 8 (0: mlx-lm's "
+                        "fixed groups of 8 prompts; below 2048 long prompts may go one per "
+                        "pass; default: %(default)s, the largest pass mlx-lm's defaults make, "
+                        "8 x 2048)")
 
 
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:

@@ -5,6 +5,7 @@ one pass per 8 (mlx-lm's fixed groups, ``prefill_batch_tokens=0``), with the sam
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,8 +13,7 @@ import pytest
 import pytest_asyncio
 
 from node_agent.serving import ServingCore, ServingOptions
-from node_agent.serving.prefill import (DEFAULT_PREFILL_BATCH_TOKENS,
-                                        MLX_LM_PREFILL_BATCH_SIZE, prefill_group_size)
+from node_agent.serving.prefill import DEFAULT_PREFILL_BATCH_TOKENS, prefill_group_size
 from serving_fixtures import (mlx_thread_held, started_cores, tiny_model_path,  # noqa: F401
                               wait_for)
 
@@ -33,14 +33,13 @@ BURST = 12          # more than one of mlx-lm's fixed groups of 8
     ([10, 10, 10], 32, 30, 3),                             # exactly at the budget
     ([10, 10, 10], 32, 29, 2),
     ([0, 0], 32, 1, 1),                                    # a chunk is at least one token
-    ([60] * 32, 32, 0, MLX_LM_PREFILL_BATCH_SIZE),         # 0: mlx-lm's fixed groups
-    ([60] * 3, 32, 0, MLX_LM_PREFILL_BATCH_SIZE),
+    ([1, 60, 60], 32, 120, 2),                             # one about to be split takes a slot
 ])
 def test_group_size(waiting: list[int], free: int, budget: int, expected: int) -> None:
     assert prefill_group_size(waiting, free, batch_tokens=budget) == expected
 
 
-@pytest.mark.parametrize("kw", [{"batch_tokens": -1}, {"batch_tokens": 10, "step_tokens": 0}])
+@pytest.mark.parametrize("kw", [{"batch_tokens": 0}, {"batch_tokens": 10, "step_tokens": 0}])
 def test_bad_arguments(kw: dict) -> None:
     with pytest.raises(ValueError):
         prefill_group_size([10], 4, **kw)
@@ -51,14 +50,23 @@ def test_option_is_validated() -> None:
         ServingOptions(prefill_batch_tokens=-1)
 
 
+#: The cores compared: prefill grouping at the default budget, mlx-lm's fixed groups (0), a
+#: small budget, each with the first-token fast path off (every first token then comes out of
+#: the generator), and the defaults (grouping and the fast path on).
+SMALL_BUDGET = 48
+CONFIGS = {
+    "grouped": ServingOptions(fast_first_token=False),
+    "fixed": ServingOptions(fast_first_token=False, prefill_batch_tokens=0),
+    "small": ServingOptions(fast_first_token=False, prefill_batch_tokens=SMALL_BUDGET),
+    "defaults": ServingOptions(),
+}
+
+
 @pytest_asyncio.fixture(scope="module")
-async def cores(tiny_model_path: Path) -> AsyncIterator[dict[int, ServingCore]]:  # noqa: F811
-    # (the fast path is off: every request's first token comes out of the generator)
-    async with started_cores(tiny_model_path, {
-            budget: ServingOptions(prefill_batch_tokens=budget, request_coalescing=False,
-                                   fast_first_token=False)
-            for budget in (DEFAULT_PREFILL_BATCH_TOKENS, 0)},
-            BOUND, max_concurrent_sequences=16) as out:
+async def cores(tiny_model_path: Path) -> AsyncIterator[dict[str, ServingCore]]:  # noqa: F811
+    options = {k: dataclasses.replace(o, request_coalescing=False) for k, o in CONFIGS.items()}
+    async with started_cores(tiny_model_path, options, BOUND,
+                             max_concurrent_sequences=16) as out:
         yield out
 
 
@@ -80,30 +88,58 @@ class FirstTokens:
         monkeypatch.setattr(gen, "next", recorded)
 
 
-async def burst(core: ServingCore) -> list[str]:
-    """``BURST`` distinct greedy requests submitted while the MLX thread is held, so that all of
-    them wait for the same step; their texts."""
+async def burst(core: ServingCore, prompts: list[str]) -> list[str]:
+    """Distinct greedy requests for ``prompts`` submitted while the MLX thread is held, so that
+    all of them wait for the same step; their texts."""
     async with mlx_thread_held(core, BOUND):
-        tasks = [asyncio.create_task(core.generate("m", prompt=f"request {i}: tell me about {i}",
-                                                   max_tokens=6, temperature=0))
-                 for i in range(BURST)]
-        await wait_for(lambda: core._cmds.qsize() >= BURST)   # every submit queued behind it
+        tasks = [asyncio.create_task(core.generate("m", prompt=p, max_tokens=6, temperature=0))
+                 for p in prompts]
+        await wait_for(lambda: core._cmds.qsize() >= len(prompts))  # every submit queued
     gens = await asyncio.gather(*tasks)
 
     async def text(g) -> str:
         return "".join([c.text async for c in g])
-    return await asyncio.wait_for(asyncio.gather(*(text(g) for g in gens)), BOUND)
+    texts = await asyncio.wait_for(asyncio.gather(*(text(g) for g in gens)), BOUND)
+    assert core.active_sequences("m") == 0 and core.queued_requests("m") == 0
+    return texts
 
 
-async def test_a_burst_is_prefilled_in_one_pass(cores: dict[int, ServingCore],
+SHORT = [f"request {i}: tell me about {i}" for i in range(BURST)]
+
+
+async def test_a_burst_is_prefilled_in_one_pass(cores: dict[str, ServingCore],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = {budget: FirstTokens(c, monkeypatch) for budget, c in cores.items()}
-    texts = {budget: await burst(c) for budget, c in cores.items()}
-    assert texts[DEFAULT_PREFILL_BATCH_TOKENS] == texts[0]
-    grouped = set(seen[DEFAULT_PREFILL_BATCH_TOKENS].first_call.values())
-    fixed = sorted(set(seen[0].first_call.values()))
-    assert len(seen[DEFAULT_PREFILL_BATCH_TOKENS].first_call) == len(seen[0].first_call) == BURST
-    assert len(grouped) == 1
-    assert len(fixed) == 2                     # 8, then the other 4 in a later pass
-    for c in cores.values():
-        assert c.active_sequences("m") == 0 and c.queued_requests("m") == 0
+    seen = {k: FirstTokens(cores[k], monkeypatch) for k in ("grouped", "fixed", "defaults")}
+    texts = {k: await burst(cores[k], SHORT) for k in seen}
+    assert texts["grouped"] == texts["fixed"] == texts["defaults"]
+    assert len(seen["grouped"].first_call) == len(seen["fixed"].first_call) == BURST
+    assert len(set(seen["grouped"].first_call.values())) == 1
+    assert len(set(seen["fixed"].first_call.values())) == 2   # 8, then 4 in a later pass
+    # with the fast path the first request's first token comes before any next() call; the
+    # other 11 still share one pass (the fast one's one-token insert takes a slot too)
+    after_fast = sorted(seen["defaults"].first_call.items())[1:]
+    assert len(after_fast) == BURST - 1 and len({call for _, call in after_fast}) == 1
+
+
+async def test_no_pass_feeds_more_than_the_budget(cores: dict[str, ServingCore],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prefill pass mlx-lm builds (its right-padded rows × columns) stays within the
+    budget, for a burst of short and long prompts (sequences in a multi-chunk prefill and ones
+    about to leave the prompt stage counted as they should be)."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    passes: list[tuple[int, int]] = []      # (rows, columns) of each pass
+    real = PromptProcessingBatch.prompt
+
+    def recorded(self, tokens):
+        if tokens:
+            passes.append((len(tokens), max(len(t) for t in tokens)))
+        return real(self, tokens)
+    monkeypatch.setattr(PromptProcessingBatch, "prompt", recorded)
+    prompts = [("a much longer question about the weather and the sea " * (1 + i % 3)) + str(i)
+               if i % 4 == 0 else f"short {i}" for i in range(BURST)]
+    texts = await burst(cores["small"], prompts)
+    assert len(texts) == BURST and all(texts)
+    # a prompt alone over the budget still goes (alone); any shared pass is within it
+    assert all(rows == 1 or rows * cols <= SMALL_BUDGET for rows, cols in passes), passes
+    assert any(rows > 1 for rows, _ in passes) and any(cols > SMALL_BUDGET for _, cols in passes)

@@ -230,6 +230,7 @@ class Engine:
             req.done = True
             events.append((req, GenerationAborted(reason)))
         res.active.clear()
+        res.prefilling.clear()
         self._send(events)
         old, res.generator = res.generator, None
         try:
@@ -346,6 +347,7 @@ class Engine:
         except ValueError:
             pass
         if req.uid is not None and res.active.pop(req.uid, None) is not None:
+            res.prefilling.pop(req.uid, None)
             res.generator.remove([req.uid])
         self.update_gauges(res)
 
@@ -395,10 +397,10 @@ class Engine:
                                                   caches=[cache], all_tokens=[prompt],
                                                   samplers=[sampler])
                 res.active[req.uid] = req
+                res.prefilling[req.uid] = 1   # a one-token "prompt": a prompt-batch slot once
             self.update_gauges(res)
             self._send([(req, chunk)])
             return
-        req.prefill_tokens = len(to_feed)
         (uid,) = res.generator.insert(
             [to_feed],
             max_tokens=[max_tokens],
@@ -408,6 +410,7 @@ class Engine:
         )
         req.uid = uid
         res.active[uid] = req
+        res.prefilling[uid] = len(to_feed)
 
     def step(self, res: Resident) -> None:
         """Move waiting requests into free batch slots, run one batch step of ``res`` and send
@@ -430,7 +433,8 @@ class Engine:
         if not res.active:
             return
         self._size_prefill(res, cap)
-        _, responses = res.generator.next()
+        prompt_responses, responses = res.generator.next()
+        self._track_prefill(res, prompt_responses)
         now = time.perf_counter()
         series = self.metrics.series(*res.key)
         events: Events = []
@@ -466,14 +470,29 @@ class Engine:
 
     def _size_prefill(self, res: Resident, cap: int) -> None:
         """Set the generator's prefill group for its next step
-        (:func:`~node_agent.serving.prefill.prefill_group_size`): the sequences without a first
-        token yet are the ones it has still to prefill, in insertion (uid) order."""
-        waiting = [r.prefill_tokens for r in res.active.values() if r.last_token_at is None]
-        if not waiting:
+        (:func:`~node_agent.serving.prefill.prefill_group_size` of the sequences in its prompt
+        stages, :attr:`Resident.prefilling`); with ``prefill_batch_tokens`` 0 the generator
+        keeps mlx-lm's fixed group (``min(8, max_concurrent_sequences)``)."""
+        if not res.prefilling or not self.options.prefill_batch_tokens:
             return
         res.generator.prefill_batch_size = prefill_group_size(
-            waiting, cap - (len(res.active) - len(waiting)),
+            list(res.prefilling.values()), cap - (len(res.active) - len(res.prefilling)),
             batch_tokens=self.options.prefill_batch_tokens)
+
+    @staticmethod
+    def _track_prefill(res: Resident, prompt_responses: Any) -> None:
+        """Follow the generator's prompt stages from ``next()``'s prompt responses (mlx-lm
+        ``PromptProcessingBatch.Response``): a sequence leaves :attr:`Resident.prefilling` once
+        split into the generation batch (``end_of_prompt``), else keeps the tokens it has left
+        (``progress``: fed, total)."""
+        for p in prompt_responses:
+            if p.uid not in res.prefilling:
+                continue
+            if p.end_of_prompt:
+                del res.prefilling[p.uid]
+            else:
+                fed, total = p.progress
+                res.prefilling[p.uid] = max(1, total - fed)
 
     def _token(self, res: Resident, req: Request, r: Any, now: float,
                series: RevisionSeries) -> Chunk:

@@ -47,7 +47,6 @@ class Request:
         self.held = ""                 # text held back because it may begin a stop string
         self.n_generated = 0
         self.cached_tokens = 0         # prompt tokens reused from the prompt cache (at insert)
-        self.prefill_tokens = 0        # prompt tokens the BatchGenerator prefills (at insert)
         self.kv_bytes = 0              # KV-cache estimate at max_tokens (admission)
         self.last_token_at: float | None = None
         self.done = False

@@ -48,8 +48,10 @@ def parameter_bytes(model: Any) -> int:
 
 class Resident:
     """One loaded revision: its model, tokenizer, BatchGenerator, prompt cache, the requests
-    waiting for a batch slot (``pending``, FIFO) and those in the batch (``active``, by mlx-lm
-    uid)."""
+    waiting for a batch slot (``pending``, FIFO), those in the batch (``active``, by mlx-lm
+    uid) and, of those, the ones still in the generator's prompt stages (``prefilling``: uid →
+    prompt tokens it has still to feed, in insertion order; see
+    :mod:`node_agent.serving.prefill`)."""
 
     def __init__(self, info: ModelInfo, model: Any, tokenizer: Any, generator: Any,
                  prompt_cache: Any, stats: Stats) -> None:
@@ -61,6 +63,7 @@ class Resident:
         self.stats = stats
         self.pending: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
+        self.prefilling: dict[int, int] = {}
 
     @property
     def key(self) -> ModelKey:
