@@ -357,7 +357,9 @@ def summarise(rounds: list[dict]) -> dict:
                                          if o["ttft_p50_seconds"] and ref["ttft_p50_seconds"]
                                          else None)
             base = med.get("baseline")
-            if o and base and not (o["errors"] or base["errors"]):
+            if o and base and (o["errors"] or base["errors"]):
+                med["baseline_invalid"] = "a server had errors in this cell: no baseline ratio"
+            elif o and base:
                 med["baseline_tokens_per_second_ratio"] = (
                     o["output_tokens_per_second"] / base["output_tokens_per_second"]
                     if base["output_tokens_per_second"] else None)
@@ -456,7 +458,8 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
                     client_round(s, requests_for(wl, min(n, c), 8, -1), c)
                 names = list(servers)
                 for i in range(args.rounds):
-                    # A B (C) / B (C) A ...: each server goes first in turn
+                    # A B (C) / B C A / C A B: each server goes first in turn (evenly when the
+                    # rounds are a multiple of the servers; main() warns when they are not)
                     order = names[i % len(names):] + names[:i % len(names)]
                     for name in order:
                         r = client_round(servers[name], requests_for(wl, n, args.max_tokens, i), c)
@@ -533,7 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     ours_options(args.ours_args)  # a bad agent flag fails here, not in a server
     if args.baseline_args is not None:
         ours_options(args.baseline_args)
-    flags = "".join("-" + f.lstrip("-").replace(" ", "-") for f in shlex.split(args.ours_args))
+        if args.rounds % 3:
+            print(f"note: with three servers, --rounds {args.rounds} lets them go first unevenly "
+                  f"(a multiple of 3 does not)", file=sys.stderr)
+    def tag(flags: str) -> str:
+        return "".join("-" + f.lstrip("-").replace(" ", "-") for f in shlex.split(flags))
+    flags = tag(args.ours_args) + ("" if args.baseline_args is None
+                                   else "-baseline" + tag(args.baseline_args))
     out = args.output or RESULTS / f"serving-{device}{flags}.json"
     result = run(args, partial=out.with_suffix(".partial.json"))
     out.with_suffix(".partial.json").unlink(missing_ok=True)

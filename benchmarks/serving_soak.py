@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -78,18 +79,35 @@ async def drive(url: str, concurrency: int, duration: float, max_tokens: int, *,
     import aiohttp
     import psutil
 
+    sampler: asyncio.Task | None = None
     if rss_of is not None and memlog is not None:
         proc = psutil.Process(rss_of)
 
         async def sample() -> None:
             with memlog.open("a") as f:
                 while True:
+                    try:
+                        rss = proc.memory_info().rss
+                    except psutil.Error as e:   # the server died: the requests show it too
+                        print(f"RSS sampling stopped: {e}", file=sys.stderr)
+                        return
                     f.write(json.dumps({"t": time.monotonic(), "active_bytes": None,
-                                        "cache_bytes": None,
-                                        "rss_bytes": proc.memory_info().rss}) + "\n")
+                                        "cache_bytes": None, "rss_bytes": rss}) + "\n")
                     f.flush()
                     await asyncio.sleep(sample_seconds)   # a fixed sampling period
         sampler = asyncio.create_task(sample())
+    try:
+        return await _load(url, concurrency, duration, max_tokens, model_name)
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+
+
+async def _load(url: str, concurrency: int, duration: float, max_tokens: int,
+                model_name: str) -> list[dict]:
+    import aiohttp
 
     results: list[dict] = []
     t0 = time.monotonic()
@@ -107,8 +125,6 @@ async def drive(url: str, concurrency: int, duration: float, max_tokens: int, *,
                 i += 1
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    if rss_of is not None and memlog is not None:
-        sampler.cancel()
     return results
 
 
@@ -154,7 +170,7 @@ def plot(result: dict, path: Path) -> Path | None:
     ax.set_xlabel("minutes")
     ax.set_ylabel("MiB")
     ax.legend(fontsize=8)
-    ax.set_title(f"serving soak ({result['params']['server']}), "
+    ax.set_title(f"serving soak ({result['params'].get('server', 'ours')}), "
                  f"{result['params']['concurrency']} streams, "
                  f"{result['machine']['accelerator']}", fontsize=9)
     fig.tight_layout()
@@ -219,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=60.0,
                    help="seconds left out of the memory slope (default 60)")
     p.add_argument("--sample-seconds", type=float, default=5.0,
-                   help="memory sampling interval in the server (default 5)")
+                   help="memory sampling interval, seconds: in the server (ours) or of its RSS "
+                        "from outside (the reference) (default 5)")
     add_model_arguments(p)
     p.add_argument("--cache-limit-gb", type=float, default=8.0,
                    help="MLX buffer-cache limit of the server, GB (default 8)")
@@ -233,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path,
                    help="default benchmarks/results/serving-soak-<device>.json")
     args = p.parse_args(argv)
+    if args.server == "reference" and args.ours_args:
+        p.error("--ours-args applies to --server ours only")
     import mlx.core as mx
 
     device = "gpu" if "gpu" in str(mx.default_device()) else "cpu"

@@ -35,7 +35,7 @@ def test_a_server_with_errors_gives_no_ratio() -> None:
     cell = summarise([round_("ours", 300, 0.1), round_("reference", 200, 0.4),
                       round_("baseline", 100, 0.2, errors=3)])["unique"]["8"]
     assert cell["tokens_per_second_ratio"] == pytest.approx(1.5)
-    assert "baseline_tokens_per_second_ratio" not in cell
+    assert "baseline_tokens_per_second_ratio" not in cell and cell["baseline_invalid"]
     cell = summarise([round_("ours", 300, 0.1, errors=1),
                       round_("reference", 200, 0.4)])["unique"]["8"]
     assert cell["tokens_per_second_ratio"] is None and cell["invalid"]
