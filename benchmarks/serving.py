@@ -308,6 +308,27 @@ class Server:
         self._log.close()
 
 
+def ours_server(name: str, model: Path, max_sequences: int, cache_limit_gb: float,
+                ours_args: str, log: Path, *extra: str) -> Server:
+    """Ours (:func:`serve_ours`, in a process of its own) on a free port, serving ``model`` with
+    the agent's flags ``ours_args``; ``extra``: more of this script's internal options (the
+    soak's ``--memory-log``)."""
+    return Server(name, [sys.executable, str(Path(__file__).resolve()), "--serve-ours",
+                         str(model), "--port", str(_free_port()), "--max-sequences",
+                         str(max_sequences), "--cache-limit-gb", str(cache_limit_gb),
+                         f"--ours-args={ours_args}", *extra], log, MODEL_ID)
+
+
+def reference_server(model: Path, max_sequences: int, cache_limit_gb: float,
+                     log: Path) -> Server:
+    """``mlx_lm.server`` (:data:`_REFERENCE`) on a free port, serving ``model`` with the same
+    decode concurrency and MLX cache limit as ours."""
+    return Server("reference", [sys.executable, "-c", _REFERENCE, str(cache_limit_gb), "--model",
+                                str(model), "--port", str(_free_port()), "--decode-concurrency",
+                                str(max_sequences), "--log-level", "WARNING"], log,
+                  "default_model")
+
+
 def client_round(server: Server, bodies: list[dict], concurrency: int) -> dict:
     """Run one round against ``server`` in a fresh load-generator process; its JSON result."""
     bodies = [b | {"model": server.model_name} for b in bodies]
@@ -429,24 +450,15 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     max_seq = max(args.concurrency + [DUPLICATES])
-    here = str(Path(__file__).resolve())
-    ours = Server("ours", [sys.executable, here, "--serve-ours", str(model), "--port",
-                           str(_free_port()), "--max-sequences", str(max_seq),
-                           "--cache-limit-gb", str(args.cache_limit_gb),
-                           f"--ours-args={args.ours_args}"], logs / "ours.log",
-                  MODEL_ID)
-    ref = Server("reference", [sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb),
-                               "--model", str(model),
-                               "--port", str(_free_port()), "--decode-concurrency", str(max_seq),
-                               "--log-level", "WARNING"], logs / "reference.log",
-                 "default_model")
-    servers = {"ours": ours, "reference": ref}
+    servers = {
+        "ours": ours_server("ours", model, max_seq, args.cache_limit_gb, args.ours_args,
+                            logs / "ours.log"),
+        "reference": reference_server(model, max_seq, args.cache_limit_gb,
+                                      logs / "reference.log")}
     if args.baseline_args is not None:
         # ours again with some optimisations off: what they buy, measured in the same rounds
-        servers["baseline"] = Server("baseline", [
-            sys.executable, here, "--serve-ours", str(model), "--port", str(_free_port()),
-            "--max-sequences", str(max_seq), "--cache-limit-gb", str(args.cache_limit_gb),
-            f"--ours-args={args.baseline_args}"], logs / "baseline.log", MODEL_ID)
+        servers["baseline"] = ours_server("baseline", model, max_seq, args.cache_limit_gb,
+                                          args.baseline_args, logs / "baseline.log")
     rounds: list[dict] = []
     try:
         for s in servers.values():

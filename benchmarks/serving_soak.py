@@ -39,8 +39,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from mlx_fleet.devcluster.soakstats import slope  # noqa: E402
-from serving import (_REFERENCE, MODEL_ID, RESULTS, Server, _free_port, _one,  # noqa: E402
-                     add_model_arguments, model_from_args, percentile, requests_for, versions)
+from serving import (MODEL_ID, RESULTS, _one, add_model_arguments,  # noqa: E402
+                     model_from_args, ours_server, percentile, reference_server, requests_for,
+                     versions)
 
 MIB = 1024 * 1024
 
@@ -76,7 +77,6 @@ async def drive(url: str, concurrency: int, duration: float, max_tokens: int, *,
     request's outcome with its start time (seconds since the start). ``rss_of``: a server
     process that logs no memory itself (the reference): its RSS is sampled from here every
     ``sample_seconds`` into ``memlog``, in the server's format with no MLX fields."""
-    import aiohttp
     import psutil
 
     sampler: asyncio.Task | None = None
@@ -186,18 +186,14 @@ def run(args: argparse.Namespace) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     memlog = logs / "memory.jsonl"
     memlog.unlink(missing_ok=True)
+    max_sequences = max(args.concurrency, 8)
     if args.server == "ours":
-        server = Server("ours", [
-            sys.executable, str(HERE / "serving.py"), "--serve-ours", str(model), "--port",
-            str(_free_port()), "--max-sequences", str(max(args.concurrency, 8)),
-            "--cache-limit-gb", str(args.cache_limit_gb), f"--ours-args={args.ours_args}",
-            "--memory-log", str(memlog), "--sample-seconds", str(args.sample_seconds)],
-            logs / "ours-soak.log", MODEL_ID)
+        server = ours_server("ours", model, max_sequences, args.cache_limit_gb, args.ours_args,
+                             logs / "ours-soak.log", "--memory-log", str(memlog),
+                             "--sample-seconds", str(args.sample_seconds))
     else:
-        server = Server("reference", [
-            sys.executable, "-c", _REFERENCE, str(args.cache_limit_gb), "--model", str(model),
-            "--port", str(_free_port()), "--decode-concurrency", str(max(args.concurrency, 8)),
-            "--log-level", "WARNING"], logs / "reference-soak.log", "default_model")
+        server = reference_server(model, max_sequences, args.cache_limit_gb,
+                                  logs / "reference-soak.log")
     try:
         server.wait_ready()
         print(f"soak: {args.concurrency} streams for {args.duration:.0f} s against "
