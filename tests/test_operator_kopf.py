@@ -636,7 +636,9 @@ def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():
     def kw(*argv: str) -> dict:
         return kopf_run_kwargs(build_parser().parse_args(list(argv)))
 
-    assert kw() == {"standalone": True, "clusterwide": True, "namespaces": []}
+    standalone = kw()
+    assert standalone.pop("identity")  # always ours, never kopf's getpass-based one (image uid)
+    assert standalone == {"standalone": True, "clusterwide": True, "namespaces": []}
     peered = kw("--peering", "--namespace", "team-a")
     assert peered["standalone"] is False and peered["peering_name"] == "mlx-fleet"
     assert (peered["clusterwide"], peered["namespaces"]) == (False, ["team-a"])
