@@ -12,7 +12,13 @@ Every problem surfaces as :class:`CanarySpecError` (a ``ValueError``) naming eac
 of issue #5 (error rate > 2 × stable, p95 latency and TTFT > 1.5 ×, per-sequence tokens/s
 < 0.67 ×, memory growth > 20 %/h, crash rate > 0.1 %).
 
-Pure: imports only the standard library, pydantic and :mod:`mlx_fleet.contract`.
+The models are also the one source of the Canary CRD's spec schema (descriptions, bounds,
+defaults, CEL rules declared beside their fields with their Python ``check``):
+``python -m mlx_fleet_operator.crd`` generates crds/mlx-fleet.io_canaries.yaml and
+docs/canary-api.md from them. Durations default to their JSON text (``"10s"``), parsed.
+
+Pure: imports only the standard library, pydantic, :mod:`mlx_fleet.contract` and the
+operator's pure :mod:`.spec` and :mod:`.crd.markers`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,14 @@ the second line of defence for whatever gets past it (an older CRD, a schema bug
 skips validation). Every problem surfaces as :class:`SpecError` (a ``ValueError``) naming the
 field, which the handlers turn into a permanent error and a Warning event.
 
-Pure: imports only the standard library, pydantic and :mod:`mlx_fleet.contract`.
+The models are also the one source of the CRD's spec schema: descriptions, bounds, defaults and
+the CEL rules (each :class:`~.crd.markers.Rule` declared beside its field, with the same
+predicate in Python as ``check``) become crds/mlx-fleet.io_modeldeployments.yaml and
+docs/modeldeployment-api.md through ``python -m mlx_fleet_operator.crd``. A field's default is
+its JSON value (``"M3"``; parsed with ``validate_default=True``).
+
+Pure: imports only the standard library, pydantic, :mod:`mlx_fleet.contract`,
+:mod:`mlx_fleet.quantity` and :mod:`.crd.markers`.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from mlx_fleet.quantity import format_bytes, parse_quantity
 from .crd.markers import INT_OR_STRING, QUANTITY_PATTERN, Int32, Int64, Keywords, Rule, Wire
 
 __all__ = ["SpecError", "DeploymentSpec", "parse_spec", "to_assignment", "parse_quantity",
-           "format_bytes", "parse_chip_generation", "resolve_int_or_percent", "pin_replicas"]
+           "format_bytes", "parse_chip_generation", "resolve_int_or_percent", "pin_replicas",
+           "Revision", "Source", "Memory", "check_source", "positive_memory", "SOURCE_RULE",
+           "MEMORY_RULE"]
 
 
 class SpecError(ValueError):
