@@ -193,7 +193,7 @@ async def _follow(console: Console, cp, name: str, until: set[str], timeout: flo
 
 async def _canaries(console: Console, cp, model: str, faulty) -> None:
     from mlx_fleet.devcluster.loadgen import LoadGenerator
-    from node_agent.split import bucket
+    from mlx_fleet.routing.split import bucket
 
     endpoints = json.loads(cp.kubectl("get", "modeldeployment/llama-demo", "-o", "json").stdout
                            )["status"]["endpoints"]

@@ -8,7 +8,7 @@ Routes:
   the request and response models of :mod:`node_agent.api_models` that this module validates
   with and answers through); open like ``/health``.
 
-Authentication (``api_keys``, :mod:`node_agent.api_keys`): with a key file every request
+Authentication (``api_keys``, :mod:`mlx_fleet.routing.api_keys`): with a key file every request
 except ``GET /health`` (and ``GET /metrics`` unless ``metrics_auth``) needs ``Authorization:
 Bearer <key>`` with one of its keys or of the fleet-internal ``forward_keys``; otherwise 401
 ``invalid_request_error`` / ``invalid_api_key`` with ``WWW-Authenticate: Bearer`` (the message
@@ -50,7 +50,7 @@ requests in that batch (see :mod:`node_agent.serving`).
 Revisions and the canary split: with a ``router`` (the agent's
 :class:`~node_agent.traffic.TrafficManager`), each request is routed to one loaded revision of its
 model — by the canary split on the session key (``X-Session-ID`` header, else the ``user``
-field), else the node's stable revision (:mod:`node_agent.routing`) — or forwarded, streaming
+field), else the node's stable revision (:mod:`mlx_fleet.routing.route`) — or forwarded, streaming
 preserved, to a node that serves the candidate. Every response names the revision that served it
 in the ``X-Model-Revision`` header, and the outcome of a request under a split (server-side
 failure or not, latency, time to first token, tokens/s) feeds the per-revision statistics and
@@ -84,18 +84,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from .api_keys import KeyFile, bearer_token, matches
-from .api_models import (PIN_HEADER, REVISION_HEADER, SESSION_HEADER, AssistantMessage,
-                         ChatChoice, ChatCompletion, ChatCompletionRequest, CompletionRequest,
-                         ErrorDetail, ErrorResponse, ModelCard, ModelList, PromptTokensDetails,
-                         SamplingRequest, TextChoice, TextCompletion, Usage)
+from mlx_fleet.routing.api_keys import KeyFile, bearer_token, matches
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+
+from .api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
+                         CompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList,
+                         PromptTokensDetails, SamplingRequest, TextChoice, TextCompletion, Usage)
 from .openapi import OPENAPI_PATH, openapi_document
 from .sse import DONE, StreamEncoder, data_event
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                       ModelNotLoaded, Overloaded, ServingCore, StreamBufferOverflow)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
-           "UNKNOWN_LABEL", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
+           "UNKNOWN_LABEL"]
 
 #: Paths answered without a key whatever the configuration (``/metrics`` by ``metrics_auth``).
 OPEN_PATHS = frozenset({"/health", OPENAPI_PATH})
