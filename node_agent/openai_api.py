@@ -80,12 +80,13 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Iterable, Literal
 
-from aiohttp import web
+from aiohttp import ClientSession, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from mlx_fleet.routing.api_keys import KeyFile, bearer_token, matches
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, proxy
 
 from .api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                          CompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList,
@@ -100,9 +101,6 @@ __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY"
 
 #: Paths answered without a key whatever the configuration (``/metrics`` by ``metrics_auth``).
 OPEN_PATHS = frozenset({"/health", OPENAPI_PATH})
-#: Timeout of a forwarded request's connection (seconds); the body streams for as long as it
-#: takes.
-FORWARD_CONNECT_TIMEOUT = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -338,15 +336,11 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     app = web.Application(middlewares=[errors, authenticate])
     app[CORE_KEY] = core
 
-    sessions: dict[str, Any] = {}
+    sessions: dict[str, ClientSession] = {}
 
-    async def client_session() -> Any:
-        import aiohttp
-
-        if "s" not in sessions:
-            sessions["s"] = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_CONNECT_TIMEOUT),
-                connector=aiohttp.TCPConnector(ssl=forward_ssl if forward_ssl else True))
+    def forward_session() -> ClientSession:
+        if "s" not in sessions:  # created on the running loop, by the first forward
+            sessions["s"] = client_session(forward_ssl)
         return sessions["s"]
 
     async def close_sessions(_: web.Application) -> None:
@@ -358,51 +352,40 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
-        answer back as it comes. The serving node counts the request in its statistics (it
-        sees the tokens); this node counts only what the serving node cannot see — a node that
-        can't be reached or drops the connection: a 503 here, a candidate failure for the
-        statistics (the client saw a server error)."""
-        import aiohttp
-
+        answer back as it comes (:func:`mlx_fleet.routing.proxy.proxy`). The serving node
+        counts the request in its statistics (it sees the tokens); this node counts only what
+        the serving node cannot see — a node that can't be reached or drops the connection: a
+        503 here (or, once the answer's header went out, a cut stream), a candidate failure for
+        the statistics (the client saw a server error)."""
         t0 = time.perf_counter()
-        url = routed.route.forward.rstrip("/") + request.path
+        target = routed.route.forward
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
         if forward_keys is not None:
             forward_keys.current()  # a rotated file is in force for this request already
             headers["Authorization"] = f"Bearer {forward_keys.first}"
-        resp: web.StreamResponse | None = None
         failed = False  # counted here only when the serving node could not be reached
         try:
-            session = await client_session()
-            async with session.post(url, data=body, headers=headers) as up:
-                target = routed.route.forward
-                if up.status == 401 and target not in refused_by:
-                    refused_by.add(target)
-                    log.warning("node %s refused a forwarded request (401): check that both "
-                                "nodes have the same --forward-key-file", target)
-                elif up.status != 401:
-                    refused_by.discard(target)
-                resp = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items()
-                    if k.lower() in {"content-type", "cache-control", "retry-after",
-                                     "www-authenticate", REVISION_HEADER.lower()}})
-                await resp.prepare(request)
-                async for part in up.content.iter_any():
-                    await resp.write(part)
-                await resp.write_eof()
-                return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            resp = await proxy(request, forward_session(), target.rstrip("/") + request.path,
+                               body=body, headers=headers)
+        except UpstreamError as e:
             failed = True
-            if resp is not None:  # the header went out: end the stream with an error event
-                raise ConnectionResetError(f"forwarding to {url} failed: {e}") from e
             return _error(503, f"the node serving revision {routed.route.revision} is not "
-                          f"reachable: {type(e).__name__}", type_="server_error",
-                          code="unavailable")
+                          f"reachable: {e.reason}", type_="server_error", code="unavailable")
+        except StreamCut:
+            failed = True
+            raise
         finally:
             tm = router()
             if tm is not None and failed:
                 tm.record(routed, latency_s=time.perf_counter() - t0, ttft_s=None,
                           completion_tokens=0, decode_seconds=None, failed=failed)
+        if resp.status == 401 and target not in refused_by:
+            refused_by.add(target)
+            log.warning("node %s refused a forwarded request (401): check that both nodes "
+                        "have the same --forward-key-file", target)
+        elif resp.status != 401:
+            refused_by.discard(target)
+        return resp
 
     async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
         body = await request.read()
