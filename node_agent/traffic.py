@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable
 from pydantic import ValidationError
 
 from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, Keys, TrafficSplit
+from mlx_fleet.routing.route import Route, route
+from mlx_fleet.routing.session import session_key
 from mlx_fleet.store import Snapshot, Store, WatchEvent, follow_prefix
 from mlx_fleet.supervise import Supervised
 
@@ -42,8 +44,6 @@ from .controller import ServedModel
 from .guard import CandidateGuard
 from .registration import Registration
 from .serving import ModelNotLoaded
-from .routing import Route, route
-from .split import session_key
 from .window_stats import DeploymentStats
 
 log = logging.getLogger(__name__)

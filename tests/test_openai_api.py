@@ -24,13 +24,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_fleet.contract import Keys, NodeCapacity, Role, TrafficSplit
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+from mlx_fleet.routing.split import bucket
 from mlx_fleet.store import EtcdStore
 from mlx_fleet.testmodel import Fault, make_test_model
 from node_agent.controller import ServedModel
-from node_agent.openai_api import PIN_HEADER, REVISION_HEADER, SESSION_HEADER, build_app
+from node_agent.openai_api import build_app
 from node_agent.registration import Registration
 from node_agent.serving import GenerationAborted, ServingCore
-from node_agent.split import bucket
 from node_agent.traffic import TrafficManager
 from serving_fixtures import (MODEL_ID, REVISION, Agent, agent, close_agent,  # noqa: F401
                               make_agent, other_model_path, tiny_model_path, wait_for)

@@ -25,9 +25,10 @@ from mlx_fleet.fleetstatus import FleetView, render, summarize
 from mlx_fleet.store import EtcdStore
 from node_agent.controller import Controller
 from node_agent.fetch import STATE_FILE, fetch, mirror_dir, parse_hf_uri, parse_manifest
+from node_agent.model_dir import SourceError, check_model_dir
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
-from node_agent.sources import SourceError, check_model_dir, is_remote, resolve_source
+from node_agent.sources import is_remote, resolve_source
 from test_agent_controller import ADVERTISED, NODE, Capacity, assignment, core  # noqa: F401
 
 TIMEOUT = 120  # a model load on two busy CPU cores

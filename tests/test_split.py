@@ -1,4 +1,5 @@
-"""The canary split (node_agent.split): deterministic, sticky, monotone, proportional."""
+"""The canary split (mlx_fleet.routing.split) and the session key it hashes
+(mlx_fleet.routing.session): deterministic, sticky, monotone, proportional."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_fleet.contract import SPLIT_BUCKETS, TrafficSplit
-from node_agent.split import Choice, bucket, choose, session_key
+from mlx_fleet.routing.session import session_key
+from mlx_fleet.routing.split import Choice, bucket, choose
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +42,7 @@ def test_bucket_is_the_documented_sha256_formula(deployment: str, key: str) -> N
 
 
 def test_bucket_is_the_same_in_a_fresh_interpreter_with_another_hash_seed() -> None:
-    code = ("from node_agent.split import bucket; "
+    code = ("from mlx_fleet.routing.split import bucket; "
             f"print([bucket(d, k) for d, k in {KNOWN!r}])")
     outs = []
     for seed in ("1", "2"):

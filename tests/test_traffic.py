@@ -13,13 +13,13 @@ import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, LocalGuard,
                                 ModelSource, NodeCapacity, Role, StatsReport, TrafficSplit)
+from mlx_fleet.routing.split import bucket
 from mlx_fleet.store import EtcdStore, WatchEvent
 from mlx_fleet.testmodel import Fault, make_test_model
 from node_agent import traffic as traffic_module
 from node_agent.controller import Controller
 from node_agent.registration import Registration
 from node_agent.serving import GenerationAborted, ServingCore
-from node_agent.split import bucket
 from node_agent.traffic import Routed, TrafficManager
 from serving_fixtures import other_model_path, tiny_model_path, wait_for  # noqa: F401
 

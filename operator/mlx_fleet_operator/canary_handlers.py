@@ -35,7 +35,8 @@ from typing import Any
 
 import kopf
 
-from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit, is_standby
+from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit
+from mlx_fleet.routing import replicas
 from mlx_fleet.store import Compare, Delete, Put, StoreError
 from mlx_fleet.supervise import wait_event
 
@@ -92,7 +93,7 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
         r, a = reports.get(slot), placed.get(slot)
         if r is None or a is None or r.generation != a.generation:
             return None
-        return AssignmentState.READY if is_standby(r.state.value, r.reason) else r.state
+        return AssignmentState.READY if replicas.serves(r.state, r.reason) else r.state
 
     cand_slots = [s for s in placed if s[1] == cand]
     stable_slots = [s for s in placed if s[1] == dspec.model.revision and s[1] != cand]
@@ -150,11 +151,9 @@ def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployment
     placed = rt.placed.get(target, {})
     reports = rt.reports.get(target, {})
     withdrawn = rt.withdrawn.get(target, {})  # drained replicas on their way out: not forwarded to
-    endpoints = sorted({reports[s].endpoint for s in placed if s[1] == cand and s in reports
-                        and s not in withdrawn
-                        and (reports[s].state == AssignmentState.READY
-                             or is_standby(reports[s].state.value, reports[s].reason))
-                        and reports[s].endpoint})
+    endpoints = replicas.endpoints((reports[s].state, reports[s].reason, reports[s].endpoint)
+                                   for s in placed if s[1] == cand and s in reports
+                                   and s not in withdrawn)
     return TrafficSplit(
         namespace=target[0], name=target[1],
         served_model_name=dspec.model.served_model_name or target[1],
