@@ -97,15 +97,9 @@ def events(monkeypatch) -> list[tuple[str, str, str, str]]:
     return posted
 
 
-@pytest.fixture(autouse=True)
-def fresh_process_state(monkeypatch):
-    """The handlers' per-process memory (last status patched, last analysis window) starts
-    empty in every test, as in a freshly started operator."""
-    monkeypatch.setattr(canary_handlers, "_last", {})
-    monkeypatch.setattr(canary_handlers, "_windows", {})
-
-
 def runtime(store, keys: Keys) -> Runtime:
+    """A fresh operator Runtime: its per-Canary memory (last status patched, last analysis
+    window) starts empty, as in a freshly started operator."""
     rt = Runtime(store=store, keys=keys, writer="test")
     rt.custom_api = RecordingApi()
     return rt
@@ -567,8 +561,6 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
     assert seeded == {T: CandidateIntent("llm-v2", "v2", None, None)}
 
     # The restarted operator: the same etcd and fleet, a fresh process memory.
-    monkeypatch.setattr(canary_handlers, "_last", {})
-    monkeypatch.setattr(canary_handlers, "_windows", {})
     rt2 = runtime(store, keys)
     rt2.candidates = seeded
     for view in ("deployments", "placed", "reports", "stats"):
@@ -588,8 +580,8 @@ async def test_deleting_a_running_canary_returns_all_traffic_to_stable(store, ke
     body = await progressing_canary(rt, "uid-delete")
     await tick(rt, body, now=T0 + 1)
     assert (await stored_split(rt)).weight == 10 and T in rt.candidates
-    monkeypatch.setattr("mlx_fleet_operator.handlers.RUNTIME", rt)
-    await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2")
+    await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2",
+                                         memo=kopf.Memo(runtime=rt))
     assert await stored_split(rt) is None  # agents route everything to stable
     assert T not in rt.candidates           # the target's reconcile unloads the candidate
     assert rt.wakeup(T).is_set()
@@ -600,9 +592,9 @@ async def test_deleting_a_canary_never_touches_another_canarys_target(store, key
     rt = runtime(store, keys)
     body = await progressing_canary(rt, "uid-keep")
     await tick(rt, body, now=T0 + 1)
-    monkeypatch.setattr("mlx_fleet_operator.handlers.RUNTIME", rt)
     other = canary("llm-v3", spec={**CANARY_SPEC, "candidate": {"revision": "v3"}})
-    await canary_handlers.canary_deleted(body=other, namespace=NS, name="llm-v3")
+    await canary_handlers.canary_deleted(body=other, namespace=NS, name="llm-v3",
+                                         memo=kopf.Memo(runtime=rt))
     assert (await stored_split(rt)).candidate_revision == "v2"
     assert rt.candidates[T].canary == "llm-v2"
 

@@ -333,7 +333,6 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
         raise ConflictError("ns/llm: lost", conflicts=8)
 
     rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
     monkeypatch.setattr(handlers, "reconcile", always_conflict)
     monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0, raising=False)
     wake = rt.wakeup(("ns", "llm"))
@@ -341,7 +340,7 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
             "spec": {"model": {"source": "file:///m", "revision": "v1"},
                      "resources": {"memory": "1Gi"}}}
     with pytest.raises(kopf.TemporaryError):
-        await handlers.sync(body, logging.getLogger("test"))
+        await handlers.sync(rt, body, logging.getLogger("test"))
     await asyncio.wait_for(wake.wait(), 10)
 
 
@@ -388,12 +387,14 @@ async def test_liveness_probe_fails_while_a_follower_is_dead(monkeypatch):
     from mlx_fleet.supervise import TaskHealth
 
     rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
+    memo = kopf.Memo(runtime=rt)
     rt.followers = {"a": TaskHealth("a", alive=True), "b": TaskHealth("b", alive=True)}
-    assert await handlers.probe_followers() == {"a": 0, "b": 0}
+    assert await handlers.probe_followers(memo=memo) == {"a": 0, "b": 0}
     rt.followers["b"] = TaskHealth("b", alive=False, restarts=2, last_error="boom")
     with pytest.raises(kopf.PermanentError, match="b.*boom"):
-        await handlers.probe_followers()
+        await handlers.probe_followers(memo=memo)
+    with pytest.raises(kopf.TemporaryError, match="starting"):  # before start-up ran
+        await handlers.probe_followers(memo=kopf.Memo())
 
 
 def stored_assignment(ns: str, name: str, uid: str) -> bytes:
@@ -505,15 +506,15 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
         closed.append(self)
         await original_close(self)
 
-    monkeypatch.setattr(handlers, "CONFIG", handlers.OperatorConfig(
+    memo = kopf.Memo(config=handlers.OperatorConfig(
         etcd_endpoint=etcd_server.client_url, etcd_prefix=f"/t-{uuid.uuid4().hex[:8]}", metrics_port=1))
-    monkeypatch.setattr(handlers, "RUNTIME", None)
     monkeypatch.setattr(handlers, "_kubernetes_api", lambda: object())
     monkeypatch.setattr(metrics, "serve", port_taken)
     monkeypatch.setattr(EtcdStore, "close", close)
     with pytest.raises(kopf.PermanentError, match="Address already in use"):
-        await handlers.startup(settings=kopf.OperatorSettings(), logger=logging.getLogger("test"))
-    assert handlers.RUNTIME is None and len(closed) == 1
+        await handlers.startup(settings=kopf.OperatorSettings(), logger=logging.getLogger("test"),
+                               memo=memo)
+    assert "runtime" not in memo and len(closed) == 1
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
 
 
@@ -554,7 +555,6 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
     from mlx_fleet_operator import handlers
 
     rt = handlers.Runtime(store=store, keys=keys, writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
     patched: list[dict] = []
     posted: list[tuple[str, str]] = []
 
@@ -574,7 +574,7 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
                      "resources": {"memory": "lots"}}}
     with pytest.raises(kopf.PermanentError, match="invalid quantity"):
         await handlers.reconcile_handler(body=body, logger=logging.getLogger("test"),
-                                         namespace="ns", name="llm")
+                                         namespace="ns", name="llm", memo=kopf.Memo(runtime=rt))
     assert [p for p in posted if p[1] == "InvalidSpec"] == [("Warning", "InvalidSpec")]
     await rt.flush_status(("ns", "llm"))  # (patched by the status writer a moment later)
     [status] = patched
@@ -593,7 +593,6 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
     from mlx_fleet_operator import handlers
 
     rt = handlers.Runtime(store=store, keys=keys, writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
     monkeypatch.setattr(handlers, "STATUS_COALESCE_SECONDS", 3600.0)  # flushed by hand below
     patched: list[dict] = []
 
@@ -608,18 +607,18 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
             "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1,
                      "resources": {"memory": "1Gi"}}}
     log = logging.getLogger("test")
-    await handlers.sync(body, log)  # placed: not Ready yet
+    await handlers.sync(rt, body, log)  # placed: not Ready yet
     assert rt.pending_status[key]["readyReplicas"] == 0 and patched == []
     rt.reports[key] = {("mac-a", "v1"): AssignmentReport(
         node="mac-a", namespace="ns", name="llm", generation=1, revision="v1",
         state=AssignmentState.READY, endpoint="http://mac-a.local:8000")}
-    await handlers.sync(body, log)  # Ready
+    await handlers.sync(rt, body, log)  # Ready
     await rt.flush_status(key)
     assert [p["readyReplicas"] for p in patched] == [1]  # one patch: the latest status
 
     before = (await store.list(keys.nodes_prefix)).revision
     for _ in range(3):  # the daemon's resyncs
-        await handlers.sync(body, log)
+        await handlers.sync(rt, body, log)
     assert key not in rt.pending_status
     await rt.flush_status(key)
     assert len(patched) == 1

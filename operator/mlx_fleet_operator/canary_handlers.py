@@ -43,7 +43,8 @@ from . import metrics
 from .analysis import AnalysisResult, analyze, window_from_reports
 from .canary import TERMINAL, CanaryState, Observation, Phase, step
 from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
-from .handlers import GROUP, PLURAL, VERSION, CandidateIntent, DeploymentKey, Runtime, runtime
+from .handlers import GROUP, PLURAL, VERSION, Runtime, runtime
+from .records import AnalysisWindow, CandidateIntent, DeploymentKey
 from .status import _condition, now_rfc3339
 
 log = logging.getLogger(__name__)
@@ -56,19 +57,6 @@ ANNOTATION_ABORT = "mlx-fleet.io/abort"
 TICK_SECONDS = 1.0
 
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=CANARY_PLURAL)
-
-
-@dataclasses.dataclass
-class _Window:
-    """The statistics snapshot the last analysis window ended at, and the last stable window
-    that had enough requests to judge against (``baseline``)."""
-
-    at: float
-    reports: dict[str, StatsReport]
-    baseline: Any = None
-
-
-_windows: dict[str, _Window] = {}  # canary uid → last window end (in-memory; re-armed on restart)
 
 
 def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
@@ -102,7 +90,8 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
     tripped = next((f"node {n}: {r.guard_reason}" for n, r in sorted(stats.items())
                     if r.guard_tripped), None)
     analysis: AnalysisResult | None = None
-    win = _windows.get(uid)
+    memory = rt.canary(uid)
+    win = memory.window
     if state.phase in (Phase.PROGRESSING, Phase.PAUSED) and (
             win is None or now - win.at >= spec.analysis.interval_seconds):
         baseline = win.baseline if win is not None else None
@@ -120,7 +109,7 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
                                canary_elapsed_hours=max(now - state.started, 0) / 3600
                                if state.started else 0.0,
                                memory_start=state.memory_baseline_bytes)
-        _windows[uid] = _Window(now, dict(stats), baseline)
+        memory.window = AnalysisWindow(now, dict(stats), baseline)
     cand_mem = max((r.revisions[cand].memory_bytes for r in stats.values()
                     if cand in r.revisions), default=0)
     md_status = rt.last_status.get(target) or {}
@@ -239,7 +228,7 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     generation = int(meta.get("generation") or 0)
     previous = dict(body.get("status") or {})
-    previous.update(_last.get(uid, {}))
+    previous.update(rt.canary(uid).last_status)
     state = CanaryState.from_status(previous)
     events: list[tuple[str, str, str]] = []
     promote: str | None = None
@@ -318,7 +307,7 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
             (c["status"], c["reason"]) != (p.get("status"), p.get("reason"))
             for c, p in zip(status["conditions"], previous.get("conditions") or [{}] * 3)):
         await _patch(rt, CANARY_PLURAL, namespace, name, {"status": status}, "status")
-        _last[uid] = status
+        rt.canary(uid).last_status = status
     for type_, reason, message in events:
         kopf.event(body, type=type_, reason=reason, message=message[:1024])
         if reason in {p for p in metrics.CANARY_PHASES}:
@@ -330,24 +319,21 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
     return TICK_SECONDS
 
 
-_last: dict[str, dict[str, Any]] = {}  # canary uid → the status last patched (kopf's body lags)
-
-
 @kopf.on.resume(**_RESOURCE)
 @kopf.on.create(**_RESOURCE)
 @kopf.on.update(**_RESOURCE)
-async def canary_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+async def canary_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A new or edited Canary: wake its daemon (which owns every tick)."""
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    runtime().wake_canary(target)
+    runtime(memo).wake_canary(target)
 
 
 @kopf.daemon(**_RESOURCE, cancellation_timeout=10.0)
 async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: logging.Logger,
-                        namespace: str, name: str, **_: Any) -> None:
+                        namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Tick the Canary every :data:`TICK_SECONDS` and whenever its target's reports or
     statistics change."""
-    rt = runtime()
+    rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
     wake = rt.canary_wakeups.setdefault(target, asyncio.Event())
 
@@ -373,10 +359,11 @@ async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: lo
 
 
 @kopf.on.delete(**_RESOURCE)
-async def canary_deleted(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                         **_: Any) -> None:
     """Deleting a Canary returns all traffic to the stable revision and unloads the candidate
     (unless it was promoted: then it *is* the stable revision)."""
-    rt = runtime()
+    rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
     owner = rt.candidates.get(target)
     if owner is not None and owner.canary == name:
@@ -387,8 +374,7 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, **_: Any) -
         except StoreError as e:
             raise kopf.TemporaryError(f"etcd: {e}", delay=2) from e
     uid = (body.get("metadata") or {}).get("uid", "")
-    _windows.pop(uid, None)
-    _last.pop(uid, None)
+    rt.forget_canary(uid)
     metrics.forget_canary(namespace, name)
 
 

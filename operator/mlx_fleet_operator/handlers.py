@@ -63,6 +63,7 @@ from .disruption import DISRUPTION_WINDOW_SECONDS, Disruption
 from .disruption import HOLD_SECONDS as DISRUPTION_HOLD_SECONDS
 from .disruption import observe as observe_disruption
 from .placement import PlacementRequest, affected_by_node, resolve_memory, revision_estimates
+from .records import CandidateIntent, CanaryRecord, DeploymentKey, Slot
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collect_garbage,
                         read_fleet, reconcile, remove_deployment)
 from .rollout import DrainState, RevisionTarget
@@ -100,19 +101,6 @@ STATUS_COALESCE_SECONDS = 0.25
 STATUS_RETRY_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
-DeploymentKey = tuple[str, str]
-Slot = tuple[str, str]  # (node, revision)
-
-
-@dataclasses.dataclass(frozen=True)
-class CandidateIntent:
-    """What a running Canary asks of its target ModelDeployment's placement: keep the
-    candidate ``revision`` resident (``source``/``memory_bytes``: None = the target's)."""
-
-    canary: str
-    revision: str
-    source: str | None = None
-    memory_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +128,9 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # watched namespaces (globs); empty = cluster-wide
     gc_interval: float = GC_SECONDS  # seconds between orphan collections
     peering: PeeringConfig | None = None  # None: standalone
+    #: Whether ``/metrics`` is already served on ``metrics_port`` (main()'s pre-flight check
+    #: binds it); else the start-up handler serves it.
+    metrics_served: bool = False
 
     def in_scope(self, namespace: str) -> bool:
         """Whether this operator watches ``namespace`` (garbage collection stays inside)."""
@@ -151,9 +142,6 @@ class OperatorConfig:
         return cls(etcd_endpoint=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", cls.etcd_endpoint),
                    etcd_prefix=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
                    metrics_port=int(os.environ.get("MLX_FLEET_METRICS_PORT", "8080")))
-
-
-CONFIG: OperatorConfig | None = None
 
 
 class Runtime:
@@ -232,6 +220,16 @@ class Runtime:
         self._hold_timer: asyncio.TimerHandle | None = None
         #: The disruption rule's clock (seconds; tests replace it).
         self.clock: Callable[[], float] = time.monotonic
+        #: Canary uid → what its daemon keeps between ticks (:mod:`.canary_handlers`).
+        self._canaries: dict[str, CanaryRecord] = {}
+
+    def canary(self, uid: str) -> CanaryRecord:
+        """The record of the Canary ``uid`` (a new, empty one the first time)."""
+        return self._canaries.setdefault(uid, CanaryRecord())
+
+    def forget_canary(self, uid: str) -> None:
+        """The Canary ``uid`` is gone: drop its record."""
+        self._canaries.pop(uid, None)
 
     def wakeup(self, key: DeploymentKey) -> asyncio.Event:
         return self.wakeups.setdefault(key, asyncio.Event())
@@ -632,9 +630,6 @@ class Runtime:
         await self.store.close()
 
 
-RUNTIME: Runtime | None = None
-
-
 class ListingError(Exception):
     """The live ModelDeployments could not be listed (so nothing may be collected)."""
 
@@ -786,11 +781,11 @@ async def mirror_macnodes(rt: Runtime) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, MACNODE_PLURAL)
-async def macnode_event(name: str, spec: Mapping[str, Any], **_: Any) -> None:
+async def macnode_event(name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
     """A MacNode changed: when its cordon or drain is not what the operator applies, wake the
     mirror at once (``mlx-fleet drain`` should not wait for the next round). A silent watch:
     kopf stores nothing on the object for event handlers."""
-    rt = RUNTIME
+    rt = memo.get("runtime")
     if rt is None:
         return
     spec = spec or {}
@@ -799,10 +794,14 @@ async def macnode_event(name: str, spec: Mapping[str, Any], **_: Any) -> None:
         rt.macnode_wake.set()
 
 
-def runtime() -> Runtime:
-    if RUNTIME is None:
+def runtime(memo: Mapping[str, Any]) -> Runtime:
+    """The operator's :class:`Runtime`, kept in kopf's ``memo`` under ``runtime`` by
+    :func:`startup` (kopf gives each resource object a shallow copy of the operator's memo,
+    made after the start-up handlers ran). Raises ``kopf.TemporaryError`` while starting."""
+    rt = memo.get("runtime")
+    if rt is None:
         raise kopf.TemporaryError("the operator is still starting", delay=1)
-    return RUNTIME
+    return rt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -821,9 +820,13 @@ def _kubernetes_api() -> Any:
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
-    global RUNTIME
-    cfg = CONFIG or OperatorConfig.from_env()
+async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo: kopf.Memo,
+                  **_: Any) -> None:
+    """Configure kopf, connect etcd, start the followers and background loops; the
+    :class:`Runtime` goes into ``memo.runtime``. The configuration is ``memo.config`` (set by
+    :func:`~.main.main` through ``kopf.run(memo=...)``), else read from the environment
+    (``kopf run``)."""
+    cfg = memo.get("config") or OperatorConfig.from_env()
     # Watches: ask the server to end each watch after 60 s and give up on a silent connection
     # after 90 s, so a half-dead connection never freezes the operator (kopf's default: none).
     settings.watching.server_timeout = 60
@@ -870,8 +873,9 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
                                                   rt.reports_synced.wait()), timeout=30)
         except asyncio.TimeoutError:
             logger.warning("etcd views not loaded after 30s; continuing, watches will catch up")
-        metrics.register_fleet(lambda: RUNTIME)  # fleet state, built at scrape time
-        metrics.serve(cfg.metrics_port)  # already bound by main()'s pre-flight check
+        metrics.register_fleet(lambda: memo.get("runtime"))  # fleet state, at scrape time
+        if not cfg.metrics_served:
+            metrics.serve(cfg.metrics_port)
     except BaseException as e:  # also on cancellation (SIGTERM during start-up)
         with contextlib.suppress(Exception):
             if rt is not None:
@@ -881,35 +885,35 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
         if not isinstance(e, Exception):
             raise
         raise kopf.PermanentError(f"start-up failed: {type(e).__name__}: {e}") from e
-    RUNTIME = rt
+    memo.runtime = rt
     logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s",
                 cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off")
 
 
 @kopf.on.cleanup()
-async def cleanup(logger: logging.Logger, **_: Any) -> None:
-    global RUNTIME
-    if RUNTIME is not None:
-        await RUNTIME.close()
-        RUNTIME = None
+async def cleanup(logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+    rt = memo.pop("runtime", None)
+    if rt is not None:
+        await rt.close()
     logger.info("mlx-fleet operator stopped")
 
 
 @kopf.on.probe(id="etcd_nodes")
-async def probe_nodes(**_: Any) -> int:
+async def probe_nodes(memo: kopf.Memo, **_: Any) -> int:
     """Liveness probe payload: the number of node records seen in etcd."""
-    return len(runtime().nodes)
+    return len(runtime(memo).nodes)
 
 
 @kopf.on.probe(id="etcd_followers")
-async def probe_followers(**_: Any) -> dict[str, int]:
+async def probe_followers(memo: kopf.Memo, **_: Any) -> dict[str, int]:
     """Liveness: follower → restarts so far. Raises (the liveness endpoint then answers 500)
     while a follower is dead and backing off; a permanent error so kopf does not retry it."""
-    down = dead(runtime().followers.values())
+    rt = runtime(memo)
+    down = dead(rt.followers.values())
     if down:
         raise kopf.PermanentError("etcd follower(s) down: " + "; ".join(
             f"{h.name} ({h.last_error}, {h.restarts} restarts)" for h in down))
-    return {name: h.restarts for name, h in runtime().followers.items()}
+    return {name: h.restarts for name, h in rt.followers.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -953,14 +957,13 @@ async def _publish(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
     metrics.set_replicas(key[0], key[1], desired, status["readyReplicas"])
 
 
-async def sync(body: Mapping[str, Any], logger: logging.Logger) -> None:
+async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> None:
     """Converge one ModelDeployment: placement → fenced etcd txn → status → events.
 
     Safe to run concurrently with itself (a per-deployment lock) and after a crash at any
     point (every step is idempotent). Raises ``kopf.PermanentError`` for an invalid spec and
     ``kopf.TemporaryError`` for etcd conflicts or outages.
     """
-    rt = runtime()
     meta = body.get("metadata", {})
     key: DeploymentKey = (meta["namespace"], meta["name"])
     async with rt.lock(key):
@@ -1099,16 +1102,17 @@ _RESOURCE = dict(group=GROUP, version=VERSION, plural=PLURAL)
 @kopf.on.create(**_RESOURCE)
 @kopf.on.update(**_RESOURCE)
 async def reconcile_handler(body: kopf.Body, logger: logging.Logger, namespace: str, name: str,
-                            **_: Any) -> None:
-    await sync(body, logger)  # an invalid spec: sync() posted the InvalidSpec event already
-    runtime().wakeup((namespace, name))  # make sure the daemon's event exists
+                            memo: kopf.Memo, **_: Any) -> None:
+    rt = runtime(memo)
+    await sync(rt, body, logger)  # an invalid spec: sync() posted the InvalidSpec event already
+    rt.wakeup((namespace, name))  # make sure the daemon's event exists
 
 
 @kopf.daemon(**_RESOURCE, cancellation_timeout=10.0)
 async def follow_deployment(stopped: kopf.DaemonStopped, body: kopf.Body, logger: logging.Logger,
-                            namespace: str, name: str, **_: Any) -> None:
+                            namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Re-sync on etcd changes (node churn, agent reports) and every RESYNC_SECONDS."""
-    rt = runtime()
+    rt = runtime(memo)
     key = (namespace, name)
     wake = rt.wakeup(key)
 
@@ -1124,7 +1128,7 @@ async def follow_deployment(stopped: kopf.DaemonStopped, body: kopf.Body, logger
             if stopped:
                 break
             try:
-                await sync(body, logger)
+                await sync(rt, body, logger)
             except (kopf.PermanentError, kopf.TemporaryError) as e:
                 logger.debug("re-sync of %s/%s deferred: %s", namespace, name, e)
             except Exception:  # keep following; the next wake-up or resync retries
@@ -1135,8 +1139,9 @@ async def follow_deployment(stopped: kopf.DaemonStopped, body: kopf.Body, logger
 
 
 @kopf.on.delete(**_RESOURCE)
-async def delete_handler(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-    rt = runtime()
+async def delete_handler(namespace: str, name: str, logger: logging.Logger, memo: kopf.Memo,
+                         **_: Any) -> None:
+    rt = runtime(memo)
     key = (namespace, name)
     async with rt.lock(key):
         try:

@@ -152,16 +152,13 @@ def register_fleet(runtime_getter: Callable[[], Any],
         return collector
 
 
-_SERVED_PORT: int | None = None
-
-
 def serve(port: int) -> None:
-    """Serve ``/metrics`` on ``0.0.0.0:port`` (once per process; a second call is a no-op).
-    Raises ``OSError`` when the port cannot be bound (in use, no permission)."""
-    global _SERVED_PORT
-    if not port or _SERVED_PORT is not None:
+    """Serve ``/metrics`` on ``0.0.0.0:port`` in a thread (``port`` 0: not at all). Call it once
+    per process (:func:`~.main.main`'s pre-flight check, or the start-up handler when the
+    operator runs under ``kopf run``: ``OperatorConfig.metrics_served`` says which). Raises
+    ``OSError`` when the port cannot be bound (in use, no permission)."""
+    if not port:
         return
     from prometheus_client import start_http_server
 
     start_http_server(port)
-    _SERVED_PORT = port
