@@ -215,10 +215,9 @@ def rt() -> Runtime:
     r = Runtime(None, Keys("/t"), "test")  # the collector never touches the store
     r.nodes = {"mac-a": node("mac-a"),
                "mac-b": node("mac-b", NodeHealth.DEGRADED, total=32 * GiB, simulated=True)}
-    r.placed = {("ml", "chat"): {("mac-a", "v1"): asg("chat", "v1"),
-                                 ("mac-b", "v1"): asg("chat", "v1"),
-                                 ("mac-a", "v2"): asg("chat", "v2", Role.CANDIDATE,
-                                                      memory=4 * GiB)}}
+    r.deployment(("ml", "chat")).placed = {  # as its last reconcile left it
+        ("mac-a", "v1"): asg("chat", "v1"), ("mac-b", "v1"): asg("chat", "v1"),
+        ("mac-a", "v2"): asg("chat", "v2", Role.CANDIDATE, memory=4 * GiB)}
     r.reports = {
         ("ml", "chat"): {
             ("mac-a", "v1"): report("mac-a", "chat", "v1", AssignmentState.READY,
@@ -364,7 +363,7 @@ def test_series_disappear_with_the_views(rt: Runtime) -> None:
     before = scrape(collector)
     assert of(before, P + "revision_requests_total")
     # the candidate is unloaded (the reconcile no longer places it) ...
-    del rt.placed[("ml", "chat")][("mac-a", "v2")]
+    del rt.deployment(("ml", "chat")).placed[("mac-a", "v2")]
     # ... and mac-b's agent died (its lease took its node record, reports and stats)
     del rt.nodes["mac-b"]
     del rt.stats[("ml", "chat")]["mac-b"]
@@ -376,8 +375,8 @@ def test_series_disappear_with_the_views(rt: Runtime) -> None:
     # mac-b's last v1 counts stay in the sum: the counter does not go down
     assert of(s, P + "revision_requests_total") == {
         L(namespace="ml", deployment="chat", revision="v1"): 8}
-    # the deployment is deleted (delete_handler pops placed): all its series go
-    del rt.placed[("ml", "chat")]
+    # the deployment is deleted (delete_handler forgets its record): all its series go
+    rt.forget(("ml", "chat"))
     s = scrape(collector)
     assert not [k for k in s if dict(k[1]).get("deployment") == "chat"]
     assert of(s, P + "node_memory_reserved_bytes") == {L(node="mac-a"): 0}

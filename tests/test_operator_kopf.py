@@ -186,12 +186,12 @@ async def test_followers_wake_only_on_relevant_changes():
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")  # the followers' callbacks only
-    wake = rt.wakeup(("default", "llm"))          # a replica on mac-a
-    other = rt.wakeup(("default", "other"))       # a replica left unplaced
-    settled = rt.wakeup(("default", "settled"))   # fully placed on mac-b
-    rt.placed = {("default", "llm"): {("mac-a", "v1"): None},
-                 ("default", "settled"): {("mac-b", "v1"): None}}
-    rt.unsettled = {("default", "other")}
+    wake = rt.deployment(("default", "llm")).wake          # a replica on mac-a
+    other = rt.deployment(("default", "other")).wake       # a replica left unplaced
+    settled = rt.deployment(("default", "settled")).wake   # fully placed on mac-b
+    rt.deployment(("default", "llm")).placed = {("mac-a", "v1"): None}
+    rt.deployment(("default", "settled")).placed = {("mac-b", "v1"): None}
+    rt.deployment(("default", "other")).unsettled = True
     rec = node_record("mac-a")
 
     def ev(key: str, value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
@@ -217,7 +217,7 @@ async def test_followers_wake_only_on_relevant_changes():
     wake.clear(), other.clear()
 
     # Reports are per (node, revision); a changed one wakes the deployment and its Canary.
-    canary = rt.canary_wakeups[("default", "llm")] = asyncio.Event()
+    canary = rt.canary_wakeup(("default", "llm"))
     report_key = keys.report("mac-a", "default", "llm", "v2")
     report = AssignmentReport(node="mac-a", namespace="default", name="llm", revision="v2",
                               state=AssignmentState.LOADING)
@@ -248,8 +248,9 @@ async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after
     rt.clock = lambda: now[0]
     names = ("mac-a", "mac-b", "mac-c")
     recs = {n: node_record(n) for n in names}
-    wakes = {n: rt.wakeup(("default", n)) for n in names}  # one deployment per node
-    rt.placed = {("default", n): {(n, "v1"): None} for n in names}
+    wakes = {n: rt.deployment(("default", n)).wake for n in names}  # one deployment per node
+    for n in names:
+        rt.deployment(("default", n)).placed = {(n, "v1"): None}
 
     def ev(name: str, rev: int, gone: bool = False) -> WatchEvent:
         return WatchEvent(type="DELETE" if gone else "PUT", kv=KV(
@@ -301,7 +302,7 @@ async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_tri
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")
-    canary = rt.canary_wakeups[("default", "llm")] = asyncio.Event()
+    canary = rt.canary_wakeup(("default", "llm"))
     key = keys.stats("mac-a", "default", "llm")
 
     def ev(value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
@@ -335,7 +336,7 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
     rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
     monkeypatch.setattr(handlers, "reconcile", always_conflict)
     monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0, raising=False)
-    wake = rt.wakeup(("ns", "llm"))
+    wake = rt.deployment(("ns", "llm")).wake
     body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
             "spec": {"model": {"source": "file:///m", "revision": "v1"},
                      "resources": {"memory": "1Gi"}}}
@@ -608,7 +609,7 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
                      "resources": {"memory": "1Gi"}}}
     log = logging.getLogger("test")
     await handlers.sync(rt, body, log)  # placed: not Ready yet
-    assert rt.pending_status[key]["readyReplicas"] == 0 and patched == []
+    assert rt.deployment(key).status.pending["readyReplicas"] == 0 and patched == []
     rt.reports[key] = {("mac-a", "v1"): AssignmentReport(
         node="mac-a", namespace="ns", name="llm", generation=1, revision="v1",
         state=AssignmentState.READY, endpoint="http://mac-a.local:8000")}
@@ -619,11 +620,11 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
     before = (await store.list(keys.nodes_prefix)).revision
     for _ in range(3):  # the daemon's resyncs
         await handlers.sync(rt, body, log)
-    assert key not in rt.pending_status
+    assert rt.deployment(key).status.pending is None
     await rt.flush_status(key)
     assert len(patched) == 1
     assert (await store.list(keys.nodes_prefix)).revision == before  # no etcd write at all
-    rt.forget_status(key)
+    rt.forget(key)
 
 
 def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():

@@ -62,16 +62,17 @@ _RESOURCE = dict(group=GROUP, version=VERSION, plural=CANARY_PLURAL)
 def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
              uid: str, annotations: Mapping[str, str], now: float) -> Observation:
     """Gather what the step machine looks at from the operator's in-memory views."""
-    dep = rt.deployments.get(target)
+    dep = rt.synced(target)
     ann = {k: str(v) for k, v in (annotations or {}).items()}
     tokens = dict(promote_token=ann.get(ANNOTATION_PROMOTE, ""),
                   promote_full_token=ann.get(ANNOTATION_PROMOTE_FULL, ""),
                   abort_token=ann.get(ANNOTATION_ABORT, ""))
     if dep is None:
         return Observation(target_revision="", target_exists=False, **tokens)
-    dspec = dep[0]
+    dspec = dep.spec
+    rec = rt.deployment(target)
     cand = spec.candidate.revision
-    placed = rt.placed.get(target, {})
+    placed = rec.placed
     reports = rt.reports.get(target, {})
 
     def state_of(slot: tuple[str, str]) -> AssignmentState | None:
@@ -112,7 +113,7 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
         memory.window = AnalysisWindow(now, dict(stats), baseline)
     cand_mem = max((r.revisions[cand].memory_bytes for r in stats.values()
                     if cand in r.revisions), default=0)
-    md_status = rt.last_status.get(target) or {}
+    md_status = rec.status.last or {}
     progressing = next((c for c in md_status.get("conditions", [])
                         if c.get("type") == "Progressing"), {})
     return Observation(
@@ -131,14 +132,15 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
 
 def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
            name: str, uid: str, generation: int, weight: int) -> TrafficSplit | None:
-    dep = rt.deployments.get(target)
+    dep = rt.synced(target)
     if dep is None:
         return None
-    dspec = dep[0]
+    dspec = dep.spec
+    rec = rt.deployment(target)
     cand = spec.candidate.revision
-    placed = rt.placed.get(target, {})
+    placed = rec.placed
     reports = rt.reports.get(target, {})
-    withdrawn = rt.withdrawn.get(target, {})  # drained replicas on their way out: not forwarded to
+    withdrawn = rec.withdrawn  # drained replicas on their way out: not forwarded to
     endpoints = sorted({reports[s].endpoint for s in placed if s[1] == cand and s in reports
                         and s not in withdrawn
                         and (reports[s].state == AssignmentState.READY
@@ -245,8 +247,8 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
         "name", ""))
     if spec is not None:
         target = (namespace, spec.target_ref.name)
-        owner = rt.candidates.get(target)
-        dep = rt.deployments.get(target)
+        owner = rt.candidate(target)
+        dep = rt.synced(target)
         # (Re)starting: the first tick, or the spec names another candidate than the one the
         # state is about (a terminal canary restarts then).
         starting = state.candidate_revision != spec.candidate.revision
@@ -258,7 +260,7 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
             state = _fail(state, "TargetBusy", msg, spec.candidate.revision)
             weight, keep = 0, False
         elif (starting and dep is not None
-              and dep[0].model.revision == spec.candidate.revision):
+              and dep.spec.model.revision == spec.candidate.revision):
             msg = (f"spec.candidate.revision: {spec.candidate.revision} is already the "
                    f"revision of ModelDeployment {target[1]}")
             events.append(("Warning", "InvalidSpec", msg))
@@ -274,16 +276,13 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
     if spec is not None and keep:
         intent = CandidateIntent(name, spec.candidate.revision, spec.candidate.source,
                                  spec.candidate.memory_bytes)
-        if rt.candidates.get(target) != intent:
-            rt.candidates[target] = intent
-            rt.wakeup(target).set()
-    elif rt.candidates.get(target) is not None and rt.candidates[target].canary == name:
-        del rt.candidates[target]
-        rt.wakeup(target).set()  # the target's reconcile unloads the candidate
+        rt.keep_candidate(target, intent)
+    else:
+        rt.release_candidate(target, name)  # the target's reconcile unloads the candidate
     try:
         split = (_split(rt, spec, state, target, name, uid, generation, weight)
                  if spec is not None and keep else None)
-        if split is not None or rt.candidates.get(target) is None:
+        if split is not None or rt.candidate(target) is None:
             await _write_split(rt, target, split)
     except StoreError as e:
         log.warning("canary %s/%s: writing the traffic split failed (retrying): %s",
@@ -335,7 +334,7 @@ async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: lo
     statistics change."""
     rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    wake = rt.canary_wakeups.setdefault(target, asyncio.Event())
+    wake = rt.canary_wakeup(target)
 
     async def relay_stop() -> None:
         await stopped.wait()
@@ -365,10 +364,7 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.
     (unless it was promoted: then it *is* the stable revision)."""
     rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    owner = rt.candidates.get(target)
-    if owner is not None and owner.canary == name:
-        del rt.candidates[target]
-        rt.wakeup(target).set()
+    if rt.release_candidate(target, name):
         try:
             await _write_split(rt, target, None)
         except StoreError as e:

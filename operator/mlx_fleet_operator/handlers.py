@@ -52,7 +52,7 @@ from typing import Any
 
 import kopf
 
-from mlx_fleet.contract import ROOT, AssignmentReport, Keys, NodeRecord, Role, StatsReport
+from mlx_fleet.contract import ROOT, Assignment, AssignmentReport, Keys, NodeRecord, Role, StatsReport
 from mlx_fleet.etcd_credentials import EtcdCredentials
 from mlx_fleet.store import (CLOSE_TIMEOUT_SECONDS, EtcdStore, Snapshot, StoreError, WatchEvent,
                              follow_prefix)
@@ -63,7 +63,8 @@ from .disruption import DISRUPTION_WINDOW_SECONDS, Disruption
 from .disruption import HOLD_SECONDS as DISRUPTION_HOLD_SECONDS
 from .disruption import observe as observe_disruption
 from .placement import PlacementRequest, affected_by_node, resolve_memory, revision_estimates
-from .records import CandidateIntent, CanaryRecord, DeploymentKey, Slot
+from .records import (CandidateIntent, CanaryRecord, DeploymentKey, DeploymentRecord, Slot,
+                      StatusQueue, SyncedSpec)
 from .reconcile import (DEFAULT_WRITER, ConflictError, Intent, ParseMemo, collect_garbage,
                         read_fleet, reconcile, remove_deployment)
 from .rollout import DrainState, RevisionTarget
@@ -161,29 +162,14 @@ class Runtime:
         self.nodes: dict[str, NodeRecord] = {}
         self.reports: dict[DeploymentKey, dict[Slot, AssignmentReport]] = {}
         #: target ModelDeployment → the candidate its running Canary keeps resident (set by
-        #: the Canary handlers, :mod:`.canary_handlers`; read by :func:`sync`).
-        self.candidates: dict[DeploymentKey, CandidateIntent] = {}
-        #: ModelDeployment → (parsed spec, generation, uid), as last synced (None: invalid).
-        self.deployments: dict[DeploymentKey, tuple[Any, int, str]] = {}
-        #: ModelDeployment → its (node, revision) assignments as last reconciled.
-        self.placed: dict[DeploymentKey, dict[Slot, Any]] = {}
-        #: ModelDeployments whose last reconcile left something open (placement's
-        #: ``affected_by_node``): a node change wakes them and those with a replica on it.
-        self.unsettled: set[DeploymentKey] = set()
+        #: the Canary handlers through :meth:`keep_candidate`; read by :func:`sync`).
+        self._candidates: dict[DeploymentKey, CandidateIntent] = {}
+        #: ModelDeployment → everything kept about it (:class:`~.records.DeploymentRecord`).
+        self._deployments: dict[DeploymentKey, DeploymentRecord] = {}
         #: ModelDeployment → node → the agents' per-revision statistics (``stats/``).
         self.stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
         #: target ModelDeployment → wake-up of the Canary daemon following it.
-        self.canary_wakeups: dict[DeploymentKey, asyncio.Event] = {}
-        self.wakeups: dict[DeploymentKey, asyncio.Event] = {}
-        self.locks: dict[DeploymentKey, asyncio.Lock] = {}
-        #: ModelDeployment → the status computed last (queued or patched): ``previous`` of
-        #: the next status computation.
-        self.last_status: dict[DeploymentKey, dict[str, Any]] = {}
-        #: ModelDeployment → the status computed last and not patched yet, its writer task
-        #: and the lock that keeps its patches in order (:meth:`queue_status`).
-        self.pending_status: dict[DeploymentKey, dict[str, Any]] = {}
-        self.status_writers: dict[DeploymentKey, asyncio.Task] = {}
-        self.status_locks: dict[DeploymentKey, asyncio.Lock] = {}
+        self._canary_wakeups: dict[DeploymentKey, asyncio.Event] = {}
         self.tasks: list[asyncio.Task] = []
         self.followers: dict[str, TaskHealth] = {}
         #: Whether this replica exports the fleet metric families (fleet_metrics): always when
@@ -196,11 +182,6 @@ class Runtime:
         self.cordoned: frozenset[str] = frozenset()
         #: Nodes drained through their MacNode's ``spec.drain`` (replicas moved elsewhere).
         self.draining: frozenset[str] = frozenset()
-        #: ModelDeployment → the state of its replicas on draining nodes, as last reconciled.
-        self.drains: dict[DeploymentKey, DrainState] = {}
-        #: ModelDeployment → withdrawn (node, revision) → ``time.monotonic()`` when the status
-        #: leaving it out of ``endpoints`` was published.
-        self.withdrawn: dict[DeploymentKey, dict[Slot, float]] = {}
         #: Held by every reconcile's read-plan-write (reconcile.reconcile's ``serialize``).
         self.placement_lock = asyncio.Lock()
         #: Parsed node records and assignments reused between reconciles (reconcile.ParseMemo).
@@ -231,33 +212,104 @@ class Runtime:
         """The Canary ``uid`` is gone: drop its record."""
         self._canaries.pop(uid, None)
 
-    def wakeup(self, key: DeploymentKey) -> asyncio.Event:
-        return self.wakeups.setdefault(key, asyncio.Event())
+    # -- per-deployment records -----------------------------------------------------------
+    def deployment(self, key: DeploymentKey) -> DeploymentRecord:
+        """``key``'s record, created empty the first time."""
+        rec = self._deployments.get(key)
+        if rec is None:
+            rec = self._deployments[key] = DeploymentRecord()
+        return rec
 
-    def lock(self, key: DeploymentKey) -> asyncio.Lock:
-        return self.locks.setdefault(key, asyncio.Lock())
+    def existing(self, key: DeploymentKey) -> DeploymentRecord | None:
+        """``key``'s record if it has one (never creates it)."""
+        return self._deployments.get(key)
+
+    def forget(self, key: DeploymentKey) -> None:
+        """The ModelDeployment ``key`` is deleted: drop its record, and stop its status
+        writer (a status still queued is dropped: the object is gone)."""
+        rec = self._deployments.pop(key, None)
+        if rec is not None and rec.status.writer is not None:
+            rec.status.writer.cancel()
+
+    @property
+    def placed(self) -> dict[DeploymentKey, dict[Slot, Assignment]]:
+        """ModelDeployment → its (node, revision) assignments as last reconciled (a new dict;
+        safe to call from the metrics thread: the records are copied in one C-level call)."""
+        return {key: rec.placed for key, rec in dict(self._deployments).items()}
+
+    @property
+    def unsettled(self) -> set[DeploymentKey]:
+        """The ModelDeployments whose last reconcile left something open."""
+        return {key for key, rec in dict(self._deployments).items() if rec.unsettled}
+
+    def synced(self, key: DeploymentKey) -> SyncedSpec | None:
+        """``key``'s valid spec as last synced (None: never synced, or deleted)."""
+        rec = self._deployments.get(key)
+        return rec.synced if rec is not None else None
+
+    def wake(self, keys: Iterable[DeploymentKey]) -> None:
+        """Wake the daemons of ``keys`` (those that have a record; others are not followed)."""
+        for key in keys:
+            rec = self._deployments.get(key)
+            if rec is not None:
+                rec.wake.set()
 
     def rearm(self, key: DeploymentKey, delay: float) -> None:
         """Wake ``key``'s daemon again in ``delay`` seconds (a prompt retry, not the resync)."""
-        asyncio.get_running_loop().call_later(delay, self.wakeup(key).set)
+        asyncio.get_running_loop().call_later(delay, self.deployment(key).wake.set)
+
+    # -- Canary intents and wake-ups ------------------------------------------------------------
+    def candidate(self, target: DeploymentKey) -> CandidateIntent | None:
+        """The candidate a running Canary keeps resident on ``target`` (None: none)."""
+        return self._candidates.get(target)
+
+    @property
+    def candidates(self) -> dict[DeploymentKey, CandidateIntent]:
+        """target → the candidate its running Canary keeps resident (a copy)."""
+        return dict(self._candidates)
+
+    def seed_candidates(self, candidates: Mapping[DeploymentKey, CandidateIntent]) -> None:
+        """At start-up: the running Canaries' candidates (before any deployment resumes)."""
+        self._candidates = dict(candidates)
+
+    def keep_candidate(self, target: DeploymentKey, intent: CandidateIntent) -> None:
+        """``intent.canary`` keeps its candidate on ``target``: a change wakes the target."""
+        if self._candidates.get(target) != intent:
+            self._candidates[target] = intent
+            self.deployment(target).wake.set()
+
+    def release_candidate(self, target: DeploymentKey, canary: str) -> bool:
+        """The Canary ``canary`` no longer keeps a candidate on ``target`` (the target's
+        reconcile unloads it; another Canary's intent is left alone). Returns whether it held
+        one."""
+        owner = self._candidates.get(target)
+        if owner is None or owner.canary != canary:
+            return False
+        del self._candidates[target]
+        self.deployment(target).wake.set()
+        return True
+
+    def canary_wakeup(self, target: DeploymentKey) -> asyncio.Event:
+        """The wake-up of the Canary daemon following ``target`` (created the first time)."""
+        return self._canary_wakeups.setdefault(target, asyncio.Event())
 
     # -- status writer -----------------------------------------------------------------------
     def queue_status(self, key: DeploymentKey, status: dict[str, Any]) -> None:
         """Patch ``status`` onto ``key``'s ModelDeployment :data:`STATUS_COALESCE_SECONDS` from
         now, unless a later one is queued meanwhile (then that one). Failed patches are logged
         and retried after :data:`STATUS_RETRY_SECONDS`."""
-        self.pending_status[key] = status
-        writer = self.status_writers.get(key)
-        if writer is None or writer.done():
-            self.status_writers[key] = asyncio.create_task(self._write_status(key),
-                                                           name=f"status {key[0]}/{key[1]}")
+        queue = self.deployment(key).status
+        queue.last = queue.pending = status
+        if queue.writer is None or queue.writer.done():
+            queue.writer = asyncio.create_task(self._write_status(key, queue),
+                                               name=f"status {key[0]}/{key[1]}")
 
-    async def _write_status(self, key: DeploymentKey) -> None:
+    async def _write_status(self, key: DeploymentKey, queue: StatusQueue) -> None:
         delay = STATUS_COALESCE_SECONDS
-        while key in self.pending_status:
+        while queue.pending is not None:
             await asyncio.sleep(delay)  # the coalescing window (or the retry delay)
             try:
-                await self.flush_status(key)
+                await self._flush(key, queue)
                 delay = STATUS_COALESCE_SECONDS
             except Exception as e:
                 log.warning("status of %s/%s not patched (%s: %s); retrying in %.0f s", *key,
@@ -268,31 +320,34 @@ class Runtime:
     async def flush_status(self, key: DeploymentKey) -> None:
         """Patch ``key``'s queued status now (nothing when none is queued). Raises what the
         patch raised; the status then stays queued."""
-        async with self.status_locks.setdefault(key, asyncio.Lock()):
-            status = self.pending_status.pop(key, None)
+        rec = self._deployments.get(key)
+        if rec is not None:
+            await self._flush(key, rec.status)
+
+    async def _flush(self, key: DeploymentKey, queue: StatusQueue) -> None:
+        async with queue.lock:
+            status, queue.pending = queue.pending, None
             if status is None:
                 return
             try:
                 await _patch_status(self, key[0], key[1], status)
             except BaseException:
-                self.pending_status.setdefault(key, status)  # unless a newer one came
+                if queue.pending is None:  # unless a newer one came
+                    queue.pending = status
                 raise
 
-    def forget_status(self, key: DeploymentKey) -> None:
-        """The deployment is gone: drop its queued status and stop its writer."""
-        self.pending_status.pop(key, None)
-        self.last_status.pop(key, None)
-        self.status_locks.pop(key, None)
-        writer = self.status_writers.pop(key, None)
-        if writer is not None:
-            writer.cancel()
+    def mark_nodes(self, cordoned: frozenset[str], draining: frozenset[str]) -> None:
+        """The nodes cordoned and drained through their MacNodes now: every deployment is
+        woken (placement honours both)."""
+        self.cordoned, self.draining = cordoned, draining
+        self.wake_all()
 
     def wake_all(self) -> None:
-        for ev in self.wakeups.values():
-            ev.set()
+        for rec in list(self._deployments.values()):
+            rec.wake.set()
 
     def wake_canary(self, target: DeploymentKey) -> None:
-        ev = self.canary_wakeups.get(target)
+        ev = self._canary_wakeups.get(target)
         if ev is not None:
             ev.set()
 
@@ -384,9 +439,7 @@ class Runtime:
             log.info("node %s %s; re-placing the %d deployment(s) it concerns", name,
                      "gone" if rec is None else "changed" if before else "appeared",
                      len(affected))
-            for key in affected:
-                if key in self.wakeups:
-                    self.wakeups[key].set()
+            self.wake(affected)
 
     # -- vanished nodes: node loss or a control-plane disruption (disruption.py) ------------
     def held_nodes(self) -> frozenset[str]:
@@ -460,9 +513,7 @@ class Runtime:
         if names:
             log.info("node(s) %s %s; re-placing the %d deployment(s) they concern",
                      ", ".join(sorted(names)), what, len(affected))
-        for key in affected:
-            if key in self.wakeups:
-                self.wakeups[key].set()
+        self.wake(affected)
         if names:
             self.macnode_wake.set()
 
@@ -498,9 +549,7 @@ class Runtime:
         changed = set(reports) | set(self.reports)
         self.reports = reports
         self.reports_synced.set()
-        for key in changed:
-            if key in self.wakeups:
-                self.wakeups[key].set()
+        self.wake(changed)
 
     async def on_reports_event(self, ev: WatchEvent) -> None:
         parsed, rep = self._parse_report(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
@@ -514,8 +563,7 @@ class Runtime:
         else:
             per[slot] = rep
         if before != self._report_view(rep):
-            if key in self.wakeups:
-                self.wakeups[key].set()
+            self.wake((key,))
             self.wake_canary(key)
 
     async def on_assignments_snapshot(self, snap: Snapshot) -> None:
@@ -523,6 +571,10 @@ class Runtime:
 
     async def on_assignments_event(self, ev: WatchEvent) -> None:
         self.assignments.apply(ev)
+
+    def drains(self) -> dict[DeploymentKey, DrainState]:
+        """ModelDeployment → its replicas on draining nodes, as last reconciled."""
+        return {key: rec.drain for key, rec in self._deployments.items()}
 
     def placement_nodes(self) -> dict[str, NodeRecord] | None:
         """The followed node records for placement, None until the follower's first listing
@@ -613,7 +665,8 @@ class Runtime:
         for timer in (self._judge_timer, self._hold_timer):
             if timer is not None:
                 timer.cancel()
-        tasks = [*self.tasks, *self.status_writers.values()]
+        tasks = [*self.tasks, *(rec.status.writer for rec in self._deployments.values()
+                                if rec.status.writer is not None)]
         for t in tasks:
             t.cancel()
         if tasks:
@@ -761,7 +814,7 @@ async def mirror_macnodes(rt: Runtime) -> None:
         for (node, _rev), a in placed.items():
             on_node.setdefault(node, []).append(a)
     why: dict[str, list[str]] = {}
-    for (ns, name), drain in sorted(rt.drains.items()):
+    for (ns, name), drain in sorted(rt.drains().items()):
         for node in sorted({n for n, _ in drain.moving}) if drain.blocked else ():
             why.setdefault(node, []).append(f"{ns}/{name}: {drain.blocked}")
     blocked = {node: "; ".join(texts) for node, texts in why.items()}
@@ -776,8 +829,7 @@ async def mirror_macnodes(rt: Runtime) -> None:
     if cordoned != rt.cordoned or draining != rt.draining:
         log.info("cordoned nodes: %s; draining: %s", ", ".join(sorted(cordoned)) or "none",
                  ", ".join(sorted(draining)) or "none")
-        rt.cordoned, rt.draining = cordoned, draining
-        rt.wake_all()
+        rt.mark_nodes(cordoned, draining)
 
 
 @kopf.on.event(GROUP, VERSION, MACNODE_PLURAL)
@@ -859,7 +911,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         from .canary_handlers import seed_candidates
 
         try:
-            rt.candidates = await asyncio.to_thread(seed_candidates, api)
+            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api))
         except Exception as e:  # e.g. the Canary CRD is not installed: no canaries to keep
             logger.warning("cannot list Canaries at start-up (%s: %s); none resumed",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -947,9 +999,8 @@ async def _publish(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
     """Queue ``status`` when it differs from the last one (coalesced, :meth:`Runtime.queue_status`),
     post ``events``, set the replica gauges. ``at_once``: patch before returning (raises what
     the patch raises)."""
-    previous = rt.last_status.get(key) or body.get("status") or {}
+    previous = rt.deployment(key).status.last or body.get("status") or {}
     if status_changed(previous, status):
-        rt.last_status[key] = status
         rt.queue_status(key, status)
     if at_once:
         await rt.flush_status(key)
@@ -966,12 +1017,13 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
     """
     meta = body.get("metadata", {})
     key: DeploymentKey = (meta["namespace"], meta["name"])
-    async with rt.lock(key):
+    rec = rt.deployment(key)
+    async with rec.lock:
         if meta.get("deletionTimestamp"):
             return
         started = time.perf_counter()
         generation = int(meta.get("generation") or 0)
-        previous = rt.last_status.get(key) or body.get("status") or {}
+        previous = rec.status.last or body.get("status") or {}
         spec_dict = dict(body.get("spec") or {})
         try:
             spec = parse_spec(spec_dict)
@@ -998,14 +1050,12 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             metrics.observe_reconcile(time.perf_counter() - started, success=False)
             raise kopf.PermanentError(str(e)) from None
 
-        rt.deployments[key] = (spec, generation, meta.get("uid", ""))
+        rec.observe_spec(SyncedSpec(spec, generation, meta.get("uid", "")))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
-                                   candidate=rt.candidates.get(key), cordoned=rt.cordoned,
+                                   candidate=rt.candidate(key), cordoned=rt.cordoned,
                                    draining=rt.draining,
                                    estimates=revision_estimates(rt.reports.get(key, {})))
-        published = rt.withdrawn.get(key, {})
-        released = {slot for slot, at in published.items()
-                    if time.monotonic() - at >= ENDPOINT_GRACE_SECONDS}
+        released = rec.released(time.monotonic(), ENDPOINT_GRACE_SECONDS)
         try:
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
@@ -1024,16 +1074,13 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             metrics.observe_reconcile(time.perf_counter() - started, success=False)
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
-        rt.placed[key] = dict(result.assignments)
-        if (result.decision.unplaced or result.decision.waiting
-                or (result.candidate is not None and result.candidate.unplaced)
-                or result.rollout.reason != "Complete" or result.drain != DrainState()):
-            rt.unsettled.add(key)
-        else:
-            rt.unsettled.discard(key)
-        if result.written or rt.drains.get(key, DrainState()) != result.drain:
+        drain_changed = rec.reconciled(result.assignments, unsettled=bool(
+            result.decision.unplaced or result.decision.waiting
+            or (result.candidate is not None and result.candidate.unplaced)
+            or result.rollout.reason != "Complete" or result.drain != DrainState()),
+            drain=result.drain)
+        if result.written or drain_changed:
             rt.macnode_wake.set()  # reserved memory / models / drain progress changed
-        rt.drains[key] = result.drain
         rt.wake_canary(key)
 
         reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
@@ -1049,9 +1096,9 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
                        at_once=bool(result.drain.withdraw))
         # withdrawn from the endpoints now that this status is published: removed after the grace
         now = time.monotonic()
-        rt.withdrawn[key] = {slot: published.get(slot, now) for slot in result.drain.withdraw}
-        if rt.withdrawn[key]:
-            due = min(rt.withdrawn[key].values()) + ENDPOINT_GRACE_SECONDS - now
+        first = rec.withdraw(result.drain.withdraw, now)
+        if first is not None:
+            due = first + ENDPOINT_GRACE_SECONDS - now
             rt.rearm(key, max(due, 0.0) + 0.05)
         metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
@@ -1105,7 +1152,7 @@ async def reconcile_handler(body: kopf.Body, logger: logging.Logger, namespace: 
                             memo: kopf.Memo, **_: Any) -> None:
     rt = runtime(memo)
     await sync(rt, body, logger)  # an invalid spec: sync() posted the InvalidSpec event already
-    rt.wakeup((namespace, name))  # make sure the daemon's event exists
+    rt.deployment((namespace, name))  # make sure the daemon's record exists
 
 
 @kopf.daemon(**_RESOURCE, cancellation_timeout=10.0)
@@ -1114,7 +1161,7 @@ async def follow_deployment(stopped: kopf.DaemonStopped, body: kopf.Body, logger
     """Re-sync on etcd changes (node churn, agent reports) and every RESYNC_SECONDS."""
     rt = runtime(memo)
     key = (namespace, name)
-    wake = rt.wakeup(key)
+    wake = rt.deployment(key).wake
 
     async def relay_stop() -> None:
         await stopped.wait()
@@ -1143,7 +1190,7 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, memo
                          **_: Any) -> None:
     rt = runtime(memo)
     key = (namespace, name)
-    async with rt.lock(key):
+    async with rt.deployment(key).lock:
         try:
             result = await remove_deployment(rt.store, rt.keys, namespace, name, writer=rt.writer,
                                              serialize=rt.placement_lock, memo=rt.fleet_memo,
@@ -1157,13 +1204,6 @@ async def delete_handler(namespace: str, name: str, logger: logging.Logger, memo
         metrics.TXN_CONFLICTS.inc(result.conflicts)
         logger.info("removed assignments of %s/%s from %s", namespace, name,
                     list(result.decision.removed))
-    rt.forget_status(key)
-    rt.wakeups.pop(key, None)
-    rt.locks.pop(key, None)
-    rt.deployments.pop(key, None)
-    rt.placed.pop(key, None)
-    rt.unsettled.discard(key)
-    rt.drains.pop(key, None)
-    rt.withdrawn.pop(key, None)
+    rt.forget(key)
     rt.wake_canary(key)  # a Canary of a deleted target fails
     metrics.forget_deployment(namespace, name)
