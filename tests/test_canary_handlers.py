@@ -26,7 +26,8 @@ from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS
                                 RevisionStats, Role, StatsReport, TrafficSplit)
 from mlx_fleet_operator import canary_handlers
 from mlx_fleet_operator.canary_handlers import seed_candidates, tick
-from mlx_fleet_operator.handlers import GROUP, VERSION, Runtime
+from mlx_fleet_operator.kube import GROUP, VERSION
+from mlx_fleet_operator.runtime import Runtime
 from mlx_fleet_operator.records import CandidateIntent, SyncedSpec
 from mlx_fleet_operator.spec import parse_spec, to_assignment
 
@@ -568,7 +569,7 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
     rt2.deployment(T).observe_spec(rt.synced(T))  # its target resumed ...
     rt2.deployment(T).placed = dict(rt.deployment(T).placed)  # ... and reconciled
     for view in ("reports", "stats"):
-        setattr(rt2, view, getattr(rt, view))
+        setattr(rt2.views, view, getattr(rt.views, view))
     restarted = {**body, "status": listing["items"][0]["status"]}
     events.clear()
     await tick(rt2, restarted, now=T0 + 6)

@@ -5,7 +5,7 @@ Every decision is pure: :func:`~.canary_spec.parse_canary_spec` (the spec),
 machine). A daemon per Canary ticks — every :data:`TICK_SECONDS`, and at once when its target's
 reports or statistics change (a local guard trip wakes it) — and applies the decision:
 
-* :attr:`.handlers.Runtime.candidates` tells the target ModelDeployment's reconcile to keep the
+* :meth:`.runtime.Runtime.keep_candidate` tells the target ModelDeployment's reconcile to keep the
   candidate revision resident (one writer per deployment's assignments: the ModelDeployment's
   own fenced transaction), or to unload it once the canary ends;
 * the :class:`~mlx_fleet.contract.TrafficSplit` in etcd (``traffic/<ns>/<target>``) carries the
@@ -31,11 +31,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kopf
 
-from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit, is_standby
+from mlx_fleet.contract import AssignmentState, Role, TrafficSplit, is_standby
 from mlx_fleet.store import Compare, Delete, Put, StoreError
 from mlx_fleet.supervise import wait_event
 
@@ -43,13 +43,16 @@ from . import metrics
 from .analysis import AnalysisResult, analyze, window_from_reports
 from .canary import TERMINAL, CanaryState, Observation, Phase, step
 from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
-from .handlers import GROUP, PLURAL, VERSION, Runtime, runtime
+from .kube import CANARY_PLURAL, GROUP, PLURAL, VERSION, patch_object
+from .runtime import Runtime, runtime
 from .records import AnalysisWindow, CandidateIntent, DeploymentKey
 from .status import _condition, now_rfc3339
 
+if TYPE_CHECKING:
+    from kubernetes.client import CustomObjectsApi
+
 log = logging.getLogger(__name__)
 
-CANARY_PLURAL = "canaries"
 ANNOTATION_PROMOTE = "mlx-fleet.io/promote"
 ANNOTATION_PROMOTE_FULL = "mlx-fleet.io/promote-full"
 ANNOTATION_ABORT = "mlx-fleet.io/abort"
@@ -173,25 +176,12 @@ async def _write_split(rt: Runtime, target: DeploymentKey, split: TrafficSplit |
                        [Put(key, split.to_json())])
 
 
-async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict,
+async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict[str, Any],
                  subresource: str = "") -> None:
-    import kubernetes
-
-    def call() -> None:
-        try:
-            if subresource == "status":
-                rt.custom_api.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, plural, name, body,
-                    _content_type="application/merge-patch+json")
-            else:
-                rt.custom_api.patch_namespaced_custom_object(
-                    GROUP, VERSION, namespace, plural, name, body,
-                    _content_type="application/merge-patch+json")
-        except kubernetes.client.ApiException as e:
-            if e.status != 404:
-                raise
-
-    await asyncio.to_thread(call)
+    if rt.custom_api is None:
+        raise RuntimeError("no Kubernetes client to patch with")
+    await patch_object(rt.custom_api, plural, namespace, name, body,
+                       status=subresource == "status")
 
 
 def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]) -> list[dict]:
@@ -374,7 +364,7 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.
     metrics.forget_canary(namespace, name)
 
 
-def seed_candidates(api: Any) -> dict[DeploymentKey, CandidateIntent]:
+def seed_candidates(api: CustomObjectsApi) -> dict[DeploymentKey, CandidateIntent]:
     """At start-up, before any ModelDeployment is re-synced: the candidates of running Canaries
     (from their stored ``status``), so an operator restart mid-canary never unloads a warm
     candidate. Blocking (run in a thread)."""

@@ -183,18 +183,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         ActivityError = ()  # type: ignore[assignment,misc]  # `except ()` catches nothing
 
     from . import canary_handlers, handlers  # noqa: F401 - importing registers the handlers
+    from .config import OperatorConfig, PeeringConfig
 
-    config = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
-                                     etcd_credentials=etcd_credentials,
-                                     etcd_prefix=args.etcd_prefix,
-                                     metrics_port=args.metrics_port,
-                                     metrics_served=bool(args.metrics_port),  # by preflight()
-                                     namespaces=tuple(args.namespace),
-                                     gc_interval=args.gc_interval)
+    config = OperatorConfig(etcd_endpoint=args.etcd_endpoint,
+                            etcd_credentials=etcd_credentials,
+                            etcd_prefix=args.etcd_prefix,
+                            metrics_port=args.metrics_port,
+                            metrics_served=bool(args.metrics_port),  # by preflight()
+                            namespaces=tuple(args.namespace),
+                            gc_interval=args.gc_interval)
     run_kwargs = kopf_run_kwargs(args)
     if not args.standalone:
         config = dataclasses.replace(
-            config, peering=handlers.PeeringConfig(
+            config, peering=PeeringConfig(
                 name=args.peering_name, identity=run_kwargs["identity"],
                 priority=run_kwargs["priority"], clusterwide=run_kwargs["clusterwide"]))
     kopf.configure(verbose=args.verbose)

@@ -8,7 +8,7 @@
 * :class:`CanaryRecord`: per Canary (by uid), what its daemon remembers between ticks — the
   last analysis window's end and the status last patched (kopf's ``body`` lags behind it).
 
-Held by the operator's :class:`~.handlers.Runtime`, never in module globals; lost on restart
+Held by the operator's :class:`~.runtime.Runtime`, never in module globals; lost on restart
 (a restarted operator re-arms the window and reads the status back from the object).
 """
 
