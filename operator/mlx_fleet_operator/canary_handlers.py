@@ -184,14 +184,15 @@ async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict
                        status=subresource == "status")
 
 
-def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]) -> list[dict]:
+def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]
+                ) -> list[dict[str, Any]]:
     prev = {c.get("type"): c for c in previous.get("conditions") or [] if isinstance(c, Mapping)}
     stamp = now_rfc3339()
     phase = state.phase
     reason = state.reason or phase.value
     msg = state.message or phase.value
 
-    def cond(t: str, s: str, r: str, m: str) -> dict:
+    def cond(t: str, s: str, r: str, m: str) -> dict[str, Any]:
         return _condition(t, s, r, m, generation, prev, stamp)
 
     running = phase not in TERMINAL
