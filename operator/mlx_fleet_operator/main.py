@@ -193,24 +193,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         ActivityError = ()  # type: ignore[assignment,misc]  # `except ()` catches nothing
 
     from . import canary_handlers, handlers  # noqa: F401 - importing registers the handlers
+    from .config import OperatorConfig, PeeringConfig
 
-    handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
-                                              etcd_credentials=etcd_credentials,
-                                              etcd_prefix=args.etcd_prefix,
-                                              metrics_port=args.metrics_port,
-                                              namespaces=tuple(args.namespace),
-                                              gc_interval=args.gc_interval)
+    config = OperatorConfig(etcd_endpoint=args.etcd_endpoint,
+                            etcd_credentials=etcd_credentials,
+                            etcd_prefix=args.etcd_prefix,
+                            metrics_port=args.metrics_port,
+                            metrics_served=bool(args.metrics_port),  # by preflight()
+                            namespaces=tuple(args.namespace),
+                            gc_interval=args.gc_interval)
     run_kwargs = kopf_run_kwargs(args)
     if not args.standalone:
-        handlers.CONFIG = dataclasses.replace(
-            handlers.CONFIG, peering=handlers.PeeringConfig(
+        config = dataclasses.replace(
+            config, peering=PeeringConfig(
                 name=args.peering_name, identity=run_kwargs["identity"],
                 priority=run_kwargs["priority"], clusterwide=run_kwargs["clusterwide"]))
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
     try:
-        kopf.run(**run_kwargs, liveness_endpoint=liveness)
+        # the configuration reaches the start-up handler in kopf's operator memo
+        kopf.run(**run_kwargs, liveness_endpoint=liveness, memo=kopf.Memo(config=config))
     except ActivityError as e:  # the start-up handler failed permanently (already logged)
         causes = "; ".join(str(o.exception) for o in e.outcomes.values() if o.exception)
         print(f"mlx-fleet-operator: error: start-up failed: {causes or e}", file=sys.stderr)
