@@ -49,7 +49,8 @@ class _Watch:
     def __init__(self, prefix: str, start_revision: int) -> None:
         self.prefix = prefix
         self.start_revision = start_revision
-        self.queue: asyncio.Queue[WatchEvent | StoreError] = asyncio.Queue()
+        #: None ends the watch; a StoreError ends it with that error.
+        self.queue: asyncio.Queue[WatchEvent | StoreError | None] = asyncio.Queue()
 
 
 class MemoryStore:
@@ -94,11 +95,11 @@ class MemoryStore:
         await self._enter()
 
     async def close(self) -> None:
-        """End every live watch with :class:`StoreError` (as a closed channel does) and stop
+        """End every live watch (quietly, as aetcd's do when their client closes) and stop
         the lease reaper; later calls raise :class:`StoreError`."""
         self._closed = True
         for w in self._watches:
-            w.queue.put_nowait(StoreError("memory store closed"))
+            w.queue.put_nowait(None)
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
@@ -162,7 +163,8 @@ class MemoryStore:
             raise StoreError(f"memory store: compact {revision}: required revision is a "
                              f"future revision (current {self._revision})")
         if revision <= self._compact_revision:
-            raise Compacted(self._compact_revision)
+            raise StoreError(f"memory store: compact {revision}: required revision has been "
+                             f"compacted (at {self._compact_revision})")
         self._compact_revision = revision
         self._history = [e for e in self._history if e.kv.mod_revision >= revision]
 
@@ -174,8 +176,9 @@ class MemoryStore:
         its operations' order).
 
         Raises :class:`Compacted` if ``start_revision`` is below the last compaction (etcd
-        refuses ``minRev < compactRev``), :class:`StoreError` when the store is closed or
-        :meth:`break_watches` is called. Like etcd's, the watch starts when first iterated."""
+        refuses ``minRev < compactRev``), :class:`StoreError` when :meth:`break_watches` is
+        called; ends when the store is closed. Like etcd's, the watch starts when first
+        iterated."""
         await self._enter()
         if start_revision < self._compact_revision:
             raise Compacted(self._compact_revision)
@@ -187,6 +190,8 @@ class MemoryStore:
         try:
             while True:
                 item = await w.queue.get()
+                if item is None:
+                    return
                 if isinstance(item, StoreError):
                     raise item
                 yield item
