@@ -5,16 +5,14 @@ transaction, watch from a revision, leases), so the client library can be swappe
 touching the operator or the agent. ``aetcd`` (the asyncio fork of python-etcd3) is used because
 python-etcd3 is abandoned, fails to import with protobuf >= 4 and blocks the event loop.
 
-:func:`follow_prefix` implements the watch discipline of the contract once for both sides:
-list, then watch from ``list revision + 1``; after a disconnect resume from the last revision
-seen; when that revision was compacted, re-list and hand the caller a fresh snapshot, so no
-event is ever silently skipped.
+The interface itself (:class:`Store`, its records and errors) lives in :mod:`mlx_fleet.store_api`
+and the watch discipline (:func:`follow_prefix`) in :mod:`mlx_fleet.views`, both without a
+client; this module re-exports them under the names callers have always imported.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -34,6 +32,7 @@ from mlx_fleet.store_api import (  # re-exported: the interface's import path
     StoreError,
     WatchEvent,
 )
+from mlx_fleet.views import Snapshot, follow_prefix  # re-exported (they moved to views.py)
 
 __all__ = ["KV", "Compacted", "Compare", "Delete", "Listing", "Put", "Store", "StoreError",
            "WatchEvent", "EtcdStore", "Snapshot", "follow_prefix", "parse_endpoint",
@@ -326,8 +325,7 @@ class EtcdStore:
     async def compact(self, revision: int) -> None:
         """Compact etcd's history before ``revision`` (an admin operation: tests and
         maintenance). A watch from a lower revision then raises :class:`Compacted`. Raises
-        :class:`Compacted` when ``revision`` is already compacted, :class:`StoreError` for a
-        future one."""
+        :class:`StoreError` for a revision already compacted or a future one."""
         await self._call(lambda: self._client.compact(revision))
 
     # -- auth administration (mlx-fleet etcd bootstrap-auth) ------------------------------------
@@ -520,20 +518,12 @@ def _client_class(aetcd) -> type:
 
 
 # ---------------------------------------------------------------------------------------------
-# The watch discipline
+# Bounded clean-up of aetcd's watches and client
 # ---------------------------------------------------------------------------------------------
 
 
 CLOSE_TIMEOUT_SECONDS = 5.0
 """Longest wait for a watch cancel or a client close before giving up on a clean goodbye."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """Every key under the prefix at ``revision``; replaces whatever the follower held."""
-
-    items: list[KV]
-    revision: int
 
 
 async def _bounded(aw: Awaitable, seconds: float) -> bool:
@@ -575,37 +565,3 @@ async def _abandonable(aw: Awaitable[T], *, on_late: Callable[[T], Awaitable[Any
 
 #: Clean-ups of abandoned calls still running (:func:`_abandonable`).
 _CLEANUPS: set[asyncio.Future] = set()
-
-
-async def follow_prefix(store: Store, prefix: str,
-                        on_snapshot: Callable[[Snapshot], Awaitable[None]],
-                        on_event: Callable[[WatchEvent], Awaitable[None]],
-                        *, retry_delay: float = 0.5, max_retry_delay: float = 5.0) -> None:
-    """Keep a caller's view of ``prefix`` exact, forever (until cancelled).
-
-    1. list the prefix → ``on_snapshot``; 2. watch from ``snapshot.revision + 1`` → ``on_event``
-    for each change; 3. if the stream breaks, resume from ``last seen revision + 1`` (after a
-    capped exponential back-off); 4. if that revision was compacted, go back to 1.
-    Errors raised by the callbacks propagate (they are bugs, not transport failures).
-    """
-    next_rev: int | None = None
-    delay = retry_delay
-    while True:
-        try:
-            if next_rev is None:
-                snap = await store.list(prefix)
-                await on_snapshot(Snapshot(items=snap.items, revision=snap.revision))
-                next_rev = snap.revision + 1
-            async for ev in store.watch(prefix, next_rev):
-                await on_event(ev)
-                next_rev = ev.kv.mod_revision + 1
-                delay = retry_delay
-        except Compacted as e:
-            log.warning("watch on %s: %s; re-listing", prefix, e)
-            next_rev = None
-            continue
-        except StoreError as e:
-            log.warning("watch on %s broke (%s); resuming from revision %s in %.1fs",
-                        prefix, e, next_rev, delay)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max_retry_delay)
