@@ -216,6 +216,32 @@ async def test_a_put_without_the_lease_detaches_the_key(any_store: AnyStore, key
     assert (await any_store.get(keys.node("a"))).value == b"2"
 
 
+async def test_a_write_naming_an_unknown_lease_changes_nothing(any_store: AnyStore,
+                                                               keys: Keys) -> None:
+    lease = await any_store.grant_lease(30)
+    await any_store.revoke_lease(lease)
+    before = (await any_store.list(keys.nodes_prefix)).revision
+    with pytest.raises(StoreError):  # the whole transaction is refused, not half applied
+        await any_store.txn([], [Put(keys.node("a"), b"1"), Put(keys.node("b"), b"2", lease=lease)])
+    assert (await any_store.list(keys.nodes_prefix)).items == []
+    assert (await any_store.list(keys.nodes_prefix)).revision == before
+
+
+async def test_a_key_deleted_before_its_lease_ends_is_deleted_once(any_store: AnyStore,
+                                                                   keys: Keys) -> None:
+    lease = await any_store.grant_lease(30)
+    r = await any_store.put(keys.node("a"), b"1", lease=lease)
+    await any_store.put(keys.node("b"), b"2", lease=lease)
+    await any_store.delete(keys.node("a"))
+    await any_store.revoke_lease(lease)
+    sentinel = await any_store.put(keys.node("z"), b"end")
+    events = await collect(any_store, keys.nodes_prefix, r, 5)
+    assert [(e.type, e.kv.key) for e in events] == [
+        ("PUT", keys.node("a")), ("PUT", keys.node("b")), ("DELETE", keys.node("a")),
+        ("DELETE", keys.node("b")), ("PUT", keys.node("z"))]
+    assert events[-1].kv.mod_revision == sentinel
+
+
 async def test_lease_expiry_deletes_attached_keys(any_store: AnyStore, keys: Keys) -> None:
     """Without keep-alives the lease expires (etcd: after its TTL; the memory store: when the
     test says so) and its keys go with delete events."""
