@@ -173,13 +173,16 @@ class MemoryStore:
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
         """Yield every change under ``prefix`` from ``start_revision`` (inclusive) on: first the
         history still held, then live events, in revision order (a transaction's events in
-        its operations' order).
+        its operations' order). ``start_revision`` 0: from the next revision on (etcd's
+        default).
 
         Raises :class:`Compacted` if ``start_revision`` is below the last compaction (etcd
         refuses ``minRev < compactRev``), :class:`StoreError` when :meth:`break_watches` is
         called; ends when the store is closed. Like etcd's, the watch starts when first
         iterated."""
         await self._enter()
+        if start_revision <= 0:  # etcd: no start revision means "from now on"
+            start_revision = self._revision + 1
         if start_revision < self._compact_revision:
             raise Compacted(self._compact_revision)
         w = _Watch(prefix, start_revision)

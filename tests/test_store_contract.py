@@ -181,6 +181,25 @@ async def test_watch_replays_from_a_revision_then_streams_live(any_store: AnySto
         await asyncio.gather(consumer, return_exceptions=True)
 
 
+async def test_a_watch_from_revision_zero_starts_now(any_store: AnyStore, keys: Keys) -> None:
+    """Revision 0: no history, only what is written once the watch exists (when that is, a
+    caller cannot know: the test writes until the watch has seen a write)."""
+    old = await any_store.put(keys.node("old"), b"1")
+    seen: list[WatchEvent] = []
+
+    async def consume() -> None:
+        async for ev in any_store.watch(keys.nodes_prefix, 0):
+            seen.append(ev)
+            return
+
+    consumer = asyncio.create_task(consume())
+    async with asyncio.timeout(10):
+        while not consumer.done():
+            await any_store.put(keys.node("new"), b"2")
+            await asyncio.wait({consumer}, timeout=0.05)
+    assert summary(seen) == [("PUT", keys.node("new"), b"2")] and seen[0].kv.mod_revision > old
+
+
 async def test_lease_revocation_deletes_attached_keys(any_store: AnyStore, keys: Keys) -> None:
     store = any_store
     lease = await store.grant_lease(30)
