@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from mlx_fleet.store_api import KV, Compacted, Compare, Delete, Listing, Put, StoreError, WatchEvent
+from mlx_fleet.supervise import wait_event
 
 MIN_LEASE_TTL_SECONDS = 2
 """etcd raises a granted TTL below this to it (``lease.Lessor``'s ``minLeaseTTL`` =
@@ -353,7 +354,4 @@ class MemoryStore:
             if not self._leases:
                 break
             wait = min(lease.deadline for lease in self._leases.values()) - self._clock()
-            try:
-                await asyncio.wait_for(self._deadline_changed.wait(), max(wait, 0.0))
-            except TimeoutError:
-                pass
+            await wait_event(self._deadline_changed, max(wait, 0.0))
