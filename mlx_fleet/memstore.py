@@ -76,7 +76,7 @@ class MemoryStore:
         self._revision = 1  # a fresh etcd answers revision 1
         self._compact_revision = 0
         self._kvs: dict[str, KV] = {}
-        self._history: list[WatchEvent] = []  # events of revisions > compact, in order
+        self._history: list[WatchEvent] = []  # events from the compact revision on, in order
         self._watches: set[_Watch] = set()
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x694D_0000_0001)  # etcd's are opaque int64s
