@@ -11,7 +11,9 @@ its ordered :class:`Target` list. Two steps:
    previous one), then to the candidate. Each target names the revision the router pins
    (:data:`~mlx_fleet.routing.headers.PIN_HEADER`), so the agent does not split again. Without an
    active split (:func:`~mlx_fleet.routing.split.is_active`) every candidate is eligible and
-   nothing is pinned (``revision == ""``): the agent serves its stable revision.
+   nothing is pinned (``revision == ""``): the agent serves its stable revision. A split at
+   weight 0 (or with the agents' guard tripped) still sorts the Macs: the stable revision's,
+   the candidate's only as the last resort.
 2. **Mac** — consistent hashing with bounded loads (CHWBL: Mirrokni, Thorup and Zadimoghaddam,
    "Consistent Hashing with Bounded Loads", SODA 2018, arXiv:1608.01350, 2016; as KubeAI's model
    proxy uses it, ``internal/loadbalancer/balance_chwbl.go``). Each Mac has
@@ -158,9 +160,9 @@ class Pick:
     """The decision for one request.
 
     ``targets``: the Macs to try, in order (empty: none can serve now → 503).
-    ``role``/``bucket``: the split's side for the session and its bucket (None without an
-    active split); ``canary``: an active split decided (the outcome feeds per-revision
-    statistics). ``owner``: the key's Mac on the ring before the load bound (``""`` when no
+    ``role``/``bucket``: the split's side for the session and its bucket (None without a
+    split); ``canary``: an active split (:func:`~mlx_fleet.routing.split.is_active`) decided
+    (the outcome feeds per-revision statistics). ``owner``: the key's Mac on the ring before the load bound (``""`` when no
     target); ``capacity``: the load bound in requests (0 when no target). ``saturated``: every
     target is at its admission limit (→ the backpressure queue,
     :mod:`~mlx_fleet_router.limits`)."""
@@ -195,11 +197,11 @@ def capacity(load_factor: float, total_in_flight: int, macs: int) -> int:
 
 def _tiers(candidates: Sequence[Candidate], split: TrafficSplit | None, key: str,
            guard_tripped: bool) -> Iterator[tuple[list[Candidate], str, str, int | None]]:
-    """(candidates, role, pinned revision or "", bucket) in order of preference."""
-    if not is_active(split):
+    """(candidates, role, pinned revision or "" or "*" (each its own), bucket), in order of
+    preference."""
+    if split is None or not split.candidate_revision:
         yield list(candidates), "stable", "", None
         return
-    assert split is not None
     choice = choose(split, key, guard_tripped=guard_tripped)
     cand, stable = split.candidate_revision, split.stable_revision
     if choice.role == "candidate":
@@ -246,9 +248,10 @@ def pick(ring: Ring, deployment: str, key: str, candidates: Sequence[Candidate],
         order.sort(key=lambda t: (t[0], t[1]))
         targets = tuple(Target(c.name, c.endpoint, c.revision if pin == "*" else pin)
                         for _, _, c in order)
-        return Pick(targets, role=role, bucket=bucket, canary=bucket is not None,
+        return Pick(targets, role=role, bucket=bucket, canary=is_active(split),
                     owner=min(order, key=lambda t: t[1])[2].name, capacity=bound,
                     saturated=all(rank == 2 for rank, _, _ in order))
-    choice = choose(split, key, guard_tripped=guard_tripped) if is_active(split) else None
+    split_on = split is not None and bool(split.candidate_revision)
+    choice = choose(split, key, guard_tripped=guard_tripped) if split_on else None
     return Pick((), role=choice.role if choice else "stable",
-                bucket=choice.bucket if choice else None, canary=choice is not None)
+                bucket=choice.bucket if choice else None, canary=is_active(split))
