@@ -30,7 +30,8 @@ rate; a slot leaves the window as a whole once its start is ``window_seconds`` o
 
 Pure: standard library only; ``now`` is seconds of a monotonic clock. The router keeps one
 :class:`State` per Mac, feeds each event through :func:`step`, asks :func:`admits` before it
-sends (the picker does), and exports :attr:`State.phase` as a metric.
+sends (the picker does), and exports :func:`phase` (not the stored one: an open breaker past its
+cooldown is half-open) as a metric.
 """
 
 from __future__ import annotations
