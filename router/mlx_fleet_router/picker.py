@@ -86,13 +86,15 @@ def _point(*parts: str) -> int:
 @dataclass(frozen=True, slots=True)
 class Ring:
     """The hash ring of one deployment's Macs: ``points`` sorted ascending, ``owners[i]`` the
-    Mac (node name) at ``points[i]``. Build it with :meth:`build` when the set of Macs changes
+    Mac (node name) at ``points[i]``, ``names`` the set of Macs. Build it with :meth:`build` when the set of Macs changes
     (``len(names) × replication`` SHA-256s), not per request; Macs that are momentarily
     ineligible stay on it (:func:`pick` skips them, which gives the same order as a ring
     without them)."""
 
     points: tuple[int, ...]
     owners: tuple[str, ...]
+    #: The Macs on the ring (computed once: :func:`pick` checks its candidates against it).
+    names: frozenset[str]
 
     @classmethod
     def build(cls, names: Iterable[str], replication: int = REPLICATION) -> Ring:
@@ -102,11 +104,8 @@ class Ring:
             raise ValueError(f"replication must be >= 1, got {replication}")
         entries = sorted((_point("vnode", name, str(i)), name)
                          for name in set(names) for i in range(replication))
-        return cls(tuple(p for p, _ in entries), tuple(n for _, n in entries))
-
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(self.owners)
+        owners = tuple(n for _, n in entries)
+        return cls(tuple(p for p, _ in entries), owners, frozenset(owners))
 
     def walk(self, point: int) -> Iterator[str]:
         """Each Mac once, in ring order from the first virtual node at or after ``point``
