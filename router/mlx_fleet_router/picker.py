@@ -9,11 +9,11 @@ its ordered :class:`Target` list. Two steps:
    candidate no eligible Mac holds falls back to the stable revision; a stable revision no
    eligible Mac holds falls back to any other non-candidate revision (a rolling update's
    previous one), then to the candidate. Each target names the revision the router pins
-   (:data:`~mlx_fleet.routing.headers.PIN_HEADER`), so the agent does not split again. Without an
-   active split (:func:`~mlx_fleet.routing.split.is_active`) every candidate is eligible and
-   nothing is pinned (``revision == ""``): the agent serves its stable revision. A split at
-   weight 0 (or with the agents' guard tripped) still sorts the Macs: the stable revision's,
-   the candidate's only as the last resort.
+   (:data:`~mlx_fleet.routing.headers.PIN_HEADER`), so the agent does not split again. Without a
+   split (or one naming no candidate revision) every candidate is eligible and nothing is
+   pinned (``revision == ""``): the agent serves its stable revision. A split at weight 0 (or
+   with the agents' guard tripped) still sorts the Macs: the stable revision's, the
+   candidate's only as the last resort.
 2. **Mac** — consistent hashing with bounded loads (CHWBL: Mirrokni, Thorup and Zadimoghaddam,
    "Consistent Hashing with Bounded Loads", SODA 2018, arXiv:1608.01350, 2016; as KubeAI's model
    proxy uses it, ``internal/loadbalancer/balance_chwbl.go``). Each Mac has
