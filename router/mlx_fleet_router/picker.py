@@ -86,10 +86,10 @@ def _point(*parts: str) -> int:
 @dataclass(frozen=True, slots=True)
 class Ring:
     """The hash ring of one deployment's Macs: ``points`` sorted ascending, ``owners[i]`` the
-    Mac (node name) at ``points[i]``, ``names`` the set of Macs. Build it with :meth:`build` when the set of Macs changes
-    (``len(names) × replication`` SHA-256s), not per request; Macs that are momentarily
-    ineligible stay on it (:func:`pick` skips them, which gives the same order as a ring
-    without them)."""
+    Mac (node name) at ``points[i]``, ``names`` the set of Macs. Build it with :meth:`build`
+    when the set of Macs changes (``len(names) × replication`` SHA-256s), not per request;
+    Macs that are momentarily ineligible stay on it (:func:`pick` skips them, which gives the
+    same order as a ring without them)."""
 
     points: tuple[int, ...]
     owners: tuple[str, ...]
@@ -161,8 +161,8 @@ class Pick:
     ``targets``: the Macs to try, in order (empty: none can serve now → 503).
     ``role``/``bucket``: the split's side for the session and its bucket (None without a
     split); ``canary``: an active split (:func:`~mlx_fleet.routing.split.is_active`) decided
-    (the outcome feeds per-revision statistics). ``owner``: the key's Mac on the ring before the load bound (``""`` when no
-    target); ``capacity``: the load bound in requests (0 when no target). ``saturated``: every
+    (the outcome feeds per-revision statistics). ``owner``: the key's Mac on the ring before
+    the load bound (``""`` when no target); ``capacity``: the load bound in requests (0 when no target). ``saturated``: every
     target is at its admission limit (→ the backpressure queue,
     :mod:`~mlx_fleet_router.limits`)."""
 

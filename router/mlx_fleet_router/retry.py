@@ -12,8 +12,8 @@
 * at most ``max_attempts`` attempts in all (``AttemptsExhausted``), and only while a Mac is left
   to try (``NoMoreMacs``);
 * within the **retry budget** (``BudgetExhausted``): over the last ``window_seconds``, the
-  retries, this one included, are at most ``min_retries + ratio × requests`` — Finagle's ``RetryBudget`` (a ``ttl`` window,
-  ``minRetriesPerSec``, ``percentCanRetry`` = 0.2) and Envoy's ``retry_budget``
+  retries, this one included, are at most ``min_retries + ratio × requests`` — Finagle's
+  ``RetryBudget`` (a ``ttl`` window, ``minRetriesPerSec``, ``percentCanRetry`` = 0.2) and Envoy's ``retry_budget``
   (``budget_percent`` 20 %, with ``min_retry_concurrency`` as its floor). On a sick fleet the
   router then adds at most a fifth to the load, plus the floor, instead of multiplying it by
   ``max_attempts``.
