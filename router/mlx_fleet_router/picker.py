@@ -162,9 +162,9 @@ class Pick:
     ``role``/``bucket``: the split's side for the session and its bucket (None without a
     split); ``canary``: an active split (:func:`~mlx_fleet.routing.split.is_active`) decided
     (the outcome feeds per-revision statistics). ``owner``: the key's Mac on the ring before
-    the load bound (``""`` when no target); ``capacity``: the load bound in requests (0 when no target). ``saturated``: every
-    target is at its admission limit (→ the backpressure queue,
-    :mod:`~mlx_fleet_router.limits`)."""
+    the load bound (``""`` when no target); ``capacity``: the load bound in requests (0 when
+    no target). ``saturated``: every target is at its admission limit (→ the backpressure
+    queue, :mod:`~mlx_fleet_router.limits`)."""
 
     targets: tuple[Target, ...]
     role: Literal["stable", "candidate"] = "stable"

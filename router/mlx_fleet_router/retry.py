@@ -13,10 +13,10 @@
   to try (``NoMoreMacs``);
 * within the **retry budget** (``BudgetExhausted``): over the last ``window_seconds``, the
   retries, this one included, are at most ``min_retries + ratio × requests`` — Finagle's
-  ``RetryBudget`` (a ``ttl`` window, ``minRetriesPerSec``, ``percentCanRetry`` = 0.2) and Envoy's ``retry_budget``
-  (``budget_percent`` 20 %, with ``min_retry_concurrency`` as its floor). On a sick fleet the
-  router then adds at most a fifth to the load, plus the floor, instead of multiplying it by
-  ``max_attempts``.
+  ``RetryBudget`` (a ``ttl`` window, ``minRetriesPerSec``, ``percentCanRetry`` = 0.2) and
+  Envoy's ``retry_budget`` (``budget_percent`` 20 %, with ``min_retry_concurrency`` as its
+  floor). On a sick fleet the router then adds at most a fifth to the load, plus the floor,
+  instead of multiplying it by ``max_attempts``.
 
 The budget is a state record of :data:`BUDGET_SLOTS` time slots (the window slides slot by
 slot), advanced by :func:`record_request` for each client request and by :func:`decide` for each
