@@ -1,7 +1,8 @@
 """Layering rules, checked against the real import graph: the import-linter contracts (in
-pyproject.toml: pure decision modules import no I/O library; operator and agent stay apart;
-mlx_fleet imports neither), and no import cycle between modules of mlx_fleet, node_agent and
-mlx_fleet_operator (grimp, import-linter's own graph library)."""
+pyproject.toml: pure decision modules import no I/O library; operator, agent and router stay
+apart; mlx_fleet imports none of them), and no import cycle between modules of mlx_fleet,
+node_agent, mlx_fleet_operator and mlx_fleet_router (grimp, import-linter's own graph
+library)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mlx_fleet", "node_agent", "mlx_fleet_operator")
+PACKAGES = ("mlx_fleet", "node_agent", "mlx_fleet_operator", "mlx_fleet_router")
 
 #: Import cycles allowed, each by its exact set of modules (a cycle that grows, or any other,
 #: fails). None today; an entry needs a reason and an issue that removes it.

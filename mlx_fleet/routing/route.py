@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from mlx_fleet.contract import Role, TrafficSplit
-from mlx_fleet.routing.split import choose
+from mlx_fleet.routing.split import choose, is_active
 
 __all__ = ["Route", "route"]
 
@@ -58,8 +58,7 @@ def route(loaded: dict[str, Role], split: TrafficSplit | None, key: str, *,
     empty). ``key``: the session key. Returns None when nothing here or elsewhere can serve."""
     if pinned:
         return Route(pinned, canary=split is not None) if pinned in loaded else None
-    active = split is not None and bool(split.candidate_revision) and split.weight > 0
-    if not active:
+    if not is_active(split):
         rev = _fallback(loaded)
         return Route(rev) if rev is not None else None
     assert split is not None

@@ -25,7 +25,7 @@ from typing import Literal
 
 from mlx_fleet.contract import SPLIT_BUCKETS, TrafficSplit
 
-__all__ = ["Choice", "bucket", "choose"]
+__all__ = ["Choice", "bucket", "choose", "is_active"]
 
 SplitRole = Literal["stable", "candidate"]
 
@@ -44,6 +44,13 @@ def bucket(deployment: str, key: str) -> int:
         h.update(len(part).to_bytes(8, "big"))
         h.update(part)
     return int.from_bytes(h.digest()[:8], "big") % SPLIT_BUCKETS
+
+
+def is_active(split: TrafficSplit | None) -> bool:
+    """True when ``split`` sends some sessions to a candidate: it names a candidate revision
+    and its weight is above 0. Otherwise every request is the stable side's (or, without a
+    split, the node's own choice)."""
+    return split is not None and bool(split.candidate_revision) and split.weight > 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
