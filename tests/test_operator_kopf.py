@@ -198,16 +198,16 @@ async def test_followers_wake_only_on_relevant_changes():
     def ev(key: str, value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
         return WatchEvent(type=type_, kv=KV(key=key, value=value, mod_revision=rev))
 
-    await views.on_nodes_snapshot(Snapshot(items=[], revision=1))
+    await views.node_view.apply_snapshot(Snapshot(items=[], revision=1))
     wake.clear(), other.clear(), settled.clear()  # a snapshot that changes the fleet wakes all
-    await views.on_nodes_event(ev(keys.node("mac-a"), rec.to_json(), 2))
+    await views.node_view.apply_event(ev(keys.node("mac-a"), rec.to_json(), 2))
     assert wake.is_set() and other.is_set() and set(rt.nodes) == {"mac-a"}
     assert not settled.is_set()
     wake.clear(), other.clear()
     beat = rec.model_copy(update={"heartbeat_unix": rec.heartbeat_unix + 5})
-    await views.on_nodes_event(ev(keys.node("mac-a"), beat.to_json(), 3))
+    await views.node_view.apply_event(ev(keys.node("mac-a"), beat.to_json(), 3))
     assert not wake.is_set() and not other.is_set()
-    await views.on_nodes_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
+    await views.node_view.apply_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
     # judged a moment later, with whatever else vanished by then (disruption.py); meanwhile
     # its replicas are held
     assert rt.nodes == {} and rt.held_nodes() == {"mac-a"} and not wake.is_set()
@@ -221,15 +221,15 @@ async def test_followers_wake_only_on_relevant_changes():
     report_key = keys.report("mac-a", "default", "llm", "v2")
     report = AssignmentReport(node="mac-a", namespace="default", name="llm", revision="v2",
                               state=AssignmentState.LOADING)
-    await views.on_reports_event(ev(report_key, report.to_json(), 5))
+    await views.report_view.apply_event(ev(report_key, report.to_json(), 5))
     assert wake.is_set() and canary.is_set() and not other.is_set()
     assert rt.reports[("default", "llm")] == {("mac-a", "v2"): report}
     wake.clear(), canary.clear()
     later = report.model_copy(update={"updated_unix": report.updated_unix + 1})
-    await views.on_reports_event(ev(report_key, later.to_json(), 6))
+    await views.report_view.apply_event(ev(report_key, later.to_json(), 6))
     assert not wake.is_set() and not canary.is_set()
-    await views.on_reports_event(ev(report_key, b"", 7, "DELETE"))
-    assert wake.is_set() and canary.is_set() and rt.reports[("default", "llm")] == {}
+    await views.report_view.apply_event(ev(report_key, b"", 7, "DELETE"))
+    assert wake.is_set() and canary.is_set() and ("default", "llm") not in rt.reports
 
 
 async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after_the_hold(
@@ -259,18 +259,18 @@ async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after
     def judge() -> None:
         rt.holds.judge()  # what its timer runs (cancelled)
 
-    await views.on_nodes_snapshot(Snapshot(items=[ev(n, 1).kv for n in names], revision=1))
+    await views.node_view.apply_snapshot(Snapshot(items=[ev(n, 1).kv for n in names], revision=1))
     for w in wakes.values():
         w.clear()
     try:
-        await views.on_nodes_event(ev("mac-a", 2, gone=True))
-        await views.on_nodes_event(ev("mac-b", 3, gone=True))
+        await views.node_view.apply_event(ev("mac-a", 2, gone=True))
+        await views.node_view.apply_event(ev("mac-b", 3, gone=True))
         judge()  # 2 of 3 gone within the window: a disruption
         assert rt.held_nodes() == {"mac-a", "mac-b"}
         assert not any(w.is_set() for w in wakes.values())  # nothing re-placed
 
         now[0] += 0.05
-        await views.on_nodes_event(ev("mac-a", 4))  # re-registered: released at once
+        await views.node_view.apply_event(ev("mac-a", 4))  # re-registered: released at once
         assert rt.held_nodes() == {"mac-b"} and wakes["mac-a"].is_set()
         assert not wakes["mac-b"].is_set()
 
@@ -281,7 +281,7 @@ async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after
 
         for w in wakes.values():
             w.clear()
-        await views.on_nodes_event(ev("mac-c", 5, gone=True))  # 1 of 2: node loss
+        await views.node_view.apply_event(ev("mac-c", 5, gone=True))  # 1 of 2: node loss
         assert rt.held_nodes() == {"mac-c"}  # (until judged)
         judge()
         assert rt.held_nodes() == frozenset() and wakes["mac-c"].is_set()
@@ -307,16 +307,16 @@ async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_tri
 
     routine = StatsReport(node="mac-a", namespace="default", name="llm", canary_uid="c1")
     tripped = routine.model_copy(update={"guard_tripped": True, "guard_reason": "3/4 failed"})
-    await views.on_stats_snapshot(Snapshot(items=[], revision=1))
-    await views.on_stats_event(ev(routine.to_json(), 2))
+    await views.stats_view.apply_snapshot(Snapshot(items=[], revision=1))
+    await views.stats_view.apply_event(ev(routine.to_json(), 2))
     assert rt.stats == {("default", "llm"): {"mac-a": routine}} and not canary.is_set()
-    await views.on_stats_event(ev(tripped.to_json(), 3))
+    await views.stats_view.apply_event(ev(tripped.to_json(), 3))
     assert rt.stats[("default", "llm")]["mac-a"] == tripped and canary.is_set()
     canary.clear()
-    await views.on_stats_event(ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
+    await views.stats_view.apply_event(ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
     assert not canary.is_set()  # still tripped: not a new trip
-    await views.on_stats_event(ev(b"", 5, "DELETE"))
-    assert rt.stats[("default", "llm")] == {}
+    await views.stats_view.apply_event(ev(b"", 5, "DELETE"))
+    assert ("default", "llm") not in rt.stats
 
 
 async def test_conflict_rearms_the_daemon(monkeypatch):
