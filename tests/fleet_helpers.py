@@ -1,5 +1,6 @@
-"""Helpers shared by the tests: wait on etcd state through a real watch, and node records
-and assignments as an agent or the operator would write them. Imported as ``from fleet_helpers import ...``."""
+"""Helpers shared by the tests: wait on etcd state through a real watch, and node records and
+assignments as an agent or the operator would write them. Imported as
+``from fleet_helpers import ...``."""
 
 from __future__ import annotations
 

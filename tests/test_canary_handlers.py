@@ -1,13 +1,13 @@
 """The Canary handlers' tick (observe → decide → apply) on the in-memory store.
 
-``canary_handlers.tick(rt, body, now=...)`` reads the operator's in-memory views, which the tests
-fill directly (the target's record ``rt.deployment(T)``: spec synced, placed, status last
+``canary_handlers.tick(rt, body, now=...)`` reads the operator's in-memory views, which the
+tests fill directly (the target's record ``rt.deployment(T)``: spec synced, placed, status last
 computed; ``rt.reports``, ``rt.stats``), and applies its decision to ``rt.candidates``, to the
 TrafficSplit in the store (a :class:`~mlx_fleet.memstore.MemoryStore`, which passes etcd's
-contract suite; a key root per test) and to the Kubernetes API. The API server is the one
-thing stood in for: ``rt.custom_api`` records the status and spec patches (tick's only
-Kubernetes calls), and ``kopf.event`` — which needs kopf's per-operator context (outside a handler it raises
-``LookupError``) — is replaced by a recorder. Time is the ``now`` passed to each tick.
+contract suite; a key root per test) and to the Kubernetes API. The API server is the one thing
+stood in for: ``rt.custom_api`` records the status and spec patches (tick's only Kubernetes
+calls), and ``kopf.event`` — which needs kopf's per-operator context (outside a handler it
+raises ``LookupError``) — is replaced by a recorder. Time is the ``now`` passed to each tick.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from fleet_helpers import node_record
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource, StatsReport)
 from mlx_fleet.memstore import MemoryStore
-from mlx_fleet.store import Snapshot, WatchEvent
+from mlx_fleet.store import KV, Snapshot, WatchEvent
 from mlx_fleet.supervise import dead
 from mlx_fleet_operator import handlers
 from mlx_fleet_operator.runtime import Runtime
@@ -123,8 +123,6 @@ async def test_followers_wake_only_on_relevant_changes():
     """Heartbeats must not re-place anything; a node that appears, changes or goes wakes the
     deployments it concerns (a replica on it, or something left unplaced), not every one; a
     changed report wakes its deployment."""
-    from mlx_fleet.store import KV
-    from mlx_fleet_operator.runtime import Runtime
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")  # the followers' callbacks only
@@ -179,9 +177,7 @@ async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after
     """Most nodes vanishing within the judging window (etcd revoking every lease as it resumes
     from a freeze): their replicas are held, not re-placed; a node back is released at once, one
     still missing when the hold ends is re-placed then. A lone node lost is re-placed."""
-    from mlx_fleet.store import KV
     from mlx_fleet_operator import holds
-    from mlx_fleet_operator.runtime import Runtime
 
     monkeypatch.setattr(holds, "HOLD_SECONDS", 30.0)
     keys = Keys("/t")
@@ -234,9 +230,6 @@ async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after
 async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_trip_only():
     """stats/<node>/<ns>/<name> fills Runtime.stats; only a report that newly trips the local
     guard wakes the Canary daemon at once (routine stats wait for its next tick)."""
-    from mlx_fleet.contract import StatsReport
-    from mlx_fleet.store import KV
-    from mlx_fleet_operator.runtime import Runtime
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")
@@ -255,7 +248,8 @@ async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_tri
     await views.stats_view.apply_event(ev(tripped.to_json(), 3))
     assert rt.stats[("default", "llm")]["mac-a"] == tripped and canary.is_set()
     canary.clear()
-    await views.stats_view.apply_event(ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
+    await views.stats_view.apply_event(
+        ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
     assert not canary.is_set()  # still tripped: not a new trip
     await views.stats_view.apply_event(ev(b"", 5, "DELETE"))
     assert ("default", "llm") not in rt.stats

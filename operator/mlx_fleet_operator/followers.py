@@ -20,7 +20,6 @@ when they change.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol, TypeVar
 
@@ -33,8 +32,6 @@ from .records import DeploymentKey, Slot
 from .view import AssignmentsView
 
 __all__ = ["EtcdViews", "ViewListener", "Follower"]
-
-log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 R = TypeVar("R")
