@@ -1,5 +1,6 @@
-"""Helpers shared by the integration tests: wait on etcd state through a real watch, and
-node records as an agent would write them. Imported as ``from fleet_helpers import ...``."""
+"""Helpers shared by the tests: wait on etcd state through a real watch, and node records and
+assignments as an agent or the operator would write them. Imported as
+``from fleet_helpers import ...``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_fleet.contract import Assignment, Keys, NodeCapacity, NodeRecord
+from mlx_fleet.contract import Assignment, Keys, ModelSource, NodeCapacity, NodeRecord
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.store import Snapshot, Store, WatchEvent, follow_prefix
 
@@ -106,3 +107,14 @@ def wait_ready(cp: ControlPlane, namespace: str, name: str, timeout: int = 180) 
     cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
                f"--timeout={timeout}s", timeout=timeout + 10)
     return get_md(cp, namespace, name)
+
+
+def stored_assignment(ns: str, name: str, uid: str) -> bytes:
+    """A stored assignment of ``ns/name`` (object ``uid``), revision v1, 1 GiB (JSON)."""
+    return Assignment(namespace=ns, name=name, uid=uid, served_model_name=name,
+                      source=ModelSource(uri="/m", revision="v1"), memory_bytes=GiB).to_json()
+
+
+def asg_key(keys: Keys, node: str, ns: str, name: str) -> str:
+    """The key of :func:`stored_assignment` (revision v1)."""
+    return keys.assignment(node, ns, name, "v1")

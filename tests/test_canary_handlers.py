@@ -1,13 +1,13 @@
-"""The Canary handlers' tick (observe → decide → apply) against a real etcd.
+"""The Canary handlers' tick (observe → decide → apply) on the in-memory store.
 
-``canary_handlers.tick(rt, body, now=...)`` reads the operator's in-memory views, which the tests
-fill directly (the target's record ``rt.deployment(T)``: spec synced, placed, status last
+``canary_handlers.tick(rt, body, now=...)`` reads the operator's in-memory views, which the
+tests fill directly (the target's record ``rt.deployment(T)``: spec synced, placed, status last
 computed; ``rt.reports``, ``rt.stats``), and applies its decision to ``rt.candidates``, to the
-TrafficSplit in etcd
-(a real etcd, a key root per test) and to the Kubernetes API. The API server is the one thing
+TrafficSplit in the store (a :class:`~mlx_fleet.memstore.MemoryStore`, which passes etcd's
+contract suite; a key root per test) and to the Kubernetes API. The API server is the one thing
 stood in for: ``rt.custom_api`` records the status and spec patches (tick's only Kubernetes
-calls), and ``kopf.event`` — which needs kopf's per-operator context (outside a handler it raises
-``LookupError``) — is replaced by a recorder. Time is the ``now`` passed to each tick.
+calls), and ``kopf.event`` — which needs kopf's per-operator context (outside a handler it
+raises ``LookupError``) — is replaced by a recorder. Time is the ``now`` passed to each tick.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import yaml
 from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS,
                                 AssignmentReport, AssignmentState, Histogram, Keys, LocalGuard,
                                 RevisionStats, Role, StatsReport, TrafficSplit)
+from mlx_fleet.memstore import MemoryStore
 from mlx_fleet_operator import canary_handlers
 from mlx_fleet_operator.canary_handlers import seed_candidates, tick
 from mlx_fleet_operator.kube import GROUP, VERSION
 from mlx_fleet_operator.runtime import Runtime
 from mlx_fleet_operator.records import CandidateIntent, SyncedSpec
 from mlx_fleet_operator.spec import parse_spec, to_assignment
-
-pytestmark = pytest.mark.integration  # a real etcd
 
 REPO = Path(__file__).resolve().parents[1]
 NS, TARGET = "team-a", "llm"
@@ -54,6 +53,12 @@ def unix(stamp: str) -> float:
     """An RFC 3339 status time → unix seconds (the instant, whatever the formatting)."""
     assert isinstance(stamp, str) and stamp.endswith("Z"), stamp
     return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.fixture
+def store(memory_store: MemoryStore) -> MemoryStore:
+    """The store of every test here: the in-memory one (nothing here is about etcd itself)."""
+    return memory_store
 
 
 # --- the stand-ins for the API server ---------------------------------------------------------
@@ -563,7 +568,7 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
     seeded = seed_candidates(Api())
     assert seeded == {T: CandidateIntent("llm-v2", "v2", None, None)}
 
-    # The restarted operator: the same etcd and fleet, a fresh process memory.
+    # The restarted operator: the same store and fleet, a fresh process memory.
     rt2 = runtime(store, keys)
     rt2.seed_candidates(seeded)
     rt2.deployment(T).observe_spec(rt.synced(T))  # its target resumed ...

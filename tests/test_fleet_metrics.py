@@ -213,8 +213,9 @@ def rt() -> Runtime:
     (downloading); mac-b's v1 report is for an older generation. Stats from both nodes for v1,
     v2 and v0 (an unloaded revision the agents still count), and for ml/gone (deleted)."""
     r = Runtime(None, Keys("/t"), "test")  # the collector never touches the store
-    r.views.nodes = {"mac-a": node("mac-a"),
-               "mac-b": node("mac-b", NodeHealth.DEGRADED, total=32 * GiB, simulated=True)}
+    r.views.node_view.items = {
+        "mac-a": node("mac-a"),
+        "mac-b": node("mac-b", NodeHealth.DEGRADED, total=32 * GiB, simulated=True)}
     r.deployment(("ml", "chat")).placed = {  # as its last reconcile left it
         ("mac-a", "v1"): asg("chat", "v1"), ("mac-b", "v1"): asg("chat", "v1"),
         ("mac-a", "v2"): asg("chat", "v2", Role.CANDIDATE, memory=4 * GiB)}

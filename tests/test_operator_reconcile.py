@@ -1,20 +1,40 @@
-"""reconcile: placement written to the real etcd in one fenced transaction."""
+"""reconcile: placement written to the store in one fenced transaction.
+
+On the in-memory store (:class:`~mlx_fleet.memstore.MemoryStore`, which passes etcd's contract
+suite); the tests of the fencing itself — a stale read losing, a competing write in the middle
+of a read, a dozen reconciles racing — run on the real etcd too (``ON_BOTH``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
                                 NodeCapacity, NodeRecord, PlacementEpoch, Role)
-from mlx_fleet.store import Put
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet.store import EtcdStore, Put
+from mlx_fleet.store_api import Store
 from mlx_fleet_operator import reconcile as rc
 from mlx_fleet_operator.placement import PlacementRequest
 from mlx_fleet_operator.rollout import RevisionTarget
 
-pytestmark = pytest.mark.integration
 GiB = 1024**3
+#: Parametrizes a test's ``store``: the real etcd (marked integration) and the in-memory one.
+ON_BOTH = pytest.mark.parametrize("store", [
+    pytest.param("etcd", marks=pytest.mark.integration), "memory"], indirect=True)
+
+
+@pytest.fixture
+async def store(request: pytest.FixtureRequest, memory_store: MemoryStore
+                ) -> AsyncIterator[Store]:
+    """``memory_store``; the real etcd for a test parametrized with ``"etcd"`` (``ON_BOTH``)."""
+    if getattr(request, "param", "memory") == "memory":
+        yield memory_store
+        return
+    async with EtcdStore(request.getfixturevalue("etcd_server").client_url) as s:
+        yield s
 
 
 def node(name: str, mem_gib: int = 16) -> NodeRecord:
@@ -105,6 +125,7 @@ async def test_placement_written_and_idempotent(store, keys):
         ("b", "v1"): assignment(gen=3, uri="/models/y")}
 
 
+@ON_BOTH
 async def test_stale_read_loses_and_retries(store, keys):
     await put_nodes(store, keys, node("a"), node("b"))
     view = await rc.read_fleet(store, keys)
@@ -220,6 +241,7 @@ class _RacyStore:
         return await self._after_read(await self.inner.list(prefix))
 
 
+@ON_BOTH
 @pytest.mark.parametrize("after_read", [1, 2, 3], ids=["after-1st-read", "after-2nd-read",
                                                        "after-3rd-read"])
 async def test_write_during_read_never_overcommits(store, keys, after_read):
@@ -266,6 +288,7 @@ async def test_scale_up_leaves_existing_assignments_untouched(store, keys):
     assert status["endpoints"] == ["http://a:8000", "http://b:8000"]
 
 
+@ON_BOTH
 async def test_concurrent_reconciles_after_node_death_all_converge(store, keys):
     """The Mac hosting 12 deployments dies: all 12 reconcile at once against the one global
     epoch. Backoff between retries lets every one of them land (none left unplaced)."""

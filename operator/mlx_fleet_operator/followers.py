@@ -1,30 +1,31 @@
-"""The operator's etcd followers: in-memory views of ``nodes/``, ``reports/``, ``stats/`` and
-``assignments/``, kept by :func:`mlx_fleet.store.follow_prefix` (list, then watch from the
-listing's revision; re-list after a compaction), and who to wake when they change.
+"""The operator's etcd followers: typed views of ``nodes/``, ``reports/``, ``stats/`` (each a
+:class:`mlx_fleet.views.PrefixView`: list, watch from the listing's revision, re-list after a
+compaction, parse each value into its contract record) and ``assignments/``, and who to wake
+when they change.
 
-* ``nodes/`` → :attr:`EtcdViews.nodes`; a change of what placement looks at (health, labels,
-  memory, chip, address: not heartbeats) wakes the deployments it concerns, a vanished record
-  goes to the disruption rule first (:mod:`.holds`); every change wakes the MacNode mirror;
-* ``reports/`` → :attr:`EtcdViews.reports` ((namespace, name) → (node, revision) → report); a
-  changed report (not its timestamps or resident bytes) wakes its deployment and its Canary;
-* ``stats/`` → :attr:`EtcdViews.stats` ((namespace, name) → node → statistics); a newly
-  tripped local guard wakes the Canary at once (routine statistics wait for its next tick);
+* ``nodes/`` → :attr:`EtcdViews.nodes` (node name → record); a change of what placement looks
+  at (health, labels, memory, chip, address: not heartbeats) wakes the deployments it concerns,
+  a vanished record goes to the disruption rule first (:mod:`.holds`); every change wakes the
+  MacNode mirror;
+* ``reports/`` → :attr:`EtcdViews.reports` ((namespace, name) → (node, revision) → report),
+  an index of the view kept by its change callback; a changed report (not its timestamps or
+  resident bytes) wakes its deployment and its Canary;
+* ``stats/`` → :attr:`EtcdViews.stats` ((namespace, name) → node → statistics), likewise; a
+  newly tripped local guard wakes the Canary at once (routine statistics wait for its next
+  tick; a (re-)listing wakes the Canaries whose statistics it changed);
 * ``assignments/`` → :attr:`EtcdViews.assignments` (:class:`~.view.AssignmentsView`), which
-  reconciles plan from instead of listing etcd.
-
-Kept in this one module on purpose: a shared typed etcd view (``mlx_fleet``) is to replace
-these followers.
+  reconciles plan from instead of listing etcd; fed by :func:`mlx_fleet.views.follow_prefix`
+  directly, since our own commits update it too.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol, TypeVar
 
 from mlx_fleet.contract import AssignmentReport, Keys, NodeRecord, StatsReport
-from mlx_fleet.store import Snapshot, WatchEvent
+from mlx_fleet.store_api import Store, WatchEvent
+from mlx_fleet.views import PrefixView, Snapshot, ViewUpdate
 
 from .holds import NodeHolds
 from .records import DeploymentKey, Slot
@@ -32,14 +33,15 @@ from .view import AssignmentsView
 
 __all__ = ["EtcdViews", "ViewListener", "Follower"]
 
-log = logging.getLogger(__name__)
-
-K = TypeVar("K")
-R = TypeVar("R", AssignmentReport, StatsReport)
+S = TypeVar("S")
+R = TypeVar("R")
 
 #: (task name, key prefix, on_snapshot, on_event) of one follower.
 Follower = tuple[str, str, Callable[[Snapshot], Awaitable[None]],
                  Callable[[WatchEvent], Awaitable[None]]]
+
+ReportKey = tuple[str, str, str, str]  #: (node, namespace, name, revision): Keys.parse_report
+StatsKey = tuple[str, str, str]  #: (node, namespace, name): Keys.parse_stats
 
 
 class ViewListener(Protocol):
@@ -61,163 +63,117 @@ def _placement_view(rec: NodeRecord | None) -> tuple[object, ...] | None:
 
 
 def _report_view(r: AssignmentReport | None) -> dict[str, object] | None:
+    """A report's fields that matter to its deployment (not its timestamps or resident bytes)."""
     return None if r is None else r.model_dump(exclude={"updated_unix", "resident_bytes"})
 
 
-def _parse_keyed(key: str, value: bytes, parse_key: Callable[[str], K | None], record: type[R],
-                 what: str) -> tuple[K | None, R | None]:
-    """``(parsed key, record)`` of an agent-written value; ``(parsed, None)`` for a DELETE
-    (empty value) or a malformed record (logged and skipped), ``(None, None)`` for a key
-    outside the layout."""
-    parsed = parse_key(key)
-    if parsed is None or not value:
-        return parsed, None
-    try:
-        return parsed, record.from_json(value)
-    except ValueError as e:
-        log.warning("ignoring malformed %s %s: %s", what, key, e)
-        return parsed, None
+def _index(index: dict[DeploymentKey, dict[S, R]], deployment: DeploymentKey, sub: S,
+           record: R | None) -> None:
+    """Set (``record``) or drop (None) ``index[deployment][sub]``; a deployment left without
+    entries is dropped (readers use ``index.get(deployment, {})``)."""
+    if record is not None:
+        index.setdefault(deployment, {})[sub] = record
+        return
+    per = index.get(deployment)
+    if per is not None:
+        per.pop(sub, None)
+        if not per:
+            del index[deployment]
 
 
 class EtcdViews:
-    """The followed views (module docstring) and their callbacks."""
+    """The followed views (module docstring) and their callbacks. ``store``: what the views
+    follow (:meth:`followers` lists how); ``keys``: its key layout; ``listener``: who is woken;
+    ``holds``: the disruption rule's state, fed with vanished and seen nodes."""
 
-    def __init__(self, keys: Keys, listener: ViewListener, holds: NodeHolds) -> None:
+    def __init__(self, store: Store, keys: Keys, listener: ViewListener,
+                 holds: NodeHolds) -> None:
         self.keys = keys
         self._listener = listener
         self._holds = holds
-        self.nodes: dict[str, NodeRecord] = {}
+        self.node_view: PrefixView[str, NodeRecord] = PrefixView(
+            store, keys.nodes_prefix, parse_key=keys.parse_node,
+            parse_value=lambda _, v: NodeRecord.from_json(v), on_change=self._on_nodes,
+            name="nodes")
+        self.report_view: PrefixView[ReportKey, AssignmentReport] = PrefixView(
+            store, keys.reports_prefix, parse_key=keys.parse_report,
+            parse_value=lambda _, v: AssignmentReport.from_json(v), on_change=self._on_reports,
+            name="reports")
+        self.stats_view: PrefixView[StatsKey, StatsReport] = PrefixView(
+            store, keys.stats_prefix, parse_key=keys.parse_stats,
+            parse_value=lambda _, v: StatsReport.from_json(v), on_change=self._on_stats,
+            name="stats")
+        #: (namespace, name) → (node, revision) → report: ``report_view`` by deployment.
         self.reports: dict[DeploymentKey, dict[Slot, AssignmentReport]] = {}
+        #: (namespace, name) → node → statistics: ``stats_view`` by deployment.
         self.stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
         #: The stored assignments, kept by the assignments follower and by our own commits;
         #: reconciles plan from it (and from ``nodes``) instead of listing etcd (view.py).
         self.assignments = AssignmentsView()
-        self.nodes_synced = asyncio.Event()
-        self.reports_synced = asyncio.Event()
+
+    @property
+    def nodes(self) -> dict[str, NodeRecord]:
+        """Node name → its record (``node_view.items``)."""
+        return self.node_view.items
 
     def followers(self) -> list[Follower]:
         """What to follow: one entry per prefix (the ``watch`` label of the metrics is the
-        last word of the name)."""
+        last word of the name), each run by :func:`mlx_fleet.views.follow_prefix`."""
         k = self.keys
-        return [("etcd follower: nodes", k.nodes_prefix, self.on_nodes_snapshot,
-                 self.on_nodes_event),
-                ("etcd follower: reports", k.reports_prefix, self.on_reports_snapshot,
-                 self.on_reports_event),
-                ("etcd follower: stats", k.stats_prefix, self.on_stats_snapshot,
-                 self.on_stats_event),
+        return [("etcd follower: nodes", k.nodes_prefix, self.node_view.apply_snapshot,
+                 self.node_view.apply_event),
+                ("etcd follower: reports", k.reports_prefix, self.report_view.apply_snapshot,
+                 self.report_view.apply_event),
+                ("etcd follower: stats", k.stats_prefix, self.stats_view.apply_snapshot,
+                 self.stats_view.apply_event),
                 ("etcd follower: assignments", k.assignments_prefix,
                  self.on_assignments_snapshot, self.on_assignments_event)]
 
     # -- nodes/ ------------------------------------------------------------------------------
-    def _parse_node(self, key: str, value: bytes) -> NodeRecord | None:
-        name = self.keys.parse_node(key)
-        if name is None:
-            return None
-        try:
-            return NodeRecord.from_json(value)
-        except ValueError as e:
-            log.warning("ignoring malformed node record %s: %s", key, e)
-            return None
-
-    async def on_nodes_snapshot(self, snap: Snapshot) -> None:
-        nodes = {}
-        for kv in snap.items:
-            rec = self._parse_node(kv.key, kv.value)
-            name = self.keys.parse_node(kv.key)
-            if rec is not None and name is not None:
-                nodes[name] = rec
-        old = {n: _placement_view(r) for n, r in self.nodes.items()}
-        first = not self.nodes_synced.is_set()
-        self.nodes = nodes
-        if first:  # the nodes seen at start-up: what a later mass loss is measured against
-            self._holds.start(nodes)
-        else:  # a re-list: what vanished meanwhile is judged like vanished records
-            for name in set(old) - set(nodes):
-                self._holds.vanished(name)
-            self._holds.seen(nodes)
-        self.nodes_synced.set()
-        self._listener.macnodes_changed()
-        if old != {n: _placement_view(r) for n, r in nodes.items()}:
-            self._listener.wake_all()
-
-    async def on_nodes_event(self, ev: WatchEvent) -> None:
-        name = self.keys.parse_node(ev.kv.key)
-        if name is None:
+    def _on_nodes(self, update: ViewUpdate[str, NodeRecord]) -> None:
+        listener, holds = self._listener, self._holds
+        if update.listing:
+            if self.node_view.listings == 1:  # the nodes seen at start-up: what a later mass
+                holds.start(self.nodes)         # loss is measured against
+            else:  # a re-list: what vanished meanwhile is judged like vanished records
+                for c in update.changes:
+                    if c.new is None:
+                        holds.vanished(c.key)
+                holds.seen(self.nodes)
+            listener.macnodes_changed()
+            if any(_placement_view(c.old) != _placement_view(c.new) for c in update.changes):
+                listener.wake_all()
             return
-        before = _placement_view(self.nodes.get(name))
-        rec = self._parse_node(ev.kv.key, ev.kv.value) if ev.type == "PUT" else None
-        if rec is None:
-            if self.nodes.pop(name, None) is not None:
-                self._holds.vanished(name)
-                self._listener.macnodes_changed()
-                return  # judged (and its deployments woken) after the window: holds.judge
-        else:
-            self.nodes[name] = rec
-            self._holds.seen((name,))
-        self._listener.macnodes_changed()
-        if before != _placement_view(rec):
-            self._listener.node_changed(
-                name, "gone" if rec is None else "changed" if before else "appeared")
+        for c in update.changes:
+            if c.new is None:
+                holds.vanished(c.key)
+                listener.macnodes_changed()
+                continue  # judged (and its deployments woken) after the window: holds.judge
+            holds.seen((c.key,))
+            listener.macnodes_changed()
+            if _placement_view(c.old) != _placement_view(c.new):
+                listener.node_changed(c.key, "changed" if c.old is not None else "appeared")
 
     # -- reports/ ----------------------------------------------------------------------------
-    def _parse_report(self, key: str, value: bytes
-                      ) -> tuple[tuple[str, str, str, str] | None, AssignmentReport | None]:
-        return _parse_keyed(key, value, self.keys.parse_report, AssignmentReport, "report")
-
-    async def on_reports_snapshot(self, snap: Snapshot) -> None:
-        reports: dict[DeploymentKey, dict[Slot, AssignmentReport]] = {}
-        for kv in snap.items:
-            parsed, rep = self._parse_report(kv.key, kv.value)
-            if parsed and rep:
-                reports.setdefault((parsed[1], parsed[2]), {})[(parsed[0], parsed[3])] = rep
-        changed = set(reports) | set(self.reports)
-        self.reports = reports
-        self.reports_synced.set()
-        self._listener.wake(changed)
-
-    async def on_reports_event(self, ev: WatchEvent) -> None:
-        parsed, rep = self._parse_report(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
-        if parsed is None:
-            return
-        slot, key = (parsed[0], parsed[3]), (parsed[1], parsed[2])
-        per = self.reports.setdefault(key, {})
-        before = _report_view(per.get(slot))
-        if rep is None:
-            per.pop(slot, None)
-        else:
-            per[slot] = rep
-        if before != _report_view(rep):
-            self._listener.wake((key,))
+    def _on_reports(self, update: ViewUpdate[ReportKey, AssignmentReport]) -> None:
+        woken: set[DeploymentKey] = set()
+        for c in update.changes:
+            node, namespace, name, revision = c.key
+            _index(self.reports, (namespace, name), (node, revision), c.new)
+            if _report_view(c.old) != _report_view(c.new):
+                woken.add((namespace, name))
+        self._listener.wake(woken)
+        for key in woken:
             self._listener.wake_canary(key)
 
     # -- stats/ ------------------------------------------------------------------------------
-    def _parse_stats(self, key: str, value: bytes
-                     ) -> tuple[tuple[str, str, str] | None, StatsReport | None]:
-        return _parse_keyed(key, value, self.keys.parse_stats, StatsReport, "stats report")
-
-    async def on_stats_snapshot(self, snap: Snapshot) -> None:
-        stats: dict[DeploymentKey, dict[str, StatsReport]] = {}
-        for kv in snap.items:
-            parsed, rep = self._parse_stats(kv.key, kv.value)
-            if parsed and rep:
-                stats.setdefault((parsed[1], parsed[2]), {})[parsed[0]] = rep
-        self.stats = stats
-        for key in stats:
-            self._listener.wake_canary(key)
-
-    async def on_stats_event(self, ev: WatchEvent) -> None:
-        parsed, rep = self._parse_stats(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
-        if parsed is None:
-            return
-        key = (parsed[1], parsed[2])
-        per = self.stats.setdefault(key, {})
-        if rep is None:
-            per.pop(parsed[0], None)
-        else:
-            before = per.get(parsed[0])
-            per[parsed[0]] = rep
-            if rep.guard_tripped and not (before and before.guard_tripped):
-                self._listener.wake_canary(key)  # a local guard tripped: roll back now
+    def _on_stats(self, update: ViewUpdate[StatsKey, StatsReport]) -> None:
+        for c in update.changes:
+            node, namespace, name = c.key
+            _index(self.stats, (namespace, name), node, c.new)
+            if update.listing or (c.new is not None and c.new.guard_tripped
+                                  and not (c.old is not None and c.old.guard_tripped)):
+                self._listener.wake_canary((namespace, name))  # a local guard tripped: now
 
     # -- assignments/ ------------------------------------------------------------------------
     async def on_assignments_snapshot(self, snap: Snapshot) -> None:
@@ -225,3 +181,4 @@ class EtcdViews:
 
     async def on_assignments_event(self, ev: WatchEvent) -> None:
         self.assignments.apply(ev)
+

@@ -94,8 +94,8 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         if cfg.peering is not None:
             peering_watch.start(rt, api, cfg.peering, cfg.namespaces)
         try:  # resume handlers should see the agents' reports; don't hang if etcd is slow
-            await asyncio.wait_for(asyncio.gather(rt.views.nodes_synced.wait(),
-                                                  rt.views.reports_synced.wait()), timeout=30)
+            await asyncio.wait_for(asyncio.gather(rt.views.node_view.synced.wait(),
+                                                  rt.views.report_view.synced.wait()), timeout=30)
         except asyncio.TimeoutError:
             logger.warning("etcd views not loaded after 30s; continuing, watches will catch up")
         metrics.register_fleet(lambda: memo.get("runtime"))  # fleet state, at scrape time

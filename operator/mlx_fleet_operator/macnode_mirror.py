@@ -150,7 +150,7 @@ class MacNodeMirror:
     async def run(self) -> None:
         """The rounds, rate-limited, woken by ``rt.macnode_wake``."""
         rt = self.rt
-        await rt.views.nodes_synced.wait()  # never mark every MacNode Gone before etcd was read
+        await rt.views.node_view.synced.wait()  # never mark every MacNode Gone before etcd was read
         while True:
             rt.macnode_wake.clear()
             await self.mirror()

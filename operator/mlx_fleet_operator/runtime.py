@@ -81,7 +81,7 @@ class Runtime:
         self.list_live = list_live
         self._patch_status = patch_status or self._patch_status_api
         self.holds = NodeHolds(lambda: self.views.nodes.keys(), self._wake_for, clock)
-        self.views = EtcdViews(keys, self, self.holds)
+        self.views = EtcdViews(store, keys, self, self.holds)
         self._deployments: dict[DeploymentKey, DeploymentRecord] = {}
         #: target ModelDeployment → the candidate its running Canary keeps resident (set by
         #: the Canary handlers through :meth:`keep_candidate`; read by the reconcile).
@@ -127,7 +127,7 @@ class Runtime:
     def placement_nodes(self) -> dict[str, NodeRecord] | None:
         """The followed node records for placement, None until the follower's first listing
         (a reconcile then lists ``nodes/`` itself)."""
-        return self.views.nodes if self.views.nodes_synced.is_set() else None
+        return self.views.nodes if self.views.node_view.synced.is_set() else None
 
     def held_nodes(self) -> frozenset[str]:
         """The vanished nodes whose replicas placement keeps (:meth:`.holds.NodeHolds.held`)."""
