@@ -310,9 +310,9 @@ def test_room_messages_give_the_numbers() -> None:
     memory = step.room(spec, obs(need=5 * GiB, uses=uses_of(("y", 1), pinned={"y"})), 0,
                        evict=True)
     assert memory.message == (
-        "m revision r1 needs 5.0GiB (5368709120 bytes) but only 4.0GiB of the node's budget 10.0GiB is "
-        "free: 6.0GiB is held by 1 resident revision(s) that cannot be evicted (pinned by "
-        "minReady, serving requests or busy)")
+        "m revision r1 needs 5.0GiB (5368709120 bytes) but only 4.0GiB of the node's budget "
+        "10.0GiB is free: 6.0GiB is held by 1 resident revision(s) that cannot be evicted "
+        "(pinned by minReady, serving requests or busy)")
     limit = step.room(spec, obs(budget=None, limit=1, resident=1), 0, evict=False)
     assert limit.message == (
         "m revision r1 would be loaded model 2 but the node's limit is 1 "

@@ -87,7 +87,8 @@ class IdleUnload:
     """One unload of a revision to standby: ``reason`` ``IdleUnloaded`` (no request for
     ``idle_seconds`` ≥ its policy's ``idle_unload_seconds``) or ``Evicted`` (to make room for
     the load ``cause`` names, with the numbers); memory ``before`` and ``after`` it (None when
-    it could not be measured), ``freed_bytes``: MLX active + cache bytes before − after (≥ 0)."""
+    it could not be measured), ``freed_bytes``: MLX active + cache bytes before − after
+    (≥ 0)."""
 
     model_id: str
     revision: str

@@ -8,11 +8,11 @@ whether a load fits or what to evict first (:func:`room`), which standby revisio
 request for a standby revision is admitted (:func:`admit`), what retiring a key drops
 (:func:`retire`) — and the views the HTTP side reads (:func:`served`, :func:`standby_models`).
 
-The executor (:mod:`.load`, :mod:`.unload`, :mod:`.demand`, :class:`~node_agent.controller.Controller`)
-gathers the observation, calls these and carries out the result; nothing here awaits, reads a
-clock or touches etcd or MLX. The rules themselves are documented on each function and in
-:mod:`node_agent.controller`; the arithmetic of idle unload, eviction and prediction is in
-:mod:`node_agent.lifecycle`.
+The executor (:mod:`.keytask`, :mod:`.load`, :mod:`.unload`, :mod:`.demand`, wired by
+:class:`~node_agent.controller.Controller`) gathers the observation, calls these and carries out
+the result; nothing here awaits, reads a clock or touches etcd or MLX. The rules are documented
+on each function and in :mod:`node_agent.controller`; the arithmetic of idle unload, eviction
+and prediction is in :mod:`node_agent.lifecycle`.
 
 Pure: standard library, :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.quantity`,
 :mod:`node_agent.lifecycle` and :mod:`.state` only.
@@ -25,7 +25,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping
 
-from mlx_fleet.contract import IDLE_UNLOADED, PREFETCH_ON_DEMAND, Assignment
+from mlx_fleet.contract import IDLE_UNLOADED, PREFETCH_ON_DEMAND, Assignment, Role
 from mlx_fleet.quantity import format_bytes
 
 from ..lifecycle import ConvergePlan, KeyState, ModelUse, UsageHistory, evictions, \
@@ -348,25 +348,26 @@ def prefetches(records: Mapping[str, Record], history: UsageHistory, now: float,
     started: list[tuple[str, Ident]] = []
     skipped: list[tuple[Ident, str]] = []
     reserved = 0
-    for ident in predict_prefetch(history, now, unloaded=standby, window_s=window_s,
-                                  max_prefetches=allowance):
-        key = standby[ident]  # type: ignore[index]
+    for predicted in predict_prefetch(history, now, unloaded=standby, window_s=window_s,
+                                      max_prefetches=allowance):
+        ident: Ident = predicted  # type: ignore[assignment]  (the keys of ``standby``)
+        key = standby[ident]
         loaded = records[key].loaded
         assert loaded is not None
         limit = max_loaded_models
         if limit and resident_count(records, core, loaded.spec.ident) + len(started) >= limit:
             skipped.append((ident, f"the node's limit of {limit} loaded models is reached "
-                                   "(a prefetch does not evict)"))  # type: ignore[arg-type]
+                                   "(a prefetch does not evict)"))
             continue
         if budget_bytes is not None:
             free = budget_bytes - in_use(records, core, exclude=key)[0] - reserved
             if loaded.estimated_bytes > free:
-                skipped.append((ident, f"its estimate {format_bytes(loaded.estimated_bytes)} "  # type: ignore[arg-type]
+                skipped.append((ident, f"its estimate {format_bytes(loaded.estimated_bytes)} "
                                        f"does not fit the {format_bytes(max(free, 0))} free "
                                        "(a prefetch does not evict)"))
                 continue
         reserved += loaded.estimated_bytes
-        started.append((key, ident))  # type: ignore[arg-type]
+        started.append((key, ident))
     return started, skipped
 
 
@@ -442,7 +443,7 @@ def served(records: Mapping[str, Record]) -> dict[str, ServedModel]:
     """served model name → its deployment and the revisions it serves: those loaded now (not
     draining) and those in standby (reloaded on demand), for keys still assigned."""
     deps: dict[str, tuple[str, str]] = {}
-    revisions: dict[str, dict[str, object]] = {}
+    revisions: dict[str, dict[str, Role]] = {}
     standby: dict[str, set[str]] = {}
     for rec in records.values():
         d, loaded = rec.desired, rec.loaded
@@ -453,7 +454,7 @@ def served(records: Mapping[str, Record]) -> dict[str, ServedModel]:
         revisions.setdefault(model, {})[loaded.spec.revision] = d.role
         if loaded.standby:
             standby.setdefault(model, set()).add(loaded.spec.revision)
-    return {m: ServedModel(*deps[m], revisions[m], frozenset(standby.get(m, ())))  # type: ignore[arg-type]
+    return {m: ServedModel(*deps[m], revisions[m], frozenset(standby.get(m, ())))
             for m in revisions}
 
 
