@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mlx_fleet.contract import AssignmentState, Keys
+from mlx_fleet.contract import Keys
 from mlx_fleet.store import Store
 from mlx_fleet.supervise import Supervised
 
@@ -253,20 +253,19 @@ class Controller:
 
     def states(self) -> dict[str, dict]:
         """Per-assignment state for ``/health``: ``{"ns/name/revision": {model, revision, role,
-        state, reason}}`` from the latest reports."""
+        state, reason}}`` from the latest reports (:attr:`~.convergence.state.Record.phase`)."""
         out: dict[str, dict] = {}
         records = self._rt.records
         for key in sorted(k for k, r in records.items() if r.desired is not None):
             parsed = self._rt.keys.parse_assignment(key)
-            report = self._reports.current(key) if parsed else None
-            d = records[key].desired
-            a = d if not isinstance(d, Invalid) else None
+            rec = records[key]
+            a = rec.desired if not isinstance(rec.desired, Invalid) else None
             out[f"{parsed[1]}/{parsed[2]}/{parsed[3]}" if parsed else key] = {
                 "model": a.served_model_name if a is not None else "",
                 "revision": parsed[3] if parsed else "",
                 "role": a.role.value if a is not None else "",
-                "state": report.state.value if report else AssignmentState.PENDING.value,
-                "reason": report.reason if report else "",
+                "state": rec.phase.value,
+                "reason": rec.report.reason if rec.report is not None else "",
             }
         return out
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, Assignment,
-                                LifecyclePolicy, ModelSource, Role)
+                                AssignmentReport, AssignmentState, LifecyclePolicy, ModelSource,
+                                Role)
 from node_agent.convergence import step
 from node_agent.convergence.state import (INSUFFICIENT_MEMORY, MODEL_LIMIT, Failure, IdleUnload,
                                           Invalid, Loaded, Record, ServedModel, Spec,
@@ -503,6 +504,11 @@ def test_served_and_standby_views() -> None:
 def test_a_record_is_forgettable_once_nothing_is_left() -> None:
     rec = record(None)
     assert rec.forgettable()
+    report = AssignmentReport(node="n", namespace="default", name="chat", generation=1,
+                              state=AssignmentState.READY)
+    assert record(a1, report=report).phase == AssignmentState.READY
+    assert record(a1).phase == AssignmentState.PENDING
     for field, value in [("reported", True), ("failure", failure(a1)), ("claim", "chat"),
+                         ("report", report),
                          ("loaded", loaded(a1)), ("lock", Held()), ("task", busy)]:
         assert not record(None, **{field: value}).forgettable(), field

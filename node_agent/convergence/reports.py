@@ -10,7 +10,7 @@ import asyncio
 from mlx_fleet.contract import (AWAITING_REQUEST, Assignment, AssignmentReport, AssignmentState,
                                 DownloadProgress)
 
-from ..registration import LeaseBound, Registration
+from ..registration import Registration
 from .runtime import Runtime
 from .state import Loaded, Spec
 
@@ -27,21 +27,22 @@ class Reports:
         self._reg = registration
         self.advertise_url = advertise_url
 
-    def current(self, key: str) -> LeaseBound | None:
-        """The report last written for ``key`` (None: none)."""
-        return self._reg.report(self._rt.report_key(key))
-
     async def put(self, key: str, state: AssignmentState, *, namespace: str, name: str,
                   generation: int, revision: str = "", reason: str = "", message: str = "",
                   endpoint: str = "", resident_bytes: int = 0, freed_bytes: int = 0,
                   estimated_bytes: int = 0, progress: DownloadProgress | None = None) -> None:
-        await asyncio.shield(self._reg.put_report(self._rt.report_key(key), AssignmentReport(
+        """Write ``key``'s report (kept as its record's ``report`` too)."""
+        report = AssignmentReport(
             node=self._rt.node_name, namespace=namespace, name=name, generation=generation,
             revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
             resident_bytes=resident_bytes, freed_bytes=freed_bytes,
-            estimated_bytes=estimated_bytes, progress=progress)))
+            estimated_bytes=estimated_bytes, progress=progress)
+        self._rt.record(key).report = report
+        await asyncio.shield(self._reg.put_report(self._rt.report_key(key), report))
 
     async def delete(self, key: str) -> None:
+        """Delete ``key``'s report."""
+        self._rt.record(key).report = None
         await self._reg.delete_report(self._rt.report_key(key))
 
     async def ready(self, key: str, a: Assignment, loaded: Loaded) -> None:

@@ -3,9 +3,9 @@ the rules (:mod:`.step` decides over them; the executor modules carry the decisi
 
 A record holds everything the agent knows of one assignment key — the assignment wanted now,
 what the key's last task converged to, the revision loaded (or in standby) for it, its latest
-failure and back-off, whether a report exists, its served-name claim and conflict, the spec its
-tasks last tried, the load the core is doing for it, and the key's running task and lock — so
-forgetting a key is one ``del`` (:meth:`Record.forgettable` says when nothing is left of it).
+failure and back-off, its last report (and so its phase), its served-name claim and conflict,
+the spec its tasks last tried, the load the core is doing for it, and the key's running task
+and lock — so forgetting a key is one ``del`` (:meth:`Record.forgettable` says when nothing is left of it).
 
 Pure: standard library, :mod:`mlx_fleet.contract` and :mod:`mlx_fleet.quantity` only. Clock
 values (``last_used``, ``retry_at``) are seconds of the controller's one injected monotonic
@@ -18,7 +18,8 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Union
 
-from mlx_fleet.contract import EVICTED, IDLE_UNLOADED, Assignment, Role
+from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, Assignment, AssignmentReport,
+                                AssignmentState, Role)
 from mlx_fleet.quantity import format_bytes
 
 if TYPE_CHECKING:  # a type only: importing node_agent.serving would load MLX
@@ -208,7 +209,8 @@ class Record:
     ``deployment``: ``(namespace, name)`` from the key. ``desired``: the assignment wanted now
     (None: not assigned here). ``done``: what the key's last finished task converged to (None:
     nothing, or it must be done again). ``loaded``: the revision loaded or in standby for it.
-    ``failure``: its latest failed load (with the retry time). ``reported``: a report may exist.
+    ``failure``: its latest failed load (with the retry time). ``reported``: a report may exist
+    (set before the first is written); ``report``: the last one written (:attr:`phase`).
     ``conflict``: refused with ``ModelNameConflict`` (converged again once a name is freed).
     ``claim``: the served name its task is loading (no other deployment may take it).
     ``attempted``: the spec its tasks last tried to load. ``loading``: ``(spec, estimate bytes)``
@@ -223,6 +225,7 @@ class Record:
     loaded: Loaded | None = None
     failure: Failure | None = None
     reported: bool = False
+    report: AssignmentReport | None = None
     conflict: bool = False
     claim: str | None = None
     attempted: Spec | None = None
@@ -235,6 +238,11 @@ class Record:
     def busy(self) -> bool:
         """A task of the key runs now."""
         return self.task is not None
+
+    @property
+    def phase(self) -> AssignmentState:
+        """The state its last report gave (``Pending`` before the first)."""
+        return self.report.state if self.report is not None else AssignmentState.PENDING
 
     @property
     def spec(self) -> Spec | None:
@@ -251,5 +259,6 @@ class Record:
         reported, claimed or locked."""
         return (self.desired is None and self.done is None and self.task is None
                 and self.loaded is None and self.failure is None and not self.reported
+                and self.report is None
                 and not self.conflict and self.claim is None and self.attempted is None
                 and self.loading is None and not self.lock.locked())
