@@ -207,6 +207,15 @@ def test_the_task_converges_to_the_value_it_started_for() -> None:
     assert step.plan({"k": rec}, 0).start == ("k",)
 
 
+def test_known_estimate_comes_from_the_last_load_or_attempt_of_the_same_spec() -> None:
+    assert step.known_estimate(record(a1), Spec.of(a1)) == 0
+    assert step.known_estimate(record(a1, loaded=loaded(a1, estimate=3)), Spec.of(a1)) == 3
+    assert step.known_estimate(record(a1, loaded=loaded(a1, estimate=3)),
+                               Spec.of(a1_moved)) == 0
+    assert step.known_estimate(record(a1, failure=failure(a1)), Spec.of(a1)) == GiB
+    assert step.known_estimate(record(a1, failure=failure(a1)), Spec.of(a1_moved)) == 0
+
+
 # -------------------------------------------------------------------------------------------
 # a failure's back-off
 # -------------------------------------------------------------------------------------------

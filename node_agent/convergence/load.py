@@ -46,17 +46,6 @@ class Loader:
         self._model_cache = model_cache
         self.backoff = backoff
 
-    def known_estimate(self, key: str, spec: Spec) -> int:
-        """``spec``'s memory estimate as far as the agent knows it before reading its files
-        (from its last load or failed attempt at ``key``), else 0."""
-        rec = self._rt.records.get(key)
-        if rec is None:
-            return 0
-        loaded, failed = rec.loaded, rec.failure
-        if loaded is not None and loaded.spec == spec and loaded.estimated_bytes:
-            return loaded.estimated_bytes
-        return failed.estimated_bytes if failed is not None and failed.spec == spec else 0
-
     async def load(self, key: str, a: Assignment, spec: Spec, *, retry: Failure | None = None,
                    on_demand: bool = False, reason: str = RELOADING_ON_DEMAND) -> bool:
         """Load ``spec`` for ``key``; ``retry``: the failure this attempt retries (the report
@@ -81,7 +70,7 @@ class Loader:
                       revision=spec.revision)
         remote = is_remote(spec.uri)
         t0 = rt.clock()
-        known = self.known_estimate(key, spec)
+        known = step.known_estimate(rec, spec)
         if on_demand:
             before = rec.loaded
             why = ("a request is expected soon (predictive prefetch)"
@@ -231,8 +220,7 @@ class Loader:
         last_write = -PROGRESS_REPORT_SECONDS
 
         async def report(p: DownloadProgress) -> None:
-            await self._reports.prefetching(key, spec, p, common,
-                                            self.known_estimate(key, spec))
+            await self._reports.prefetching(key, spec, p, common, step.known_estimate(rec, spec))
 
         try:
             while not task.done():

@@ -5,7 +5,8 @@ A record holds everything the agent knows of one assignment key — the assignme
 what the key's last task converged to, the revision loaded (or in standby) for it, its latest
 failure and back-off, its last report (and so its phase), its served-name claim and conflict,
 the spec its tasks last tried, the load the core is doing for it, and the key's running task
-and lock — so forgetting a key is one ``del`` (:meth:`Record.forgettable` says when nothing is left of it).
+and lock — so forgetting a key is one ``del`` (:meth:`Record.forgettable` says when nothing
+is left of it).
 
 Pure: standard library, :mod:`mlx_fleet.contract` and :mod:`mlx_fleet.quantity` only. Clock
 values (``last_used``, ``retry_at``) are seconds of the controller's one injected monotonic

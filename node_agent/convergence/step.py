@@ -34,7 +34,8 @@ from .state import (INSUFFICIENT_MEMORY, MODEL_LIMIT, PERMANENT_REASONS, Desired
                     Ident, Invalid, Loaded, Record, ServedModel, Spec, StandbyModel)
 
 __all__ = ["RESIDUE", "CoreView", "Action", "Converge", "Room", "RoomObservation", "Admission",
-           "Admit", "Retire", "target", "key_state", "plan", "converge", "name_owner", "failed",
+           "Admit", "Retire", "target", "key_state", "plan", "converge", "name_owner",
+           "known_estimate", "failed",
            "room", "in_use", "resident_count", "model_uses", "may_unload", "prefetches",
            "admit", "retire", "holds", "served", "standby_models"]
 
@@ -163,6 +164,15 @@ def _drained_by(let_go: Loaded | None) -> set[Ident]:
     """The revision that letting ``let_go`` go drains (none when it is in standby: it is
     forgotten at once)."""
     return {let_go.spec.ident} if let_go is not None and not let_go.standby else set()
+
+
+def known_estimate(rec: Record, spec: Spec) -> int:
+    """``spec``'s memory estimate (bytes) as far as the agent knows it before reading its
+    files — from its last load or failed attempt at ``rec``'s key — else 0."""
+    loaded, failure = rec.loaded, rec.failure
+    if loaded is not None and loaded.spec == spec and loaded.estimated_bytes:
+        return loaded.estimated_bytes
+    return failure.estimated_bytes if failure is not None and failure.spec == spec else 0
 
 
 def failed(previous: Failure | None, spec: Spec, reason: str, message: str, now: float, *,
