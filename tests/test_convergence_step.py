@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, Assignment,
-                                AssignmentReport, AssignmentState, LifecyclePolicy, ModelSource,
-                                Role)
+                                AssignmentReport, AssignmentState, DownloadProgress,
+                                LifecyclePolicy, ModelSource, Role)
 from node_agent.convergence import step
 from node_agent.convergence.state import (INSUFFICIENT_MEMORY, MODEL_LIMIT, Failure, IdleUnload,
                                           Invalid, Loaded, Record, ServedModel, Spec,
@@ -205,6 +205,30 @@ def test_the_task_converges_to_the_value_it_started_for() -> None:
     assert converge_case(rec, d=a1) == step.Converge(A.REPORT_LOADED)
     rec.done = a1
     assert step.plan({"k": rec}, 0).start == ("k",)
+
+
+OPENING_CASES = [
+    ("a first load of a local source: Loading", False, False, False, step.Opening.LOADING),
+    ("a first load of a remote source: Prefetching", False, False, True,
+     step.Opening.PREFETCHING),
+    ("a retry (a resume): stays Failed", False, True, True, step.Opening.QUIET),
+    ("a retry of a local source: stays Failed", False, True, False, step.Opening.QUIET),
+    ("a reload on demand / prefetch: Loading with its reason", True, False, True,
+     step.Opening.RELOADING),
+]
+
+
+@pytest.mark.parametrize("on_demand, retried, remote, expected", [c[1:] for c in OPENING_CASES],
+                         ids=[c[0] for c in OPENING_CASES])
+def test_opening(on_demand: bool, retried: bool, remote: bool, expected: step.Opening) -> None:
+    assert step.opening(on_demand=on_demand, retried=retried, remote=remote) is expected
+
+
+def test_a_resumed_download_shows_progress_only_once_bytes_flow() -> None:
+    idle, flowing = DownloadProgress(bytes_done=10), DownloadProgress(
+        bytes_done=10, rate_bytes_per_second=5.0)
+    assert not step.shows_progress(False, idle) and step.shows_progress(False, flowing)
+    assert step.shows_progress(True, idle)
 
 
 def test_known_estimate_comes_from_the_last_load_or_attempt_of_the_same_spec() -> None:

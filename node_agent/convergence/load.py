@@ -71,7 +71,8 @@ class Loader:
         remote = is_remote(spec.uri)
         t0 = rt.clock()
         known = step.known_estimate(rec, spec)
-        if on_demand:
+        opening = step.opening(on_demand=on_demand, retried=retry is not None, remote=remote)
+        if opening is step.Opening.RELOADING:
             before = rec.loaded
             why = ("a request is expected soon (predictive prefetch)"
                    if reason == PREDICTIVE_PREFETCH else "on demand")
@@ -79,8 +80,12 @@ class Loader:
             await self._reports.put(key, AssignmentState.LOADING, reason=reason,
                                     message=f"loading {spec.model_id} from {spec.uri} {why} "
                                             f"(standby: {was})", estimated_bytes=known, **common)
-        elif retry is None:
-            if remote:
+        elif opening is step.Opening.QUIET:
+            assert retry is not None
+            log.info("retrying load of %s revision %s from %s (assignment %s, attempt %d)",
+                     spec.model_id, spec.revision, spec.uri, key, retry.attempts + 1)
+        else:
+            if opening is step.Opening.PREFETCHING:
                 await self._reports.prefetching(key, spec, DownloadProgress(), common, known)
             else:
                 await self._reports.put(key, AssignmentState.LOADING, reason="LoadingModel",
@@ -89,9 +94,6 @@ class Loader:
             log.info("%s %s revision %s from %s (assignment %s)",
                      "fetching" if remote else "loading", spec.model_id, spec.revision,
                      spec.uri, key)
-        else:
-            log.info("retrying load of %s revision %s from %s (assignment %s, attempt %d)",
-                     spec.model_id, spec.revision, spec.uri, key, retry.attempts + 1)
         draining = rt.draining.get(spec.ident)
         if draining is not None:  # assigned again while it drains: let the unload finish first
             await asyncio.shield(draining)
@@ -105,8 +107,8 @@ class Loader:
         try:
             shown = False
             if remote:
-                fetched = await self._download(key, spec, common,
-                                               shown=retry is None and not on_demand)
+                fetched = await self._download(
+                    key, spec, common, shown=opening is step.Opening.PREFETCHING)
                 if fetched is None:
                     return False  # the assignment changed or went away; its new task takes over
                 path, shown = fetched
@@ -246,7 +248,7 @@ class Loader:
                         break
                 arrived.clear()
                 p = latest[0]
-                if not shown and p.rate_bytes_per_second <= 0:
+                if not step.shows_progress(shown, p):
                     continue  # a retry stays Failed until bytes flow
                 await report(p)
                 shown, written, last_write = True, p, rt.clock()

@@ -25,7 +25,8 @@ import enum
 import math
 from collections.abc import Iterable, Mapping
 
-from mlx_fleet.contract import IDLE_UNLOADED, PREFETCH_ON_DEMAND, Assignment, Role
+from mlx_fleet.contract import (IDLE_UNLOADED, PREFETCH_ON_DEMAND, Assignment,
+                                DownloadProgress, Role)
 from mlx_fleet.quantity import format_bytes
 
 from ..lifecycle import ConvergePlan, KeyState, ModelUse, UsageHistory, evictions, \
@@ -35,7 +36,7 @@ from .state import (INSUFFICIENT_MEMORY, MODEL_LIMIT, PERMANENT_REASONS, Desired
 
 __all__ = ["RESIDUE", "CoreView", "Action", "Converge", "Room", "RoomObservation", "Admission",
            "Admit", "Retire", "target", "key_state", "plan", "converge", "name_owner",
-           "known_estimate", "failed",
+           "Opening", "opening", "shows_progress", "known_estimate", "failed",
            "room", "in_use", "resident_count", "model_uses", "may_unload", "prefetches",
            "admit", "retire", "holds", "served", "standby_models"]
 
@@ -164,6 +165,35 @@ def _drained_by(let_go: Loaded | None) -> set[Ident]:
     """The revision that letting ``let_go`` go drains (none when it is in standby: it is
     forgotten at once)."""
     return {let_go.spec.ident} if let_go is not None and not let_go.standby else set()
+
+
+class Opening(str, enum.Enum):
+    """The report a load opens with (:func:`opening`)."""
+
+    RELOADING = "Reloading"      # Loading with the reload's reason (on demand, prefetch)
+    PREFETCHING = "Prefetching"  # a remote source is downloaded first (empty progress)
+    LOADING = "Loading"          # a local source is loaded
+    QUIET = "Quiet"              # a retry: the report stays Failed (no Loading flicker)
+
+
+def opening(*, on_demand: bool, retried: bool, remote: bool) -> Opening:
+    """The report a load of a revision opens with: a reload of a standby revision says
+    ``Loading`` with its reason at once; a retry of a failed load says nothing (its report
+    stays ``Failed`` until it succeeds, or until a download shows progress,
+    :func:`shows_progress`); a first load says ``Prefetching`` for a remote source, else
+    ``Loading``."""
+    if on_demand:
+        return Opening.RELOADING
+    if retried:
+        return Opening.QUIET
+    return Opening.PREFETCHING if remote else Opening.LOADING
+
+
+def shows_progress(shown: bool, progress: DownloadProgress) -> bool:
+    """Whether a download's ``progress`` is reported: always once ``Prefetching`` is shown;
+    before (a retry, a reload) only once bytes flow (``rate_bytes_per_second`` > 0) — a
+    download resumed from complete files on disk shows nothing."""
+    return shown or progress.rate_bytes_per_second > 0
 
 
 def known_estimate(rec: Record, spec: Spec) -> int:
