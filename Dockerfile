@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY mlx_fleet ./mlx_fleet
 COPY operator ./operator
 COPY node_agent ./node_agent
+COPY router ./router
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim

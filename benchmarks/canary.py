@@ -35,8 +35,8 @@ from mlx_fleet.devcluster.controlplane import start_control_plane
 from mlx_fleet.devcluster.fleet import start_agent, start_operator
 from mlx_fleet.devcluster.kwatch import ObjectWatch
 from mlx_fleet.devcluster.loadgen import LoadGenerator
+from mlx_fleet.routing.split import bucket
 from mlx_fleet.testmodel import Fault, make_test_model
-from node_agent.split import bucket
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NS = "default"

@@ -79,7 +79,7 @@ def render(obj: dict, console: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import kubernetes
 
-    from mlx_fleet.cli import make_console
+    from mlx_fleet.console import make_console
 
     try:
         api = _api(args.kubeconfig)

@@ -43,7 +43,7 @@ def _step(console: Console, text: str):
 def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tokens: int = 48,
              keep: bool = False, console: Console | None = None) -> int:
     """Run the demo; returns a process exit code (0 on success)."""
-    from mlx_fleet.cli import make_console, progress_builder
+    from mlx_fleet.console import make_console, progress_builder
     from mlx_fleet.testmodel import Fault, make_test_model
 
     console = console or make_console()
@@ -193,7 +193,7 @@ async def _follow(console: Console, cp, name: str, until: set[str], timeout: flo
 
 async def _canaries(console: Console, cp, model: str, faulty) -> None:
     from mlx_fleet.devcluster.loadgen import LoadGenerator
-    from node_agent.split import bucket
+    from mlx_fleet.routing.split import bucket
 
     endpoints = json.loads(cp.kubectl("get", "modeldeployment/llama-demo", "-o", "json").stdout
                            )["status"]["endpoints"]

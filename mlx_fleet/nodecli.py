@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         api = _api(args.kubeconfig)
         if args.command == "drain":
-            from mlx_fleet.cli import make_console
+            from mlx_fleet.console import make_console
 
             return drain(api, args.node, args.timeout, make_console())
         cordon = args.command == "cordon"

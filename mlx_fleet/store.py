@@ -5,121 +5,41 @@ transaction, watch from a revision, leases), so the client library can be swappe
 touching the operator or the agent. ``aetcd`` (the asyncio fork of python-etcd3) is used because
 python-etcd3 is abandoned, fails to import with protobuf >= 4 and blocks the event loop.
 
-:func:`follow_prefix` implements the watch discipline of the contract once for both sides:
-list, then watch from ``list revision + 1``; after a disconnect resume from the last revision
-seen; when that revision was compacted, re-list and hand the caller a fresh snapshot, so no
-event is ever silently skipped.
+The interface itself (:class:`Store`, its records and errors) lives in :mod:`mlx_fleet.store_api`
+and the watch discipline (:func:`follow_prefix`) in :mod:`mlx_fleet.views`, both without a
+client; this module re-exports them under the names callers have always imported.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from mlx_fleet.etcd_credentials import EtcdCredentials
 from mlx_fleet.etcd_security import Access, AuthPlan
+from mlx_fleet.store_api import (  # re-exported: the interface's import path
+    KV,
+    Compacted,
+    Compare,
+    Delete,
+    Listing,
+    Put,
+    Store,
+    StoreError,
+    WatchEvent,
+)
+from mlx_fleet.views import Snapshot, follow_prefix  # re-exported (they moved to views.py)
+
+__all__ = ["KV", "Compacted", "Compare", "Delete", "Listing", "Put", "Store", "StoreError",
+           "WatchEvent", "EtcdStore", "Snapshot", "follow_prefix", "parse_endpoint",
+           "check_endpoint", "CLOSE_TIMEOUT_SECONDS", "RECONNECT_BACKOFF_MAX_SECONDS"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class KV:
-    """One key-value pair with etcd's revision metadata (``mod_revision``, ``create_revision``:
-    cluster revisions; ``version``: number of writes since creation; ``lease``: lease ID or 0)."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int = 0
-    version: int = 0
-    lease: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Listing:
-    """The result of a prefix read: items sorted by key and the store ``revision`` it was read at."""
-
-    items: list[KV]
-    revision: int
-
-
-@dataclasses.dataclass(frozen=True)
-class WatchEvent:
-    """A change to one key. For ``DELETE`` the ``kv.value`` is empty and ``kv.mod_revision`` is
-    the revision of the deletion."""
-
-    type: Literal["PUT", "DELETE"]
-    kv: KV
-
-
-@dataclasses.dataclass(frozen=True)
-class Compare:
-    """A transaction guard: ``target`` of ``key`` compared to ``value`` with ``op``.
-
-    ``target``: ``"mod"`` (mod_revision), ``"create"`` (create_revision), ``"version"`` or
-    ``"value"``. A key that does not exist has mod_revision, create_revision and version 0,
-    so ``Compare(key, "mod", "==", 0)`` means "key absent".
-    """
-
-    key: str
-    target: Literal["mod", "create", "version", "value"]
-    op: Literal["==", "!=", "<", ">"]
-    value: int | bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    lease: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Delete:
-    key: str
-
-
-class StoreError(Exception):
-    """etcd could not be reached or refused the request (wraps the client's error)."""
-
-
-class Compacted(StoreError):
-    """The requested watch start revision was compacted; re-list from the present."""
-
-    def __init__(self, compact_revision: int) -> None:
-        super().__init__(f"revision compacted below {compact_revision}")
-        self.compact_revision = compact_revision
-
-
-class Store(Protocol):
-    """What mlx-fleet needs from etcd. All methods are coroutines safe to call concurrently."""
-
-    async def get(self, key: str) -> KV | None: ...
-
-    async def list(self, prefix: str) -> Listing: ...
-
-    async def txn(self, compares: Sequence[Compare], success: Sequence[Put | Delete],
-                  failure: Sequence[Put | Delete] = ()) -> int: ...
-
-    async def put(self, key: str, value: bytes, lease: int | None = None) -> int: ...
-
-    async def delete(self, key: str) -> bool: ...
-
-    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]: ...
-
-    async def grant_lease(self, ttl_seconds: int) -> int: ...
-
-    async def keepalive(self, lease_id: int) -> int: ...
-
-    async def revoke_lease(self, lease_id: int) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -397,6 +317,17 @@ class EtcdStore:
     async def revoke_lease(self, lease_id: int) -> None:
         await self._call(lambda: self._client.revoke_lease(lease_id))
 
+    async def time_to_live(self, lease_id: int) -> int:
+        """Seconds left on the lease (etcd's ``LeaseTimeToLive``), -1 when it does not exist."""
+        reply = await self._call(lambda: self._client.get_lease_info(lease_id, keys=False))
+        return int(reply.TTL)
+
+    async def compact(self, revision: int) -> None:
+        """Compact etcd's history before ``revision`` (an admin operation: tests and
+        maintenance). A watch from a lower revision then raises :class:`Compacted`. Raises
+        :class:`StoreError` for a revision already compacted or a future one."""
+        await self._call(lambda: self._client.compact(revision))
+
     # -- auth administration (mlx-fleet etcd bootstrap-auth) ------------------------------------
 
     async def _auth_rpc(self, method: str, request):
@@ -587,20 +518,12 @@ def _client_class(aetcd) -> type:
 
 
 # ---------------------------------------------------------------------------------------------
-# The watch discipline
+# Bounded clean-up of aetcd's watches and client
 # ---------------------------------------------------------------------------------------------
 
 
 CLOSE_TIMEOUT_SECONDS = 5.0
 """Longest wait for a watch cancel or a client close before giving up on a clean goodbye."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """Every key under the prefix at ``revision``; replaces whatever the follower held."""
-
-    items: list[KV]
-    revision: int
 
 
 async def _bounded(aw: Awaitable, seconds: float) -> bool:
@@ -642,37 +565,3 @@ async def _abandonable(aw: Awaitable[T], *, on_late: Callable[[T], Awaitable[Any
 
 #: Clean-ups of abandoned calls still running (:func:`_abandonable`).
 _CLEANUPS: set[asyncio.Future] = set()
-
-
-async def follow_prefix(store: Store, prefix: str,
-                        on_snapshot: Callable[[Snapshot], Awaitable[None]],
-                        on_event: Callable[[WatchEvent], Awaitable[None]],
-                        *, retry_delay: float = 0.5, max_retry_delay: float = 5.0) -> None:
-    """Keep a caller's view of ``prefix`` exact, forever (until cancelled).
-
-    1. list the prefix → ``on_snapshot``; 2. watch from ``snapshot.revision + 1`` → ``on_event``
-    for each change; 3. if the stream breaks, resume from ``last seen revision + 1`` (after a
-    capped exponential back-off); 4. if that revision was compacted, go back to 1.
-    Errors raised by the callbacks propagate (they are bugs, not transport failures).
-    """
-    next_rev: int | None = None
-    delay = retry_delay
-    while True:
-        try:
-            if next_rev is None:
-                snap = await store.list(prefix)
-                await on_snapshot(Snapshot(items=snap.items, revision=snap.revision))
-                next_rev = snap.revision + 1
-            async for ev in store.watch(prefix, next_rev):
-                await on_event(ev)
-                next_rev = ev.kv.mod_revision + 1
-                delay = retry_delay
-        except Compacted as e:
-            log.warning("watch on %s: %s; re-listing", prefix, e)
-            next_rev = None
-            continue
-        except StoreError as e:
-            log.warning("watch on %s broke (%s); resuming from revision %s in %.1fs",
-                        prefix, e, next_rev, delay)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max_retry_delay)

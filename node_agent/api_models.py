@@ -18,21 +18,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from mlx_fleet.routing.headers import SESSION_HEADER
+
 __all__ = ["StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
            "ChatCompletionRequest", "CompletionRequest", "ErrorDetail", "ErrorResponse",
            "PromptTokensDetails", "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
            "TextCompletion", "ChunkDelta", "ChatChunkChoice", "ChatCompletionChunk",
            "TextChunkChoice", "TextCompletionChunk", "ModelCard", "ModelList", "FinishReason", "REQUEST_MODELS",
-           "RESPONSE_MODELS", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
-
-#: Response header naming the revision that served the request.
-REVISION_HEADER = "X-Model-Revision"
-#: Request header carrying the session key of the canary split (else the ``user`` field).
-SESSION_HEADER = "X-Session-ID"
-#: Request header a forwarding agent sets: serve exactly this revision, don't split again.
-#: Honoured only from the fleet-internal credential (or when the API has no keys at all);
-#: a client key presenting it has it ignored (routed as if it were absent).
-PIN_HEADER = "X-MLX-Fleet-Revision"
+           "RESPONSE_MODELS"]
 
 #: Largest whole number a JSON float represents exactly (2**53): ``4180.0`` is read as 4180
 #: up to it (JSON Schema counts a number with a zero fraction as an integer), ``1e300`` is not.
@@ -114,7 +107,7 @@ class SamplingRequest(_Request):
     n: Annotated[PositiveInt, Field(json_schema_extra={"maximum": 1}, description=(
         "Only 1 is supported."))] = 1
     user: str | None = Field(None, description=(
-        "Session key of a canary split when there is no X-Session-ID header."))
+        f"Session key of a canary split when there is no {SESSION_HEADER} header."))
     # Accepted only in their "off" spelling (openai_api._unsupported): rejecting them is more
     # honest than silently ignoring what the client asked for.
     tools: Any = Field(None, description=_OFF)

@@ -2,7 +2,7 @@
 
 :func:`fetch` resolves ``hf://`` and ``https://`` sources (local ones are
 :func:`node_agent.sources.resolve_source`'s) and returns the local directory, checked by
-:func:`node_agent.sources.check_model_dir` (no symlink out of the model, a ``config.json``
+:func:`node_agent.model_dir.check_model_dir` (no symlink out of the model, a ``config.json``
 object, no custom code).
 
 ``hf://<org>/<repo>[@<revision>]``
@@ -48,7 +48,7 @@ Progress: :class:`~mlx_fleet.contract.DownloadProgress` passed to ``progress`` a
 :data:`RATE_WINDOW_S` seconds, ``eta_seconds`` remaining ÷ rate. The callback runs on the
 event loop; an exception from it is logged and ignored.
 
-Failures raise :class:`~node_agent.sources.SourceError`: ``ModelNotFound`` (no such repository
+Failures raise :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository
 or revision, not cached while offline, no manifest at the mirror), ``InvalidSource`` (malformed
 URI or manifest, unsafe path, bad model directory), ``DownloadFailed`` (an HTTP error status,
 the connection lost too often, TLS failure, hub unreachable), ``DownloadStalled`` (no byte for
@@ -80,7 +80,7 @@ import aiohttp
 
 from mlx_fleet.contract import DownloadProgress
 
-from .sources import SourceError, check_config, check_model_dir
+from .model_dir import SourceError, check_config, check_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
     mirror) and offline mode (defaults: ``$HF_HUB_CACHE``, ``$HF_ENDPOINT``, ``$HF_HUB_OFFLINE``
     read at call time, else huggingface_hub's own).
 
-    Raises :class:`~node_agent.sources.SourceError` (reasons in the module docstring);
+    Raises :class:`~node_agent.model_dir.SourceError` (reasons in the module docstring);
     ``UnsupportedSource`` for another scheme."""
     callback = progress or _ignore
     scheme = urlsplit(uri.strip()).scheme.lower()

@@ -30,9 +30,9 @@ from aiohttp import web
 from mlx_fleet.contract import (IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, Keys, NodeHealth,
                                 check_watermark)
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
+from mlx_fleet.routing.api_keys import KeyFile, KeyFileError
 from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
-from .api_keys import KeyFile, KeyFileError
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL, Registration

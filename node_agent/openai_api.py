@@ -8,7 +8,7 @@ Routes:
   the request and response models of :mod:`node_agent.api_models` that this module validates
   with and answers through); open like ``/health``.
 
-Authentication (``api_keys``, :mod:`node_agent.api_keys`): with a key file every request
+Authentication (``api_keys``, :mod:`mlx_fleet.routing.api_keys`): with a key file every request
 except ``GET /health`` (and ``GET /metrics`` unless ``metrics_auth``) needs ``Authorization:
 Bearer <key>`` with one of its keys or of the fleet-internal ``forward_keys``; otherwise 401
 ``invalid_request_error`` / ``invalid_api_key`` with ``WWW-Authenticate: Bearer`` (the message
@@ -50,7 +50,7 @@ requests in that batch (see :mod:`node_agent.serving`).
 Revisions and the canary split: with a ``router`` (the agent's
 :class:`~node_agent.traffic.TrafficManager`), each request is routed to one loaded revision of its
 model — by the canary split on the session key (``X-Session-ID`` header, else the ``user``
-field), else the node's stable revision (:mod:`node_agent.routing`) — or forwarded, streaming
+field), else the node's stable revision (:mod:`mlx_fleet.routing.route`) — or forwarded, streaming
 preserved, to a node that serves the candidate. Every response names the revision that served it
 in the ``X-Model-Revision`` header, and the outcome of a request under a split (server-side
 failure or not, latency, time to first token, tokens/s) feeds the per-revision statistics and
@@ -80,28 +80,27 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Iterable, Literal
 
-from aiohttp import web
+from aiohttp import ClientSession, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from .api_keys import KeyFile, bearer_token, matches
-from .api_models import (PIN_HEADER, REVISION_HEADER, SESSION_HEADER, AssistantMessage,
-                         ChatChoice, ChatCompletion, ChatCompletionRequest, CompletionRequest,
-                         ErrorDetail, ErrorResponse, ModelCard, ModelList, PromptTokensDetails,
-                         SamplingRequest, TextChoice, TextCompletion, Usage)
+from mlx_fleet.routing.api_keys import KeyFile, bearer_token, matches
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, proxy
+
+from .api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
+                         CompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList,
+                         PromptTokensDetails, SamplingRequest, TextChoice, TextCompletion, Usage)
 from .openapi import OPENAPI_PATH, openapi_document
 from .sse import DONE, StreamEncoder, data_event
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                       ModelNotLoaded, Overloaded, ServingCore, StreamBufferOverflow)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
-           "UNKNOWN_LABEL", "REVISION_HEADER", "SESSION_HEADER", "PIN_HEADER"]
+           "UNKNOWN_LABEL"]
 
 #: Paths answered without a key whatever the configuration (``/metrics`` by ``metrics_auth``).
 OPEN_PATHS = frozenset({"/health", OPENAPI_PATH})
-#: Timeout of a forwarded request's connection (seconds); the body streams for as long as it
-#: takes.
-FORWARD_CONNECT_TIMEOUT = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -337,15 +336,11 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     app = web.Application(middlewares=[errors, authenticate])
     app[CORE_KEY] = core
 
-    sessions: dict[str, Any] = {}
+    sessions: dict[str, ClientSession] = {}
 
-    async def client_session() -> Any:
-        import aiohttp
-
-        if "s" not in sessions:
-            sessions["s"] = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_CONNECT_TIMEOUT),
-                connector=aiohttp.TCPConnector(ssl=forward_ssl if forward_ssl else True))
+    def forward_session() -> ClientSession:
+        if "s" not in sessions:  # created on the running loop, by the first forward
+            sessions["s"] = client_session(forward_ssl)
         return sessions["s"]
 
     async def close_sessions(_: web.Application) -> None:
@@ -357,51 +352,40 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
-        answer back as it comes. The serving node counts the request in its statistics (it
-        sees the tokens); this node counts only what the serving node cannot see — a node that
-        can't be reached or drops the connection: a 503 here, a candidate failure for the
-        statistics (the client saw a server error)."""
-        import aiohttp
-
+        answer back as it comes (:func:`mlx_fleet.routing.proxy.proxy`). The serving node
+        counts the request in its statistics (it sees the tokens); this node counts only what
+        the serving node cannot see — a node that can't be reached or drops the connection: a
+        503 here (or, once the answer's header went out, a cut stream), a candidate failure for
+        the statistics (the client saw a server error)."""
         t0 = time.perf_counter()
-        url = routed.route.forward.rstrip("/") + request.path
+        target = routed.route.forward
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
         if forward_keys is not None:
             forward_keys.current()  # a rotated file is in force for this request already
             headers["Authorization"] = f"Bearer {forward_keys.first}"
-        resp: web.StreamResponse | None = None
         failed = False  # counted here only when the serving node could not be reached
         try:
-            session = await client_session()
-            async with session.post(url, data=body, headers=headers) as up:
-                target = routed.route.forward
-                if up.status == 401 and target not in refused_by:
-                    refused_by.add(target)
-                    log.warning("node %s refused a forwarded request (401): check that both "
-                                "nodes have the same --forward-key-file", target)
-                elif up.status != 401:
-                    refused_by.discard(target)
-                resp = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items()
-                    if k.lower() in {"content-type", "cache-control", "retry-after",
-                                     "www-authenticate", REVISION_HEADER.lower()}})
-                await resp.prepare(request)
-                async for part in up.content.iter_any():
-                    await resp.write(part)
-                await resp.write_eof()
-                return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            resp = await proxy(request, forward_session(), target.rstrip("/") + request.path,
+                               body=body, headers=headers)
+        except UpstreamError as e:
             failed = True
-            if resp is not None:  # the header went out: end the stream with an error event
-                raise ConnectionResetError(f"forwarding to {url} failed: {e}") from e
             return _error(503, f"the node serving revision {routed.route.revision} is not "
-                          f"reachable: {type(e).__name__}", type_="server_error",
-                          code="unavailable")
+                          f"reachable: {e.reason}", type_="server_error", code="unavailable")
+        except StreamCut:
+            failed = True
+            raise
         finally:
             tm = router()
             if tm is not None and failed:
                 tm.record(routed, latency_s=time.perf_counter() - t0, ttft_s=None,
                           completion_tokens=0, decode_seconds=None, failed=failed)
+        if resp.status == 401 and target not in refused_by:
+            refused_by.add(target)
+            log.warning("node %s refused a forwarded request (401): check that both nodes "
+                        "have the same --forward-key-file", target)
+        elif resp.status != 401:
+            refused_by.discard(target)
+        return resp
 
     async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
         body = await request.read()

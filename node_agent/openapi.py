@@ -18,8 +18,9 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from .api_models import (PIN_HEADER, REQUEST_MODELS, RESPONSE_MODELS, REVISION_HEADER,
-                         SESSION_HEADER)
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+
+from .api_models import REQUEST_MODELS, RESPONSE_MODELS
 
 __all__ = ["openapi_document", "OPENAPI_PATH", "TITLE", "STREAM_DONE"]
 

@@ -3,9 +3,9 @@
 :class:`TrafficManager` is the thin I/O around the pure pieces (:mod:`.routing`, :mod:`.split`,
 :mod:`.guard`, :mod:`.window_stats`):
 
-* it follows ``<root>/traffic/`` in etcd (:func:`mlx_fleet.store.follow_prefix`: resumes from
-  the last revision, re-lists after a compaction), so a node that joins mid-canary gets the
-  current split at once;
+* it follows ``<root>/traffic/`` in etcd (a :class:`mlx_fleet.views.PrefixView`: resumes from
+  the last revision, re-lists after a compaction, leaves a malformed split out as if absent),
+  so a node that joins mid-canary gets the current split at once;
 * :meth:`TrafficManager.route` picks the revision for one request (or the node to forward to);
 * :meth:`TrafficManager.record` counts each request's outcome per revision — always: the
   operator re-exports the counts as the fleet's request metrics — and, while a split exists,
@@ -30,20 +30,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-
-from pydantic import ValidationError
+from collections.abc import Awaitable, Callable, Mapping
 
 from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, Keys, TrafficSplit
-from mlx_fleet.store import Snapshot, Store, WatchEvent, follow_prefix
+from mlx_fleet.routing.route import Route, route
+from mlx_fleet.routing.session import session_key
+from mlx_fleet.store import Store
 from mlx_fleet.supervise import Supervised
+from mlx_fleet.views import PrefixView, ViewUpdate
 
 from .controller import ServedModel
 from .guard import CandidateGuard
 from .registration import Registration
 from .serving import ModelNotLoaded
-from .routing import Route, route
-from .split import session_key
 from .window_stats import DeploymentStats
 
 log = logging.getLogger(__name__)
@@ -93,7 +92,6 @@ class TrafficManager:
                  touch: Callable[[str, str], None] | None = None,
                  ensure_loaded: Callable[[str, str], Awaitable[None]] | None = None,
                  stats_interval: float = IDLE_STATS_INTERVAL_SECONDS) -> None:
-        self._store = store
         self._stats_interval = stats_interval
         self._keys = keys
         self.node_name = node_name
@@ -104,7 +102,10 @@ class TrafficManager:
         self._clock = clock
         self._touch = touch
         self._ensure_loaded = ensure_loaded
-        self.splits: dict[DeploymentKey, TrafficSplit] = {}
+        self._splits: PrefixView[DeploymentKey, TrafficSplit] = PrefixView(
+            store, keys.traffic_prefix, parse_key=keys.parse_traffic,
+            parse_value=lambda _dep, raw: TrafficSplit.from_json(raw),
+            on_change=self._on_splits, name="traffic splits")
         self._guards: dict[DeploymentKey, CandidateGuard] = {}
         self._stats: dict[DeploymentKey, DeploymentStats] = {}
         self._crash_seen: dict[tuple[DeploymentKey, str], int] = {}
@@ -112,10 +113,8 @@ class TrafficManager:
         self._models: dict[DeploymentKey, str] = {}  # served model name per counted deployment
         self._dirty: set[DeploymentKey] = set()  # counted since the last write
         self._urgent = asyncio.Event()
-        self.synced = asyncio.Event()
         self._tasks = [
-            Supervised("traffic:follow", lambda: follow_prefix(
-                self._store, self._keys.traffic_prefix, self._on_snapshot, self._on_event)),
+            Supervised("traffic:follow", self._splits.run),
             Supervised("traffic:stats", self._writer),
         ]
 
@@ -133,20 +132,25 @@ class TrafficManager:
         return list(self._tasks)
 
     # -- the splits --------------------------------------------------------------------------
-    def _parse(self, key: str, value: bytes) -> tuple[DeploymentKey | None, TrafficSplit | None]:
-        parsed = self._keys.parse_traffic(key)
-        if parsed is None:
-            return None, None
-        try:
-            return parsed, TrafficSplit.from_json(value)
-        except (ValidationError, ValueError) as e:
-            log.error("ignoring malformed traffic split %s: %s", key, e)
-            return parsed, None
+    @property
+    def splits(self) -> Mapping[DeploymentKey, TrafficSplit]:
+        """The traffic split of each deployment that has one (read-only: the view's)."""
+        return self._splits.items
 
-    def _apply(self, dep: DeploymentKey, split: TrafficSplit | None) -> None:
-        before = self.splits.get(dep)
+    @property
+    def synced(self) -> asyncio.Event:
+        """Set once the splits have been listed (and applied) for the first time."""
+        return self._splits.synced
+
+    def _on_splits(self, update: ViewUpdate[DeploymentKey, TrafficSplit]) -> None:
+        for change in update.changes:
+            self._apply(change.key, change.old, change.new)
+
+    def _apply(self, dep: DeploymentKey, before: TrafficSplit | None,
+               split: TrafficSplit | None) -> None:
+        """The split of ``dep`` went from ``before`` to ``split`` (None: none)."""
         if split is None:
-            if self.splits.pop(dep, None) is not None:
+            if before is not None:
                 log.info("traffic split of %s/%s removed: all traffic to its stable revision",
                          *dep)
             self._guards.pop(dep, None)
@@ -156,7 +160,6 @@ class TrafficManager:
                 self._urgent.set()
             return
         self._gone.discard(dep)
-        self.splits[dep] = split
         new_canary = before is None or (before.canary_uid, before.candidate_revision) != (
             split.canary_uid, split.candidate_revision)
         guard = self._guards.get(dep)
@@ -168,26 +171,6 @@ class TrafficManager:
         if before is None or before.weight != split.weight or new_canary:
             log.info("traffic split of %s/%s: %d%% to candidate %s (stable %s)", *dep,
                      split.weight, split.candidate_revision, split.stable_revision)
-
-    async def _on_snapshot(self, snap: Snapshot) -> None:
-        seen: set[DeploymentKey] = set()
-        for kv in snap.items:
-            dep, split = self._parse(kv.key, kv.value)
-            if dep is not None and split is not None:
-                seen.add(dep)
-                self._apply(dep, split)
-        for dep in set(self.splits) - seen:
-            self._apply(dep, None)
-        self.synced.set()
-
-    async def _on_event(self, ev: WatchEvent) -> None:
-        dep, split = self._parse(ev.kv.key, ev.kv.value if ev.type == "PUT" else b"")
-        if dep is None:
-            return
-        if ev.type == "DELETE":
-            self._apply(dep, None)
-        elif split is not None:
-            self._apply(dep, split)
 
     def _new_stats(self, dep: DeploymentKey, model: str) -> DeploymentStats:
         """Fresh counters for ``dep`` (a new counting epoch). The core's crash counts are

@@ -16,6 +16,7 @@ from fault_record import RESULTS_DIR, FaultRecord
 from mlx_fleet.contract import Keys
 from mlx_fleet.devcluster.binaries import Binaries, ensure_all
 from mlx_fleet.devcluster.controlplane import ControlPlane, EtcdServer, start_control_plane, start_etcd
+from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.store import EtcdStore
 
 
@@ -80,6 +81,21 @@ def keys() -> Keys:
 async def store(etcd_server: EtcdServer) -> AsyncIterator[EtcdStore]:
     async with EtcdStore(etcd_server.client_url) as s:
         yield s
+
+
+@pytest.fixture
+async def memory_store() -> AsyncIterator[MemoryStore]:
+    """A fresh :class:`~mlx_fleet.memstore.MemoryStore` (real-time lease expiry), for tests
+    whose logic needs a store but not etcd itself."""
+    async with MemoryStore() as s:
+        yield s
+
+
+@pytest.fixture(params=["etcd", "memory"])
+def any_store(request: pytest.FixtureRequest) -> EtcdStore | MemoryStore:
+    """The test runs twice: on the real etcd (``store``) and on ``memory_store`` — for the
+    behaviour both must share (tests/test_store_contract.py)."""
+    return request.getfixturevalue("store" if request.param == "etcd" else "memory_store")
 
 
 @pytest.fixture(scope="session")

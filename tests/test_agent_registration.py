@@ -1,4 +1,6 @@
-"""The node agent's registration against a real etcd: lease, keep-alive, recovery, revoke."""
+"""The node agent's registration: lease, keep-alive, recovery, revoke — on the in-memory store,
+whose leases expire in real time as etcd's do (tests/test_store_contract.py pins that they
+behave alike; the real agent process against etcd is in test_agent_core_failure.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS, AssignmentReport,
                                 AssignmentState, Histogram, Keys, NodeCapacity, NodeHealth,
                                 NodeRecord, RevisionStats, StatsReport)
-from mlx_fleet.store import EtcdStore, WatchEvent
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet.store import Store, WatchEvent
 from mlx_fleet.supervise import Supervised
 from node_agent.registration import Registration, next_deadline
 
@@ -30,7 +33,13 @@ class Capacity:
 
 
 @pytest.fixture
-async def reg(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
+def store(memory_store: MemoryStore) -> MemoryStore:
+    """The store of every test here: the in-memory one."""
+    return memory_store
+
+
+@pytest.fixture
+async def reg(store: MemoryStore, keys: Keys) -> AsyncIterator[Registration]:
     r = Registration(store, keys, node_name="mac-1", address="http://127.0.0.1:8000",
                      capacity=Capacity(), labels={"rack": "a"}, ttl=2, agent_version="test",
                      serving_options={"prompt_cache": "off", "admission_policy": "count"})
@@ -38,7 +47,7 @@ async def reg(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
     await r.stop()
 
 
-async def events(store: EtcdStore, prefix: str, start: int, n: int,
+async def events(store: MemoryStore, prefix: str, start: int, n: int,
                  timeout: float) -> list[WatchEvent]:
     """The next ``n`` watch events under ``prefix`` from revision ``start``."""
     out: list[WatchEvent] = []
@@ -54,7 +63,7 @@ async def events(store: EtcdStore, prefix: str, start: int, n: int,
 
 
 async def test_registers_record_under_lease_and_stop_removes_it(
-        store: EtcdStore, keys: Keys, reg: Registration) -> None:
+        store: MemoryStore, keys: Keys, reg: Registration) -> None:
     await reg.start()
     kv = await store.get(keys.node("mac-1"))
     assert kv is not None and reg.lease_id and kv.lease == reg.lease_id
@@ -72,7 +81,7 @@ async def test_registers_record_under_lease_and_stop_removes_it(
 class CountingKeepalive:
     """The real store, counting answered keep-alives; ``reached(n)`` waits for the n-th."""
 
-    def __init__(self, inner: EtcdStore) -> None:
+    def __init__(self, inner: Store) -> None:
         self._inner = inner
         self.answered = 0
         self.remaining: list[int] = []
@@ -94,7 +103,7 @@ class CountingKeepalive:
             await self._changed.wait_for(lambda: self.answered >= n)
 
 
-async def test_keepalive_holds_record_past_ttl_without_rewrites(store: EtcdStore,
+async def test_keepalive_holds_record_past_ttl_without_rewrites(store: MemoryStore,
                                                                 keys: Keys) -> None:
     counting = CountingKeepalive(store)
     reg = Registration(counting, keys, node_name="mac-1", address="http://h:1",  # type: ignore[arg-type]
@@ -107,8 +116,7 @@ async def test_keepalive_holds_record_past_ttl_without_rewrites(store: EtcdStore
         # passed since the lease was granted (asserted by counting, not by waiting a fixed time).
         await asyncio.wait_for(counting.reached(4), 60)
         assert all(ttl > 0 for ttl in counting.remaining)  # never found the lease expired
-        info = await store._client.get_lease_info(reg.lease_id)
-        assert info.TTL > 0  # etcd still holds the lease, and with it the record
+        assert await store.time_to_live(reg.lease_id) > 0  # the store still holds the lease
         after = await store.get(keys.node("mac-1"))
         # the very same write: never expired and re-put, never rewritten per heartbeat
         assert after is not None and after.mod_revision == kv.mod_revision
@@ -117,7 +125,7 @@ async def test_keepalive_holds_record_past_ttl_without_rewrites(store: EtcdStore
         await reg.stop()
 
 
-async def test_record_rewritten_on_material_change(store: EtcdStore, keys: Keys) -> None:
+async def test_record_rewritten_on_material_change(store: MemoryStore, keys: Keys) -> None:
     cap = Capacity()
     health = [NodeHealth.HEALTHY]
     reg = Registration(store, keys, node_name="mac-2", address="http://h:1", capacity=cap,
@@ -150,7 +158,7 @@ def stats_report(node: str, requests: int) -> StatsReport:
                        revisions={"r2": rs})
 
 
-async def test_lost_lease_reregisters_with_reports(store: EtcdStore, keys: Keys,
+async def test_lost_lease_reregisters_with_reports(store: MemoryStore, keys: Keys,
                                                    reg: Registration) -> None:
     await reg.start()
     rkey = keys.report("mac-1", "default", "llama", "r1")
@@ -188,7 +196,7 @@ async def test_lost_lease_reregisters_with_reports(store: EtcdStore, keys: Keys,
     assert reg.healthy
 
 
-async def test_delete_report_and_revoke_on_stop(store: EtcdStore, keys: Keys,
+async def test_delete_report_and_revoke_on_stop(store: MemoryStore, keys: Keys,
                                                 reg: Registration) -> None:
     await reg.start()
     # two revisions of one deployment have a report each: deleting one keeps the other
@@ -254,7 +262,7 @@ def test_next_deadline_keeps_a_fixed_cadence(previous: float, now: float, due: f
 class UnansweredKeepalive:
     """The real store, except that the first keep-alive never gets an answer."""
 
-    def __init__(self, inner: EtcdStore) -> None:
+    def __init__(self, inner: Store) -> None:
         self._inner = inner
         self.calls = 0
         self.second_call = asyncio.Event()
@@ -279,7 +287,7 @@ class UnansweredKeepalive:
         return ttl
 
 
-async def test_unanswered_keepalive_times_out_within_the_period(store: EtcdStore,
+async def test_unanswered_keepalive_times_out_within_the_period(store: MemoryStore,
                                                                 keys: Keys) -> None:
     flaky = UnansweredKeepalive(store)
     reg = Registration(flaky, keys, node_name="mac-3", address="http://h:1",  # type: ignore[arg-type]
@@ -302,7 +310,7 @@ class HangingPuts:
     """The real store, counting answered keep-alives; once ``hang`` is set, puts and
     transactions never answer (until ``release`` is set, when they go through)."""
 
-    def __init__(self, inner: EtcdStore) -> None:
+    def __init__(self, inner: Store) -> None:
         self._inner = inner
         self.hang = False
         self.release = asyncio.Event()
@@ -342,7 +350,7 @@ class HangingPuts:
             await self._changed.wait_for(predicate)
 
 
-async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdStore,
+async def test_hung_record_and_report_writes_never_delay_keepalives(store: MemoryStore,
                                                                     keys: Keys) -> None:
     wrapped = HangingPuts(store)
     cap = Capacity()
@@ -368,8 +376,8 @@ async def test_hung_record_and_report_writes_never_delay_keepalives(store: EtcdS
         # least TTL/3 after the previous one), so the lease survived only because they went out.
         await asyncio.wait_for(wrapped.until(lambda: wrapped.keepalives >= start + 4), 60)
         assert all(ttl > 0 for ttl in wrapped.remaining)
-        info = await store._client.get_lease_info(lease)
-        assert info.TTL > 0 and reg.lease_id == lease and reg.registrations == 1
+        assert await store.time_to_live(lease) > 0
+        assert reg.lease_id == lease and reg.registrations == 1
         kv = await store.get(keys.node("mac-4"))
         assert kv is not None and kv.lease == lease
         assert NodeRecord.from_json(kv.value).health == NodeHealth.HEALTHY  # not written yet
@@ -395,7 +403,7 @@ class AnsweredOnCue:
     """The real store, except that a put's answer is held back until the test releases it
     (``answer``)."""
 
-    def __init__(self, inner: EtcdStore) -> None:
+    def __init__(self, inner: Store) -> None:
         self._inner = inner
         self.waiting = asyncio.Event()
         self._answer: asyncio.Future | None = None
@@ -415,7 +423,7 @@ class AnsweredOnCue:
         self._answer.set_result(None)
 
 
-async def test_a_write_cancelled_as_etcd_answers_is_still_cancelled(store: EtcdStore,
+async def test_a_write_cancelled_as_etcd_answers_is_still_cancelled(store: MemoryStore,
                                                                     keys: Keys) -> None:
     # Supervised.stop() cancels a task and waits for it: a cancellation lost inside a bounded
     # write (asyncio.wait_for on Python 3.11 returns the result when the call completes in the

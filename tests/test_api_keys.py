@@ -23,14 +23,15 @@ from prometheus_client import CollectorRegistry
 from etcd_tls import make_pki
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource, NodeCapacity, Role, TrafficSplit)
+from mlx_fleet.routing.api_keys import (KeyFile, KeyFileError, Stamp, bearer_token, digest,
+                                        matches, parse_key_file, stamp_changed)
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER
 from mlx_fleet.store import EtcdStore
 from fleet_helpers import watch_until
-from node_agent.api_keys import (KeyFile, KeyFileError, Stamp, bearer_token, digest, matches,
-                                 parse_key_file, stamp_changed)
 from node_agent.controller import ServedModel
 from node_agent.main import Agent as NodeAgent
 from node_agent.main import AgentConfig, StartupError, build_parser, config_from_args
-from node_agent.openai_api import PIN_HEADER, REVISION_HEADER, build_app
+from node_agent.openai_api import build_app
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.traffic import TrafficManager
@@ -133,7 +134,7 @@ def test_matches_compares_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """No early exit: a match on the first key still compares all the others."""
     import hmac
 
-    import node_agent.api_keys as mod
+    import mlx_fleet.routing.api_keys as mod
     calls: list[bytes] = []
     real = hmac.compare_digest
 

@@ -2,15 +2,16 @@
 cases of tests/canary_crd_cases.py through the pure validator of tests/test_crds.py, and the same
 cases, the example and the status subresource against a real kube-apiserver (``integration``).
 
-As in tests/test_crds.py, each CEL rule string is pinned to a Python equivalent; the real API
-server evaluates the rules themselves (its CEL list library's ``isSorted`` included).
+As in tests/test_crds.py, the pure validator runs each CEL rule's Python ``check``, declared beside
+the rule in the types the CRD is generated from (canary_spec.py, and spec.py for the rules the
+two resources share); the real API server evaluates the rules themselves (its CEL list library's
+``isSorted`` included).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ import pytest
 import yaml
 
 from canary_crd_cases import base_spec, full_spec, invalid_examples, make, valid_examples
-from test_crds import (CEL_EQUIVALENTS as MD_CEL, SHARED_CEL_EQUIVALENTS, apply_defaults,
-                       named_errors, validate)
+from mlx_fleet_operator.canary_spec import go_duration_ns
+from mlx_fleet_operator.crd.canary import CANARY
+from mlx_fleet_operator.crd.modeldeployment import MODEL_DEPLOYMENT
+from test_crds import apply_defaults, named_errors, validate
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_PATH = REPO / "crds" / "mlx-fleet.io_canaries.yaml"
@@ -59,33 +62,12 @@ def _walk(schema: dict[str, Any], path: str = ""):
         yield from _walk(schema["additionalProperties"], f"{path}{{}}")
 
 
-# --- Python equivalents of the CEL rules ---------------------------------------------------------
+# --- The CEL rules' Python checks, from the types the CRD is generated from -----------------------
 
 DURATION_RE = "^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"
-_UNIT_NS = {"ms": Decimal(10) ** 6, "s": Decimal(10) ** 9, "m": 60 * Decimal(10) ** 9,
-            "h": 3600 * Decimal(10) ** 9}
-_MAX_NS = 2**63 - 1
 
-
-def go_duration_ns(text: str) -> int | None:
-    """Nanoseconds of a duration matching :data:`DURATION_RE`, like CEL's ``duration()`` (Go's
-    ``time.ParseDuration``: truncated to whole nanoseconds); None where it errors (overflow)."""
-    total = sum(Decimal(n) * _UNIT_NS[u] for n, _, u in re.findall(r"([0-9]+([.][0-9]+)?)(ms|s|m|h)", text))
-    return None if total > _MAX_NS else int(total)
-
-
-def _sorted_weights(steps: list[dict[str, Any]]) -> bool:
-    weights = [s["setWeight"] for s in steps if "setWeight" in s]
-    return weights == sorted(weights)
-
-
-CEL_EQUIVALENTS = {
-    **SHARED_CEL_EQUIVALENTS,
-    f"!self.matches('{DURATION_RE}') || duration(self) > duration('0s')":
-        lambda v: re.search(DURATION_RE, v) is None or (go_duration_ns(v) or 0) > 0,
-    "has(self.setWeight) != has(self.pause)": lambda v: ("setWeight" in v) != ("pause" in v),
-    "self.filter(s, has(s.setWeight)).map(s, s.setWeight).isSorted()": _sorted_weights,
-}
+#: CEL rule text → its Python check (declared beside the rule, in canary_spec.py / spec.py).
+CEL_EQUIVALENTS = {r.rule: r.check for r in CANARY.rules()}
 
 
 def validate_object(obj: dict[str, Any]) -> list[str]:
@@ -300,14 +282,16 @@ def test_step_rules() -> None:
     assert order["message"] == "setWeight may not decrease from one step to the next"
 
 
-def test_every_cel_rule_has_a_message_and_a_checked_equivalent() -> None:
+def test_every_cel_rule_has_a_message_and_a_python_check() -> None:
     rules = [r for _, node in _walk(SCHEMA) for r in node.get("x-kubernetes-validations", [])]
     assert len(rules) == 7
     for rule in rules:
         assert rule.get("message"), rule
-        assert rule["rule"] in CEL_EQUIVALENTS, f"no Python equivalent pinned for {rule['rule']!r}"
-    # The shared rules are the ModelDeployment's, equivalent included.
-    assert all(MD_CEL[r] is f for r, f in SHARED_CEL_EQUIVALENTS.items())
+        assert rule["rule"] in CEL_EQUIVALENTS, f"no Python check declared for {rule['rule']!r}"
+    # The shared rules (candidate.source, candidate.memory) are the ModelDeployment's objects.
+    md = {r.rule: r for r in MODEL_DEPLOYMENT.rules()}
+    shared = [r for r in CANARY.rules() if r.rule in md]
+    assert len({r.rule for r in shared}) == 2 and all(md[r.rule] is r for r in shared)
 
 
 def test_status_schema() -> None:

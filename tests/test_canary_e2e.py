@@ -27,8 +27,8 @@ from mlx_fleet.devcluster.fleet import AgentProcess, start_agent, start_operator
 from mlx_fleet.devcluster.kwatch import ObjectWatch
 from mlx_fleet.devcluster.loadgen import LoadGenerator
 from mlx_fleet.devcluster.processes import ManagedProcess
+from mlx_fleet.routing.split import bucket
 from mlx_fleet.store import EtcdStore
-from node_agent.split import bucket
 
 pytestmark = pytest.mark.integration
 

@@ -1,8 +1,9 @@
 """The Canary handlers' tick (observe → decide → apply) against a real etcd.
 
 ``canary_handlers.tick(rt, body, now=...)`` reads the operator's in-memory views, which the tests
-fill directly (``rt.deployments``, ``rt.placed``, ``rt.reports``, ``rt.stats``,
-``rt.last_status``), and applies its decision to ``rt.candidates``, to the TrafficSplit in etcd
+fill directly (the target's record ``rt.deployment(T)``: spec synced, placed, status last
+computed; ``rt.reports``, ``rt.stats``), and applies its decision to ``rt.candidates``, to the
+TrafficSplit in etcd
 (a real etcd, a key root per test) and to the Kubernetes API. The API server is the one thing
 stood in for: ``rt.custom_api`` records the status and spec patches (tick's only Kubernetes
 calls), and ``kopf.event`` — which needs kopf's per-operator context (outside a handler it raises
@@ -25,7 +26,9 @@ from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS
                                 RevisionStats, Role, StatsReport, TrafficSplit)
 from mlx_fleet_operator import canary_handlers
 from mlx_fleet_operator.canary_handlers import seed_candidates, tick
-from mlx_fleet_operator.handlers import GROUP, VERSION, CandidateIntent, Runtime
+from mlx_fleet_operator.kube import GROUP, VERSION
+from mlx_fleet_operator.runtime import Runtime
+from mlx_fleet_operator.records import CandidateIntent, SyncedSpec
 from mlx_fleet_operator.spec import parse_spec, to_assignment
 
 pytestmark = pytest.mark.integration  # a real etcd
@@ -97,15 +100,9 @@ def events(monkeypatch) -> list[tuple[str, str, str, str]]:
     return posted
 
 
-@pytest.fixture(autouse=True)
-def fresh_process_state(monkeypatch):
-    """The handlers' per-process memory (last status patched, last analysis window) starts
-    empty in every test, as in a freshly started operator."""
-    monkeypatch.setattr(canary_handlers, "_last", {})
-    monkeypatch.setattr(canary_handlers, "_windows", {})
-
-
 def runtime(store, keys: Keys) -> Runtime:
+    """A fresh operator Runtime: its per-Canary memory (last status patched, last analysis
+    window) starts empty, as in a freshly started operator."""
     rt = Runtime(store=store, keys=keys, writer="test")
     rt.custom_api = RecordingApi()
     return rt
@@ -116,15 +113,15 @@ def runtime(store, keys: Keys) -> Runtime:
 def set_target(rt: Runtime, revision: str = "v1", generation: int = 1) -> None:
     """The ModelDeployment as its last sync saw it (spec at ``revision``)."""
     spec = {**MD_SPEC, "model": {**MD_SPEC["model"], "revision": revision}}
-    rt.deployments[T] = (parse_spec(spec), generation, "md-uid")
+    rt.deployment(T).observe_spec(SyncedSpec(parse_spec(spec), generation, "md-uid"))
 
 
 def place(rt: Runtime, node: str, revision: str, role: Role,
           state: AssignmentState | None = AssignmentState.READY, generation: int = 1) -> None:
     """An assignment of ``revision`` on ``node`` (as reconciled), and the agent's report of it
     in ``state`` (None: not reported yet)."""
-    spec = rt.deployments[T][0]
-    rt.placed.setdefault(T, {})[(node, revision)] = to_assignment(
+    spec = rt.synced(T).spec
+    rt.deployment(T).placed[(node, revision)] = to_assignment(
         spec, namespace=NS, name=TARGET, uid="md-uid", generation=generation, role=role,
         revision=revision)
     if state is not None:
@@ -316,7 +313,7 @@ async def test_pending_until_the_candidate_is_ready_then_the_first_step_split(st
     healthy_target(rt)
     uid = "uid-pending"
     body = canary(uid=uid)
-    wake = rt.wakeup(T)
+    wake = rt.deployment(T).wake
 
     await tick(rt, body, now=T0)
     # The target's reconcile is told to keep the candidate resident, and woken to place it.
@@ -375,7 +372,7 @@ async def test_pending_until_the_candidate_is_ready_then_the_first_step_split(st
     assert rt.custom_api.spec_patches() == []
 
     # a candidate replica withdrawn for a drain (leaving its Mac) is forwarded to no more
-    rt.withdrawn[T] = {(CANDIDATE_NODE, "v2"): 0.0}
+    rt.deployment(T).withdrawn = {(CANDIDATE_NODE, "v2"): 0.0}
     await tick(rt, body, now=T0 + 11)
     assert (await stored_split(rt)).candidate_endpoints == []
 
@@ -396,7 +393,7 @@ async def test_a_local_guard_trip_rolls_back(store, keys, events):
     rt = runtime(store, keys)
     uid = "uid-guard"
     body = await progressing_canary(rt, uid)
-    wake = rt.wakeup(T)
+    wake = rt.deployment(T).wake
     wake.clear()
 
     # A trip reported under another canary's uid (an older split) is not this canary's.
@@ -482,18 +479,18 @@ async def test_passing_windows_step_up_then_promote_then_succeed(store, keys, ev
 
     # The target's sync has seen the new revision, but it is not rolled out yet: Promoting.
     set_target(rt, revision="v2", generation=2)
-    rt.placed[T] = {}
+    rt.deployment(T).placed = {}
     place(rt, STABLE_NODE, "v1", Role.PREVIOUS)
     place(rt, CANDIDATE_NODE, "v2", Role.STABLE)
-    rt.last_status[T] = {"updatedReplicas": 1, "conditions": [
+    rt.deployment(T).status.last = {"updatedReplicas": 1, "conditions": [
         {"type": "Progressing", "status": "True", "reason": "RollingUpdate"}]}
     await tick(rt, body, now=T0 + 182)
     assert rt.custom_api.statuses("llm-v2")[-1]["phase"] == "Promoting"
     assert len(rt.custom_api.spec_patches()) == 1  # promoted once
 
     # Rolled out (Complete at v2): Succeeded; the split goes, nothing is kept for the canary.
-    del rt.placed[T][(STABLE_NODE, "v1")]
-    rt.last_status[T] = {"updatedReplicas": 1, "conditions": [
+    del rt.deployment(T).placed[(STABLE_NODE, "v1")]
+    rt.deployment(T).status.last = {"updatedReplicas": 1, "conditions": [
         {"type": "Progressing", "status": "False", "reason": "Complete"}]}
     await tick(rt, body, now=T0 + 183)
     status = rt.custom_api.statuses("llm-v2")[-1]
@@ -567,12 +564,12 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
     assert seeded == {T: CandidateIntent("llm-v2", "v2", None, None)}
 
     # The restarted operator: the same etcd and fleet, a fresh process memory.
-    monkeypatch.setattr(canary_handlers, "_last", {})
-    monkeypatch.setattr(canary_handlers, "_windows", {})
     rt2 = runtime(store, keys)
-    rt2.candidates = seeded
-    for view in ("deployments", "placed", "reports", "stats"):
-        setattr(rt2, view, getattr(rt, view))
+    rt2.seed_candidates(seeded)
+    rt2.deployment(T).observe_spec(rt.synced(T))  # its target resumed ...
+    rt2.deployment(T).placed = dict(rt.deployment(T).placed)  # ... and reconciled
+    for view in ("reports", "stats"):
+        setattr(rt2.views, view, getattr(rt.views, view))
     restarted = {**body, "status": listing["items"][0]["status"]}
     events.clear()
     await tick(rt2, restarted, now=T0 + 6)
@@ -588,11 +585,11 @@ async def test_deleting_a_running_canary_returns_all_traffic_to_stable(store, ke
     body = await progressing_canary(rt, "uid-delete")
     await tick(rt, body, now=T0 + 1)
     assert (await stored_split(rt)).weight == 10 and T in rt.candidates
-    monkeypatch.setattr("mlx_fleet_operator.handlers.RUNTIME", rt)
-    await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2")
+    await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2",
+                                         memo=kopf.Memo(runtime=rt))
     assert await stored_split(rt) is None  # agents route everything to stable
     assert T not in rt.candidates           # the target's reconcile unloads the candidate
-    assert rt.wakeup(T).is_set()
+    assert rt.deployment(T).wake.is_set()
 
 
 async def test_deleting_a_canary_never_touches_another_canarys_target(store, keys, events,
@@ -600,9 +597,9 @@ async def test_deleting_a_canary_never_touches_another_canarys_target(store, key
     rt = runtime(store, keys)
     body = await progressing_canary(rt, "uid-keep")
     await tick(rt, body, now=T0 + 1)
-    monkeypatch.setattr("mlx_fleet_operator.handlers.RUNTIME", rt)
     other = canary("llm-v3", spec={**CANARY_SPEC, "candidate": {"revision": "v3"}})
-    await canary_handlers.canary_deleted(body=other, namespace=NS, name="llm-v3")
+    await canary_handlers.canary_deleted(body=other, namespace=NS, name="llm-v3",
+                                         memo=kopf.Memo(runtime=rt))
     assert (await stored_split(rt)).candidate_revision == "v2"
     assert rt.candidates[T].canary == "llm-v2"
 

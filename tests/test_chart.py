@@ -115,7 +115,9 @@ def test_chart_crds_are_byte_identical_to_crds_dir() -> None:
     assert ours, "crds/ holds the CRD manifests"
     assert chart.keys() == ours.keys(), "copy crds/*.yaml to charts/mlx-fleet/crds/"
     stale = [name for name in ours if chart[name] != ours[name]]
-    assert stale == [], f"charts/mlx-fleet/crds/ is out of date for {stale}: cp crds/*.yaml charts/mlx-fleet/crds/"
+    assert stale == [], (f"charts/mlx-fleet/crds/ is out of date for {stale}: run python -m "
+                         f"mlx_fleet_operator.crd (it writes both copies of the ModelDeployment and "
+                         f"Canary CRDs); cp crds/mlx-fleet.io_macnodes.yaml charts/mlx-fleet/crds/")
 
 
 # --- RBAC ----------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@
   server's defaulting gives the same result), and every object the CRD accepts (the valid cases)
   parses.
 * What the operator writes into a Canary's ``status.lastAnalysis`` fits the CRD's status schema.
-* docs/canary-api.md is generated from the Canary CRD by scripts/gen_canary_docs.py and is up to
-  date.
+* docs/modeldeployment-api.md and docs/canary-api.md name every field of their CRD (both are
+  generated with the CRDs from the types; tests/test_crd_generation.py keeps them up to date).
 
 Pure: no cluster.
 """
@@ -17,7 +17,6 @@ Pure: no cluster.
 from __future__ import annotations
 
 import collections.abc
-import importlib.util
 import types
 import typing
 from pathlib import Path
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 MD_CRD = REPO / "crds" / "mlx-fleet.io_modeldeployments.yaml"
 CANARY_CRD = REPO / "crds" / "mlx-fleet.io_canaries.yaml"
 CANARY_DOC = REPO / "docs" / "canary-api.md"
-GENERATOR = REPO / "scripts" / "gen_canary_docs.py"
+MD_DOC = REPO / "docs" / "modeldeployment-api.md"
 
 
 def _schema(path: Path) -> dict[str, Any]:
@@ -208,21 +207,7 @@ def test_canary_state_written_by_the_operator_fits_the_canary_status_schema() ->
     assert CanaryState.from_status(written) == state  # a restart resumes exactly
 
 
-# --- The generated page --------------------------------------------------------------------------
-
-def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("gen_canary_docs", GENERATOR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_canary_docs_are_generated_from_the_crd() -> None:
-    text = _generator().generate()
-    assert CANARY_DOC.read_text() == text, (
-        "docs/canary-api.md is out of date with crds/mlx-fleet.io_canaries.yaml: "
-        "run python scripts/gen_canary_docs.py")
-
+# --- The generated pages ------------------------------------------------------------------------
 
 def test_canary_docs_name_every_field_and_manual_action() -> None:
     text = CANARY_DOC.read_text()
@@ -232,3 +217,10 @@ def test_canary_docs_name_every_field_and_manual_action() -> None:
     for annotation in ("mlx-fleet.io/promote:", "mlx-fleet.io/promote-full:", "mlx-fleet.io/abort:"):
         assert annotation in text
     assert "InvalidSpec" in text and "spec.candidate.revision" in text and "spec.targetRef.name" in text
+
+
+def test_modeldeployment_docs_name_every_field() -> None:
+    text = MD_DOC.read_text()
+    schema = _schema(MD_CRD)
+    for path in crd_paths(schema["properties"]["spec"]) | crd_paths(schema["properties"]["status"], "status"):
+        assert f"`{path}`" in text, path

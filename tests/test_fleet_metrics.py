@@ -1,5 +1,5 @@
 """The operator's fleet metrics (mlx_fleet_operator.fleet_metrics) and the metrics module's
-helpers: pure conversions table-tested, then real scrapes of a real ``handlers.Runtime`` whose
+helpers: pure conversions table-tested, then real scrapes of a real ``runtime.Runtime`` whose
 views are filled directly (no etcd), parsed back with ``prometheus_client.parser``.
 
 Pure: no cluster.
@@ -23,7 +23,7 @@ from mlx_fleet_operator import metrics
 from mlx_fleet_operator.fleet_metrics import (FAMILIES, CounterEpochs, FleetCollector,
                                               assignment_state, cumulative_buckets,
                                               sum_revision_stats)
-from mlx_fleet_operator.handlers import Runtime
+from mlx_fleet_operator.runtime import Runtime
 from mlx_fleet_operator.placement import node_budget_bytes
 from node_agent.window_stats import histogram_observe
 
@@ -213,13 +213,12 @@ def rt() -> Runtime:
     (downloading); mac-b's v1 report is for an older generation. Stats from both nodes for v1,
     v2 and v0 (an unloaded revision the agents still count), and for ml/gone (deleted)."""
     r = Runtime(None, Keys("/t"), "test")  # the collector never touches the store
-    r.nodes = {"mac-a": node("mac-a"),
+    r.views.nodes = {"mac-a": node("mac-a"),
                "mac-b": node("mac-b", NodeHealth.DEGRADED, total=32 * GiB, simulated=True)}
-    r.placed = {("ml", "chat"): {("mac-a", "v1"): asg("chat", "v1"),
-                                 ("mac-b", "v1"): asg("chat", "v1"),
-                                 ("mac-a", "v2"): asg("chat", "v2", Role.CANDIDATE,
-                                                      memory=4 * GiB)}}
-    r.reports = {
+    r.deployment(("ml", "chat")).placed = {  # as its last reconcile left it
+        ("mac-a", "v1"): asg("chat", "v1"), ("mac-b", "v1"): asg("chat", "v1"),
+        ("mac-a", "v2"): asg("chat", "v2", Role.CANDIDATE, memory=4 * GiB)}
+    r.views.reports = {
         ("ml", "chat"): {
             ("mac-a", "v1"): report("mac-a", "chat", "v1", AssignmentState.READY,
                                     resident_bytes=6 * GiB),
@@ -231,7 +230,7 @@ def rt() -> Runtime:
         },
         ("ml", "gone"): {("mac-a", "v1"): report("mac-a", "gone", "v1", AssignmentState.READY)},
     }
-    r.stats = {
+    r.views.stats = {
         ("ml", "chat"): {
             "mac-a": StatsReport(node="mac-a", namespace="ml", name="chat", revisions={
                 "v0": rstats("v0", 50),
@@ -364,7 +363,7 @@ def test_series_disappear_with_the_views(rt: Runtime) -> None:
     before = scrape(collector)
     assert of(before, P + "revision_requests_total")
     # the candidate is unloaded (the reconcile no longer places it) ...
-    del rt.placed[("ml", "chat")][("mac-a", "v2")]
+    del rt.deployment(("ml", "chat")).placed[("mac-a", "v2")]
     # ... and mac-b's agent died (its lease took its node record, reports and stats)
     del rt.nodes["mac-b"]
     del rt.stats[("ml", "chat")]["mac-b"]
@@ -376,8 +375,8 @@ def test_series_disappear_with_the_views(rt: Runtime) -> None:
     # mac-b's last v1 counts stay in the sum: the counter does not go down
     assert of(s, P + "revision_requests_total") == {
         L(namespace="ml", deployment="chat", revision="v1"): 8}
-    # the deployment is deleted (delete_handler pops placed): all its series go
-    del rt.placed[("ml", "chat")]
+    # the deployment is deleted (delete_handler forgets its record): all its series go
+    rt.forget(("ml", "chat"))
     s = scrape(collector)
     assert not [k for k in s if dict(k[1]).get("deployment") == "chat"]
     assert of(s, P + "node_memory_reserved_bytes") == {L(node="mac-a"): 0}

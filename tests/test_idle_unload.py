@@ -13,9 +13,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment, AssignmentReport,
                                 AssignmentState, Keys, LifecyclePolicy, Role)
+from mlx_fleet.routing.headers import REVISION_HEADER
 from mlx_fleet.store import EtcdStore
 from node_agent.controller import Controller, ServedModel
-from node_agent.openai_api import REVISION_HEADER, build_app
+from node_agent.openai_api import build_app
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.traffic import TrafficManager

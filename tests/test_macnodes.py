@@ -222,7 +222,7 @@ def test_a_new_macnode_is_patched_once_with_its_generation():
     """A mirror round creates the missing MacNode and patches its status once, observing the
     created object's generation; the next round, with nothing changed, writes nothing (before,
     the status said generation 0 and every new MacNode was patched again the next round)."""
-    from mlx_fleet_operator.handlers import _macnode_round
+    from mlx_fleet_operator.macnode_mirror import macnode_round as _macnode_round
 
     api, cache = _FakeMacNodeAPI(), {}
     nodes = {"mac-a": node_record("mac-a")}

@@ -104,7 +104,7 @@ def test_reconcile_plan_pins_and_then_writes_nothing() -> None:
 
 
 def test_the_deployment_intent_carries_min_ready() -> None:
-    from mlx_fleet_operator.handlers import deployment_intent
+    from mlx_fleet_operator.sync import deployment_intent
 
     spec = parse_spec({**BASE, "replicas": 3, "lifecycle": {"minReady": 2}})
     intent = deployment_intent(spec, ("ns", "llm"), uid="u", generation=1, candidate=None)

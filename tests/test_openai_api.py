@@ -24,13 +24,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_fleet.contract import Keys, NodeCapacity, Role, TrafficSplit
-from mlx_fleet.store import EtcdStore
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+from mlx_fleet.routing.split import bucket
+from mlx_fleet.store import Store
 from mlx_fleet.testmodel import Fault, make_test_model
 from node_agent.controller import ServedModel
-from node_agent.openai_api import PIN_HEADER, REVISION_HEADER, SESSION_HEADER, build_app
+from node_agent.openai_api import build_app
 from node_agent.registration import Registration
 from node_agent.serving import GenerationAborted, ServingCore
-from node_agent.split import bucket
 from node_agent.traffic import TrafficManager
 from serving_fixtures import (MODEL_ID, REVISION, Agent, agent, close_agent,  # noqa: F401
                               make_agent, other_model_path, tiny_model_path, wait_for)
@@ -563,7 +565,7 @@ class Recorded:
 @dataclasses.dataclass
 class Node:
     """One agent's HTTP side: the real app over ``canary_core``, routed by a real
-    TrafficManager following ``keys``' traffic splits in etcd. ``recorded``: the outcomes the
+    TrafficManager following ``keys``' traffic splits in the store. ``recorded``: the outcomes the
     app reported to the traffic manager (``record`` is spied on, then does its real work)."""
 
     tm: TrafficManager
@@ -578,8 +580,15 @@ class Node:
 NodeFactory = Callable[..., Awaitable[Node]]
 
 
+@pytest.fixture
+def store(memory_store: MemoryStore) -> MemoryStore:
+    """The store the nodes' traffic managers follow: the in-memory one (nothing here is about
+    etcd)."""
+    return memory_store
+
+
 @pytest_asyncio.fixture
-async def start_node(store: EtcdStore, canary_core: ServingCore) -> AsyncIterator[NodeFactory]:
+async def start_node(store: Store, canary_core: ServingCore) -> AsyncIterator[NodeFactory]:
     started: list[tuple[Registration, TrafficManager, TestClient]] = []
 
     async def start(keys: Keys, name: str, served: dict[str, Role]) -> Node:
@@ -620,7 +629,7 @@ def canary_split(weight: int, candidate: str = "r2", endpoints: tuple[str, ...] 
                         canary="c", canary_uid="uid-1", candidate_endpoints=list(endpoints))
 
 
-async def put_split(store: EtcdStore, keys: Keys, split: TrafficSplit) -> None:
+async def put_split(store: Store, keys: Keys, split: TrafficSplit) -> None:
     await store.put(keys.traffic(NS, DEP), split.to_json())
 
 
@@ -633,7 +642,7 @@ def sessions(side: str, weight: int, n: int) -> list[str]:
 
 
 async def test_every_response_names_the_revision_that_served_it(
-        agent: Agent, store: EtcdStore, keys: Keys, start_node: NodeFactory,  # noqa: F811
+        agent: Agent, store: Store, keys: Keys, start_node: NodeFactory,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
     # without a router: the model's only revision
     for path, body in ((CHAT, {"messages": msgs()}), (COMPLETIONS, {"prompt": "Hi"})):
@@ -672,7 +681,7 @@ async def test_every_response_names_the_revision_that_served_it(
 
 
 async def test_sessions_go_to_the_revision_their_bucket_says(
-        store: EtcdStore, keys: Keys, start_node: NodeFactory) -> None:
+        store: Store, keys: Keys, start_node: NodeFactory) -> None:
     await put_split(store, keys, canary_split(30))
     node = await start_node(keys, "n1", {"r1": Role.STABLE, "r2": Role.CANDIDATE})
     assert node.tm.splits[(NS, DEP)].weight == 30  # a node started mid-canary has the split
@@ -700,7 +709,7 @@ async def test_sessions_go_to_the_revision_their_bucket_says(
 
 
 async def test_candidate_held_elsewhere_is_forwarded_streaming_pinned(
-        store: EtcdStore, keys: Keys, start_node: NodeFactory,
+        store: Store, keys: Keys, start_node: NodeFactory,
         canary_core: ServingCore) -> None:
     # the node that holds the candidate follows no split of its own (another key root): it
     # serves r2 only when the forwarded request pins it
@@ -753,7 +762,7 @@ async def test_candidate_held_elsewhere_is_forwarded_streaming_pinned(
     assert front.recorded == []
 
 
-async def test_unreachable_forward_target_is_a_503(store: EtcdStore, keys: Keys,
+async def test_unreachable_forward_target_is_a_503(store: Store, keys: Keys,
                                                    start_node: NodeFactory) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

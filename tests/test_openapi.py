@@ -23,7 +23,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
                                  not_a_server_error, response_headers_conformance,
                                  response_schema_conformance, status_code_conformance)
 
-from node_agent.api_keys import KeyFile
+from mlx_fleet.routing.api_keys import KeyFile
 from node_agent.api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from node_agent.openai_api import build_app
 from node_agent.openapi import OPENAPI_PATH, openapi_document

@@ -182,53 +182,53 @@ async def test_followers_wake_only_on_relevant_changes():
     deployments it concerns (a replica on it, or something left unplaced), not every one; a
     changed report wakes its deployment."""
     from mlx_fleet.store import KV
-    from mlx_fleet_operator.handlers import Runtime
+    from mlx_fleet_operator.runtime import Runtime
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")  # the followers' callbacks only
-    wake = rt.wakeup(("default", "llm"))          # a replica on mac-a
-    other = rt.wakeup(("default", "other"))       # a replica left unplaced
-    settled = rt.wakeup(("default", "settled"))   # fully placed on mac-b
-    rt.placed = {("default", "llm"): {("mac-a", "v1"): None},
-                 ("default", "settled"): {("mac-b", "v1"): None}}
-    rt.unsettled = {("default", "other")}
+    views = rt.views
+    wake = rt.deployment(("default", "llm")).wake          # a replica on mac-a
+    other = rt.deployment(("default", "other")).wake       # a replica left unplaced
+    settled = rt.deployment(("default", "settled")).wake   # fully placed on mac-b
+    rt.deployment(("default", "llm")).placed = {("mac-a", "v1"): None}
+    rt.deployment(("default", "settled")).placed = {("mac-b", "v1"): None}
+    rt.deployment(("default", "other")).unsettled = True
     rec = node_record("mac-a")
 
     def ev(key: str, value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
         return WatchEvent(type=type_, kv=KV(key=key, value=value, mod_revision=rev))
 
-    await rt.on_nodes_snapshot(Snapshot(items=[], revision=1))
+    await views.on_nodes_snapshot(Snapshot(items=[], revision=1))
     wake.clear(), other.clear(), settled.clear()  # a snapshot that changes the fleet wakes all
-    await rt.on_nodes_event(ev(keys.node("mac-a"), rec.to_json(), 2))
+    await views.on_nodes_event(ev(keys.node("mac-a"), rec.to_json(), 2))
     assert wake.is_set() and other.is_set() and set(rt.nodes) == {"mac-a"}
     assert not settled.is_set()
     wake.clear(), other.clear()
     beat = rec.model_copy(update={"heartbeat_unix": rec.heartbeat_unix + 5})
-    await rt.on_nodes_event(ev(keys.node("mac-a"), beat.to_json(), 3))
+    await views.on_nodes_event(ev(keys.node("mac-a"), beat.to_json(), 3))
     assert not wake.is_set() and not other.is_set()
-    await rt.on_nodes_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
+    await views.on_nodes_event(ev(keys.node("mac-a"), b"", 4, "DELETE"))
     # judged a moment later, with whatever else vanished by then (disruption.py); meanwhile
     # its replicas are held
     assert rt.nodes == {} and rt.held_nodes() == {"mac-a"} and not wake.is_set()
-    rt._judge_timer.cancel()
-    rt._judge_nodes()  # what the timer runs: one node of one gone is node loss
+    rt.holds.judge()  # what the timer runs: one node of one gone is node loss
     assert wake.is_set() and other.is_set() and not settled.is_set()
     assert rt.held_nodes() == frozenset()
     wake.clear(), other.clear()
 
     # Reports are per (node, revision); a changed one wakes the deployment and its Canary.
-    canary = rt.canary_wakeups[("default", "llm")] = asyncio.Event()
+    canary = rt.canary_wakeup(("default", "llm"))
     report_key = keys.report("mac-a", "default", "llm", "v2")
     report = AssignmentReport(node="mac-a", namespace="default", name="llm", revision="v2",
                               state=AssignmentState.LOADING)
-    await rt.on_reports_event(ev(report_key, report.to_json(), 5))
+    await views.on_reports_event(ev(report_key, report.to_json(), 5))
     assert wake.is_set() and canary.is_set() and not other.is_set()
     assert rt.reports[("default", "llm")] == {("mac-a", "v2"): report}
     wake.clear(), canary.clear()
     later = report.model_copy(update={"updated_unix": report.updated_unix + 1})
-    await rt.on_reports_event(ev(report_key, later.to_json(), 6))
+    await views.on_reports_event(ev(report_key, later.to_json(), 6))
     assert not wake.is_set() and not canary.is_set()
-    await rt.on_reports_event(ev(report_key, b"", 7, "DELETE"))
+    await views.on_reports_event(ev(report_key, b"", 7, "DELETE"))
     assert wake.is_set() and canary.is_set() and rt.reports[("default", "llm")] == {}
 
 
@@ -238,58 +238,55 @@ async def test_nodes_vanishing_together_are_held_and_released_when_back_or_after
     from a freeze): their replicas are held, not re-placed; a node back is released at once, one
     still missing when the hold ends is re-placed then. A lone node lost is re-placed."""
     from mlx_fleet.store import KV
-    from mlx_fleet_operator import handlers
-    from mlx_fleet_operator.handlers import Runtime
+    from mlx_fleet_operator import holds
+    from mlx_fleet_operator.runtime import Runtime
 
-    monkeypatch.setattr(handlers, "DISRUPTION_HOLD_SECONDS", 30.0)
+    monkeypatch.setattr(holds, "HOLD_SECONDS", 30.0)
     keys = Keys("/t")
-    rt = Runtime(store=None, keys=keys, writer="test")
     now = [100.0]
-    rt.clock = lambda: now[0]
+    rt = Runtime(store=None, keys=keys, writer="test", clock=lambda: now[0])
+    views = rt.views
     names = ("mac-a", "mac-b", "mac-c")
     recs = {n: node_record(n) for n in names}
-    wakes = {n: rt.wakeup(("default", n)) for n in names}  # one deployment per node
-    rt.placed = {("default", n): {(n, "v1"): None} for n in names}
+    wakes = {n: rt.deployment(("default", n)).wake for n in names}  # one deployment per node
+    for n in names:
+        rt.deployment(("default", n)).placed = {(n, "v1"): None}
 
     def ev(name: str, rev: int, gone: bool = False) -> WatchEvent:
         return WatchEvent(type="DELETE" if gone else "PUT", kv=KV(
             key=keys.node(name), value=b"" if gone else recs[name].to_json(), mod_revision=rev))
 
     def judge() -> None:
-        rt._judge_timer.cancel()
-        rt._judge_nodes()
+        rt.holds.judge()  # what its timer runs (cancelled)
 
-    await rt.on_nodes_snapshot(Snapshot(items=[ev(n, 1).kv for n in names], revision=1))
+    await views.on_nodes_snapshot(Snapshot(items=[ev(n, 1).kv for n in names], revision=1))
     for w in wakes.values():
         w.clear()
     try:
-        await rt.on_nodes_event(ev("mac-a", 2, gone=True))
-        await rt.on_nodes_event(ev("mac-b", 3, gone=True))
+        await views.on_nodes_event(ev("mac-a", 2, gone=True))
+        await views.on_nodes_event(ev("mac-b", 3, gone=True))
         judge()  # 2 of 3 gone within the window: a disruption
         assert rt.held_nodes() == {"mac-a", "mac-b"}
         assert not any(w.is_set() for w in wakes.values())  # nothing re-placed
 
         now[0] += 0.05
-        await rt.on_nodes_event(ev("mac-a", 4))  # re-registered: released at once
+        await views.on_nodes_event(ev("mac-a", 4))  # re-registered: released at once
         assert rt.held_nodes() == {"mac-b"} and wakes["mac-a"].is_set()
         assert not wakes["mac-b"].is_set()
 
         now[0] += 30.0  # the hold ends with mac-b still missing: its replicas are re-placed
-        rt._hold_timer.cancel()
-        rt._observe_nodes()  # what the hold timer runs
+        rt.holds.observe()  # what the hold timer runs (cancelled)
         assert rt.held_nodes() == frozenset() and wakes["mac-b"].is_set()
         assert not wakes["mac-c"].is_set()
 
         for w in wakes.values():
             w.clear()
-        await rt.on_nodes_event(ev("mac-c", 5, gone=True))  # 1 of 2: node loss
+        await views.on_nodes_event(ev("mac-c", 5, gone=True))  # 1 of 2: node loss
         assert rt.held_nodes() == {"mac-c"}  # (until judged)
         judge()
         assert rt.held_nodes() == frozenset() and wakes["mac-c"].is_set()
     finally:
-        for timer in (rt._judge_timer, rt._hold_timer):
-            if timer is not None:
-                timer.cancel()
+        rt.holds.close()
 
 
 async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_trip_only():
@@ -297,11 +294,12 @@ async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_tri
     guard wakes the Canary daemon at once (routine stats wait for its next tick)."""
     from mlx_fleet.contract import StatsReport
     from mlx_fleet.store import KV
-    from mlx_fleet_operator.handlers import Runtime
+    from mlx_fleet_operator.runtime import Runtime
 
     keys = Keys("/t")
     rt = Runtime(store=None, keys=keys, writer="test")
-    canary = rt.canary_wakeups[("default", "llm")] = asyncio.Event()
+    views = rt.views
+    canary = rt.canary_wakeup(("default", "llm"))
     key = keys.stats("mac-a", "default", "llm")
 
     def ev(value: bytes, rev: int, type_: str = "PUT") -> WatchEvent:
@@ -309,15 +307,15 @@ async def test_stats_follower_keeps_the_view_and_wakes_the_canary_on_a_guard_tri
 
     routine = StatsReport(node="mac-a", namespace="default", name="llm", canary_uid="c1")
     tripped = routine.model_copy(update={"guard_tripped": True, "guard_reason": "3/4 failed"})
-    await rt.on_stats_snapshot(Snapshot(items=[], revision=1))
-    await rt.on_stats_event(ev(routine.to_json(), 2))
+    await views.on_stats_snapshot(Snapshot(items=[], revision=1))
+    await views.on_stats_event(ev(routine.to_json(), 2))
     assert rt.stats == {("default", "llm"): {"mac-a": routine}} and not canary.is_set()
-    await rt.on_stats_event(ev(tripped.to_json(), 3))
+    await views.on_stats_event(ev(tripped.to_json(), 3))
     assert rt.stats[("default", "llm")]["mac-a"] == tripped and canary.is_set()
     canary.clear()
-    await rt.on_stats_event(ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
+    await views.on_stats_event(ev(tripped.model_copy(update={"updated_unix": 1.0}).to_json(), 4))
     assert not canary.is_set()  # still tripped: not a new trip
-    await rt.on_stats_event(ev(b"", 5, "DELETE"))
+    await views.on_stats_event(ev(b"", 5, "DELETE"))
     assert rt.stats[("default", "llm")] == {}
 
 
@@ -326,22 +324,22 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
     30 s resync)."""
     import kopf
 
-    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator import sync
     from mlx_fleet_operator.reconcile import ConflictError
+    from mlx_fleet_operator.runtime import Runtime
 
     async def always_conflict(*args, **kwargs):
         raise ConflictError("ns/llm: lost", conflicts=8)
 
-    rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
-    monkeypatch.setattr(handlers, "reconcile", always_conflict)
-    monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0, raising=False)
-    wake = rt.wakeup(("ns", "llm"))
+    rt = Runtime(store=None, keys=Keys("/t"), writer="test")
+    monkeypatch.setattr(sync, "reconcile", always_conflict)
+    monkeypatch.setattr(sync, "CONFLICT_RETRY_SECONDS", 0.0)
+    wake = rt.deployment(("ns", "llm")).wake
     body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
             "spec": {"model": {"source": "file:///m", "revision": "v1"},
                      "resources": {"memory": "1Gi"}}}
     with pytest.raises(kopf.TemporaryError):
-        await handlers.sync(body, logging.getLogger("test"))
+        await sync.sync(rt, body, logging.getLogger("test"))
     await asyncio.wait_for(wake.wait(), 10)
 
 
@@ -385,15 +383,18 @@ async def test_liveness_probe_fails_while_a_follower_is_dead(monkeypatch):
     import kopf
 
     from mlx_fleet_operator import handlers
+    from mlx_fleet_operator.runtime import Runtime
     from mlx_fleet.supervise import TaskHealth
 
-    rt = handlers.Runtime(store=None, keys=Keys("/t"), writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
+    rt = Runtime(store=None, keys=Keys("/t"), writer="test")
+    memo = kopf.Memo(runtime=rt)
     rt.followers = {"a": TaskHealth("a", alive=True), "b": TaskHealth("b", alive=True)}
-    assert await handlers.probe_followers() == {"a": 0, "b": 0}
+    assert await handlers.probe_followers(memo=memo) == {"a": 0, "b": 0}
     rt.followers["b"] = TaskHealth("b", alive=False, restarts=2, last_error="boom")
     with pytest.raises(kopf.PermanentError, match="b.*boom"):
-        await handlers.probe_followers()
+        await handlers.probe_followers(memo=memo)
+    with pytest.raises(kopf.TemporaryError, match="starting"):  # before start-up ran
+        await handlers.probe_followers(memo=kopf.Memo())
 
 
 def stored_assignment(ns: str, name: str, uid: str) -> bytes:
@@ -411,24 +412,28 @@ def asg_key(keys: Keys, node: str, ns: str, name: str) -> str:
 async def test_orphan_gc_uses_the_live_listing_and_watched_namespaces(store, keys):
     """collect_orphans deletes assignments of objects missing from the API server's listing,
     only in watched namespaces, and does nothing without a listing or when listing fails."""
-    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator import orphan_gc as gc
+    from mlx_fleet_operator.config import OperatorConfig
+    from mlx_fleet_operator.runtime import Runtime
 
     a = stored_assignment
     await store.put(asg_key(keys, "mac-a", "watched", "live"), a("watched", "live", "u1"))
     await store.put(asg_key(keys, "mac-a", "watched", "gone"), a("watched", "gone", "u2"))
     await store.put(asg_key(keys, "mac-a", "elsewhere", "x"), a("elsewhere", "x", "u3"))
-    cfg = handlers.OperatorConfig(namespaces=("watch*",))
-    rt = handlers.Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope)
-    assert await handlers.collect_orphans(rt) == []  # no listing: hands off
+    cfg = OperatorConfig(namespaces=("watch*",))
+    rt = Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope)
+    assert await gc.collect_orphans(rt) == []  # no listing: hands off
 
     def listing_fails():
-        raise handlers.ListingError("ApiException: (503) Service Unavailable")
+        raise gc.ListingError("ApiException: (503) Service Unavailable")
 
-    rt.list_live = listing_fails
-    assert await handlers.collect_orphans(rt) == []  # listing failed: hands off
+    rt = Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope,
+                 list_live=listing_fails)
+    assert await gc.collect_orphans(rt) == []  # listing failed: hands off
     assert len((await store.list(keys.assignments_prefix)).items) == 3
-    rt.list_live = lambda: {("watched", "live"): {"u1"}}
-    assert await handlers.collect_orphans(rt) == [asg_key(keys, "mac-a", "watched", "gone")]
+    rt = Runtime(store=store, keys=keys, writer="test", in_scope=cfg.in_scope,
+                 list_live=lambda: {("watched", "live"): {"u1"}})
+    assert await gc.collect_orphans(rt) == [asg_key(keys, "mac-a", "watched", "gone")]
     left = sorted(kv.key for kv in (await store.list(keys.assignments_prefix)).items)
     assert left == sorted([asg_key(keys, "mac-a", "elsewhere", "x"),
                            asg_key(keys, "mac-a", "watched", "live")])
@@ -505,25 +510,28 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
         closed.append(self)
         await original_close(self)
 
-    monkeypatch.setattr(handlers, "CONFIG", handlers.OperatorConfig(
+    from mlx_fleet_operator.config import OperatorConfig
+
+    memo = kopf.Memo(config=OperatorConfig(
         etcd_endpoint=etcd_server.client_url, etcd_prefix=f"/t-{uuid.uuid4().hex[:8]}", metrics_port=1))
-    monkeypatch.setattr(handlers, "RUNTIME", None)
-    monkeypatch.setattr(handlers, "_kubernetes_api", lambda: object())
+    monkeypatch.setattr(handlers, "kubernetes_api", lambda: object())
     monkeypatch.setattr(metrics, "serve", port_taken)
     monkeypatch.setattr(EtcdStore, "close", close)
     with pytest.raises(kopf.PermanentError, match="Address already in use"):
-        await handlers.startup(settings=kopf.OperatorSettings(), logger=logging.getLogger("test"))
-    assert handlers.RUNTIME is None and len(closed) == 1
+        await handlers.startup(settings=kopf.OperatorSettings(), logger=logging.getLogger("test"),
+                               memo=memo)
+    assert "runtime" not in memo and len(closed) == 1
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
 
 
 async def test_runtime_close_abandons_a_task_that_ignores_cancellation(store, keys, monkeypatch, caplog):
     """Closing never hangs: a task that swallows its cancellation is logged by name after the
     close timeout and abandoned, and the store is still closed."""
-    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator import runtime
+    from mlx_fleet_operator.runtime import Runtime
 
-    monkeypatch.setattr(handlers, "CLOSE_TIMEOUT_SECONDS", 0.2)
-    rt = handlers.Runtime(store=store, keys=keys, writer="test")
+    monkeypatch.setattr(runtime, "CLOSE_TIMEOUT_SECONDS", 0.2)
+    rt = Runtime(store=store, keys=keys, writer="test")
     release, started = asyncio.Event(), asyncio.Event()
 
     async def stubborn() -> None:
@@ -552,16 +560,15 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
     import kopf
 
     from mlx_fleet_operator import handlers
+    from mlx_fleet_operator.runtime import Runtime
 
-    rt = handlers.Runtime(store=store, keys=keys, writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
     patched: list[dict] = []
     posted: list[tuple[str, str]] = []
 
-    async def patch_status(rt_, namespace, name, status):
+    async def patch_status(key, status):
         patched.append(dict(status))
 
-    monkeypatch.setattr(handlers, "_patch_status", patch_status)
+    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status)
     monkeypatch.setattr(kopf, "event", lambda body, *, type, reason, message: posted.append((type, reason)))
     monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message: posted.append(("Warning", reason)))
     await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
@@ -574,7 +581,7 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
                      "resources": {"memory": "lots"}}}
     with pytest.raises(kopf.PermanentError, match="invalid quantity"):
         await handlers.reconcile_handler(body=body, logger=logging.getLogger("test"),
-                                         namespace="ns", name="llm")
+                                         namespace="ns", name="llm", memo=kopf.Memo(runtime=rt))
     assert [p for p in posted if p[1] == "InvalidSpec"] == [("Warning", "InvalidSpec")]
     await rt.flush_status(("ns", "llm"))  # (patched by the status writer a moment later)
     [status] = patched
@@ -590,17 +597,17 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
     the latest; a re-sync with nothing changed writes nothing to etcd and patches nothing."""
     import kopf
 
-    from mlx_fleet_operator import handlers
+    from mlx_fleet_operator import status_writer
+    from mlx_fleet_operator.runtime import Runtime
+    from mlx_fleet_operator.sync import sync
 
-    rt = handlers.Runtime(store=store, keys=keys, writer="test")
-    monkeypatch.setattr(handlers, "RUNTIME", rt)
-    monkeypatch.setattr(handlers, "STATUS_COALESCE_SECONDS", 3600.0)  # flushed by hand below
+    monkeypatch.setattr(status_writer, "STATUS_COALESCE_SECONDS", 3600.0)  # flushed by hand
     patched: list[dict] = []
 
-    async def patch_status(rt_, namespace, name, status):
+    async def patch_status(key, status):
         patched.append(dict(status))
 
-    monkeypatch.setattr(handlers, "_patch_status", patch_status)
+    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status)
     monkeypatch.setattr(kopf, "event", lambda body, **_: None)
     await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
     key = ("ns", "llm")
@@ -608,23 +615,53 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
             "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1,
                      "resources": {"memory": "1Gi"}}}
     log = logging.getLogger("test")
-    await handlers.sync(body, log)  # placed: not Ready yet
-    assert rt.pending_status[key]["readyReplicas"] == 0 and patched == []
+    await sync(rt, body, log)  # placed: not Ready yet
+    assert rt.deployment(key).status.pending["readyReplicas"] == 0 and patched == []
     rt.reports[key] = {("mac-a", "v1"): AssignmentReport(
         node="mac-a", namespace="ns", name="llm", generation=1, revision="v1",
         state=AssignmentState.READY, endpoint="http://mac-a.local:8000")}
-    await handlers.sync(body, log)  # Ready
+    await sync(rt, body, log)  # Ready
     await rt.flush_status(key)
     assert [p["readyReplicas"] for p in patched] == [1]  # one patch: the latest status
 
     before = (await store.list(keys.nodes_prefix)).revision
     for _ in range(3):  # the daemon's resyncs
-        await handlers.sync(body, log)
-    assert key not in rt.pending_status
+        await sync(rt, body, log)
+    assert rt.deployment(key).status.pending is None
     await rt.flush_status(key)
     assert len(patched) == 1
     assert (await store.list(keys.nodes_prefix)).revision == before  # no etcd write at all
-    rt.forget_status(key)
+    rt.forget(key)
+
+
+async def test_a_deleted_deployment_is_forgotten_in_one_place():
+    """Runtime.forget drops everything kept about a deployment at once: its record (spec,
+    placement, drain, withdrawn replicas, status) leaves every view built from the records,
+    and its queued status is never patched (its writer is cancelled)."""
+    from mlx_fleet_operator import status_writer
+    from mlx_fleet_operator.rollout import DrainState
+    from mlx_fleet_operator.runtime import Runtime
+
+    patched: list[dict] = []
+
+    async def patch_status(key, status):
+        patched.append(dict(status))
+
+    rt = Runtime(store=None, keys=Keys("/t"), writer="test", patch_status=patch_status)
+    key, other = ("ns", "gone"), ("ns", "kept")
+    for k in (key, other):
+        rt.deployment(k).reconciled({("mac-a", "v1"): None}, unsettled=True,
+                                    drain=DrainState(moving=(("mac-a", "v1"),), blocked="full"))
+    rt.queue_status(key, {"readyReplicas": 0})
+    writer = rt.deployment(key).status.writer
+    rt.forget(key)
+    assert rt.existing(key) is None and rt.synced(key) is None
+    assert set(rt.placed) == set(rt.drains()) == rt.unsettled == {other}
+    with pytest.raises(asyncio.CancelledError):
+        await writer
+    await asyncio.sleep(status_writer.STATUS_COALESCE_SECONDS * 2)
+    assert patched == []
+    rt.forget(key)  # forgetting twice is harmless
 
 
 def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():
@@ -636,7 +673,9 @@ def test_peering_flag_makes_kopf_peering_mandatory_with_distinct_priorities():
     def kw(*argv: str) -> dict:
         return kopf_run_kwargs(build_parser().parse_args(list(argv)))
 
-    assert kw() == {"standalone": True, "clusterwide": True, "namespaces": []}
+    standalone = kw()
+    assert standalone.pop("identity")  # always ours, never kopf's getpass-based one (image uid)
+    assert standalone == {"standalone": True, "clusterwide": True, "namespaces": []}
     peered = kw("--peering", "--namespace", "team-a")
     assert peered["standalone"] is False and peered["peering_name"] == "mlx-fleet"
     assert (peered["clusterwide"], peered["namespaces"]) == (False, ["team-a"])

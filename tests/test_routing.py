@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mlx_fleet.contract import Role, TrafficSplit
-from node_agent.routing import Route, route
-from node_agent.split import bucket
+from mlx_fleet.routing.route import Route, route
+from mlx_fleet.routing.split import bucket
 
 S, C, P = Role.STABLE, Role.CANDIDATE, Role.PREVIOUS
 

@@ -1,7 +1,7 @@
 """Model sources: local directories (and what makes them unsafe), ``hf://`` from a populated
 offline Hugging Face cache, ``https://`` mirrors served by a local TLS server the tests start
 (progress, resumption after a dropped connection, verification, stalls, re-adoption), the
-controller's Prefetching reports in a real etcd, and the status progress bars."""
+controller's Prefetching reports in the (in-memory) store, and the status progress bars."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ from aiohttp import web
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
                                 Keys, ModelSource, NodeCapacity)
 from mlx_fleet.fleetstatus import FleetView, render, summarize
-from mlx_fleet.store import EtcdStore
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet.store import Store
 from node_agent.controller import Controller
 from node_agent.fetch import STATE_FILE, fetch, mirror_dir, parse_hf_uri, parse_manifest
+from node_agent.model_dir import SourceError, check_model_dir
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
-from node_agent.sources import SourceError, check_model_dir, is_remote, resolve_source
+from node_agent.sources import is_remote, resolve_source
 from test_agent_controller import ADVERTISED, NODE, Capacity, assignment, core  # noqa: F401
 
 TIMEOUT = 120  # a model load on two busy CPU cores
@@ -638,7 +640,13 @@ def test_check_model_dir_root(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-async def controller(store: EtcdStore, keys: Keys, core: ServingCore,
+def store(memory_store: MemoryStore) -> MemoryStore:
+    """The store of every test here: the in-memory one (nothing here is about etcd)."""
+    return memory_store
+
+
+@pytest.fixture
+async def controller(store: Store, keys: Keys, core: ServingCore,
                      tmp_path: Path) -> AsyncIterator[Controller]:
     reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
                        ttl=5)
@@ -659,7 +667,7 @@ def https_assignment(name: str, uri: str, generation: int = 1) -> Assignment:
                       memory_bytes=2**20)
 
 
-async def report_events(store: EtcdStore, key: str, start: int,
+async def report_events(store: Store, key: str, start: int,
                         until: Callable[[AssignmentReport | None], bool]
                         ) -> list[AssignmentReport | None]:
     """Reports written to ``key`` from revision ``start`` (None = deleted), up to and including
@@ -683,7 +691,7 @@ def settled(r: AssignmentReport | None) -> bool:
 
 
 async def test_https_assignment_prefetches_with_progress_then_serves(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: Store, keys: Keys, core: ServingCore, controller: Controller,
         mirror: Mirror) -> None:
     mirror.pace = 0.02  # about 0.8 s for the weights: progress reports while it downloads
     rkey = keys.report(NODE, "default", "remote", "r1")
@@ -717,7 +725,7 @@ async def test_https_assignment_prefetches_with_progress_then_serves(
 
 
 async def test_download_stops_when_the_assignment_goes_away(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: Store, keys: Keys, core: ServingCore, controller: Controller,
         mirror: Mirror) -> None:
     mirror.stall_at["model.safetensors"] = 50_000
     rkey = keys.report(NODE, "default", "gone", "r1")
@@ -738,7 +746,7 @@ async def test_download_stops_when_the_assignment_goes_away(
 
 
 async def test_a_stalled_download_never_blocks_another_assignment(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: Store, keys: Keys, core: ServingCore, controller: Controller,
         mirror: Mirror, test_model_dir: Path) -> None:
     """Issue 6 §3, "the agent converges assignments concurrently": while assignment A's
     download is held by the server, assignment B (a local directory) loads and is Ready;
@@ -782,7 +790,7 @@ async def test_a_stalled_download_never_blocks_another_assignment(
 
 
 async def test_a_changed_source_restarts_a_held_download(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: Store, keys: Keys, core: ServingCore, controller: Controller,
         mirror: Mirror, test_model_dir: Path) -> None:
     """An assignment whose source changes while its download is held by the server: the
     download is called off and the new source (a local directory) loads and is Ready, the
@@ -845,7 +853,7 @@ def test_status_shows_a_progress_bar_for_prefetching_rows() -> None:
 
 
 async def test_a_hostile_safetensors_header_is_refused_before_loading(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: Store, keys: Keys, core: ServingCore, controller: Controller,
         tmp_path: Path, monkeypatch) -> None:
     """The controller reads every header before the load: a header claiming more bytes than
     the file holds fails the assignment with the parser's reason, and nothing reaches the

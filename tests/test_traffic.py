@@ -1,6 +1,7 @@
-"""The agent's canary side (node_agent.traffic.TrafficManager) against a real etcd, a real
-ServingCore and generated MLX models: splits followed from etcd, routing, per-revision
-statistics written under the lease at a bounded rate, the local guard."""
+"""The agent's canary side (node_agent.traffic.TrafficManager) against the in-memory store, a
+real ServingCore and generated MLX models: splits followed from the store, routing,
+per-revision statistics written under the lease at a bounded rate, the local guard. (Nothing
+here is about etcd itself: the store's behaviour is pinned by tests/test_store_contract.py.)"""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, LocalGuard,
                                 ModelSource, NodeCapacity, Role, StatsReport, TrafficSplit)
-from mlx_fleet.store import EtcdStore, WatchEvent
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet.routing.split import bucket
+from mlx_fleet.store import Store, WatchEvent
 from mlx_fleet.testmodel import Fault, make_test_model
 from node_agent import traffic as traffic_module
 from node_agent.controller import Controller
 from node_agent.registration import Registration
 from node_agent.serving import GenerationAborted, ServingCore
-from node_agent.split import bucket
 from node_agent.traffic import Routed, TrafficManager
 from serving_fixtures import other_model_path, tiny_model_path, wait_for  # noqa: F401
 
@@ -77,9 +79,9 @@ class Ticks:
 
 
 class StatsWatch:
-    """Every etcd event on one stats key from ``start`` on, collected by a watch."""
+    """Every store event on one stats key from ``start`` on, collected by a watch."""
 
-    def __init__(self, store: EtcdStore, key: str, start: int) -> None:
+    def __init__(self, store: Store, key: str, start: int) -> None:
         self.store, self.key = store, key
         self.events: list[WatchEvent] = []
         self._cond = asyncio.Condition()
@@ -102,7 +104,7 @@ class StatsWatch:
             await asyncio.wait_for(self._cond.wait_for(cond), TIMEOUT)
 
     async def settle(self) -> None:
-        """Return once every write made to etcd before this call has been seen."""
+        """Return once every write made to the store before this call has been seen."""
         rev = await self.store.put(self.key + "/sentinel", b"")
         await self.until(lambda: any(e.kv.mod_revision >= rev for e in self.events))
 
@@ -113,8 +115,14 @@ class StatsWatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# fixtures: a node (registration + controller holding revisions of MODEL) in etcd
+# fixtures: a node (registration + controller holding revisions of MODEL) in the store
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(memory_store: MemoryStore) -> MemoryStore:
+    """The store of every test here: the in-memory one."""
+    return memory_store
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +145,7 @@ async def _capacity() -> NodeCapacity:
 
 
 @pytest.fixture
-async def registration(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
+async def registration(store: Store, keys: Keys) -> AsyncIterator[Registration]:
     reg = Registration(store, keys, node_name=NODE, address="http://agent.test:8000",
                        capacity=_capacity, ttl=5)
     await reg.start()
@@ -149,7 +157,7 @@ Holder = Callable[[dict[str, tuple[Path, Role]]], Awaitable[Controller]]
 
 
 @pytest.fixture
-async def hold(store: EtcdStore, keys: Keys, core: ServingCore,
+async def hold(store: Store, keys: Keys, core: ServingCore,
                registration: Registration) -> AsyncIterator[Holder]:
     """``await hold({revision: (model dir, role)})``: assign those revisions of MODEL to the
     node, run its controller (as the agent does) and return it once all are Ready."""
@@ -183,12 +191,12 @@ TMFactory = Callable[..., Awaitable[TrafficManager]]
 
 
 @pytest.fixture
-async def traffic(store: EtcdStore, keys: Keys, core: ServingCore,
+async def traffic(store: Store, keys: Keys, core: ServingCore,
                   registration: Registration) -> AsyncIterator[TMFactory]:
     """``await traffic(ctl, clock=..., reg=..., on_tm=..., crashes=...)``: a started
     TrafficManager wired as in node_agent.main (``reg``: its node's registration, default the
     fixture's; ``on_tm`` sees it before it starts; ``crashes`` replaces the core's crash
-    counts), synced with the splits in etcd."""
+    counts), synced with the splits in the store."""
     tms: list[TrafficManager] = []
 
     async def start(ctl: Controller, *, clock: Callable[[], float] = time.time,
@@ -249,7 +257,7 @@ def routes(tm: TrafficManager) -> dict[str, tuple[str, bool]]:
 # ---------------------------------------------------------------------------------------------
 
 
-async def test_split_in_etcd_reaches_route(store: EtcdStore, keys: Keys, hold: Holder,
+async def test_split_in_the_store_reaches_route(store: Store, keys: Keys, hold: Holder,
                                            traffic: TMFactory, tiny_model_path: Path,  # noqa: F811
                                            other_model_path: Path) -> None:  # noqa: F811
     ctl = await hold({"r1": (tiny_model_path, Role.STABLE),
@@ -293,7 +301,7 @@ async def test_split_in_etcd_reaches_route(store: EtcdStore, keys: Keys, hold: H
 
 
 async def test_statistics_under_the_lease_at_most_once_per_interval(
-        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        store: Store, keys: Keys, core: ServingCore, registration: Registration,
         hold: Holder, traffic: TMFactory, monkeypatch: pytest.MonkeyPatch,
         tiny_model_path: Path, other_model_path: Path) -> None:  # noqa: F811
     monkeypatch.setattr(traffic_module, "WRITER_TICK_SECONDS", 0.01)  # many chances to write
@@ -401,7 +409,7 @@ async def test_statistics_under_the_lease_at_most_once_per_interval(
 
 
 async def test_guard_trips_on_candidate_failures_and_reports_at_once(
-        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        store: Store, keys: Keys, core: ServingCore, registration: Registration,
         hold: Holder, traffic: TMFactory,
         tiny_model_path: Path, faulty_model_path: Path) -> None:  # noqa: F811
     ctl = await hold({"r1": (tiny_model_path, Role.STABLE),

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
+from mlx_fleet.routing.headers import REVISION_HEADER, SESSION_HEADER
+
 __all__ = ["Outcome", "LoadGenerator"]
 
 
@@ -129,8 +131,8 @@ class LoadGenerator:
         status, revision = 0, ""
         try:
             async with self._http.post(f"{endpoint}/v1/chat/completions", json=body,
-                                       headers={"X-Session-ID": session}) as r:
-                status, revision = r.status, r.headers.get("X-Model-Revision", "")
+                                       headers={SESSION_HEADER: session}) as r:
+                status, revision = r.status, r.headers.get(REVISION_HEADER, "")
                 if r.status != 200:
                     text = (await r.text())[:200]
                     return Outcome(t0, time.monotonic(), session, endpoint, status, revision,

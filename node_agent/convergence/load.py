@@ -19,7 +19,8 @@ from .. import memory_estimate
 from ..fetch import fetch
 from ..serving import ModelLoadError
 from ..serving.errors import LOAD_CANCELLED
-from ..sources import SourceError, is_remote
+from ..model_dir import SourceError
+from ..sources import is_remote
 from . import step
 from .reports import Reports
 from .runtime import Runtime

@@ -5,7 +5,7 @@ Every decision is pure: :func:`~.canary_spec.parse_canary_spec` (the spec),
 machine). A daemon per Canary ticks — every :data:`TICK_SECONDS`, and at once when its target's
 reports or statistics change (a local guard trip wakes it) — and applies the decision:
 
-* :attr:`.handlers.Runtime.candidates` tells the target ModelDeployment's reconcile to keep the
+* :meth:`.runtime.Runtime.keep_candidate` tells the target ModelDeployment's reconcile to keep the
   candidate revision resident (one writer per deployment's assignments: the ModelDeployment's
   own fenced transaction), or to unload it once the canary ends;
 * the :class:`~mlx_fleet.contract.TrafficSplit` in etcd (``traffic/<ns>/<target>``) carries the
@@ -31,11 +31,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kopf
 
-from mlx_fleet.contract import AssignmentState, Role, StatsReport, TrafficSplit, is_standby
+from mlx_fleet.contract import AssignmentState, Role, TrafficSplit
+from mlx_fleet.routing import replicas
 from mlx_fleet.store import Compare, Delete, Put, StoreError
 from mlx_fleet.supervise import wait_event
 
@@ -43,12 +44,16 @@ from . import metrics
 from .analysis import AnalysisResult, analyze, window_from_reports
 from .canary import TERMINAL, CanaryState, Observation, Phase, step
 from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
-from .handlers import GROUP, PLURAL, VERSION, CandidateIntent, DeploymentKey, Runtime, runtime
+from .kube import CANARY_PLURAL, GROUP, PLURAL, VERSION, patch_object
+from .runtime import Runtime, runtime
+from .records import AnalysisWindow, CandidateIntent, DeploymentKey
 from .status import _condition, now_rfc3339
+
+if TYPE_CHECKING:
+    from kubernetes.client import CustomObjectsApi
 
 log = logging.getLogger(__name__)
 
-CANARY_PLURAL = "canaries"
 ANNOTATION_PROMOTE = "mlx-fleet.io/promote"
 ANNOTATION_PROMOTE_FULL = "mlx-fleet.io/promote-full"
 ANNOTATION_ABORT = "mlx-fleet.io/abort"
@@ -58,32 +63,20 @@ TICK_SECONDS = 1.0
 _RESOURCE = dict(group=GROUP, version=VERSION, plural=CANARY_PLURAL)
 
 
-@dataclasses.dataclass
-class _Window:
-    """The statistics snapshot the last analysis window ended at, and the last stable window
-    that had enough requests to judge against (``baseline``)."""
-
-    at: float
-    reports: dict[str, StatsReport]
-    baseline: Any = None
-
-
-_windows: dict[str, _Window] = {}  # canary uid → last window end (in-memory; re-armed on restart)
-
-
 def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
              uid: str, annotations: Mapping[str, str], now: float) -> Observation:
     """Gather what the step machine looks at from the operator's in-memory views."""
-    dep = rt.deployments.get(target)
+    dep = rt.synced(target)
     ann = {k: str(v) for k, v in (annotations or {}).items()}
     tokens = dict(promote_token=ann.get(ANNOTATION_PROMOTE, ""),
                   promote_full_token=ann.get(ANNOTATION_PROMOTE_FULL, ""),
                   abort_token=ann.get(ANNOTATION_ABORT, ""))
     if dep is None:
         return Observation(target_revision="", target_exists=False, **tokens)
-    dspec = dep[0]
+    dspec = dep.spec
+    rec = rt.deployment(target)
     cand = spec.candidate.revision
-    placed = rt.placed.get(target, {})
+    placed = rec.placed
     reports = rt.reports.get(target, {})
 
     def state_of(slot: tuple[str, str]) -> AssignmentState | None:
@@ -92,7 +85,7 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
         r, a = reports.get(slot), placed.get(slot)
         if r is None or a is None or r.generation != a.generation:
             return None
-        return AssignmentState.READY if is_standby(r.state.value, r.reason) else r.state
+        return AssignmentState.READY if replicas.serves(r.state, r.reason) else r.state
 
     cand_slots = [s for s in placed if s[1] == cand]
     stable_slots = [s for s in placed if s[1] == dspec.model.revision and s[1] != cand]
@@ -102,7 +95,8 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
     tripped = next((f"node {n}: {r.guard_reason}" for n, r in sorted(stats.items())
                     if r.guard_tripped), None)
     analysis: AnalysisResult | None = None
-    win = _windows.get(uid)
+    memory = rt.canary(uid)
+    win = memory.window
     if state.phase in (Phase.PROGRESSING, Phase.PAUSED) and (
             win is None or now - win.at >= spec.analysis.interval_seconds):
         baseline = win.baseline if win is not None else None
@@ -120,10 +114,10 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
                                canary_elapsed_hours=max(now - state.started, 0) / 3600
                                if state.started else 0.0,
                                memory_start=state.memory_baseline_bytes)
-        _windows[uid] = _Window(now, dict(stats), baseline)
+        memory.window = AnalysisWindow(now, dict(stats), baseline)
     cand_mem = max((r.revisions[cand].memory_bytes for r in stats.values()
                     if cand in r.revisions), default=0)
-    md_status = rt.last_status.get(target) or {}
+    md_status = rec.status.last or {}
     progressing = next((c for c in md_status.get("conditions", [])
                         if c.get("type") == "Progressing"), {})
     return Observation(
@@ -142,19 +136,18 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
 
 def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: DeploymentKey,
            name: str, uid: str, generation: int, weight: int) -> TrafficSplit | None:
-    dep = rt.deployments.get(target)
+    dep = rt.synced(target)
     if dep is None:
         return None
-    dspec = dep[0]
+    dspec = dep.spec
+    rec = rt.deployment(target)
     cand = spec.candidate.revision
-    placed = rt.placed.get(target, {})
+    placed = rec.placed
     reports = rt.reports.get(target, {})
-    withdrawn = rt.withdrawn.get(target, {})  # drained replicas on their way out: not forwarded to
-    endpoints = sorted({reports[s].endpoint for s in placed if s[1] == cand and s in reports
-                        and s not in withdrawn
-                        and (reports[s].state == AssignmentState.READY
-                             or is_standby(reports[s].state.value, reports[s].reason))
-                        and reports[s].endpoint})
+    withdrawn = rec.withdrawn  # drained replicas on their way out: not forwarded to
+    endpoints = replicas.endpoints((reports[s].state, reports[s].reason, reports[s].endpoint)
+                                   for s in placed if s[1] == cand and s in reports
+                                   and s not in withdrawn)
     return TrafficSplit(
         namespace=target[0], name=target[1],
         served_model_name=dspec.model.served_model_name or target[1],
@@ -182,35 +175,23 @@ async def _write_split(rt: Runtime, target: DeploymentKey, split: TrafficSplit |
                        [Put(key, split.to_json())])
 
 
-async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict,
+async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict[str, Any],
                  subresource: str = "") -> None:
-    import kubernetes
-
-    def call() -> None:
-        try:
-            if subresource == "status":
-                rt.custom_api.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, plural, name, body,
-                    _content_type="application/merge-patch+json")
-            else:
-                rt.custom_api.patch_namespaced_custom_object(
-                    GROUP, VERSION, namespace, plural, name, body,
-                    _content_type="application/merge-patch+json")
-        except kubernetes.client.ApiException as e:
-            if e.status != 404:
-                raise
-
-    await asyncio.to_thread(call)
+    if rt.custom_api is None:
+        raise RuntimeError("no Kubernetes client to patch with")
+    await patch_object(rt.custom_api, plural, namespace, name, body,
+                       status=subresource == "status")
 
 
-def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]) -> list[dict]:
+def _conditions(state: CanaryState, generation: int, previous: Mapping[str, Any]
+                ) -> list[dict[str, Any]]:
     prev = {c.get("type"): c for c in previous.get("conditions") or [] if isinstance(c, Mapping)}
     stamp = now_rfc3339()
     phase = state.phase
     reason = state.reason or phase.value
     msg = state.message or phase.value
 
-    def cond(t: str, s: str, r: str, m: str) -> dict:
+    def cond(t: str, s: str, r: str, m: str) -> dict[str, Any]:
         return _condition(t, s, r, m, generation, prev, stamp)
 
     running = phase not in TERMINAL
@@ -239,7 +220,7 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     generation = int(meta.get("generation") or 0)
     previous = dict(body.get("status") or {})
-    previous.update(_last.get(uid, {}))
+    previous.update(rt.canary(uid).last_status)
     state = CanaryState.from_status(previous)
     events: list[tuple[str, str, str]] = []
     promote: str | None = None
@@ -256,8 +237,8 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
         "name", ""))
     if spec is not None:
         target = (namespace, spec.target_ref.name)
-        owner = rt.candidates.get(target)
-        dep = rt.deployments.get(target)
+        owner = rt.candidate(target)
+        dep = rt.synced(target)
         # (Re)starting: the first tick, or the spec names another candidate than the one the
         # state is about (a terminal canary restarts then).
         starting = state.candidate_revision != spec.candidate.revision
@@ -269,7 +250,7 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
             state = _fail(state, "TargetBusy", msg, spec.candidate.revision)
             weight, keep = 0, False
         elif (starting and dep is not None
-              and dep[0].model.revision == spec.candidate.revision):
+              and dep.spec.model.revision == spec.candidate.revision):
             msg = (f"spec.candidate.revision: {spec.candidate.revision} is already the "
                    f"revision of ModelDeployment {target[1]}")
             events.append(("Warning", "InvalidSpec", msg))
@@ -285,16 +266,13 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
     if spec is not None and keep:
         intent = CandidateIntent(name, spec.candidate.revision, spec.candidate.source,
                                  spec.candidate.memory_bytes)
-        if rt.candidates.get(target) != intent:
-            rt.candidates[target] = intent
-            rt.wakeup(target).set()
-    elif rt.candidates.get(target) is not None and rt.candidates[target].canary == name:
-        del rt.candidates[target]
-        rt.wakeup(target).set()  # the target's reconcile unloads the candidate
+        rt.keep_candidate(target, intent)
+    else:
+        rt.release_candidate(target, name)  # the target's reconcile unloads the candidate
     try:
         split = (_split(rt, spec, state, target, name, uid, generation, weight)
                  if spec is not None and keep else None)
-        if split is not None or rt.candidates.get(target) is None:
+        if split is not None or rt.candidate(target) is None:
             await _write_split(rt, target, split)
     except StoreError as e:
         log.warning("canary %s/%s: writing the traffic split failed (retrying): %s",
@@ -318,7 +296,7 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
             (c["status"], c["reason"]) != (p.get("status"), p.get("reason"))
             for c, p in zip(status["conditions"], previous.get("conditions") or [{}] * 3)):
         await _patch(rt, CANARY_PLURAL, namespace, name, {"status": status}, "status")
-        _last[uid] = status
+        rt.canary(uid).last_status = status
     for type_, reason, message in events:
         kopf.event(body, type=type_, reason=reason, message=message[:1024])
         if reason in {p for p in metrics.CANARY_PHASES}:
@@ -330,26 +308,23 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
     return TICK_SECONDS
 
 
-_last: dict[str, dict[str, Any]] = {}  # canary uid → the status last patched (kopf's body lags)
-
-
 @kopf.on.resume(**_RESOURCE)
 @kopf.on.create(**_RESOURCE)
 @kopf.on.update(**_RESOURCE)
-async def canary_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+async def canary_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A new or edited Canary: wake its daemon (which owns every tick)."""
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    runtime().wake_canary(target)
+    runtime(memo).wake_canary(target)
 
 
 @kopf.daemon(**_RESOURCE, cancellation_timeout=10.0)
 async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: logging.Logger,
-                        namespace: str, name: str, **_: Any) -> None:
+                        namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Tick the Canary every :data:`TICK_SECONDS` and whenever its target's reports or
     statistics change."""
-    rt = runtime()
+    rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    wake = rt.canary_wakeups.setdefault(target, asyncio.Event())
+    wake = rt.canary_wakeup(target)
 
     async def relay_stop() -> None:
         await stopped.wait()
@@ -373,26 +348,23 @@ async def follow_canary(stopped: kopf.DaemonStopped, body: kopf.Body, logger: lo
 
 
 @kopf.on.delete(**_RESOURCE)
-async def canary_deleted(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                         **_: Any) -> None:
     """Deleting a Canary returns all traffic to the stable revision and unloads the candidate
     (unless it was promoted: then it *is* the stable revision)."""
-    rt = runtime()
+    rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    owner = rt.candidates.get(target)
-    if owner is not None and owner.canary == name:
-        del rt.candidates[target]
-        rt.wakeup(target).set()
+    if rt.release_candidate(target, name):
         try:
             await _write_split(rt, target, None)
         except StoreError as e:
             raise kopf.TemporaryError(f"etcd: {e}", delay=2) from e
     uid = (body.get("metadata") or {}).get("uid", "")
-    _windows.pop(uid, None)
-    _last.pop(uid, None)
+    rt.forget_canary(uid)
     metrics.forget_canary(namespace, name)
 
 
-def seed_candidates(api: Any) -> dict[DeploymentKey, CandidateIntent]:
+def seed_candidates(api: CustomObjectsApi) -> dict[DeploymentKey, CandidateIntent]:
     """At start-up, before any ModelDeployment is re-synced: the candidates of running Canaries
     (from their stored ``status``), so an operator restart mid-canary never unloads a warm
     candidate. Blocking (run in a thread)."""

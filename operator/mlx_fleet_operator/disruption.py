@@ -15,7 +15,7 @@ A single Mac lost in a fleet of two or more is still re-placed at once.
 
 Pure: :func:`observe` maps the previous :class:`Disruption` and the live node names at a time to
 the next, and placement keeps the replicas of :attr:`Disruption.held` (``place(held=...)``).
-The operator (``handlers.Runtime``) feeds it from its nodes follower: node records vanish one
+The operator (:mod:`.holds`) feeds it from its nodes follower: node records vanish one
 watch event at a time, so a vanished node is judged :data:`DISRUPTION_WINDOW_SECONDS` after it
 went, together with every other node gone by then (its replicas are kept meanwhile); a node
 that appears or comes back is observed at once.

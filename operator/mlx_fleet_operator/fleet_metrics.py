@@ -1,7 +1,7 @@
 """The fleet state the operator holds, re-exported to Prometheus at scrape time.
 
 :class:`FleetCollector` is a ``prometheus_client`` custom collector: every ``collect()`` builds
-its metric families afresh from the :class:`~.handlers.Runtime`'s in-memory views (``nodes``,
+its metric families afresh from the :class:`~.runtime.Runtime`'s in-memory views (``nodes``,
 ``placed``, ``reports``, ``stats``, ``followers``), which the etcd followers and reconciles keep
 current. Nothing is set in advance, so the series of a deleted ModelDeployment, an unloaded
 revision or a vanished node are gone from the next scrape by construction (no stale gauges, no
@@ -50,7 +50,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Protocol
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
@@ -59,7 +59,8 @@ from prometheus_client.utils import floatToGoString
 
 from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS, Assignment,
                                 AssignmentReport, AssignmentState, Histogram, NodeHealth,
-                                RevisionStats, StatsReport)
+                                NodeRecord, RevisionStats, StatsReport)
+from mlx_fleet.supervise import TaskHealth
 
 from .analysis import merge
 from .placement import node_budget_bytes
@@ -265,6 +266,18 @@ def _family(spec: FamilySpec) -> Metric:
     return cls(name, spec.help, labels=spec.labels)
 
 
+class FleetState(Protocol):
+    """What the collector reads of the operator's :class:`~.runtime.Runtime` (any object with
+    these attributes; a missing one reads as empty, ``fleet_active`` as True)."""
+
+    nodes: Mapping[str, NodeRecord]
+    placed: Mapping[tuple[str, str], Mapping[tuple[str, str], Assignment]]
+    reports: Mapping[tuple[str, str], Mapping[tuple[str, str], AssignmentReport]]
+    stats: Mapping[tuple[str, str], Mapping[str, StatsReport]]
+    followers: Mapping[str, TaskHealth]
+    fleet_active: bool
+
+
 def _copy(d: Mapping | None) -> dict:
     return dict(d) if d else {}
 
@@ -276,7 +289,7 @@ class FleetCollector(Collector):
     is then exported without samples). The collector reads the Runtime's ``nodes``, ``placed``,
     ``reports``, ``stats`` and ``followers``, whichever exist."""
 
-    def __init__(self, runtime_getter: Callable[[], Any]) -> None:
+    def __init__(self, runtime_getter: Callable[[], FleetState | None]) -> None:
         self.runtime_getter = runtime_getter
         self._epochs = CounterEpochs()
         self._errors = 0
@@ -302,7 +315,7 @@ class FleetCollector(Collector):
         fams["fleet_collect_errors_total"].add_metric([], self._errors)
         yield from fams.values()
 
-    def _fill(self, rt: Any, fams: dict[str, Metric]) -> None:
+    def _fill(self, rt: FleetState, fams: dict[str, Metric]) -> None:
         nodes = _copy(getattr(rt, "nodes", None))
         placed = {k: _copy(v) for k, v in _copy(getattr(rt, "placed", None)).items()}
         reports = {k: _copy(v) for k, v in _copy(getattr(rt, "reports", None)).items()}
@@ -382,7 +395,7 @@ class FleetCollector(Collector):
                 fams[fam].add_metric(labels, cumulative_buckets(h), h.total)
 
     @staticmethod
-    def _fill_tasks(rt: Any, fams: dict[str, Metric]) -> None:
+    def _fill_tasks(rt: FleetState, fams: dict[str, Metric]) -> None:
         """The operator's own background tasks: per process, exported by every replica."""
         followers = _copy(getattr(rt, "followers", None))
         for name, health in sorted(followers.items()):

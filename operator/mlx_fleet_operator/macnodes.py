@@ -1,7 +1,7 @@
 """MacNode mirror: what ``status`` of a ``macnodes.mlx-fleet.io`` object says. Pure functions.
 
 The operator mirrors every node agent's etcd record into a cluster-scoped MacNode (the I/O
-lives in :mod:`.handlers`, :func:`~.handlers.mirror_macnodes`). The agent stays the source of
+lives in :mod:`.macnode_mirror`). The agent stays the source of
 truth: the status is informational, and only ``spec.unschedulable`` (a cordon) and
 ``spec.drain`` (a drain; the CRD requires ``unschedulable`` with it) are read back.
 When a record is gone (its lease expired), the MacNode is kept with ``health: Gone`` so a cordon

@@ -10,7 +10,7 @@ import random
 import socket
 import uuid
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mlx_fleet.contract import ROOT
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
@@ -153,16 +153,26 @@ def kopf_run_kwargs(args: argparse.Namespace) -> dict:
     """``kopf.run`` arguments for scope and peering. ``--peering`` passes a peering name, which
     makes kopf's peering *mandatory* (without one kopf merely auto-detects the "default"
     object and, finding none, runs every replica standalone)."""
-    kw: dict = dict(clusterwide=not args.namespace, namespaces=args.namespace)
+    # Always our own identity, standalone too: kopf's would come from getpass.getuser(), which
+    # raises KeyError for a uid with no passwd entry (the image's 65532 under the chart's
+    # runAsUser: a crash loop at start). The operator also reads the peering objects, to export
+    # the fleet metrics only while it is the active peer (.peering).
+    kw: dict = dict(clusterwide=not args.namespace, namespaces=args.namespace,
+                    identity=own_identity(os.environ))
     if args.standalone:
         return {**kw, "standalone": True}
     priority = (args.peering_priority if args.peering_priority is not None
                 else random.SystemRandom().randint(1, 2**31 - 1))
-    # Our own identity (kopf would make one up): the operator reads the peering objects too,
-    # to export the fleet metrics only while it is the active peer (.peering).
-    identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-    return {**kw, "standalone": False, "peering_name": args.peering_name, "priority": priority,
-            "identity": identity}
+    return {**kw, "standalone": False, "peering_name": args.peering_name, "priority": priority}
+
+
+def own_identity(environ: Mapping[str, str]) -> str:
+    """This operator process's kopf peering identity, ``"<pod or host>/<pid>/<8 hex>"``: the
+    Pod's name from the chart's Downward-API ``POD_NAME`` (else the host name, which is the
+    node's under ``hostNetwork``), the pid (1 in every container) and a random suffix, so two
+    replicas never share one. Reads no passwd database."""
+    who = environ.get("POD_NAME") or socket.gethostname()
+    return f"{who}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,24 +193,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         ActivityError = ()  # type: ignore[assignment,misc]  # `except ()` catches nothing
 
     from . import canary_handlers, handlers  # noqa: F401 - importing registers the handlers
+    from .config import OperatorConfig, PeeringConfig
 
-    handlers.CONFIG = handlers.OperatorConfig(etcd_endpoint=args.etcd_endpoint,
-                                              etcd_credentials=etcd_credentials,
-                                              etcd_prefix=args.etcd_prefix,
-                                              metrics_port=args.metrics_port,
-                                              namespaces=tuple(args.namespace),
-                                              gc_interval=args.gc_interval)
+    config = OperatorConfig(etcd_endpoint=args.etcd_endpoint,
+                            etcd_credentials=etcd_credentials,
+                            etcd_prefix=args.etcd_prefix,
+                            metrics_port=args.metrics_port,
+                            metrics_served=bool(args.metrics_port),  # by preflight()
+                            namespaces=tuple(args.namespace),
+                            gc_interval=args.gc_interval)
     run_kwargs = kopf_run_kwargs(args)
     if not args.standalone:
-        handlers.CONFIG = dataclasses.replace(
-            handlers.CONFIG, peering=handlers.PeeringConfig(
+        config = dataclasses.replace(
+            config, peering=PeeringConfig(
                 name=args.peering_name, identity=run_kwargs["identity"],
                 priority=run_kwargs["priority"], clusterwide=run_kwargs["clusterwide"]))
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
     try:
-        kopf.run(**run_kwargs, liveness_endpoint=liveness)
+        # the configuration reaches the start-up handler in kopf's operator memo
+        kopf.run(**run_kwargs, liveness_endpoint=liveness, memo=kopf.Memo(config=config))
     except ActivityError as e:  # the start-up handler failed permanently (already logged)
         causes = "; ".join(str(o.exception) for o in e.outcomes.values() if o.exception)
         print(f"mlx-fleet-operator: error: start-up failed: {causes or e}", file=sys.stderr)

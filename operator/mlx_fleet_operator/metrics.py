@@ -19,12 +19,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 
-from .fleet_metrics import FleetCollector
+from .fleet_metrics import FleetCollector, FleetState
+
+#: What a follower lists (its snapshot type).
+S = TypeVar("S")
 
 RECONCILE_TOTAL = Counter("mlxfleet_operator_reconcile_total",
                           "ModelDeployment reconciles by result: changed (a transaction was "
@@ -85,8 +88,8 @@ def watch_restarted(watch: str) -> None:
     WATCH_RESTARTS.labels(watch=watch).inc()
 
 
-def relists_counted(watch: str, on_snapshot: Callable[[Any], Awaitable[None]]
-                    ) -> Callable[[Any], Awaitable[None]]:
+def relists_counted(watch: str, on_snapshot: Callable[[S], Awaitable[None]]
+                    ) -> Callable[[S], Awaitable[None]]:
     """``on_snapshot`` (a follower's list callback) wrapped to call :func:`watch_restarted`
     for every list after the first. Wrap once per follower, outside its supervised run, so
     that a restarted follower's list counts too. Raises ``ValueError`` for an unknown
@@ -95,7 +98,7 @@ def relists_counted(watch: str, on_snapshot: Callable[[Any], Awaitable[None]]
         raise ValueError(f"unknown watch {watch!r}: one of {', '.join(WATCHES)}")
     listed = False
 
-    async def counted(snapshot: Any) -> None:
+    async def counted(snapshot: S) -> None:
         nonlocal listed
         if listed:
             watch_restarted(watch)
@@ -135,7 +138,7 @@ _FLEET: weakref.WeakKeyDictionary[CollectorRegistry, FleetCollector] = weakref.W
 _FLEET_LOCK = threading.Lock()
 
 
-def register_fleet(runtime_getter: Callable[[], Any],
+def register_fleet(runtime_getter: Callable[[], FleetState | None],
                    registry: CollectorRegistry = REGISTRY) -> FleetCollector:
     """Register the :class:`~.fleet_metrics.FleetCollector` over ``runtime_getter()`` (the
     operator's Runtime, or None while it starts) on ``registry`` (default: the one ``/metrics``
@@ -152,16 +155,13 @@ def register_fleet(runtime_getter: Callable[[], Any],
         return collector
 
 
-_SERVED_PORT: int | None = None
-
-
 def serve(port: int) -> None:
-    """Serve ``/metrics`` on ``0.0.0.0:port`` (once per process; a second call is a no-op).
-    Raises ``OSError`` when the port cannot be bound (in use, no permission)."""
-    global _SERVED_PORT
-    if not port or _SERVED_PORT is not None:
+    """Serve ``/metrics`` on ``0.0.0.0:port`` in a thread (``port`` 0: not at all). Call it once
+    per process (:func:`~.main.main`'s pre-flight check, or the start-up handler when the
+    operator runs under ``kopf run``: ``OperatorConfig.metrics_served`` says which). Raises
+    ``OSError`` when the port cannot be bound (in use, no permission)."""
+    if not port:
         return
     from prometheus_client import start_http_server
 
     start_http_server(port)
-    _SERVED_PORT = port

@@ -10,7 +10,7 @@ them pause); see ``process_peering_event`` in kopf/_core/engines/peering.py. :fu
 applies the same rule to the same records. A standalone operator is always active.
 
 The operator reads the peering objects every :data:`POLL_SECONDS` (the I/O is in
-:mod:`.handlers`), so after a takeover the fleet families move from one replica to the other
+:mod:`.peering_watch`), so after a takeover the fleet families move from one replica to the other
 within that delay (kopf itself hands over only after the old peer's ``lifetime``, 60 s).
 """
 

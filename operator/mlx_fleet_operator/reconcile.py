@@ -37,7 +37,8 @@ from pydantic import ValidationError
 from typing import Any
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, NodeRecord,
-                                PlacementEpoch, is_standby)
+                                PlacementEpoch)
+from mlx_fleet.routing import replicas
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
 from .placement import PlacementDecision
@@ -264,7 +265,7 @@ def report_slots(view: FleetView, namespace: str, name: str,
         r = reports.get(slot)
         if r is None or stored.assignment is None or r.generation != stored.assignment.generation:
             continue
-        if r.state == AssignmentState.READY or is_standby(r.state.value, r.reason):
+        if replicas.serves(r.state, r.reason):
             ready.add(slot)  # a standby replica (idle-unloaded) serves on demand
         elif r.state == AssignmentState.FAILED:
             failed.add(slot)

@@ -68,6 +68,7 @@ from typing import Any
 
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, Assignment,
                                 AssignmentReport, AssignmentState, NodeRecord, Role, is_standby)
+from mlx_fleet.routing import replicas
 
 Slot = tuple[str, str]  # (node, revision)
 
@@ -204,12 +205,10 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     serving = [e for e in entries if e["role"] != Role.CANDIDATE.value
                and (e["name"], e["revision"]) not in inp.withdrawn]
     # Ready, or standby (idle-unloaded / reloading for a request): serves on demand
-    ready = [e for e in serving if e["state"] == AssignmentState.READY.value
-             or is_standby(e["state"], e["reason"])]
+    ready = [e for e in serving if replicas.serves(e["state"], e["reason"])]
     failed = [e for e in serving if e["state"] == AssignmentState.FAILED.value]
-    starting = [e for e in serving if e["state"] not in (AssignmentState.READY.value,
-                                                        AssignmentState.FAILED.value)
-                and not is_standby(e["state"], e["reason"])]
+    starting = [e for e in serving if e["state"] != AssignmentState.FAILED.value
+                and not replicas.serves(e["state"], e["reason"])]
     n_ready = len({e["name"] for e in ready})
     standby_nodes = {e["name"] for e in ready if is_standby(e["state"], e["reason"])} - {
         e["name"] for e in ready if e["state"] == AssignmentState.READY.value}
@@ -332,7 +331,8 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         "readyReplicas": n_ready,
         "updatedReplicas": n_updated,
         "nodes": entries,
-        "endpoints": sorted({e["endpoint"] for e in ready if e["endpoint"]}),
+        "endpoints": replicas.endpoints((e["state"], e["reason"], e["endpoint"])
+                                        for e in serving),
         "downloads": "; ".join(f"{e['name']}: {e['download']['text']}"
                                for e in entries if "download" in e),
         "conditions": conditions,

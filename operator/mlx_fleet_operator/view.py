@@ -5,7 +5,7 @@ With 1 000 Macs, listing every assignment from etcd in every reconcile was a lar
 reconcile's time (each of the ~1 000 reconciles of 500 deployments read them all). Instead the
 operator keeps this view current from two sources:
 
-* the assignments follower (:func:`mlx_fleet.store.follow_prefix`): :meth:`reset` with each
+* the assignments follower (:func:`mlx_fleet.views.follow_prefix`): :meth:`reset` with each
   (re-)listing, :meth:`apply` with each watch event;
 * its own committed transactions (:meth:`committed`), applied at once, so the next reconcile
   need not wait for the watch to deliver them.

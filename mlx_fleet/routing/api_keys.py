@@ -1,4 +1,5 @@
-"""Bearer API keys of the agent's HTTP API: the key file, the constant-time match, the reload.
+"""Bearer API keys of the fleet's HTTP APIs (the agent's, the fleet router's): the key file, the
+constant-time match, the reload.
 
 The pure parts (plain functions over plain data, tested table-driven in
 ``tests/test_api_keys.py``):
@@ -129,7 +130,7 @@ class KeyFile:
     ``flag`` names the command-line flag in messages (``--api-key-file``). Construction reads
     the file and raises :class:`KeyFileError` if it cannot be used (the agent refuses to
     start). :meth:`current` returns the digests in force; :attr:`first` is the file's first key
-    (what a forwarding agent presents, :mod:`node_agent.openai_api`)."""
+    (what a forwarding agent presents)."""
 
     def __init__(self, path: str | Path, *, flag: str = "--api-key-file") -> None:
         self.path = Path(path)

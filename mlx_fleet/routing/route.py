@@ -1,19 +1,20 @@
-"""Which loaded revision (or which other node) serves one request: a pure function.
+"""Which loaded revision (or which other node) serves one request on an agent: a pure function.
 
 A served model name maps to one deployment on a node, which may hold several revisions at once
 (:class:`~mlx_fleet.contract.Role`): ``Stable``, ``Previous`` (a rolling update's old revision,
 until the stable one is Ready here) and ``Candidate`` (a canary's). :func:`route` decides:
 
 1. With a :class:`~mlx_fleet.contract.TrafficSplit` (a canary runs) the session's bucket picks
-   stable or candidate (:func:`node_agent.split.choose`; a tripped local guard always picks
+   stable or candidate (:func:`mlx_fleet.routing.split.choose`; a tripped local guard always picks
    stable). A candidate that this node does not hold is *forwarded* to a node that does (one of
    ``candidate_endpoints``, chosen by the bucket, so a session sticks to one node); with none
    known it falls back to the stable revision.
 2. Otherwise — and for the stable side of a split — the node serves its ``Stable`` revision;
    while that is not loaded yet, a ``Previous`` one (a revision edit never leaves a gap); as a
    last resort any loaded revision (a candidate-only node still answers).
-3. A request that pins a revision (``X-MLX-Fleet-Revision``, set by a forwarding node) gets
-   exactly that revision when it is loaded here, and is never forwarded again.
+3. A request that pins a revision (:data:`~mlx_fleet.routing.headers.PIN_HEADER`, set by a
+   forwarding node) gets exactly that revision when it is loaded here, and is never forwarded
+   again.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from mlx_fleet.contract import Role, TrafficSplit
-
-from .split import choose
+from mlx_fleet.routing.split import choose, is_active
 
 __all__ = ["Route", "route"]
 
@@ -58,8 +58,7 @@ def route(loaded: dict[str, Role], split: TrafficSplit | None, key: str, *,
     empty). ``key``: the session key. Returns None when nothing here or elsewhere can serve."""
     if pinned:
         return Route(pinned, canary=split is not None) if pinned in loaded else None
-    active = split is not None and bool(split.candidate_revision) and split.weight > 0
-    if not active:
+    if not is_active(split):
         rev = _fallback(loaded)
         return Route(rev) if rev is not None else None
     assert split is not None

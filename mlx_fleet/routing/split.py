@@ -12,42 +12,22 @@ Deterministic across nodes and restarts, sticky, monotone."
 * independent per deployment: the deployment is hashed with the key, so one session is not on
   the candidate side of every canary at once.
 
-Pure: standard library and :mod:`mlx_fleet.contract` only.
+The session key itself (header, else ``user``, else random) is
+:func:`mlx_fleet.routing.session.session_key`'s. Pure: standard library and
+:mod:`mlx_fleet.contract` only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import secrets
-from collections.abc import Callable
 from typing import Literal
 
 from mlx_fleet.contract import SPLIT_BUCKETS, TrafficSplit
 
-__all__ = ["Choice", "session_key", "bucket", "choose"]
+__all__ = ["Choice", "bucket", "choose", "is_active"]
 
-KeySource = Literal["header", "user", "random"]
 SplitRole = Literal["stable", "candidate"]
-
-
-def _random_key() -> str:
-    return secrets.token_hex(16)
-
-
-def session_key(header: str | None, user: str | None,
-                random_key: Callable[[], str] = _random_key) -> tuple[str, KeySource]:
-    """The request's session key and where it came from: ``(key, source)``.
-
-    Precedence (issue #5): the ``X-Session-ID`` header, else the OpenAI ``user`` field, else
-    ``random_key()`` (a fresh 128-bit hex string by default: such a request is not sticky).
-    ``None`` and ``""`` both count as absent.
-    """
-    if header:
-        return header, "header"
-    if user:
-        return user, "user"
-    return random_key(), "random"
 
 
 def bucket(deployment: str, key: str) -> int:
@@ -64,6 +44,13 @@ def bucket(deployment: str, key: str) -> int:
         h.update(len(part).to_bytes(8, "big"))
         h.update(part)
     return int.from_bytes(h.digest()[:8], "big") % SPLIT_BUCKETS
+
+
+def is_active(split: TrafficSplit | None) -> bool:
+    """True when ``split`` sends some sessions to a candidate: it names a candidate revision
+    and its weight is above 0. Otherwise every request is the stable side's (or, without a
+    split, the node's own choice)."""
+    return split is not None and bool(split.candidate_revision) and split.weight > 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

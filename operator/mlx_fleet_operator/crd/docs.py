@@ -1,33 +1,52 @@
-#!/usr/bin/env python3
-"""Generate docs/canary-api.md from the Canary CRD (crds/mlx-fleet.io_canaries.yaml).
+"""The field references docs/modeldeployment-api.md and docs/canary-api.md, generated from the
+CRDs (themselves generated from the pydantic types, :mod:`.resource`).
 
-One source per field: every field's type, bounds, default, pattern, rules and description come
-from the CRD's OpenAPI schema; only the prose that is about no single field (manual actions,
-the rules a schema cannot express) lives here. tests/test_field_contract.py regenerates the page
-and fails when the committed one differs.
-
-    python scripts/gen_canary_docs.py           # rewrite docs/canary-api.md
-    python scripts/gen_canary_docs.py --check   # exit 1 when it is out of date
+Every field's type, bounds, default, pattern, rules and description come from the CRD's OpenAPI
+schema; only the prose that is about no single field (examples, manual actions, the rules a
+schema cannot express) lives here. Pure: the standard library.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
+__all__ = ["generate", "modeldeployment_page", "canary_page"]
 
-REPO = Path(__file__).resolve().parents[1]
-CRD_PATH = REPO / "crds" / "mlx-fleet.io_canaries.yaml"
-DOC_PATH = REPO / "docs" / "canary-api.md"
+MODEL_DEPLOYMENT_INTRO = """\
+Example: [examples/modeldeployment.yaml](../examples/modeldeployment.yaml). The CRD enforces every
+bound below at `kubectl apply`; the operator parses the same fields
+(`operator/mlx_fleet_operator/spec.py`, `DeploymentSpec`, from which the CRD and this page are
+generated)."""
 
-INTRO = """\
+MODEL_DEPLOYMENT_NOTES = """\
+## Notes
+
+* `spec.model.source`: `hf://org/repo` downloads through huggingface_hub (its cache and offline
+  mode); `https://mirror/dir/` needs a `manifest.json` with sizes and sha256 (resumable, verified
+  downloads).
+* Standby: a replica idle for `spec.lifecycle.idleUnloadSeconds` is unloaded (its memory
+  returned) but stays assigned; its `status.nodes[]` entry reads `Unloaded` with reason
+  `IdleUnloaded`, then `Loading` with reason `ReloadingOnDemand` while the next request, which
+  waits for it, reloads it. A standby replica counts as ready (`readyReplicas`,
+  `updatedReplicas`, `endpoints`, the Ready condition) and is not a failure.
+* `status.nodes[].reason` `Withdrawn`: the replica is replaced while its Mac drains and is out of
+  `status.endpoints`.
+* `status.replicas` counts the Macs with a Stable or Previous replica placed, `readyReplicas` those
+  with a Ready (or standby) one.
+* Condition `Scheduled` False with reason `Unschedulable`: replicas that fit nowhere, with needed vs
+  free memory per node in its message (docs/operator.md).
+* `spec.strategy.rollingUpdate`: when percents make both limits resolve to 0 for the replica count,
+  a surge of 1 is used, as the Deployment controller does.
+
+A Canary (docs/canary-api.md) releases a new revision of a ModelDeployment progressively,
+with traffic weights and automatic analysis, instead of the rolling update above."""
+
+CANARY_INTRO = """\
 Example: [examples/canary.yaml](../examples/canary.yaml). The CRD enforces every bound below at
 `kubectl apply`; the operator parses the same fields
-(`operator/mlx_fleet_operator/canary_spec.py`, `CanarySpec`; tests/test_field_contract.py keeps the
-two trees identical)."""
+(`operator/mlx_fleet_operator/canary_spec.py`, `CanarySpec`, from which the CRD and this page are
+generated)."""
 
 MANUAL_ACTIONS = """\
 ## Manual actions (annotations)
@@ -81,6 +100,8 @@ def _type(node: dict[str, Any]) -> str:
     if node.get("x-kubernetes-int-or-string"):
         return "int or string"
     t = node.get("type", "")
+    if isinstance(node.get("additionalProperties"), dict):
+        return f"map[string]{_type(node['additionalProperties'])}"
     if t == "array":
         item = node["items"]
         return f"[]{'object' if item.get('type') == 'object' else _type(item)}"
@@ -109,6 +130,11 @@ def _constraints(node: dict[str, Any], required: bool) -> str:
                      else f"at most {hi_len} chars" if hi_len is not None else f"at least {lo_len} chars")
     if "maxItems" in node:
         parts.append(f"at most {node['maxItems']} items")
+    if "maxProperties" in node:
+        parts.append(f"at most {node['maxProperties']} entries")
+    values = node.get("additionalProperties")
+    if isinstance(values, dict) and _constraints(values, False):
+        parts.append(f"values: {_constraints(values, False)}")
     if "pattern" in node:
         parts.append("pattern " + _code(node["pattern"]))
     if "x-kubernetes-list-map-keys" in node:
@@ -127,10 +153,10 @@ def _table(root: dict[str, Any], path: str) -> str:
     return "\n".join(rows)
 
 
-def generate(crd: dict[str, Any] | None = None) -> str:
-    """The text of docs/canary-api.md for ``crd`` (default: the CRD file's)."""
-    if crd is None:
-        [crd] = [d for d in yaml.safe_load_all(CRD_PATH.read_text()) if d]
+def generate(crd: dict[str, Any], intro: str, *extra: str) -> str:
+    """The field reference of the resource whose CustomResourceDefinition is ``crd``: identity,
+    description, ``intro``, the spec and status tables, the printer columns, then ``extra``
+    sections."""
     names, [version] = crd["spec"]["names"], crd["spec"]["versions"]
     schema = version["schema"]["openAPIV3Schema"]
     api = f"{crd['spec']['group']}/{version['name']}"
@@ -143,32 +169,24 @@ def generate(crd: dict[str, Any] | None = None) -> str:
                         for c in version.get("additionalPrinterColumns", []))
     spec, status = schema["properties"]["spec"], schema["properties"]["status"]
     return "\n\n".join([
-        "<!-- Generated by scripts/gen_canary_docs.py from crds/mlx-fleet.io_canaries.yaml: edit the CRD "
-        "(or the script's prose) and run `python scripts/gen_canary_docs.py`. -->",
+        f"<!-- Generated by `python -m mlx_fleet_operator.crd` from the {names['kind']} types "
+        f"(operator/mlx_fleet_operator/): edit them (or the prose in crd/docs.py) and rerun it. -->",
         f"# {names['kind']} {version['name']} — the field contract",
         identity,
         " ".join(schema["description"].split()),
-        INTRO,
+        intro,
         "## spec\n\n" + " ".join(spec["description"].split()) + "\n\n" + _table(spec, "spec"),
         "## status\n\n" + " ".join(status["description"].split()) + "\n\n" + _table(status, "status"),
         "## Printer columns\n\n| Column | JSONPath | Description |\n|---|---|---|\n" + columns,
-        MANUAL_ACTIONS,
-        CROSS_OBJECT,
+        *extra,
     ]) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    text = generate()
-    if "--check" in argv:
-        if DOC_PATH.read_text() != text:
-            print(f"{DOC_PATH.relative_to(REPO)} is out of date: run python scripts/gen_canary_docs.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    DOC_PATH.write_text(text)
-    print(f"wrote {DOC_PATH.relative_to(REPO)}")
-    return 0
+def modeldeployment_page(crd: dict[str, Any]) -> str:
+    """docs/modeldeployment-api.md for the ModelDeployment CRD ``crd``."""
+    return generate(crd, MODEL_DEPLOYMENT_INTRO, MODEL_DEPLOYMENT_NOTES)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def canary_page(crd: dict[str, Any]) -> str:
+    """docs/canary-api.md for the Canary CRD ``crd``."""
+    return generate(crd, CANARY_INTRO, MANUAL_ACTIONS, CROSS_OBJECT)

@@ -1,0 +1,115 @@
+"""A local model directory: the checks it passes before anything is loaded from it, and the
+error every model source raises (:class:`SourceError`).
+
+Both :mod:`node_agent.sources` (local directories, and the front door for every source) and
+:mod:`node_agent.fetch` (downloads, whose result is checked the same way) use this module, which
+imports neither of them.
+
+A directory must hold a ``config.json`` that is a JSON object of at most
+:data:`MAX_CONFIG_BYTES` and asks for no custom model code (``trust_remote_code`` is never
+enabled), and no entry in it may be a symlink that leads out of the model's root, nor a device,
+FIFO or socket (:func:`check_model_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SourceError", "check_model_dir", "check_config", "MAX_CONFIG_BYTES"]
+
+#: Largest ``config.json`` read (bytes); a bigger one is refused as ``InvalidSource``.
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+class SourceError(Exception):
+    """A model source can't be used. ``reason``: CamelCase machine reason; ``message``:
+    human-readable detail.
+
+    Reasons: ``ModelNotFound`` (no such directory, repository, revision or mirror),
+    ``UnsupportedSource`` (unknown scheme, ``http://``), ``InvalidSource`` (malformed URI,
+    unsafe path or symlink, bad ``config.json`` or manifest), ``DownloadFailed`` (HTTP error,
+    connection lost too often, hub unreachable), ``DownloadStalled`` (no bytes for the stall
+    timeout), ``DownloadCorrupt`` (size or sha256 mismatch)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_config(model_dir: Path) -> dict[str, Any]:
+    """Read ``model_dir/config.json`` and return it (a dict).
+
+    Raises :class:`SourceError`: ``ModelNotFound`` if it is missing; ``InvalidSource`` if it is
+    larger than :data:`MAX_CONFIG_BYTES`, not JSON, not a JSON object, or names custom model code
+    (``model_file``: loading it would need ``trust_remote_code``, which is never enabled)."""
+    config = model_dir / "config.json"
+    if not config.is_file():
+        raise SourceError("ModelNotFound",
+                          f"{model_dir} holds no config.json (not an mlx-lm model)")
+    try:
+        if config.stat().st_size > MAX_CONFIG_BYTES:
+            raise SourceError("InvalidSource", f"{config} is larger than {MAX_CONFIG_BYTES} bytes")
+        data = json.loads(config.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError("InvalidSource", f"{config} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise SourceError("InvalidSource",
+                          f"{config} is not a JSON object (got {type(data).__name__})")
+    if data.get("model_file") is not None:
+        raise SourceError("InvalidSource",
+                          f"{config} asks for custom model code ({data['model_file']!r}); "
+                          "trust_remote_code is never enabled, so the model can't be loaded")
+    return data
+
+
+def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
+    """Refuse a model directory that isn't safe to load, before anything is loaded from it.
+
+    ``root``: the tree every symlink must stay in (default: the model directory itself; for a
+    Hugging Face cache snapshot the repository folder, whose ``blobs/`` the snapshot links to).
+    Walks ``model_dir`` without following symlinks; each symlink must resolve inside ``root``
+    (a link to a directory inside ``model_dir``), and every entry must be a regular file, a
+    directory or such a symlink. Then :func:`check_config`.
+
+    Raises :class:`SourceError` (``InvalidSource`` naming the entry and where it leads;
+    ``ModelNotFound`` without a ``config.json``)."""
+    real_dir = os.path.realpath(model_dir)
+    real_root = os.path.realpath(root) if root is not None else real_dir
+    if not _within(real_dir, real_root):
+        raise SourceError("InvalidSource",
+                          f"{model_dir} resolves to {real_dir}, outside {real_root}")
+    for dirpath, dirnames, filenames in os.walk(real_dir):
+        for name in [*dirnames, *filenames]:
+            entry = os.path.join(dirpath, name)
+            rel = os.path.relpath(entry, real_dir)
+            try:
+                st = os.lstat(entry)
+            except OSError as e:
+                raise SourceError("InvalidSource",
+                                  f"cannot inspect {rel} in {model_dir}: {e}") from e
+            if stat.S_ISLNK(st.st_mode):
+                target = os.path.realpath(entry)
+                inside = _within(target, real_root)
+                if inside and os.path.isdir(target) and not _within(target, real_dir):
+                    inside = False  # a linked directory's contents would escape the walk
+                if not inside:
+                    raise SourceError(
+                        "InvalidSource",
+                        f"{rel} in {model_dir} is a symlink to {target}, outside the model "
+                        f"root {real_root}; refusing to load it")
+                if not os.path.exists(target):
+                    raise SourceError("InvalidSource",
+                                      f"{rel} in {model_dir} is a dangling symlink")
+            elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise SourceError("InvalidSource",
+                                  f"{rel} in {model_dir} is not a regular file or directory")
+    check_config(Path(model_dir))
