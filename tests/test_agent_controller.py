@@ -522,21 +522,21 @@ async def test_callback_bug_restarts_the_follower_which_converges(
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED)
     listed = asyncio.Event()
-    real_snapshot, real_event = ctl.follower.on_snapshot, ctl.follower.on_event
+    real_apply = ctl.follower.apply
     bugs = 0
 
-    async def on_snapshot(snap):
-        await real_snapshot(snap)
-        listed.set()
-
-    async def on_event(ev):  # a bug in the watch callback, once
+    def apply(update):
         nonlocal bugs
-        if bugs == 0:
+        if update.listing:
+            real_apply(update)
+            listed.set()
+        elif bugs == 0:  # a bug in the watch callback, once
             bugs += 1
             raise RuntimeError("injected callback bug")
-        await real_event(ev)
+        else:
+            real_apply(update)
 
-    ctl.follower.on_snapshot, ctl.follower.on_event = on_snapshot, on_event  # type: ignore[method-assign]
+    ctl.follower.apply = apply  # type: ignore[method-assign]
     await ctl.start()
     try:
         await asyncio.wait_for(listed.wait(), TIMEOUT)

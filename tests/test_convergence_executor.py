@@ -1,7 +1,7 @@
-"""The convergence executor (node_agent.controller and node_agent.convergence) on a fake serving
-core: the store and the reports are real, the core only records what it is asked (loads that
-can be held, unloads and drains that can be held), so the executor's ordering is observed
-without MLX: a renamed assignment drains its old name first, a revision assigned again while it
+"""The convergence executor (node_agent.controller and node_agent.convergence) on the in-memory
+store and a fake serving core: the follower, the registration and the reports are the real
+ones, the core only records what it is asked (loads that can be held, unloads and drains that
+can be held), so the executor's ordering is observed without etcd or MLX: a renamed assignment drains its old name first, a revision assigned again while it
 drains loads only after the drain, a load withdrawn while the core holds it leaves nothing, and
 an unassigned key is forgotten entirely (its record swept)."""
 
@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mlx_fleet.contract import AssignmentState, Keys, Role
-from mlx_fleet.store import EtcdStore
+from mlx_fleet.memstore import MemoryStore
 from node_agent.controller import Controller, ServedModel
 from node_agent.metrics import AgentMetrics
 from node_agent.registration import Registration
@@ -85,7 +85,13 @@ class FakeCore:
 
 
 @pytest.fixture
-async def registration(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
+async def store(memory_store: MemoryStore) -> MemoryStore:
+    """The in-memory store stands in for etcd in this module."""
+    return memory_store
+
+
+@pytest.fixture
+async def registration(store: MemoryStore, keys: Keys) -> AsyncIterator[Registration]:
     reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
                        ttl=5)
     await reg.start()
@@ -99,7 +105,7 @@ async def fake() -> FakeCore:
 
 
 @pytest.fixture
-async def controller(store: EtcdStore, keys: Keys, fake: FakeCore,
+async def controller(store: MemoryStore, keys: Keys, fake: FakeCore,
                      registration: Registration) -> AsyncIterator[Controller]:
     ctl = Controller(store, keys, node_name=NODE, core=fake,  # type: ignore[arg-type]
                      registration=registration, advertise_url=ADVERTISED,
@@ -111,7 +117,7 @@ async def controller(store: EtcdStore, keys: Keys, fake: FakeCore,
 
 
 async def test_a_renamed_assignment_drains_its_old_name_then_loads_the_new(
-        store: EtcdStore, keys: Keys, fake: FakeCore, controller: Controller,
+        store: MemoryStore, keys: Keys, fake: FakeCore, controller: Controller,
         test_model_dir: Path) -> None:
     rkey = keys.report(NODE, "default", "chat", "r1")
     await put(store, keys, assignment("chat", test_model_dir, model="old-name"))
@@ -127,7 +133,7 @@ async def test_a_renamed_assignment_drains_its_old_name_then_loads_the_new(
 
 
 async def test_a_revision_assigned_again_while_it_drains_loads_after_the_drain(
-        store: EtcdStore, keys: Keys, fake: FakeCore, controller: Controller,
+        store: MemoryStore, keys: Keys, fake: FakeCore, controller: Controller,
         test_model_dir: Path) -> None:
     rkey = keys.report(NODE, "default", "m", "r1")
     a = assignment("m", test_model_dir)
@@ -151,7 +157,7 @@ async def test_a_revision_assigned_again_while_it_drains_loads_after_the_drain(
 
 
 async def test_a_load_withdrawn_while_the_core_holds_it_leaves_nothing(
-        store: EtcdStore, keys: Keys, fake: FakeCore, controller: Controller,
+        store: MemoryStore, keys: Keys, fake: FakeCore, controller: Controller,
         test_model_dir: Path) -> None:
     rkey = keys.report(NODE, "default", "q", "r1")
     fake.hold_loads = True
@@ -165,7 +171,7 @@ async def test_a_load_withdrawn_while_the_core_holds_it_leaves_nothing(
 
 
 async def test_unassigned_keys_are_forgotten_entirely(
-        store: EtcdStore, keys: Keys, fake: FakeCore, controller: Controller,
+        store: MemoryStore, keys: Keys, fake: FakeCore, controller: Controller,
         test_model_dir: Path, tmp_path: Path) -> None:
     """Loaded, failed and invalid assignments: once unassigned and retired, nothing of them is
     left in the controller (one record per key, swept in one place)."""
