@@ -448,6 +448,42 @@ async def test_failed_load_is_retried_until_the_model_appears(
             await core.unload_model(m.model_id)
 
 
+async def test_retry_timing_follows_the_injected_clock(
+        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        test_model_dir: Path, tmp_path: Path) -> None:
+    """The back-off is measured on the controller's clock, not the wall clock: a failed load
+    whose model has since appeared is not retried (a new generation is reported Failed
+    again) until the injected clock passes its retry time; then the next pass loads it."""
+    now = [1000.0]
+    model_dir = tmp_path / "model"  # not there yet
+    ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
+                     advertise_url=ADVERTISED, retry_backoff=(60.0, 60.0),
+                     clock=lambda: now[0])
+    rkey = keys.report(NODE, "default", "timed", "r1")
+    await ctl.start()
+    try:
+        await put(store, keys, assignment("timed", model_dir))
+        r = await wait_report(store, rkey, settled)
+        assert r is not None and r.state == AssignmentState.FAILED
+        assert "(attempt 1; retrying in 60s)" in r.message
+        shutil.copytree(test_model_dir, model_dir)  # the model appears
+
+        now[0] += 59.0  # not due yet on the injected clock: Failed again, no load
+        await put(store, keys, assignment("timed", model_dir, generation=2))
+        r = await wait_report(store, rkey, lambda r: r is not None and r.generation == 2)
+        assert r is not None and r.state == AssignmentState.FAILED
+        assert "(attempt 1; retrying in 60s)" in r.message and not core.is_loaded("timed")
+
+        now[0] += 1.0  # due: the next pass retries, and it loads
+        await put(store, keys, assignment("timed", model_dir, generation=3))
+        r = await wait_report(store, rkey, lambda r: settled(r) and r.generation == 3)
+        assert r is not None and r.state == AssignmentState.READY and core.is_loaded("timed")
+    finally:
+        await ctl.stop()
+        for m in core.models():
+            await core.unload_model(m.model_id)
+
+
 def settled_ready(r: AssignmentReport | None) -> bool:
     return r is not None and r.state == AssignmentState.READY
 
@@ -486,21 +522,21 @@ async def test_callback_bug_restarts_the_follower_which_converges(
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED)
     listed = asyncio.Event()
-    real_snapshot, real_event = ctl._on_snapshot, ctl._on_event
+    real_apply = ctl.follower.apply
     bugs = 0
 
-    async def on_snapshot(snap):
-        await real_snapshot(snap)
-        listed.set()
-
-    async def on_event(ev):  # a bug in the watch callback, once
+    def apply(update):
         nonlocal bugs
-        if bugs == 0:
+        if update.listing:
+            real_apply(update)
+            listed.set()
+        elif bugs == 0:  # a bug in the watch callback, once
             bugs += 1
             raise RuntimeError("injected callback bug")
-        await real_event(ev)
+        else:
+            real_apply(update)
 
-    ctl._on_snapshot, ctl._on_event = on_snapshot, on_event  # type: ignore[method-assign]
+    ctl.follower.apply = apply  # type: ignore[method-assign]
     await ctl.start()
     try:
         await asyncio.wait_for(listed.wait(), TIMEOUT)
@@ -525,7 +561,7 @@ async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converge
     assignment's task again, which loads it."""
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED)
-    real = ctl._converge_one
+    real = ctl._keys_tasks.converge_one
     bugs = 0
 
     async def converge_one(key, d):  # a bug, once
@@ -535,7 +571,7 @@ async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converge
             raise RuntimeError("injected task bug")
         return await real(key, d)
 
-    ctl._converge_one = converge_one  # type: ignore[method-assign]
+    ctl._keys_tasks.converge_one = converge_one  # type: ignore[method-assign]
     await ctl.start()
     try:
         await put(store, keys, assignment("y", test_model_dir))

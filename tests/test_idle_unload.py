@@ -239,7 +239,7 @@ async def test_concurrent_requests_share_one_reload(
     n = 8
     requests = [asyncio.create_task(h.chat()) for _ in range(n)]
     # every request is waiting for the one reload, which is held at the core's load
-    await wait_for(lambda: ctl._reload_waiters.get((MODEL, "r1")) == n and gate.loads == 1,
+    await wait_for(lambda: ctl._demand.reload_waiters.get((MODEL, "r1")) == n and gate.loads == 1,
                    TIMEOUT)
     assert gate.loads == 1 and ctl.reloads == 1
     r = await wait_report(store, rkey, lambda r: r is not None
@@ -265,7 +265,7 @@ async def test_too_many_waiters_get_429(store: EtcdStore, keys: Keys, core: Serv
 
     gate = Gate(core, monkeypatch)
     waiting = [asyncio.create_task(h.chat()) for _ in range(2)]
-    await wait_for(lambda: ctl._reload_waiters.get((MODEL, "r1")) == 2 and gate.loads == 1,
+    await wait_for(lambda: ctl._demand.reload_waiters.get((MODEL, "r1")) == 2 and gate.loads == 1,
                    TIMEOUT)
     status, headers, body = await h.chat()
     assert status == 429, body
