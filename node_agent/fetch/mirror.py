@@ -51,7 +51,7 @@ from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url
                        parse_manifest)
 from .progress import ProgressCallback, _Progress
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("node_agent.fetch")  # the name its log lines always had
 
 _MAX_MANIFEST_BYTES = 4 * 2**20
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from mlx_fleet.contract import DownloadProgress
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("node_agent.fetch")  # the name its log lines always had
 
 ProgressCallback = Callable[[DownloadProgress], None]
 
