@@ -5,9 +5,9 @@ Accepted sources:
 * ``file:///abs/path`` (or ``file://localhost/abs/path``) and a bare absolute path ``/abs/path``:
   a model directory on this Mac;
 * ``hf://<org>/<repo>[@<revision>]``: a Hugging Face Hub repository, through huggingface_hub and
-  its cache (see :mod:`node_agent.fetch`);
+  its cache (see :mod:`node_agent.fetch.hub`);
 * ``https://host/path/``: a mirror directory holding a ``manifest.json`` (format in
-  :mod:`node_agent.fetch`), downloaded into the agent's model cache.
+  :mod:`node_agent.fetch.manifest`), downloaded into the agent's model cache.
 
 ``http://`` is refused: weights fetched over plain HTTP can be swapped by anyone on the path.
 

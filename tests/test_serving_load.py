@@ -391,17 +391,17 @@ async def test_unload_of_a_queued_load_calls_it_off(
 async def test_unload_while_the_tokenizer_loads_calls_the_load_off(
         core: ServingCore, trace: list[tuple], big_model_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import node_agent.serving.core as core_module
+    import node_agent.serving.revisions as revisions_module
 
     # The tokenizer stage is held until the unload has been asked for (else the stage may end
     # and a weight chunk start before the unload arrives: a race, not the case under test).
-    asked, real = threading.Event(), core_module.load_tokenizer
+    asked, real = threading.Event(), revisions_module.load_tokenizer
 
     def held_tokenizer(path):
         asked.wait(BOUND)
         return real(path)
 
-    monkeypatch.setattr(core_module, "load_tokenizer", held_tokenizer)
+    monkeypatch.setattr(revisions_module, "load_tokenizer", held_tokenizer)
     loading = asyncio.create_task(core.load_model("y", big_model_path, revision="r1"))
     await wait_for(lambda: [p.state for p in core.loads()] == ["LoadingTokenizer"])
     unloading = asyncio.create_task(core.unload_model("y"))

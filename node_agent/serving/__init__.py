@@ -10,8 +10,10 @@ Retry-After, pure),
 work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, chunk planning),
 :mod:`.preload` (the loaders imported and frozen out of the collector's reach),
 :mod:`.coalesce` (identical concurrent requests share one generation: key, fan-out),
-:mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`: asyncio API,
-command channel, step loop).
+:mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`: its state,
+observability, generation and admission), :mod:`.revisions` (its loading, unloading and
+draining of revisions), :mod:`.channel` (its command channel to the MLX thread),
+:mod:`.step_loop` (the MLX thread's step loop).
 """
 
 from .core import ServingCore

@@ -1,0 +1,87 @@
+"""Download a remote model source into a local model directory, with progress.
+
+:func:`fetch` resolves ``hf://`` and ``https://`` sources (local ones are
+:func:`node_agent.sources.resolve_source`'s) and returns the local directory, checked by
+:func:`node_agent.model_dir.check_model_dir` (no symlink out of the model, a ``config.json``
+object, no custom code). One module per job:
+
+* :mod:`.manifest` — the source URIs and the mirror manifest, parsed and checked (pure);
+* :mod:`.hub` — ``hf://<org>/<repo>[@<revision>]``: a Hugging Face Hub repository through
+  huggingface_hub and its cache;
+* :mod:`.mirror` — ``https://host/path/``: a mirror directory holding ``manifest.json``,
+  downloaded with ranged resume, size and sha256 checks;
+* :mod:`.cache` — the download cache on disk: default directory, state file, lock;
+* :mod:`.progress` — the :class:`~mlx_fleet.contract.DownloadProgress` reports.
+
+Failures raise :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository
+or revision, not cached while offline, no manifest at the mirror), ``InvalidSource`` (malformed
+URI or manifest, unsafe path, bad model directory), ``DownloadFailed`` (an HTTP error status,
+the connection lost too often, TLS failure, hub unreachable), ``DownloadStalled`` (no byte for
+``stall_timeout_s``; names the file and the bytes done), ``DownloadCorrupt`` (size or sha256
+mismatch; the bad file is deleted). Partial files are kept, so calling again resumes.
+Cancelling the awaiting task stops an ``https://`` download at once (between chunks); an
+``hf://`` download runs on in its thread until huggingface_hub finishes it.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..model_dir import SourceError
+from .cache import _CHUNK_BYTES, default_model_cache
+from .hub import HUB_ALLOW_PATTERNS, _fetch_hub
+from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
+                       parse_hf_uri, parse_manifest)
+from .mirror import _Mirror
+from .progress import PROGRESS_INTERVAL_S, RATE_WINDOW_S, ProgressCallback, _ignore
+
+__all__ = ["fetch", "default_model_cache", "parse_hf_uri", "mirror_base_url", "mirror_dir",
+           "parse_manifest", "ManifestEntry", "ProgressCallback", "MANIFEST_NAME", "STATE_FILE",
+           "HUB_ALLOW_PATTERNS", "DEFAULT_STALL_TIMEOUT_S", "PROGRESS_INTERVAL_S",
+           "RATE_WINDOW_S"]
+
+#: Seconds without a byte before a download fails with ``DownloadStalled``.
+DEFAULT_STALL_TIMEOUT_S = 60.0
+
+
+async def fetch(uri: str, dest_root: str | os.PathLike, *,
+                progress: ProgressCallback | None = None,
+                stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                progress_interval_s: float = PROGRESS_INTERVAL_S,
+                max_attempts: int = 5,
+                chunk_bytes: int = _CHUNK_BYTES,
+                ssl_context: ssl.SSLContext | None = None,
+                hf_cache_dir: str | os.PathLike | None = None,
+                hf_endpoint: str | None = None,
+                offline: bool | None = None) -> Path:
+    """Download ``uri`` (``hf://`` or ``https://``) unless it is already complete on disk, and
+    return the checked local model directory.
+
+    ``dest_root``: where ``https://`` mirrors are stored (``dest_root/https/<name>/``);
+    ``progress``: receives :class:`DownloadProgress` at most every ``progress_interval_s``
+    seconds and once at the end (see the module docstring); ``stall_timeout_s``: seconds
+    without a byte (or without an answer) before ``DownloadStalled``; ``max_attempts``:
+    connection losses per file, in a row without progress, before ``DownloadFailed``;
+    ``chunk_bytes``: bytes hashed and written per disk write; ``ssl_context``: certificate
+    checks (default: the system trust store, honouring ``SSL_CERT_FILE``/``SSL_CERT_DIR``).
+    ``hf_cache_dir``/``hf_endpoint``/``offline``: the Hugging Face cache, Hub URL (a Hub
+    mirror) and offline mode (defaults: ``$HF_HUB_CACHE``, ``$HF_ENDPOINT``, ``$HF_HUB_OFFLINE``
+    read at call time, else huggingface_hub's own).
+
+    Raises :class:`~node_agent.model_dir.SourceError` (reasons in the module docstring);
+    ``UnsupportedSource`` for another scheme."""
+    callback = progress or _ignore
+    scheme = urlsplit(uri.strip()).scheme.lower()
+    if scheme == "hf":
+        return await _fetch_hub(uri, callback=callback, interval=progress_interval_s,
+                                stall_timeout_s=stall_timeout_s, cache_dir=hf_cache_dir,
+                                endpoint=hf_endpoint, offline=offline)
+    if scheme == "https":
+        return await _Mirror(uri, Path(dest_root), callback=callback,
+                             interval=progress_interval_s, stall_timeout_s=stall_timeout_s,
+                             max_attempts=max(1, max_attempts), chunk_bytes=max(1, chunk_bytes),
+                             ssl_context=ssl_context).run()
+    raise SourceError("UnsupportedSource", f"cannot fetch {scheme or 'a local'}:// source {uri!r}")
