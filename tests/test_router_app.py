@@ -200,7 +200,7 @@ async def test_models_health_and_a_routed_request(memory_store, stubs, router) -
     assert resp.status == 200
     assert (await resp.json())["data"] == [{"id": MODEL, "object": "model", "created": 0,
                                             "owned_by": "mlx-fleet", "deployment": "team/chat",
-                                            "revisions": ["r1"]}]
+                                            "revisions": ["r1"], "ready_replicas": 2}]
     assert (await rig.client.get("/health")).status == 200
     resp = await rig.chat()
     assert resp.status == 200 and await resp.json() == COMPLETION

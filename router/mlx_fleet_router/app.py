@@ -5,7 +5,8 @@ Routes:
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming): relayed to a
   Mac that serves the requested model (below), the Mac's answer streamed back as it comes;
 * ``GET /v1/models``: the served names in scope with a Ready replica, each with its
-  ``revisions``;
+  ``deployment`` (``namespace/name``), ``revisions`` and ``ready_replicas`` (``created``: 0,
+  unknown to the router);
 * ``GET /health``: 200 once the router follows etcd (its views synced), 503 before;
 * ``GET /metrics``: Prometheus (:mod:`~mlx_fleet_router.metrics`).
 
@@ -469,7 +470,8 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     async def list_models(request: web.Request) -> web.Response:
         current = table()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlx-fleet",
-                 "deployment": s.deployment, "revisions": list(s.revisions)}
+                 "deployment": s.deployment, "revisions": list(s.revisions),
+                 "ready_replicas": len(s.replicas)}
                 for name, s in sorted(current.models.items()) if s.replicas]
         return web.json_response({"object": "list", "data": data})
 

@@ -120,17 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-factor", type=float, default=LOAD_FACTOR,
                    help="CHWBL load bound: a Mac above load-factor × mean in-flight is skipped "
                         "(default: %(default)s)")
-    p.add_argument("--max-attempts", type=_positive(int), default=retry.RetryConfig.max_attempts,
+    p.add_argument("--max-attempts", type=_positive(int),
+                   default=retry.RetryConfig().max_attempts,
                    help="attempts per request, the first included (default: %(default)s)")
     p.add_argument("--breaker-cooldown", type=float, metavar="SECONDS",
-                   default=breaker.BreakerConfig.cooldown_seconds,
+                   default=breaker.BreakerConfig().cooldown_seconds,
                    help="seconds a breaker stays open before a half-open trial "
                         "(default: %(default)s)")
-    p.add_argument("--max-queued", type=int, default=limits.QueueConfig.max_queued,
+    p.add_argument("--max-queued", type=int, default=limits.QueueConfig().max_queued,
                    help="requests waiting per model when every Mac is saturated "
                         "(default: %(default)s)")
     p.add_argument("--max-queue-wait", type=_positive(float), metavar="SECONDS",
-                   default=limits.QueueConfig.max_wait_seconds,
+                   default=limits.QueueConfig().max_wait_seconds,
                    help="longest wait in that queue before 429 (default: %(default)s)")
     p.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
                    help="health probes of every Mac, 0 for none (default: %(default)s)")
