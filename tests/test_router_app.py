@@ -55,6 +55,8 @@ class Stub:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.seen: list[dict[str, str]] = []
+        self.healthy = True
+        self.probes = 0
 
         async def gen(request: web.Request) -> web.StreamResponse:
             self.seen.append(dict(request.headers))
@@ -62,7 +64,9 @@ class Stub:
             return await self.handler(request)
 
         async def health(request: web.Request) -> web.Response:
-            return web.json_response({"status": "ok"})
+            self.probes += 1
+            return web.json_response({"status": "ok" if self.healthy else "failed"},
+                                     status=200 if self.healthy else 503)
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", gen)
@@ -302,6 +306,11 @@ async def test_no_retry_after_the_first_byte(memory_store, stubs, router) -> Non
     assert body.startswith(b"data: ")
     assert (len(a.seen), len(b.seen)) == (1, 0)  # never retried once a byte went out
     assert rig.metric("mlxfleet_router_retries_total", model=MODEL, reason="BytesSent") == 1
+    # counted as the Mac's failure (502), not as a client that left (499)
+    while not rig.metric("mlxfleet_router_requests_total", model=MODEL, code="502",
+                         tenant="default"):
+        await asyncio.sleep(0.01)  # the handler finishes after the client saw the cut
+    assert rig.state.breakers["mac-a"].window[-1].failures == 1
 
 
 async def test_breaker_opens_on_errors_and_traffic_moves(memory_store, stubs, router) -> None:
@@ -431,3 +440,27 @@ async def test_errors_in_openai_shape(memory_store, stubs, router) -> None:
     assert a.seen == []
     models = [m["id"] for m in (await (await rig.client.get("/v1/models")).json())["data"]]
     assert models == [MODEL]
+
+
+async def test_health_probes_open_the_breaker_and_a_trial_closes_it(memory_store, stubs,
+                                                                    router) -> None:
+    a, b = await stubs(ok), await stubs(ok)
+    a.healthy = False
+    await publish(memory_store, "mac-a", a.url)
+    await publish(memory_store, "mac-b", b.url)
+    rig = await router(macs=2, settings=RouterSettings(
+        probe_interval_seconds=0.05, breaker=breaker.BreakerConfig(cooldown_seconds=0.3)))
+
+    while rig.state.breakers.get("mac-a", breaker.CLOSED).phase is not breaker.Phase.OPEN:
+        await asyncio.sleep(0.05)
+    st = rig.state.breakers["mac-a"]
+    assert st.reason == "HealthProbes" and a.probes >= 3
+    assert rig.state.breakers.get("mac-b", breaker.CLOSED).phase is breaker.Phase.CLOSED
+    session = session_first_on("mac-a", {"mac-a", "mac-b"})
+    assert (await rig.chat(session)).status == 200
+    assert (len(a.seen), len(b.seen)) == (0, 1)  # ejected: its session went to mac-b
+    a.healthy = True  # after the cooldown, a probe is the half-open trial and closes it
+    while rig.state.breakers["mac-a"].phase is not breaker.Phase.CLOSED:
+        await asyncio.sleep(0.05)
+    assert (await rig.chat(session)).status == 200
+    assert (len(a.seen), len(b.seen)) == (1, 1)

@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 _RequestKey = getattr(web, "RequestKey", None)
 _MODEL: Any = _RequestKey("mlxfleet_router_model", str) if _RequestKey else "mlxfleet_model"
 _TENANT: Any = _RequestKey("mlxfleet_router_tenant", str) if _RequestKey else "mlxfleet_tenant"
+# Set when a Mac's answer broke off after its first byte went to the client (not the client's
+# doing): counted with code 502, not 499.
+_CUT: Any = _RequestKey("mlxfleet_router_cut", bool) if _RequestKey else "mlxfleet_cut"
 
 
 @dataclass(frozen=True)
@@ -278,9 +281,10 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                                   headers={k: v for k, v in e.headers.items()
                                            if k.lower() == "allow"})
         except (ConnectionResetError, asyncio.CancelledError) as e:
-            status = 499  # the client left (or its stream was cut): no traceback
-            log.info("client disconnected or stream cut during %s %s", request.method,
-                     request.path)
+            # the client left (499), or the Mac's answer broke off mid-way (502): no traceback
+            status = 502 if request.get(_CUT) else 499
+            log.info("%s during %s %s", "upstream answer cut" if status == 502
+                     else "client disconnected", request.method, request.path)
             if isinstance(e, asyncio.CancelledError):
                 raise
             return web.Response(status=499)
@@ -352,7 +356,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
         model, dep = served.model, served.deployment
         messages = doc.get("messages")
         user = doc.get("user")
-        key, _source = session_key(
+        key, _ = session_key(
             request.headers.get(SESSION_HEADER), user if isinstance(user, str) else None,
             prefix=prefix_key(messages=messages if isinstance(messages, list) else None,
                               prompt=doc.get("prompt")))
@@ -447,11 +451,12 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                                       f"({last_reason}; {decision.reason})",
                                       type_="server_error", code="unavailable",
                                       headers={"Retry-After": "1"})
-            except StreamCut:
+            except StreamCut as e:
                 metrics.attempts.labels(model, target.name, "reset").inc()
                 metrics.retries.labels(model, "BytesSent").inc()
-                gone = request.transport is None or request.transport.is_closing()
-                if not gone:
+                if e.__cause__ is not None and not isinstance(e.__cause__, ConnectionResetError):
+                    # the Mac's side failed (the client's side fails with a reset of its own)
+                    request[_CUT] = True
                     state.feed(target.name, breaker.Finished(ok=False))
                 raise
             finally:

@@ -6,7 +6,8 @@ Every label value comes from a bounded set: ``model`` is a served name of the ro
 the decision modules.
 
 * ``mlxfleet_router_requests_total{model,code,tenant}`` — client requests by answer status
-  (``499``: the client left first);
+  (``499``: the client left first; ``502``: the Mac's answer broke off after its first byte
+  had gone to the client — its status line said 200, the stream was cut);
 * ``mlxfleet_router_request_duration_seconds{model}`` — from the request's arrival to the last
   byte of its answer;
 * ``mlxfleet_router_time_to_first_token_seconds{model}`` — from arrival to the first body byte
