@@ -179,12 +179,17 @@ class RouterState:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._released.wait(), timeout)
 
-    def forget(self, nodes: set[str]) -> None:
-        """Drop the state of Macs no longer in the table (no request of theirs in flight)."""
+    def forget(self, table: Table) -> None:
+        """Drop the state of Macs no longer in ``table`` (and with no request in flight), and
+        the rings of deployments no longer in it."""
+        nodes = {r.node for s in table.models.values() for r in s.replicas}
         busy = {n for (_, n) in self.in_flight}
         for node in set(self.breakers) - nodes - busy:
             del self.breakers[node]
             self.metrics.forget_node(node)
+        deployments = {s.deployment for s in table.models.values()}
+        for dep in set(self._rings) - deployments:
+            del self._rings[dep]
 
 
 STATE_KEY = web.AppKey("mlxfleet_router_state", RouterState)
@@ -494,7 +499,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     async def probe_once() -> None:
         current = table()
         macs = {r.node: r.endpoint for s in current.models.values() for r in s.replicas}
-        state.forget(set(macs))
+        state.forget(current)
         for node, endpoint in macs.items():
             now = clock()
             st = state.breakers.get(node, breaker.CLOSED)
