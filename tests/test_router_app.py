@@ -28,6 +28,7 @@ from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.openai_errors import ErrorResponse
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.headers import PIN_HEADER, SESSION_HEADER
+from mlx_fleet.routing.split import choose
 from mlx_fleet_router import breaker, limits
 from mlx_fleet_router.app import STATE_KEY, RouterSettings, build_app, usage_tokens
 from mlx_fleet_router.follow import Follower
@@ -241,6 +242,29 @@ async def test_split_pins_the_revision_with_the_forward_key(memory_store, stubs,
     assert (len(a.seen), len(b.seen)) == (0, 1)  # weight 100: every session on the candidate
     assert b.seen[0][PIN_HEADER] == "r2"
     assert b.seen[0]["Authorization"] == f"Bearer {FORWARD}"  # never the client's key
+
+
+async def test_split_through_the_router_matches_the_agents_bucket(memory_store, stubs,
+                                                                  router) -> None:
+    """Each session's revision is the one the agents' own split picks for it
+    (mlx_fleet.routing.split.choose), pinned on the Mac that holds it."""
+    a, b = await stubs(ok), await stubs(ok)
+    await publish(memory_store, "mac-a", a.url, "r1")
+    await publish(memory_store, "mac-b", b.url, "r2")
+    split = TrafficSplit(namespace=NS, name=DEP, served_model_name=MODEL, stable_revision="r1",
+                         candidate_revision="r2", weight=30)
+    await memory_store.put(KEYS.traffic(NS, DEP), split.to_json())
+    rig = await router(macs=2)
+    await rig.follower.wait_until(lambda t: t.models[MODEL].split is not None)
+    sessions = [f"user-{i}" for i in range(40)]
+    for s in sessions:
+        assert (await rig.chat(s)).status == 200
+    pinned = {h[SESSION_HEADER]: (h[PIN_HEADER], "a") for h in a.seen}
+    pinned |= {h[SESSION_HEADER]: (h[PIN_HEADER], "b") for h in b.seen}
+    expected = {s: choose(split, s).revision for s in sessions}
+    assert {s: rev for s, (rev, _) in pinned.items()} == expected
+    assert all((mac == "a") == (rev == "r1") for rev, mac in pinned.values())
+    assert {"r1", "r2"} == set(expected.values())  # both sides drawn: the check can fail
 
 
 async def test_retry_before_the_first_byte_on_refused_connection(memory_store, stubs,
