@@ -488,3 +488,36 @@ async def test_health_probes_open_the_breaker_and_a_trial_closes_it(memory_store
         await asyncio.sleep(0.05)
     assert (await rig.chat(session)).status == 200
     assert (len(a.seen), len(b.seen)) == (1, 1)
+
+
+async def test_follower_rebuilds_once_per_change_burst_and_ignores_plain_stats(
+        memory_store) -> None:
+    """The table is rebuilt on the first read after a change; a stats report that does not
+    change a guard verdict leaves it as it is; a guard trip reaches it."""
+    from mlx_fleet.contract import StatsReport
+
+    follower = Follower(memory_store, KEYS)
+    task = asyncio.create_task(follower.run())
+    try:
+        for i in range(3):
+            await publish(memory_store, f"mac-{i}", f"http://mac-{i}:8000")
+        await follower.wait_until(lambda t: len(t.models[MODEL].replicas) == 3)
+        builds = follower.builds
+        assert follower.table is follower.table and follower.builds == builds  # no change
+        for n in range(5):  # agents' periodic stats: no guard verdict in them
+            rev = await memory_store.put(KEYS.stats("mac-0", NS, DEP), StatsReport(
+                node="mac-0", namespace=NS, name=DEP, updated_unix=float(n)).to_json())
+        await follower.stats.wait_for(rev)
+        _ = follower.table  # a read rebuilds a stale table
+        assert follower.builds == builds
+        split = TrafficSplit(namespace=NS, name=DEP, served_model_name=MODEL,
+                             stable_revision="r1", candidate_revision="r2", weight=10,
+                             canary_uid="u1")
+        await memory_store.put(KEYS.traffic(NS, DEP), split.to_json())
+        await memory_store.put(KEYS.stats("mac-1", NS, DEP), StatsReport(
+            node="mac-1", namespace=NS, name=DEP, canary_uid="u1", guard_tripped=True).to_json())
+        table = await follower.wait_until(lambda t: t.models[MODEL].guard_tripped)
+        assert table.models[MODEL].split == split
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
