@@ -22,8 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
-                                ModelSource, NodeCapacity, NodeRecord, ServingParams,
-                                TrafficSplit)
+                                ModelSource, NodeCapacity, NodeHealth, NodeRecord,
+                                ServingParams, TrafficSplit)
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.openai_errors import ErrorResponse
 from mlx_fleet.routing.api_keys import KeyFile
@@ -109,10 +109,11 @@ async def stubs() -> AsyncIterator[Callable[[Handler], Awaitable[Stub]]]:
 
 async def publish(store: MemoryStore, node: str, endpoint: str, revision: str = "r1", *,
                   ns: str = NS, name: str = DEP, served: str = MODEL, batch: int = 8,
-                  state: AssignmentState = AssignmentState.READY) -> None:
+                  state: AssignmentState = AssignmentState.READY,
+                  health: NodeHealth = NodeHealth.HEALTHY) -> None:
     """A Mac serving ``ns/name`` at ``revision``: its node record, assignment and report."""
-    await store.put(KEYS.node(node), NodeRecord(name=node, address=endpoint,
-                                                capacity=CAP).to_json())
+    await store.put(KEYS.node(node), NodeRecord(name=node, address=endpoint, capacity=CAP,
+                                                health=health).to_json())
     await store.put(KEYS.assignment(node, ns, name, revision), Assignment(
         namespace=ns, name=name, generation=1, served_model_name=served,
         source=ModelSource(uri="file:///m", revision=revision), memory_bytes=1,
@@ -224,6 +225,16 @@ async def test_models_health_and_a_routed_request(memory_store, stubs, router) -
     for name in ("mlxfleet_router_request_duration_seconds", "mlxfleet_router_upstream_attempts",
                  "mlxfleet_router_in_flight_requests", "mlxfleet_router_time_to_first_token"):
         assert name in text
+
+
+async def test_a_draining_mac_gets_no_new_request(memory_store, stubs, router) -> None:
+    a, b = await stubs(ok), await stubs(ok)
+    await publish(memory_store, "mac-a", a.url, health=NodeHealth.DRAINING)
+    await publish(memory_store, "mac-b", b.url)
+    rig = await router(macs=2)
+    for i in range(10):
+        assert (await rig.chat(f"session-{i}")).status == 200
+    assert (len(a.seen), len(b.seen)) == (0, 10)
 
 
 async def test_split_pins_the_revision_with_the_forward_key(memory_store, stubs, router,
