@@ -30,7 +30,8 @@ from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.headers import PIN_HEADER, SESSION_HEADER
 from mlx_fleet.routing.split import choose
 from mlx_fleet_router import breaker, limits
-from mlx_fleet_router.app import STATE_KEY, RouterSettings, build_app, usage_tokens
+from mlx_fleet_router.app import STATE_KEY, build_app, usage_tokens
+from mlx_fleet_router.state import RouterSettings
 from mlx_fleet_router.follow import Follower
 from mlx_fleet_router.picker import Candidate, Ring, pick
 

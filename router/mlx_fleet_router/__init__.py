@@ -16,7 +16,8 @@ decisions import no I/O" contract):
 * :mod:`~mlx_fleet_router.table` — the routing table: Ready replicas per served model name.
 
 The I/O around them: :mod:`~mlx_fleet_router.follow` (etcd views → the table),
-:mod:`~mlx_fleet_router.app` (the aiohttp server), :mod:`~mlx_fleet_router.metrics`,
+:mod:`~mlx_fleet_router.app` (the aiohttp server), :mod:`~mlx_fleet_router.state` (one
+process's breakers, in-flight counts, budget, buckets), :mod:`~mlx_fleet_router.metrics`,
 :mod:`~mlx_fleet_router.main` (the ``mlx-fleet-router`` command). ``docs/router.md`` describes
 them.
 """

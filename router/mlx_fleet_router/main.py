@@ -30,7 +30,8 @@ from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.store import EtcdStore, check_endpoint, parse_endpoint
 
 from . import breaker, limits, retry
-from .app import RouterSettings, build_app
+from .app import build_app
+from .state import RouterSettings
 from .follow import Follower
 from .picker import LOAD_FACTOR
 
