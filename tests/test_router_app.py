@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -97,9 +98,9 @@ def dead_url() -> str:
 async def stubs() -> AsyncIterator[Callable[[Handler], Awaitable[Stub]]]:
     started: list[Stub] = []
 
-    async def make(handler: Handler) -> Stub:
+    async def make(handler: Handler, tls: ssl.SSLContext | None = None) -> Stub:
         stub = Stub(handler)
-        await stub.server.start_server()
+        await stub.server.start_server(ssl=tls)
         started.append(stub)
         return stub
 
@@ -147,7 +148,8 @@ async def router(memory_store: MemoryStore) -> AsyncIterator[Callable[..., Await
     made: list[tuple[asyncio.Task, TestClient]] = []
 
     async def make(*, settings: RouterSettings | None = None, api_keys: KeyFile | None = None,
-                   forward_key: KeyFile | None = None, macs: int = 0) -> Rig:
+                   forward_key: KeyFile | None = None, macs: int = 0,
+                   upstream_ssl: ssl.SSLContext | None = None) -> Rig:
         follower = Follower(memory_store, KEYS, namespaces={NS})
         task = asyncio.create_task(follower.run())
         await follower.wait_until(
@@ -156,7 +158,8 @@ async def router(memory_store: MemoryStore) -> AsyncIterator[Callable[..., Await
         app = build_app(lambda: follower.table, registry=registry,
                         synced=lambda: follower.synced,
                         settings=settings or RouterSettings(probe_interval_seconds=0),
-                        api_keys=api_keys, forward_key=forward_key)
+                        api_keys=api_keys, forward_key=forward_key,
+                        upstream_ssl=upstream_ssl)
         client = TestClient(TestServer(app, host="127.0.0.1"))
         await client.start_server()
         made.append((task, client))
@@ -277,6 +280,26 @@ async def test_split_through_the_router_matches_the_agents_bucket(memory_store, 
     assert {s: rev for s, (rev, _) in pinned.items()} == expected
     assert all((mac == "a") == (rev == "r1") for rev, mac in pinned.values())
     assert {"r1", "r2"} == set(expected.values())  # both sides drawn: the check can fail
+
+
+async def test_agents_over_tls_verified_with_the_upstream_ca(memory_store, stubs, router,
+                                                             tmp_path: Path) -> None:
+    from etcd_tls import make_pki
+
+    pki = make_pki(tmp_path / "pki", [])
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(pki.server.cert, pki.server.key)
+    a = await stubs(ok, served)
+    assert a.url.startswith("https://")
+    await publish(memory_store, "mac-a", a.url)
+    trusting = await router(macs=1, upstream_ssl=ssl.create_default_context(cafile=pki.ca))
+    assert (await trusting.chat()).status == 200
+    untrusting = await router(macs=1)  # the system's CAs do not know the private CA
+    resp = await untrusting.chat()
+    assert resp.status == 503 and (await error_of(resp))["code"] == "unavailable"
+    assert untrusting.metric("mlxfleet_router_upstream_attempts_total", model=MODEL,
+                             node="mac-a", result="connect_error") == 1
+    assert len(a.seen) == 1
 
 
 async def test_retry_before_the_first_byte_on_refused_connection(memory_store, stubs,
