@@ -59,7 +59,7 @@ def _state_file() -> Path:
 def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.binaries import ensure_all
     from mlx_fleet.devcluster.controlplane import start_control_plane
-    from mlx_fleet.devcluster.fleet import start_agent, start_operator
+    from mlx_fleet.devcluster.fleet import start_agent, start_operator, start_router
     from mlx_fleet.devcluster.processes import free_port
     from mlx_fleet.devcluster.prombuild import ensure_prometheus
     from mlx_fleet.devcluster.promserver import ScrapeTarget, start_prometheus
@@ -77,7 +77,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {e}")
         return 1
     try:
-        prometheus_url = None
+        prometheus_url = router_url = None
         try:
             targets = []
             if args.operator:
@@ -89,6 +89,9 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                 with console.status(f"starting agent mac-{i}"):
                     agent = start_agent(cp, f"mac-{i}")
                     targets.append(ScrapeTarget(agent.url.removeprefix("http://"), node=agent.name))
+            if args.router:
+                with console.status("starting the fleet router"):
+                    router_url = start_router(cp, port=args.router_port or None).url
             if args.prometheus:
                 prom_bins = progress_builder(console, ensure_prometheus)
                 with console.status("starting Prometheus"):
@@ -100,13 +103,16 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
             console.print(f"[red]error:[/] {e}")
             return 1
         state = {"pid": os.getpid(), "workdir": str(cp.workdir), "kubeconfig": str(cp.kubeconfig),
-                 "etcd": cp.etcd_url, "apiserver": cp.apiserver_url, "prometheus": prometheus_url}
+                 "etcd": cp.etcd_url, "apiserver": cp.apiserver_url, "prometheus": prometheus_url,
+                 "router": router_url}
         _state_file().parent.mkdir(parents=True, exist_ok=True)
         _state_file().write_text(json.dumps(state, indent=2))
         console.print(f"[green]control plane up[/] — logs in {cp.logs_dir}\n"
                       f"  export KUBECONFIG={cp.kubeconfig}\n"
                       f"  export MLX_FLEET_ETCD_ENDPOINT={cp.etcd_url}\n"
                       f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
+                      + (f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
+                         if router_url else "")
                       + (f"Prometheus (operator + agents, every 5 s): {prometheus_url}  "
                          f"(HTTP API: {prometheus_url}/api/v1/query?query=up)\n"
                          if prometheus_url else "") +
@@ -213,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prometheus", action="store_true",
                     help="also run Prometheus (built once from the Go module proxy) scraping the "
                          "operator and the agents every 5 s; prints its URL")
+    up.add_argument("--router", action="store_true",
+                    help="also run the fleet router (mlx-fleet-router, every namespace): one "
+                         "OpenAI endpoint for the whole fleet; prints its URL")
+    up.add_argument("--router-port", type=int, default=0, metavar="PORT",
+                    help="the router's port (default: a free one)")
     up.add_argument("--keep", action="store_true", help="keep the working directory on exit")
     up.set_defaults(func=_cmd_dev_up)
     down = dev.add_parser("down", help="stop a running `mlx-fleet dev up`")

@@ -14,7 +14,10 @@ The roles (docs/security.md):
   ``reports/<node>/`` and ``stats/<node>/`` prefixes; read its own ``assignments/<node>/``
   prefix and the ``traffic/`` prefix (the routing weights it needs to forward requests).
   Leases need no key permission in etcd (granting and keeping alive are allowed to any
-  authenticated user; attaching one to a key needs write permission on that key).
+  authenticated user; attaching one to a key needs write permission on that key);
+* ``mlx-fleet-router``: read only, the prefixes the fleet router follows — ``nodes/``,
+  ``assignments/``, ``reports/``, ``traffic/`` and ``stats/`` (issue #17: any number of
+  stateless router replicas, none able to change the fleet).
 
 A user of the same name as its role holds it; with etcd's ``--client-cert-auth`` the client
 certificate's Common Name is the user, so certificates are issued with ``CN=<user name>``.
@@ -32,6 +35,8 @@ ROOT_USER = "root"
 """etcd's superuser; it must exist (with the built-in ``root`` role) before auth is enabled."""
 OPERATOR_USER = "mlx-fleet-operator"
 """User and role name of the operator."""
+ROUTER_USER = "mlx-fleet-router"
+"""User and role name of the fleet router (every replica shares it)."""
 AGENT_USER_PREFIX = "mlx-fleet-agent-"
 """Prefix of the per-Mac agent user and role names: ``mlx-fleet-agent-<node>``."""
 
@@ -112,11 +117,21 @@ def operator_role(keys: Keys) -> Role:
     return Role(OPERATOR_USER, (Permission(f"{keys.root}/", True, Access.READWRITE),))
 
 
+def router_role(keys: Keys) -> Role:
+    """Read-only on the prefixes the fleet router follows (node records, assignments, reports,
+    traffic splits, stats reports); nothing else, no write anywhere."""
+    return Role(ROUTER_USER, tuple(
+        Permission(prefix, True, Access.READ)
+        for prefix in (keys.nodes_prefix, keys.assignments_prefix, keys.reports_prefix,
+                       keys.traffic_prefix, keys.stats_prefix)))
+
+
 def plan_auth(keys: Keys, nodes: Iterable[str]) -> AuthPlan:
-    """The plan for the operator and one agent per name in ``nodes`` (duplicates ignored,
-    order kept). Raises ``ValueError`` naming a node that is not a valid key segment."""
+    """The plan for the operator, the fleet router and one agent per name in ``nodes``
+    (duplicates ignored, order kept). Raises ``ValueError`` naming a node that is not a valid
+    key segment."""
     unique = list(dict.fromkeys(nodes))
-    roles = [operator_role(keys), *(agent_role(keys, n) for n in unique)]
+    roles = [operator_role(keys), router_role(keys), *(agent_role(keys, n) for n in unique)]
     users = [User(ROOT_USER, ("root",)), *(User(r.name, (r.name,)) for r in roles)]
     return AuthPlan(roles=tuple(roles), users=tuple(users))
 

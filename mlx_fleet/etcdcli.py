@@ -1,9 +1,9 @@
 """``mlx-fleet etcd bootstrap-auth``: create mlx-fleet's least-privilege etcd users and roles
 and turn etcd's authentication on (docs/security.md).
 
-It applies :func:`mlx_fleet.etcd_security.plan_auth` for the operator and one agent per
-``--node``: users ``root``, ``mlx-fleet-operator`` and ``mlx-fleet-agent-<node>``, each holding
-the role of the same name. Users without ``--password-file USER=PATH`` get no password: they
+It applies :func:`mlx_fleet.etcd_security.plan_auth` for the operator, the fleet router (read
+only) and one agent per ``--node``: users ``root``, ``mlx-fleet-operator``, ``mlx-fleet-router``
+and ``mlx-fleet-agent-<node>``, each holding the role of the same name. Users without ``--password-file USER=PATH`` get no password: they
 log in with a client certificate whose Common Name is the user name (etcd started with
 ``--client-cert-auth``). Safe to run again: it adds what is missing (a new Mac), revokes
 permissions of these roles the plan no longer lists, sets given passwords again, and leaves

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
 from mlx_fleet.routing.headers import SESSION_HEADER
 
 __all__ = ["StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
@@ -146,25 +147,6 @@ class CompletionRequest(SamplingRequest):
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ErrorDetail(_Response):
-    """``type``: ``invalid_request_error`` (4xx but 429), ``rate_limit_error`` (429),
-    ``server_error`` (5xx). ``param``: the request field at fault, or null. ``code``: a
-    machine-readable reason (``invalid_value``, ``invalid_json``, ``unsupported_parameter``,
-    ``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``, ``overloaded``,
-    ``unavailable`` ...) or null."""
-
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(_Response):
-    """Every error answer of the API, in OpenAI's shape."""
-
-    error: ErrorDetail
 
 
 class PromptTokensDetails(_Response):

@@ -84,6 +84,8 @@ from aiohttp import ClientSession, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from mlx_fleet.http_errors import error_response as _error
+from mlx_fleet.http_errors import unauthorized as _unauthorized
 from mlx_fleet.routing.api_keys import KeyFile, bearer_token, matches
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, proxy
@@ -122,22 +124,6 @@ UNKNOWN_LABEL = "unknown"
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _error(status: int, message: str, *, type_: str = "invalid_request_error",
-           param: str | None = None, code: str | None = None,
-           headers: dict[str, str] | None = None) -> web.Response:
-    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
-    return web.json_response(body.model_dump(), status=status, headers=headers)
-
-
-def _unauthorized(presented: str | None) -> web.Response:
-    """401 in OpenAI's shape; the message never contains what was presented."""
-    message = ("Incorrect API key provided." if presented is not None else
-               "You didn't provide an API key. Provide it in an Authorization header using "
-               "Bearer auth (Authorization: Bearer YOUR_KEY).")
-    return _error(401, message, code="invalid_api_key",
-                  headers={"WWW-Authenticate": "Bearer"})
 
 
 def _validation_error(e: ValidationError) -> web.Response:

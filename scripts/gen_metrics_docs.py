@@ -7,13 +7,15 @@ runtime; the agent's walks a fresh ``CollectorRegistry`` holding a new ``AgentMe
 type and help come from the registry; label names from the metric objects themselves (the
 operator modules' ``prometheus_client`` metrics, ``fleet_metrics.FAMILIES``, ``AgentMetrics``'
 attributes). A family the registry has but whose labels cannot be found is an error, not a
-silent gap. Only the prose about no single metric lives here. The operator and the agent never
-import each other; this script imports both.
+silent gap. The fleet router's walks a fresh registry holding a new ``RouterMetrics`` likewise.
+Only the prose about no single metric lives here. The operator, the agent and the router never
+import each other; this script imports all three.
 
     python scripts/gen_metrics_docs.py                       # rewrite docs/metrics.md
     python scripts/gen_metrics_docs.py --check               # exit 1 when it is out of date
     python scripts/gen_metrics_docs.py --print               # the page on stdout
-    python scripts/gen_metrics_docs.py --exposition operator # a sample scrape (operator|agent)
+    python scripts/gen_metrics_docs.py --exposition operator # a sample scrape
+                                                             # (operator|agent|router)
 
 ``--exposition`` prints a text exposition with samples in every family (a small fleet), for
 ``promtool check metrics`` (tests/test_metrics_docs.py).
@@ -39,10 +41,10 @@ OPERATOR_MODULES = ("mlx_fleet_operator.metrics", "mlx_fleet_operator.fleet_metr
                     "mlx_fleet_operator.handlers", "mlx_fleet_operator.canary_handlers")
 
 INTRO = """\
-Both components serve Prometheus' text format on `GET /metrics`: the operator on
-`--metrics-port` (default 8080), each node agent on its `--listen` address, next to the
-OpenAI-compatible API. Besides the metrics below, the operator's registry carries
-`prometheus_client`'s standard `process_*` and `python_*` metrics.
+Every component serves Prometheus' text format on `GET /metrics`: the operator on
+`--metrics-port` (default 8080), each node agent on its `--listen` address and the fleet router
+on its `--port`, next to their OpenAI-compatible APIs. Besides the metrics below, the
+operator's registry carries `prometheus_client`'s standard `process_*` and `python_*` metrics.
 
 Conventions:
 
@@ -145,6 +147,14 @@ def agent_rows() -> list[Row]:
     return _rows(registry, _wrapper_labels(vars(AgentMetrics(registry)).values()))
 
 
+def router_rows() -> list[Row]:
+    """The fleet router's metrics, walked from a fresh registry holding one RouterMetrics."""
+    from mlx_fleet_router.metrics import RouterMetrics
+
+    registry = CollectorRegistry()
+    return _rows(registry, _wrapper_labels(vars(RouterMetrics(registry)).values()))
+
+
 def _table(rows: list[Row]) -> str:
     out = ["| Metric | Type | Labels | Meaning |", "|---|---|---|---|"]
     for r in rows:
@@ -162,6 +172,7 @@ def generate() -> str:
         INTRO,
         "## Operator (`mlx-fleet-operator`)\n\n" + _table(operator_rows()),
         "## Node agent (`mlx-fleet-agent`)\n\n" + _table(agent_rows()),
+        "## Fleet router (`mlx-fleet-router`)\n\n" + _table(router_rows()),
     ]) + "\n"
 
 
@@ -224,8 +235,8 @@ def _sample_runtime() -> Any:
 
 
 def exposition(component: str) -> bytes:
-    """A text exposition of ``component`` (``operator`` or ``agent``) with samples in every
-    family."""
+    """A text exposition of ``component`` (``operator``, ``agent`` or ``router``) with samples
+    in every family."""
     from prometheus_client import generate_latest
 
     if component == "operator":
@@ -269,7 +280,23 @@ def exposition(component: str) -> bytes:
         for kind in ("weights", "kv_cache", "mlx_cache", "free"):
             m.memory_bytes.labels(kind).set(4096)
         return generate_latest(registry)
-    raise SystemExit(f"unknown component {component!r}: operator or agent")
+    if component == "router":
+        from mlx_fleet_router.breaker import Phase
+        from mlx_fleet_router.metrics import RouterMetrics
+
+        registry = CollectorRegistry()
+        r = RouterMetrics(registry)
+        r.requests.labels("llama", "200", "acme").inc()
+        r.duration.labels("llama").observe(0.4)
+        r.ttft.labels("llama").observe(0.05)
+        r.attempts.labels("llama", "mac-a", "ok").inc()
+        r.retries.labels("llama", "Retry").inc()
+        r.in_flight.labels("mac-a").set(2)
+        r.set_breaker("mac-a", Phase.CLOSED)
+        r.affinity.labels("llama", "kept").inc()
+        r.rate_limited.labels("acme", "RequestsPerMinute").inc()
+        return generate_latest(registry)
+    raise SystemExit(f"unknown component {component!r}: operator, agent or router")
 
 
 def main(argv: list[str]) -> int:

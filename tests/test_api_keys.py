@@ -24,7 +24,8 @@ from etcd_tls import make_pki
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource, NodeCapacity, Role, TrafficSplit)
 from mlx_fleet.routing.api_keys import (KeyFile, KeyFileError, Stamp, bearer_token, digest,
-                                        matches, parse_key_file, stamp_changed)
+                                        matches, parse_key_entries, parse_key_file,
+                                        stamp_changed)
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER
 from mlx_fleet.store import EtcdStore
 from fleet_helpers import watch_until
@@ -110,6 +111,42 @@ def test_parse_key_file_refuses_naming_the_line_not_the_key(text: str, message: 
         parse_key_file(text)
     assert str(e.value) == message
     assert KEY_A not in str(e.value) and KEY_B not in str(e.value)
+
+
+@pytest.mark.parametrize("text,entries", [
+    (f"{KEY_A}\n", ((KEY_A, "default"),)),
+    (f"{KEY_A} tenant=acme\n  {KEY_B}\ttenant=b-2  \n{KEY_C}\n",
+     ((KEY_A, "acme"), (KEY_B, "b-2"), (KEY_C, "default"))),
+    (f"{KEY_A} tenant=acme\n{KEY_A} tenant=other\n", ((KEY_A, "acme"),)),  # first one wins
+    (f"{KEY_A} tenant={'a' * 63}\n", ((KEY_A, "a" * 63),)),
+])
+def test_parse_key_entries_with_tenants(text: str, entries: tuple) -> None:
+    assert parse_key_entries(text) == entries
+    assert parse_key_file(text) == tuple(k for k, _ in entries)  # the agent's view: keys only
+
+
+@pytest.mark.parametrize("text,message", [
+    (f"{KEY_A} tenant=\n", "line 1: a tenant name is a DNS label"),
+    (f"{KEY_A} tenant=Acme\n", "line 1: a tenant name is a DNS label"),
+    (f"{KEY_A} tenant=-a\n", "line 1: a tenant name is a DNS label"),
+    (f"{KEY_A} tenant={'a' * 64}\n", "line 1: a tenant name is a DNS label"),
+    (f"{KEY_A} tenant=a extra\n", "line 1: a key is printable ASCII without spaces"),
+    (f"{KEY_A} x tenant=a\n", "line 1: a key is printable ASCII without spaces"),
+])
+def test_parse_key_entries_refuses_a_bad_tenant(text: str, message: str) -> None:
+    with pytest.raises(KeyFileError) as e:
+        parse_key_entries(text)
+    assert str(e.value).startswith(message)
+    assert KEY_A not in str(e.value)
+
+
+def test_key_file_tenant_of_follows_a_rotation(tmp_path: Path) -> None:
+    path = write_keys(tmp_path / "keys", f"{KEY_A} tenant=acme", KEY_B)
+    keys = KeyFile(path)
+    assert [keys.tenant_of(k) for k in (KEY_A, KEY_B, KEY_C, None)] == \
+        ["acme", "default", None, None]
+    write_keys(path, f"{KEY_C} tenant=c")
+    assert [keys.tenant_of(k) for k in (KEY_A, KEY_C)] == [None, "c"]
 
 
 @pytest.mark.parametrize("header,token", [

@@ -22,7 +22,8 @@ from mlx_fleet.contract import ROOT, Keys
 from mlx_fleet.devcluster.controlplane import EtcdServerTLS, start_etcd
 from mlx_fleet.etcd_credentials import (PASSWORD_ENV, CredentialsError, EtcdCredentials,
                                         load_credentials)
-from mlx_fleet.etcd_security import (OPERATOR_USER, ROOT_USER, agent_user, allowed, plan_auth)
+from mlx_fleet.etcd_security import (OPERATOR_USER, ROOT_USER, ROUTER_USER, agent_user, allowed,
+                                     plan_auth)
 from mlx_fleet.store import EtcdStore, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +57,17 @@ A1 = agent_user("mac-1")
     (A1, "write", K.traffic("ns", "m"), False),
     (A1, "read", K.placement_epoch, False),
     (A1, "read", K.node("mac-2"), False),
+    (ROUTER_USER, "read", K.node("mac-2"), True),
+    (ROUTER_USER, "read", K.assignment("mac-1", "ns", "m", "r1"), True),
+    (ROUTER_USER, "read", K.report("mac-1", "ns", "m", "r1"), True),
+    (ROUTER_USER, "read", K.traffic("ns", "m"), True),
+    (ROUTER_USER, "read", K.stats("mac-1", "ns", "m"), True),
+    (ROUTER_USER, "read", K.placement_epoch, False),
+    (ROUTER_USER, "write", K.node("mac-1"), False),
+    (ROUTER_USER, "write", K.assignment("mac-1", "ns", "m", "r1"), False),
+    (ROUTER_USER, "write", K.report("mac-1", "ns", "m", "r1"), False),
+    (ROUTER_USER, "write", K.traffic("ns", "m"), False),
+    (ROUTER_USER, "read", "/other-app/key", False),
     (ROOT_USER, "write", "/anything", True),
     ("nobody", "read", K.node("mac-1"), False),
 ])
@@ -65,9 +77,10 @@ def test_plan_grants_least_privilege(user: str, op: str, key: str, ok: bool) -> 
 
 def test_plan_has_one_role_and_user_per_agent() -> None:
     plan = plan_auth(K, ["mac-1", "mac-2", "mac-1"])
-    assert [r.name for r in plan.roles] == [OPERATOR_USER, agent_user("mac-1"), agent_user("mac-2")]
+    assert [r.name for r in plan.roles] == [OPERATOR_USER, ROUTER_USER, agent_user("mac-1"),
+                                            agent_user("mac-2")]
     assert [(u.name, u.roles) for u in plan.users] == [
-        (ROOT_USER, ("root",)), (OPERATOR_USER, (OPERATOR_USER,)),
+        (ROOT_USER, ("root",)), (OPERATOR_USER, (OPERATOR_USER,)), (ROUTER_USER, (ROUTER_USER,)),
         (agent_user("mac-1"), (agent_user("mac-1"),)), (agent_user("mac-2"), (agent_user("mac-2"),))]
 
 
@@ -180,7 +193,8 @@ def secure(binaries, tmp_path_factory):
     from etcd_tls import make_pki
 
     work = tmp_path_factory.mktemp("etcd-tls")
-    users = [ROOT_USER, OPERATOR_USER, agent_user("mac-1"), agent_user("mac-2"), "stranger"]
+    users = [ROOT_USER, OPERATOR_USER, ROUTER_USER, agent_user("mac-1"), agent_user("mac-2"),
+             "stranger"]
     pki = make_pki(work / "pki", users)
     server = start_etcd(work, binaries, "etcd-tls",
                         tls=EtcdServerTLS(pki.server.cert, pki.server.key, pki.ca),
@@ -233,6 +247,24 @@ async def test_operator_certificate_reads_and_writes_everything(secure) -> None:
         assert await op.keepalive(lease) > 0
         await op.revoke_lease(lease)
         await op.delete(key)
+
+
+async def test_router_certificate_follows_the_fleet_read_only(secure) -> None:
+    """The fleet router's certificate: its Follower syncs every view over TLS; any write is
+    refused."""
+    from mlx_fleet_router.follow import Follower
+
+    server, pki, _ = secure
+    async with EtcdStore(server.client_url, credentials=creds(pki, ROUTER_USER)) as router:
+        follower = Follower(router, K)
+        task = asyncio.create_task(follower.run())
+        try:
+            await asyncio.wait_for(follower.wait_until(lambda t: True), 30)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert "permission denied" in await refused(router.put(K.traffic("ns", "m"), b"x"))
+        assert "permission denied" in await refused(router.get(K.placement_epoch))
 
 
 async def test_agent_certificate_works_on_its_own_keys_end_to_end(secure) -> None:

@@ -65,8 +65,11 @@ def test_doc_lists_both_components_families(fresh: str) -> None:
     assert "| `mlxfleet_operator_watch_restarts_total` | counter | `watch` |" in operator
     assert "| `mlxfleet_agent_requests_total` | counter | `model`, `revision`, `endpoint`, " \
            "`code` |" in agent
+    agent, router = agent.split("## Fleet router", 1)
     assert "mlxfleet_agent_" not in operator and "mlxfleet_operator_" not in agent.split(
         "|---|", 1)[1]
+    assert "| `mlxfleet_router_requests_total` | counter | `model`, `code`, `tenant` |" in router
+    assert "mlxfleet_agent_" not in router and "mlxfleet_operator_" not in router
 
 
 def test_generator_refuses_a_metric_whose_labels_it_cannot_find() -> None:
@@ -80,11 +83,11 @@ def test_generator_refuses_a_metric_whose_labels_it_cannot_find() -> None:
         ("mlxfleet_test_things_total", "counter", ("kind",), "things")]
 
 
-NAME = re.compile(r"^mlxfleet_(operator|agent)_[a-z][a-z0-9_]*$")
+NAME = re.compile(r"^mlxfleet_(operator|agent|router)_[a-z][a-z0-9_]*$")
 UNITS = ("seconds", "bytes")
 
 
-@pytest.mark.parametrize("component", ["operator", "agent"])
+@pytest.mark.parametrize("component", ["operator", "agent", "router"])
 def test_exposition_follows_conventions(component: str) -> None:
     """Without promtool: the naming rules of docs/metrics.md, on a scrape with samples in
     every family."""
@@ -127,7 +130,7 @@ def promtool() -> Path:
     return ensure_prometheus().promtool
 
 
-@pytest.mark.parametrize("component", ["operator", "agent"])
+@pytest.mark.parametrize("component", ["operator", "agent", "router"])
 def test_promtool_check_metrics(component: str, promtool: Path) -> None:
     text = _run("--exposition", component)
     res = subprocess.run([str(promtool), "check", "metrics"], input=text, capture_output=True,

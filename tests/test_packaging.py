@@ -1,5 +1,6 @@
-"""Deployment artefacts that cannot run here, checked statically: the agent's launchd plist
-(well-formed with plistlib, and its arguments accepted by the agent's own parser) and the
+"""Deployment artefacts that cannot run here, checked statically: the agent's and the fleet
+router's launchd plists (well-formed with plistlib, and their arguments accepted by their own
+parsers) and the
 operator's Dockerfile (no Docker engine here: unbuilt; checked against the chart and the
 package's entry points)."""
 
@@ -15,6 +16,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PLIST = REPO / "deploy" / "launchd" / "io.mlx-fleet.agent.plist"
+ROUTER_PLIST = REPO / "deploy" / "launchd" / "io.mlx-fleet.router.plist"
 
 
 def test_launchd_plist_is_well_formed_and_keeps_the_agent_running() -> None:
@@ -36,6 +38,23 @@ def test_launchd_arguments_parse_with_the_agents_own_cli() -> None:
         argv = plistlib.load(f)["ProgramArguments"][1:]
     args = build_parser().parse_args(argv)  # exits (SystemExit) on an unknown or bad flag
     assert args.advertise_url == "http://studio-1.lan:8000"
+
+
+def test_router_launchd_plist_keeps_the_router_running_and_parses() -> None:
+    from mlx_fleet_router.main import parse_args
+
+    with ROUTER_PLIST.open("rb") as f:
+        job = plistlib.load(f)
+    assert job["Label"] == "io.mlx-fleet.router" == ROUTER_PLIST.stem
+    assert job["RunAtLoad"] is True and job["KeepAlive"] is True
+    assert job["StandardOutPath"] == job["StandardErrorPath"]
+    assert job["StandardErrorPath"].startswith("/Library/Logs/")
+    assert job["ProgramArguments"][0].endswith("/bin/mlx-fleet-router")
+    assert job["EnvironmentVariables"]["MLX_FLEET_ETCD_ENDPOINT"].startswith("http://")
+    args = parse_args(job["ProgramArguments"][1:])  # exits on an unknown or bad flag
+    assert (args.listen, args.port, args.namespace) == ("0.0.0.0", 8090, ["default"])
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["mlx-fleet-router"] == "mlx_fleet_router.main:main"
 
 
 def test_plistlib_refuses_a_broken_plist() -> None:

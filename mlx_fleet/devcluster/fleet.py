@@ -1,7 +1,9 @@
-"""Start the operator and node agents as real processes against a :class:`ControlPlane`.
+"""Start the operator, node agents and the fleet router as real processes against a
+:class:`ControlPlane`.
 
 Used by the demo, the end-to-end tests and the benchmarks, so all three run the very same
-command lines a user would (``python -m mlx_fleet_operator``, ``python -m node_agent``).
+command lines a user would (``python -m mlx_fleet_operator``, ``python -m node_agent``,
+``python -m mlx_fleet_router``).
 """
 
 from __future__ import annotations
@@ -86,3 +88,38 @@ def start_agent(cp: ControlPlane, name: str, *, etcd_prefix: str = ROOT,
     agent = AgentProcess(name=name, url=url, process=proc)
     proc.wait_until(lambda: agent.health()[0] == 200, timeout=timeout, what="healthy (/health)")
     return agent
+
+
+@dataclass
+class RouterProcess:
+    """A fleet router process (``python -m mlx_fleet_router``) and the URL it serves on."""
+
+    url: str
+    process: ManagedProcess
+
+
+def start_router(cp: ControlPlane, *, etcd_prefix: str = ROOT,
+                 namespaces: tuple[str, ...] = (), port: int | None = None,
+                 timeout: float = 60.0, extra_args: tuple[str, ...] = (),
+                 etcd_url: str | None = None, env: dict[str, str] | None = None,
+                 log_name: str = "router") -> RouterProcess:
+    """Run ``python -m mlx_fleet_router`` against ``cp``'s etcd (``etcd_url`` overrides it),
+    serving the ModelDeployments of ``namespaces`` (all when empty) on 127.0.0.1:``port`` (a
+    free port by default); returns once its ``/health`` answers 200 (it follows etcd). ``env``
+    is merged over ``cp.env()``; the log is ``cp.logs_dir / f"{log_name}.log"``."""
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    scope = [a for ns in namespaces for a in ("--namespace", ns)]
+    proc = ManagedProcess("router", [
+        sys.executable, "-m", "mlx_fleet_router",
+        "--etcd-endpoint", etcd_url or cp.etcd_url, "--etcd-prefix", etcd_prefix,
+        "--listen", "127.0.0.1", "--port", str(port), *scope, *extra_args,
+    ], cp.logs_dir / f"{log_name}.log", env={**cp.env(), "PYTHONUNBUFFERED": "1", **(env or {})})
+    cp.extra.append(proc)
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+
+    proc.wait_until(healthy, timeout=timeout, what="healthy (/health)")
+    return RouterProcess(url=url, process=proc)

@@ -13,8 +13,9 @@ can't.
   with a status the caller listed in ``retry_statuses`` → :class:`UpstreamError`, and the
   client has been sent nothing;
 * after: the upstream drops the connection mid-body (or the client's connection fails) →
-  :class:`StreamCut`, a :class:`ConnectionResetError`: the client's response is cut short
-  (aiohttp closes it), nothing can be retried.
+  :class:`StreamCut`, a :class:`ConnectionResetError`: the client's connection is closed (its
+  response cut short; a chunked one without its last chunk, which clients report as an
+  incomplete payload), nothing can be retried.
 
 The client session (:func:`client_session`) has no total timeout — a stream lasts as long as
 the generation takes — and a :data:`CONNECT_TIMEOUT` to open a connection. Network I/O: this
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -75,26 +76,40 @@ def client_session(ssl_context: ssl.SSLContext | None = None, *,
 
 async def proxy(request: web.Request, session: aiohttp.ClientSession, url: str, *,
                 body: bytes, headers: Mapping[str, str],
-                retry_statuses: Container[int] = ()) -> web.StreamResponse:
+                retry_statuses: Container[int] = (),
+                on_start: Callable[[int], None] | None = None,
+                on_chunk: Callable[[bytes], None] | None = None) -> web.StreamResponse:
     """POST ``body`` with ``headers`` to ``url`` and relay the answer to ``request``'s client as
     it comes (module docstring); returns the finished response.
 
     Raises :class:`UpstreamError` when nothing went to the client yet (connection refused or
     timed out, connection dropped before the upstream's status, or a status in
     ``retry_statuses``: its body is not read); :class:`StreamCut` once the response header went
-    out."""
+    out.
+
+    Observers (for a caller's metrics; they must not raise): ``on_start(status)`` when the
+    upstream's status line arrived and is about to be relayed (not for a ``retry_statuses``
+    one); ``on_chunk(data)`` for each body chunk, before it is written to the client."""
     try:
         async with session.post(url, data=body, headers=dict(headers)) as up:
             if up.status in retry_statuses:
                 raise UpstreamError(url, f"HTTP {up.status}", up.status)
+            if on_start is not None:
+                on_start(up.status)
             resp = web.StreamResponse(status=up.status, headers={
                 k: v for k, v in up.headers.items() if k.lower() in RELAYED_HEADERS})
             try:
                 await resp.prepare(request)
                 async for part in up.content.iter_any():
+                    if on_chunk is not None:
+                        on_chunk(part)
                     await resp.write(part)
                 await resp.write_eof()
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # the client's response can't be completed: close its connection, so it sees a
+                # cut answer at once instead of waiting for the rest until its read timeout
+                if request.transport is not None:
+                    request.transport.close()
                 raise StreamCut(f"relaying {url} failed: {type(e).__name__}: {e}") from e
             return resp
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:

@@ -1,0 +1,235 @@
+"""``mlx-fleet-router``: the command line of the fleet router (``python -m mlx_fleet_router``).
+
+Parses the flags, connects to etcd (:class:`mlx_fleet.store.EtcdStore`, the agent's and the
+operator's TLS/auth flags: :func:`mlx_fleet.etcd_credentials.add_etcd_arguments`), follows the
+fleet (:class:`~mlx_fleet_router.follow.Follower`) and serves the app
+(:func:`~mlx_fleet_router.app.build_app`) with ``handler_cancellation=True`` (a client that
+disconnects cancels its upstream request). Logs ``router listening on http://HOST:PORT`` once
+serving; SIGTERM/SIGINT stop it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import ssl
+import sys
+import textwrap
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from mlx_fleet.contract import ROOT, Keys
+from mlx_fleet.etcd_credentials import (EtcdCredentials, add_etcd_arguments,
+                                        credentials_from_args)
+from mlx_fleet.routing.api_keys import KeyFile
+from mlx_fleet.store import EtcdStore, check_endpoint, parse_endpoint
+
+from . import breaker, limits, retry
+from .app import build_app
+from .state import RouterSettings
+from .follow import Follower
+from .picker import LOAD_FACTOR
+
+__all__ = ["main", "parse_args", "settings_from_args"]
+
+log = logging.getLogger("mlx_fleet_router")
+
+DESCRIPTION = """\
+mlx-fleet fleet router: one OpenAI-compatible endpoint for the whole fleet.
+
+It follows the fleet in etcd (node records, assignments, reports, canary traffic splits) and
+relays each request to a Mac that serves the requested model:
+
+  POST /v1/chat/completions, POST /v1/completions   JSON or SSE streaming, as the agents
+  GET  /v1/models     served names with a Ready replica in scope, with their revisions
+  GET  /health        200 once following etcd, 503 before
+  GET  /metrics       Prometheus (mlxfleet_router_*)
+
+Per request: the session key (X-Session-ID, else the OpenAI "user" field, else a hash of the
+prompt's prefix) picks the revision (the canary split, the agents' own bucket hash) and the Mac
+(consistent hashing with bounded loads). A connection error, a reset, or a 429/502/503/504
+before the first byte is retried on the next Mac (bounded attempts, retry budget); a Mac that
+refuses connections, fails too often or fails its health probes is ejected by its circuit
+breaker until a half-open trial succeeds. When every Mac is saturated requests wait in a bounded
+queue, then get 429 with Retry-After. With --api-key-file each key names its tenant
+(`<key> tenant=<name>`), and --tenant-limits sets per-tenant requests/tokens per minute and
+concurrency. Errors use OpenAI's error object; an unknown model is a 404 naming it.
+"""
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        v = kind(text)
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return v
+    return parse
+
+
+def _tenant_limits(text: str) -> tuple[str, limits.TenantLimits]:
+    """``NAME:rpm=N,tpm=N,concurrent=N`` (each part optional) → (tenant, limits)."""
+    name, sep, spec = text.partition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME:rpm=N,tpm=N,concurrent=N, got {text!r}")
+    fields = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute",
+              "concurrent": "max_concurrent"}
+    values: dict[str, int] = {}
+    for part in filter(None, spec.split(",")):
+        k, _, v = part.partition("=")
+        if k not in fields or not v.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r}: expected rpm=N, tpm=N or concurrent=N")
+        values[fields[k]] = int(v)
+    try:
+        return name, limits.TenantLimits(**values)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-fleet-router", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--listen", default="127.0.0.1",
+                   help="address to serve on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8090, help="port (default: %(default)s)")
+    p.add_argument("--etcd-endpoint",
+                   default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
+                   help="etcd client URL (default: env MLX_FLEET_ETCD_ENDPOINT, else "
+                        "%(default)s)")
+    p.add_argument("--etcd-prefix", default=ROOT,
+                   help="key root of the etcd contract (default: %(default)s)")
+    p.add_argument("--namespace", action="append", default=[], metavar="NS",
+                   help="serve the ModelDeployments of this namespace (repeatable; default: "
+                        "every namespace)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="client API keys, one per line, optionally `<key> tenant=<name>` (the "
+                        "agent's format); re-read when it changes. Without it the API is open")
+    p.add_argument("--forward-key-file", default=None, metavar="PATH",
+                   help="the fleet-internal key file the agents have as --forward-key-file: its "
+                        "first key is presented to them, so they honour the router's revision "
+                        "pin. Without it the client's Authorization header is passed on")
+    p.add_argument("--upstream-ca-file", default=None, metavar="PATH",
+                   help="PEM CA bundle that verifies https:// agents (default: the system's)")
+    p.add_argument("--tenant-limits", type=_tenant_limits, action="append", default=[],
+                   metavar="NAME:rpm=N,tpm=N,concurrent=N",
+                   help="limits of one tenant (repeatable); tenant 'default' is keys without a "
+                        "tenant and every request without --api-key-file")
+    p.add_argument("--load-factor", type=float, default=LOAD_FACTOR,
+                   help="CHWBL load bound: a Mac above load-factor × mean in-flight is skipped "
+                        "(default: %(default)s)")
+    p.add_argument("--max-attempts", type=_positive(int),
+                   default=retry.RetryConfig().max_attempts,
+                   help="attempts per request, the first included (default: %(default)s)")
+    p.add_argument("--breaker-cooldown", type=float, metavar="SECONDS",
+                   default=breaker.BreakerConfig().cooldown_seconds,
+                   help="seconds a breaker stays open before a half-open trial "
+                        "(default: %(default)s)")
+    p.add_argument("--max-queued", type=int, default=limits.QueueConfig().max_queued,
+                   help="requests waiting per model when every Mac is saturated "
+                        "(default: %(default)s)")
+    p.add_argument("--max-queue-wait", type=_positive(float), metavar="SECONDS",
+                   default=limits.QueueConfig().max_wait_seconds,
+                   help="longest wait in that queue before 429 (default: %(default)s)")
+    p.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="health probes of every Mac, 0 for none (default: %(default)s)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    add_etcd_arguments(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    try:
+        parse_endpoint(args.etcd_endpoint)
+    except ValueError as e:
+        build_parser().error(f"--etcd-endpoint: {e}")
+    return args
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    return RouterSettings(
+        breaker=breaker.BreakerConfig(cooldown_seconds=args.breaker_cooldown),
+        retry=retry.RetryConfig(max_attempts=args.max_attempts),
+        queue=limits.QueueConfig(max_queued=args.max_queued,
+                                 max_wait_seconds=args.max_queue_wait),
+        load_factor=args.load_factor, tenant_limits=dict(args.tenant_limits),
+        probe_interval_seconds=args.probe_interval)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the flags resolve to before anything starts (files read, TLS checked)."""
+
+    credentials: EtcdCredentials
+    api_keys: KeyFile | None
+    forward_key: KeyFile | None
+    upstream_ssl: ssl.SSLContext | None
+
+
+def configure(args: argparse.Namespace) -> Setup:
+    """Read the credential and key files and check the etcd endpoint against them. Raises
+    ``ValueError`` (a :class:`CredentialsError`, a :class:`KeyFileError` ...) naming the flag."""
+    credentials = credentials_from_args(args)
+    check_endpoint(args.etcd_endpoint, credentials)
+    api_keys = KeyFile(args.api_key_file, flag="--api-key-file") if args.api_key_file else None
+    forward_key = (KeyFile(args.forward_key_file, flag="--forward-key-file")
+                   if args.forward_key_file else None)
+    try:
+        upstream_ssl = (ssl.create_default_context(cafile=args.upstream_ca_file)
+                        if args.upstream_ca_file else None)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--upstream-ca-file {args.upstream_ca_file!r}: {e}") from None
+    return Setup(credentials, api_keys, forward_key, upstream_ssl)
+
+
+async def serve(args: argparse.Namespace, setup: Setup) -> None:
+    credentials, api_keys, forward_key, upstream_ssl = (
+        setup.credentials, setup.api_keys, setup.forward_key, setup.upstream_ssl)
+    store = EtcdStore(args.etcd_endpoint, credentials=credentials)
+    await store.connect()
+    follower = Follower(store, Keys(args.etcd_prefix), namespaces=args.namespace or None)
+    app = build_app(lambda: follower.table, registry=CollectorRegistry(),
+                    synced=lambda: follower.synced, settings=settings_from_args(args),
+                    api_keys=api_keys, forward_key=forward_key, upstream_ssl=upstream_ssl)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    follow = asyncio.create_task(follower.run(), name="router follower")
+    try:
+        site = web.TCPSite(runner, args.listen, args.port)
+        await site.start()
+        log.info("router listening on http://%s:%d (scope: %s)", args.listen, args.port,
+                 ", ".join(args.namespace) or "every namespace")
+        done, _ = await asyncio.wait([follow, asyncio.create_task(stop.wait())],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if follow in done:
+            follow.result()  # a bug in a view: raise it
+    finally:
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+        await runner.cleanup()
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        setup = configure(args)
+    except ValueError as e:
+        print(textwrap.fill(f"mlx-fleet-router: {e}", 100), file=sys.stderr)
+        return 2
+    asyncio.run(serve(args, setup))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
