@@ -65,20 +65,25 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.promserver import ScrapeTarget, start_prometheus
 
     from mlx_fleet.devcluster.binaries import BuildError
+    from mlx_fleet.devcluster.node import NodeFailed
     from mlx_fleet.devcluster.processes import ProcessFailed
 
     console = make_console(stderr=True)
+    node_name = "mlx-fleet-node" if args.node else ""
     try:
         binaries = progress_builder(console, ensure_all)
         with console.status("starting etcd ×2 and kube-apiserver"):
             cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
-                                     keep_workdir=args.keep)
+                                     keep_workdir=args.keep, node_name=node_name)
     except (BuildError, ProcessFailed) as e:
         console.print(f"[red]error:[/] {e}")
         return 1
+    node = None
     try:
         prometheus_url = None
         try:
+            if args.node:
+                node = _start_dev_node(console, cp)
             targets = []
             if args.operator:
                 with console.status("starting the operator"):
@@ -96,7 +101,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                                             binaries=prom_bins)
                     cp.extra.append(prom.process)
                 prometheus_url = prom.url
-        except (ProcessFailed, BuildError) as e:
+        except (ProcessFailed, BuildError, NodeFailed) as e:
             console.print(f"[red]error:[/] {e}")
             return 1
         state = {"pid": os.getpid(), "workdir": str(cp.workdir), "kubeconfig": str(cp.kubeconfig),
@@ -122,9 +127,42 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
         while not stop:
             signal.pause()
     finally:
+        if node is not None:
+            node.stop()
         cp.stop()
         _state_file().unlink(missing_ok=True)
     return 0
+
+
+def _start_dev_node(console, cp):  # noqa: ANN001, ANN202 - rich Console, ControlPlane -> Node
+    """``dev up --node``: provision and start the real node, with the operator image built from
+    this repository and imported; prints each step's time and how to install the chart."""
+    from mlx_fleet.devcluster.controlplane import REPO_ROOT
+    from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
+    from mlx_fleet.devcluster.node import NodeSpec, check_host, start_node
+
+    def step(what: str, seconds: float) -> None:
+        console.print(f"[green]✓[/] {what} ({seconds:.1f}s)", highlight=False)
+
+    check_host()
+    import time
+
+    started = time.monotonic()
+    with console.status("building the operator image (buildah; the Debian base on first use)"):
+        build_operator_image(REPO_ROOT)
+    step(f"operator image {OPERATOR_REF}", time.monotonic() - started)
+    node = progress_builder(console, lambda progress: start_node(
+        cp, spec=NodeSpec(name=cp.node_name), images=[OPERATOR_REF], step=step, progress=progress))
+    api_port = cp.apiserver_url.rsplit(":", 1)[1]
+    proxy = ("kube-proxy running" if node.kube_proxy is not None else
+             f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
+             f"--set kubernetesAPI.port={api_port}")
+    repo, tag = OPERATOR_REF.rsplit(":", 1)
+    console.print(f"[green]node {cp.node_name} Ready[/] ({proxy}). Install the chart:\n"
+                  f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
+                  f"--set image.repository={repo} --set image.tag={tag} --set image.pullPolicy=Never "
+                  f"--set hostNetwork=true --set etcd.endpoints={{{cp.etcd_url}}}", highlight=False)
+    return node
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:
@@ -213,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prometheus", action="store_true",
                     help="also run Prometheus (built once from the Go module proxy) scraping the "
                          "operator and the agents every 5 s; prints its URL")
+    up.add_argument("--node", action="store_true",
+                    help="also run a real node (Linux, root): containerd, kubelet, kube-proxy, "
+                         "controller-manager and scheduler, with the operator image built from "
+                         "this repository imported, so that the chart's Pods run "
+                         "(docs/development.md, \"A real node\")")
     up.add_argument("--keep", action="store_true", help="keep the working directory on exit")
     up.set_defaults(func=_cmd_dev_up)
     down = dev.add_parser("down", help="stop a running `mlx-fleet dev up`")
