@@ -69,21 +69,28 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.processes import ProcessFailed
 
     console = make_console(stderr=True)
-    node_name = "mlx-fleet-node" if args.node else ""
+    node = None
     try:
         binaries = progress_builder(console, ensure_all)
+        if args.node:
+            from mlx_fleet.devcluster.node import claim_host
+
+            node = claim_host(step=_print_step(console))
         with console.status("starting etcd ×2 and kube-apiserver"):
             cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
-                                     keep_workdir=args.keep, node_name=node_name)
-    except (BuildError, ProcessFailed) as e:
+                                     keep_workdir=args.keep,
+                                     node_name=node.spec.name if node else "",
+                                     node_address=node.spec.address if node else "")
+    except (BuildError, ProcessFailed, NodeFailed) as e:
+        if node is not None:
+            node.stop()
         console.print(f"[red]error:[/] {e}")
         return 1
-    node = None
     try:
         prometheus_url = None
         try:
-            if args.node:
-                node = _start_dev_node(console, cp)
+            if node is not None:
+                _start_dev_node(console, cp, node)
             targets = []
             if args.operator:
                 with console.status("starting the operator"):
@@ -134,25 +141,29 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_dev_node(console, cp):  # noqa: ANN001, ANN202 - rich Console, ControlPlane -> Node
-    """``dev up --node``: provision and start the real node, with the operator image built from
-    this repository and imported; prints each step's time and how to install the chart."""
-    from mlx_fleet.devcluster.controlplane import REPO_ROOT
-    from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
-    from mlx_fleet.devcluster.node import NodeSpec, check_host, start_node
-
+def _print_step(console):  # noqa: ANN001, ANN202 - rich Console -> StepFn
     def step(what: str, seconds: float) -> None:
         console.print(f"[green]✓[/] {what} ({seconds:.1f}s)", highlight=False)
 
-    check_host()
+    return step
+
+
+def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, ControlPlane, Node
+    """``dev up --node``: start the real node claimed by ``node``, with the operator image built
+    from this repository and imported; prints each step's time and how to install the chart."""
     import time
 
+    from mlx_fleet.devcluster.controlplane import REPO_ROOT
+    from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
+    from mlx_fleet.devcluster.node import start_node
+
+    step = _print_step(console)
     started = time.monotonic()
     with console.status("building the operator image (buildah; the Debian base on first use)"):
         build_operator_image(REPO_ROOT)
     step(f"operator image {OPERATOR_REF}", time.monotonic() - started)
-    node = progress_builder(console, lambda progress: start_node(
-        cp, spec=NodeSpec(name=cp.node_name), images=[OPERATOR_REF], step=step, progress=progress))
+    progress_builder(console, lambda progress: start_node(
+        cp, node, images=[OPERATOR_REF], step=step, progress=progress))
     api_port = cp.apiserver_url.rsplit(":", 1)[1]
     proxy = ("kube-proxy running" if node.kube_proxy is not None else
              f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
@@ -162,7 +173,6 @@ def _start_dev_node(console, cp):  # noqa: ANN001, ANN202 - rich Console, Contro
                   f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
                   f"--set image.repository={repo} --set image.tag={tag} --set image.pullPolicy=Never "
                   f"--set hostNetwork=true --set etcd.endpoints={{{cp.etcd_url}}}", highlight=False)
-    return node
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:

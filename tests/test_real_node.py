@@ -149,35 +149,35 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     from mlx_fleet.devcluster.controlplane import start_control_plane
     from mlx_fleet.devcluster.helm import ensure_helm
     from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
-    from mlx_fleet.devcluster.node import check_host, start_node
+    from mlx_fleet.devcluster.node import claim_host, start_node
+    from mlx_fleet.devcluster.nodeconfig import NodeSpec
 
     timings = Timings()
     try:
-        check_host()
-    except Exception as e:  # noqa: BLE001 - one readable line, never a skip
-        _fail("host", e)
-    try:
         binaries, helm = ensure_all(), ensure_helm()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - one readable line, never a skip
         _fail("building the control plane binaries", e)
-    spec = NodeSpec()
+    try:
+        node = claim_host(NodeSpec(), step=timings.record)
+    except Exception as e:  # noqa: BLE001
+        _fail("preparing the host", e)
     started = time.monotonic()
     try:
         # The chart installs the CRDs (its crds/ directory), so the control plane does not.
         cp = start_control_plane(tmp_path_factory.mktemp("real-node"), binaries=binaries,
-                                 install_crds=False, node_name=spec.name)
+                                 install_crds=False, node_name=node.spec.name,
+                                 node_address=node.spec.address)
     except Exception as e:  # noqa: BLE001
+        node.stop()
         _fail("starting the control plane", e)
     timings.record("control plane", time.monotonic() - started)
-    node = None
     try:
         started = time.monotonic()
         build_operator_image(REPO)
         timings.record("operator image build (buildah, incl. base when missing)", time.monotonic() - started)
-        node = start_node(cp, spec=spec, images=[OPERATOR_REF], step=timings.record)
+        start_node(cp, node, images=[OPERATOR_REF], step=timings.record)
     except Exception as e:  # noqa: BLE001
-        if node is not None:
-            node.stop()
+        node.stop()
         cp.stop()
         _fail("provisioning the node", e)
     ns = f"rn-{uuid.uuid4().hex[:6]}"

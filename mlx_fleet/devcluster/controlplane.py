@@ -220,13 +220,17 @@ def apiserver_access_args(node_name: str) -> list[str]:
 
 def start_control_plane(workdir: Path | None = None, *, binaries: Binaries | None = None,
                         install_crds: bool = True, keep_workdir: bool = False,
-                        timeout: float = 120.0, node_name: str = "") -> ControlPlane:
+                        timeout: float = 120.0, node_name: str = "",
+                        node_address: str = "") -> ControlPlane:
     """Start etcd ×2 and kube-apiserver on loopback, write a kubeconfig, install the CRDs.
 
     ``workdir``: where data, PKI, logs and the kubeconfig go (default: a new temp dir).
     ``node_name``: prepare for a real node of that name (:func:`apiserver_access_args`, and a
     token for its kubelet in ``ControlPlane.node_token``); start it with
-    :func:`mlx_fleet.devcluster.node.start_node`.
+    :func:`mlx_fleet.devcluster.node.start_node`. ``node_address``: the API server listens on
+    (and advertises) this local address instead of 127.0.0.1, so that the in-cluster
+    ``kubernetes`` Service gets an endpoint (the API server refuses a loopback one); it must
+    already be on the host (:func:`mlx_fleet.devcluster.node.claim_host`).
     Blocks until ``/readyz`` is OK. On any failure, everything started so far is stopped and
     :class:`ProcessFailed` is raised naming the component and its log file.
     """
@@ -249,11 +253,12 @@ def start_control_plane(workdir: Path | None = None, *, binaries: Binaries | Non
             tokens += f'{node_token},system:node:{node_name},node-{node_name},"system:nodes"\n'
         (pki / "tokens.csv").write_text(tokens)
         port = free_port()
-        url = f"https://127.0.0.1:{port}"
+        address = node_address or "127.0.0.1"
+        url = f"https://{address}:{port}"
         apiserver = ManagedProcess("kube-apiserver", [
             binaries.kube_apiserver,
             f"--etcd-servers={kube_etcd.client_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--bind-address={address}", f"--advertise-address={address}",
             f"--secure-port={port}", f"--cert-dir={pki}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",

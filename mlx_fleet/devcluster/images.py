@@ -140,8 +140,7 @@ def ensure_pause_image() -> str:
 def _trim_rootfs(root: Path) -> None:
     """Drop what a runtime image never reads: docs, man pages, locales, apt caches and lists."""
     for rel in ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
-                "var/cache/apt", "var/lib/apt/lists", "var/cache/debconf/templates.dat-old",
-                "var/log"):
+                "var/cache/apt", "var/lib/apt/lists", "var/log"):
         shutil.rmtree(root / rel, ignore_errors=True)
         (root / rel).mkdir(parents=True, exist_ok=True)
     for marker in root.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):

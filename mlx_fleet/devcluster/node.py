@@ -246,25 +246,21 @@ def provision(step: StepFn | None = None, progress=None) -> NodeBinaries:
     return binaries
 
 
-def start_node(cp: ControlPlane, *, spec: NodeSpec | None = None, images: list[str] = (),
-               step: StepFn | None = None, progress=None, timeout: float = 180.0,
-               kube_proxy: bool = True) -> Node:
-    """Provision (:func:`provision`) and start a node for ``cp`` (which must have been started
-    with ``node_name`` = ``spec.name``); import ``images`` (buildah refs, e.g.
-    :data:`~mlx_fleet.devcluster.images.OPERATOR_REF`) into its containerd; return once the
-    Node is Ready. ``kube_proxy``: also run kube-proxy (iptables mode); if it fails to start,
-    the node runs without it and :attr:`Node.kube_proxy_error` says why. Raises
-    :class:`NodeFailed` (or :class:`ProcessFailed` naming a log) after undoing what started.
+def claim_host(spec: NodeSpec | None = None, step: StepFn | None = None) -> Node:
+    """Prepare the host for a node before its control plane starts (the API server listens on
+    the node address, so that the in-cluster ``kubernetes`` Service has a routable endpoint):
+    install missing packages, take the machine's node lock (one local node at a time), record
+    the sysctls and iptables rules to give back, and add the node address (a bridge with the /32,
+    and an iptables rule dropping traffic to it that is not local). Returns a :class:`Node` not
+    yet started; its :meth:`Node.stop` undoes this. Raises :class:`NodeFailed`.
     """
+    import tempfile
+
     from filelock import FileLock, Timeout
 
+    check_host()
+    ensure_host_packages(step)
     spec = spec or NodeSpec()
-    if cp.node_name != spec.name or not cp.node_token:
-        raise NodeFailed(f"start the control plane with node_name={spec.name!r} (Node authorizer, "
-                         "ServiceAccount admission and the kubelet's token)")
-    binaries = provision(step, progress)
-    workdir = cp.workdir / "node"
-    workdir.mkdir(parents=True, exist_ok=True)
     state_root = cache_dir() / "node"
     state_root.mkdir(parents=True, exist_ok=True)
     lock = FileLock(state_root / "node.lock")
@@ -272,19 +268,11 @@ def start_node(cp: ControlPlane, *, spec: NodeSpec | None = None, images: list[s
         lock.acquire(timeout=0)
     except Timeout:
         raise NodeFailed(f"another local node is running on this machine (lock {lock.lock_file})") from None
+    workdir = Path(tempfile.mkdtemp(prefix="mlx-fleet-node-"))
     node = Node(spec=spec, workdir=workdir, containerd_address=workdir / "containerd.sock")
     node._undo.append(lock.release)
-    t0 = time.monotonic()
-
-    def done(what: str, since: float) -> float:
-        now = time.monotonic()
-        node.timings[what] = now - since
-        if step:
-            step(what, now - since)
-        return now
-
+    node._undo.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
     try:
-        # Host state to give back.
         sysctls_before, iptables_before = read_sysctls(), _iptables_save()
         node._undo.append(lambda: write_sysctls(sysctls_to_restore(sysctls_before, read_sysctls())))
         node._undo.append(lambda: _iptables_restore(iptables_before))
@@ -295,7 +283,41 @@ def start_node(cp: ControlPlane, *, spec: NodeSpec | None = None, images: list[s
         _run("ip", "addr", "add", f"{spec.address}/32", "dev", spec.link)
         _run("ip", "link", "set", spec.link, "up")
         _run("iptables", "-I", "INPUT", "-d", f"{spec.address}/32", "!", "-i", "lo", "-j", "DROP")
+    except BaseException:
+        node.stop()
+        raise
+    return node
 
+
+def start_node(cp: ControlPlane, node: Node, *, images: list[str] = (),
+               step: StepFn | None = None, progress=None, timeout: float = 180.0,
+               kube_proxy: bool = True) -> Node:
+    """Provision (:func:`provision`) and start ``node`` (from :func:`claim_host`) for ``cp``
+    (started with ``node_name``/``node_address`` of ``node.spec``); import ``images`` (buildah
+    refs, e.g. :data:`~mlx_fleet.devcluster.images.OPERATOR_REF`) into its containerd; return
+    once the Node is Ready. ``kube_proxy``: also run kube-proxy (iptables mode); if it fails to
+    start, the node runs without it and :attr:`Node.kube_proxy_error` says why. Raises
+    :class:`NodeFailed` (or :class:`ProcessFailed` naming a log) after undoing everything
+    (``node`` included).
+    """
+    spec, workdir = node.spec, node.workdir
+    if cp.node_name != spec.name or not cp.node_token:
+        node.stop()
+        raise NodeFailed(f"start the control plane with node_name={spec.name!r} (Node authorizer, "
+                         "ServiceAccount admission and the kubelet's token)")
+    state_root = cache_dir() / "node"
+    t0 = time.monotonic()
+
+    def done(what: str, since: float) -> float:
+        now = time.monotonic()
+        node.timings[what] = now - since
+        if step:
+            step(what, now - since)
+        return now
+
+    try:
+        binaries = provision(step, progress)
+        t0 = time.monotonic()
         # containerd: images and snapshots cached across runs, state per run.
         cni_conf = workdir / "cni"
         cni_conf.mkdir(exist_ok=True)
@@ -308,7 +330,7 @@ def start_node(cp: ControlPlane, *, spec: NodeSpec | None = None, images: list[s
         containerd = ManagedProcess("containerd", [
             "containerd", "--config", config, "--root", root, "--state", state,
             "--address", node.containerd_address, "--log-level", "warn",
-        ], workdir / "logs" / "containerd.log")
+        ], cp.logs_dir / "containerd.log")
         node.processes.append(containerd)
         node._undo.append(lambda: _unmount_all([state, workdir]))
         node._undo.append(containerd.stop)
@@ -330,14 +352,14 @@ def start_node(cp: ControlPlane, *, spec: NodeSpec | None = None, images: list[s
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'apiserver.crt'}", "--leader-elect=false",
             "--v=1",
-        ], workdir / "logs" / "kube-controller-manager.log")
+        ], cp.logs_dir / "kube-controller-manager.log")
         node.processes.append(cm)
         node._undo.append(cm.stop)
         sched = ManagedProcess("kube-scheduler", [
             binaries.kube_scheduler, f"--kubeconfig={admin}",
             f"--authentication-kubeconfig={admin}", f"--authorization-kubeconfig={admin}",
             "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--leader-elect=false", "--v=1",
-        ], workdir / "logs" / "kube-scheduler.log")
+        ], cp.logs_dir / "kube-scheduler.log")
         node.processes.append(sched)
         node._undo.append(sched.stop)
 
@@ -355,7 +377,7 @@ def start_node(cp: ControlPlane, *, spec: NodeSpec | None = None, images: list[s
             f"--kubeconfig={_kubeconfig(workdir / 'kubelet.kubeconfig', cp.apiserver_url, pki / 'apiserver.crt', f'system:node:{spec.name}', cp.node_token)}",
             f"--root-dir={kubelet_root}", f"--node-ip={spec.address}",
             f"--hostname-override={spec.name}", "--v=1",
-        ], workdir / "logs" / "kubelet.log")
+        ], cp.logs_dir / "kubelet.log")
         node.processes.append(kubelet)
         node._undo.append(_remove_cgroups)
         node._undo.append(lambda: _unmount_all([kubelet_root]))
@@ -385,7 +407,7 @@ def _start_kube_proxy(node: Node, cp: ControlPlane, binaries: NodeBinaries, kube
         f"--metrics-bind-address=127.0.0.1:{free_port()}",
         "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0",
         "--conntrack-tcp-timeout-close-wait=0", "--v=1",
-    ], node.workdir / "logs" / "kube-proxy.log")
+    ], cp.logs_dir / "kube-proxy.log")
     node.processes.append(proc)
     node._undo.append(proc.stop)
 
