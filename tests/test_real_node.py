@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -213,17 +214,37 @@ def _operator_pod(rc: RealCluster) -> dict:
 
 
 def _wait_pod_ready(rc: RealCluster, not_uid: str = "", timeout: float = 180) -> dict:
-    """The operator Pod once Running and Ready (and not the Pod ``not_uid``)."""
-    rc.cp.kubectl("wait", "--for=condition=Ready", "pod", "-l", "app.kubernetes.io/name=mlx-fleet",
-                  "-n", rc.namespace, f"--timeout={int(timeout)}s", timeout=timeout + 10)
-    deadline = time.monotonic() + timeout
-    while True:
-        pod = _operator_pod(rc)
-        ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready")
-        if pod["metadata"]["uid"] != not_uid and pod["status"].get("phase") == "Running" and ready == "True":
-            return pod
-        assert time.monotonic() < deadline, f"operator Pod not replaced and Ready: {pod['status']}"
-        time.sleep(0.5)
+    """The first operator Pod (other than the Pod ``not_uid``) seen Running and Ready, through
+    a watch (``kubectl get -w``: the current Pods, then every change). Fails after ``timeout``."""
+    proc = subprocess.Popen(
+        [str(rc.cp.binaries.kubectl), "--kubeconfig", str(rc.cp.kubeconfig), "get", "pods", "-l",
+         "app.kubernetes.io/name=mlx-fleet", "-n", rc.namespace, "-w", "-o", "json",
+         "--output-watch-events"], stdout=subprocess.PIPE, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    last: dict = {}
+    try:
+        assert proc.stdout is not None
+        decoder, buf = json.JSONDecoder(), ""
+        for line in proc.stdout:
+            buf += line
+            try:
+                ev, end = decoder.raw_decode(buf.lstrip())
+            except json.JSONDecodeError:
+                continue  # an object spans several lines: read on
+            buf = buf.lstrip()[end:]
+            pod = last = ev["object"]
+            ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready")
+            if (ev["type"] != "DELETED" and pod["metadata"]["uid"] != not_uid
+                    and not pod["metadata"].get("deletionTimestamp")
+                    and pod["status"].get("phase") == "Running" and ready == "True"):
+                return pod
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"no new operator Pod Running and Ready after {timeout:.0f}s; last seen: "
+                         f"{last.get('metadata', {}).get('name')} {last.get('status')}")
 
 
 def _container_process(rc: RealCluster, pod: dict) -> dict[str, str]:
@@ -245,7 +266,11 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
 
     from fleet_helpers import manifest, wait_ready
 
+    from mlx_fleet.devcluster.images import HOST_CA_BUNDLE, OPERATOR_REF, read_image_file
+
     rc, cp = real_cluster, real_cluster.cp
+    # The host's CA bundle (with the intercepting proxy's CA) was trusted by the build only.
+    assert read_image_file(OPERATOR_REF, "/etc/ssl/certs/ca-certificates.crt") != HOST_CA_BUNDLE.read_bytes()
     keys = Keys(f"/mlx-fleet-real-node/{uuid.uuid4().hex[:8]}")
     values = ["--set", "image.repository=localhost/mlx-fleet/mlx-fleet-operator", "--set", "image.tag=dev",
               "--set", "image.pullPolicy=Never", "--set", "hostNetwork=true",
@@ -305,7 +330,10 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     # helm uninstall: the operator goes; CRDs (helm never deletes crds/), the ModelDeployment
     # and the Macs' assignments stay, and the agents keep serving (docs/operator.md).
     _helm(rc, "uninstall", "mlx-fleet", "--wait")
+    cp.kubectl("wait", "--for=delete", "pod", "-l", "app.kubernetes.io/name=mlx-fleet", "-n",
+               rc.namespace, "--timeout=120s", timeout=130)
     assert _json(rc, "get", "pods", "-l", "app.kubernetes.io/name=mlx-fleet")["items"] == []
+    assert _json(rc, "get", "deployments")["items"] == []
     assert _json(rc, "get", "modeldeployment", name)["metadata"]["name"] == name
     assert asyncio.run(_complete(endpoints[1], name)) >= 1
     for agent in agents:

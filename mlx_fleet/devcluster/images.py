@@ -192,6 +192,17 @@ def build_operator_image(repo: Path, *, ca_bundle: Path = HOST_CA_BUNDLE) -> str
     return image_id(OPERATOR_REF) or ""
 
 
+def read_image_file(ref: str, path: str) -> bytes:
+    """The content of ``path`` in image ``ref`` (from the buildah store); raises
+    :class:`BuildError` when the image is absent, ``OSError`` when the file is."""
+    ctr_id = buildah("from", "--pull-never", ref).strip()
+    try:
+        mnt = Path(buildah("mount", ctr_id).strip())
+        return (mnt / path.lstrip("/")).read_bytes()
+    finally:
+        buildah("rm", ctr_id)
+
+
 def export_archive(ref: str, dest: Path) -> Path:
     """Write ``ref`` as a ``docker-archive`` tarball (``docker save`` format) at ``dest``."""
     dest.unlink(missing_ok=True)
