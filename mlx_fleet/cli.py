@@ -37,6 +37,8 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         helm = progress_builder(console, ensure_helm)  # the chart tests lint and render with it
         # the dashboards' queries are checked against it; promtool lints the expositions
         prom = progress_builder(console, ensure_prometheus)
+        if args.node:
+            _provision_node(console)
     except BuildError as e:
         console.print(f"[red]build failed:[/] {e}")
         return 1
@@ -48,6 +50,26 @@ def _cmd_provision(args: argparse.Namespace) -> int:
                            ("prometheus", prom.prometheus), ("promtool", prom.promtool)):
             console.print(f"[green]✓[/] {name}: {path}")
     return 0
+
+
+def _provision_node(console) -> None:  # noqa: ANN001 - rich Console
+    """``provision --node``: what ``dev up --node`` needs, ahead of time (Debian packages, the
+    node's Kubernetes components, the pause and Python base images, the operator image)."""
+    import time
+
+    from mlx_fleet.devcluster.controlplane import REPO_ROOT
+    from mlx_fleet.devcluster.images import build_operator_image
+    from mlx_fleet.devcluster.node import NodeFailed, provision
+
+    step = _print_step(console)
+    try:
+        progress_builder(console, lambda progress: provision(step, progress))
+    except NodeFailed as e:
+        raise BuildError(str(e)) from e
+    started = time.monotonic()
+    with console.status("building the operator image (buildah; the Debian base on first use)"):
+        build_operator_image(REPO_ROOT)
+    step("operator image", time.monotonic() - started)
 
 
 def _state_file() -> Path:
@@ -248,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "takes many minutes; later calls return at once.")
     s.add_argument("--print-bin-dir", action="store_true",
                    help="print the directories holding the binaries (for PATH) and nothing else")
+    s.add_argument("--node", action="store_true",
+                   help="also provision what `dev up --node` needs (Linux, root): Debian packages, "
+                        "kubelet, kube-controller-manager, kube-scheduler, kube-proxy, the pause, "
+                        "Python base and operator images")
     s.set_defaults(func=_cmd_provision)
 
     dev = sub.add_parser("dev", help="run a local control plane on loopback").add_subparsers(
