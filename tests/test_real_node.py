@@ -297,6 +297,8 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["hostNetwork"] is True
+    # The API server reaches the kubelet (kubectl logs), through the node's InternalIP.
+    assert cp.kubectl("logs", pod["metadata"]["name"], "-n", rc.namespace).stdout.strip()
 
     # Agents on the host register in etcd.
     agents = [start_agent(cp, f"mac-{i}", etcd_prefix=keys.root, memory="64Gi", lease_ttl=5)

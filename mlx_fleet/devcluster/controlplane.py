@@ -212,9 +212,11 @@ def _write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
 def apiserver_access_args(node_name: str) -> list[str]:
     """Authorization and admission flags of kube-apiserver: without a node, RBAC alone and no
     ServiceAccount admission (nothing runs Pods); with one (``node_name``), the Node authorizer
-    and NodeRestriction for its kubelet, and ServiceAccount admission so that Pods get tokens."""
+    and NodeRestriction for its kubelet, ServiceAccount admission so that Pods get tokens, and
+    the kubelet reached by its InternalIP (``kubectl logs``; its hostname resolves nowhere)."""
     if node_name:
-        return ["--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction"]
+        return ["--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+                "--kubelet-preferred-address-types=InternalIP"]
     return ["--authorization-mode=RBAC", "--disable-admission-plugins=ServiceAccount"]
 
 
