@@ -263,6 +263,7 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     from mlx_fleet.contract import Keys
     from mlx_fleet.devcluster.fleet import start_agent
     from mlx_fleet.devcluster.processes import free_port
+    from mlx_fleet.devcluster.promserver import ScrapeTarget, start_prometheus
 
     from fleet_helpers import manifest, wait_ready
 
@@ -312,6 +313,20 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     endpoints = md["status"]["endpoints"]
     assert sorted(endpoints) == sorted(a.url for a in agents)
     assert asyncio.run(_complete(endpoints[0], name)) >= 1
+
+    # Prometheus (the dev set-up's) scrapes the in-cluster operator through the chart's metrics
+    # Service: its ClusterIP, routed to the Pod by kube-proxy.
+    svc = _json(rc, "get", "service", "mlx-fleet-metrics")["spec"]
+    prom = start_prometheus(cp.workdir / "prometheus",
+                            [ScrapeTarget(f"{svc['clusterIP']}:{svc['ports'][0]['port']}")],
+                            interval="1s")
+    try:
+        prom.wait_for_scrapes(1, timeout=60)
+        ready = prom.query(f'mlxfleet_operator_deployment_replicas{{namespace="{rc.namespace}",'
+                           f'name="{name}",state="ready"}}')
+        assert [s["value"][1] for s in ready] == ["2"], ready
+    finally:
+        prom.stop()
 
     # helm upgrade with a changed value while clients send requests: the Pod is replaced, no
     # request fails.
