@@ -351,7 +351,9 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
                rc.namespace, "--timeout=120s", timeout=130)
     assert _json(rc, "get", "pods", "-l", "app.kubernetes.io/name=mlx-fleet")["items"] == []
     assert _json(rc, "get", "deployments")["items"] == []
-    assert _json(rc, "get", "modeldeployment", name)["metadata"]["name"] == name
+    assert "mlx-fleet.io/finalizer" in _json(rc, "get", "modeldeployment", name)["metadata"]["finalizers"]
+    assignments = asyncio.run(_keys(cp.etcd_url, keys.assignments_prefix))
+    assert len(assignments) == 2 and set(asyncio.run(_node_names(cp.etcd_url, keys))) == {"mac-0", "mac-1"}
     assert asyncio.run(_complete(endpoints[1], name)) >= 1
     for agent in agents:
         agent.process.stop()
@@ -363,6 +365,13 @@ async def _node_names(etcd_url: str, keys) -> list[str]:
     async with EtcdStore(etcd_url) as store:
         listing = await store.list(keys.nodes_prefix)
         return [kv.key.removeprefix(keys.nodes_prefix) for kv in listing.items]
+
+
+async def _keys(etcd_url: str, prefix: str) -> list[str]:
+    from mlx_fleet.store import EtcdStore
+
+    async with EtcdStore(etcd_url) as store:
+        return [kv.key for kv in (await store.list(prefix)).items]
 
 
 async def _complete(endpoint: str, model: str) -> int:
