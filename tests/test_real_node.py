@@ -129,8 +129,11 @@ class Timings:
 
 
 def _fail(step: str, error: BaseException) -> None:
-    pytest.fail(f"real node: {step}: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}",
-                pytrace=False)
+    """Fail (never skip) with one line: the step, the error's first line and, when the error
+    carries a log tail, its last line."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    detail = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1].strip()}"
+    pytest.fail(f"real node: {step}: {detail}", pytrace=False)
 
 
 @dataclass

@@ -183,13 +183,21 @@ def build_operator_image(repo: Path, *, ca_bundle: Path = HOST_CA_BUNDLE) -> str
     """``buildah bud`` the repository's ``Dockerfile`` on :data:`BASE_REF` as
     :data:`OPERATOR_REF`; returns the image ID. ``ca_bundle`` is trusted by the build's ``RUN``
     steps only (a read-only bind mount, absent from the image). Unchanged steps come from the
-    layer cache. Raises :class:`BuildError` with buildah's output tail."""
+    layer cache; the image this one replaces is removed from the store (not the layer cache).
+    Raises :class:`BuildError` with buildah's output tail."""
     ensure_base_image()
+    previous = image_id(OPERATOR_REF)
     mounts = ["--volume", f"{ca_bundle}:/etc/ssl/certs/ca-certificates.crt:ro"] if ca_bundle.is_file() else []
     buildah("bud", "--isolation", "chroot", "--layers", "--pull-never", *mounts,
             "--build-arg", f"BASE_IMAGE={BASE_REF}", "-f", repo / "Dockerfile",
             "-t", OPERATOR_REF, repo)
-    return image_id(OPERATOR_REF) or ""
+    built = image_id(OPERATOR_REF) or ""
+    if previous and previous != built:
+        try:
+            buildah("rmi", previous)
+        except BuildError as e:  # still used by a container: harmless, left for later
+            log.info("kept the previous operator image %s: %s", previous, e)
+    return built
 
 
 def read_image_file(ref: str, path: str) -> bytes:

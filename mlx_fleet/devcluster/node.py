@@ -16,15 +16,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_fleet.devcluster.binaries import BuildError, NodeBinaries, cache_dir, ensure_node_binaries
+from mlx_fleet.devcluster.binaries import (
+    BuildError,
+    NodeBinaries,
+    ProgressFn,
+    cache_dir,
+    ensure_node_binaries,
+)
 from mlx_fleet.devcluster.controlplane import ControlPlane
 from mlx_fleet.devcluster.nodeconfig import (
     NodeSpec,
@@ -118,12 +125,14 @@ def _iptables_save() -> dict[str, str]:
 
 
 def _iptables_restore(saved: Mapping[str, str]) -> None:
+    """Put back the tables ``saved`` held; tables it did not hold (created by the kubelet or
+    kube-proxy) are flushed and their chains deleted (the empty tables themselves stay)."""
     for tool, text in saved.items():
-        # An empty save means "no tables loaded": flush what the node added.
         if text.strip():
             _run(f"{tool}-restore", input=text, check=False)
-        else:
-            for table in ("filter", "nat", "mangle"):
+        had = set(re.findall(r"^\*(\w+)$", text, re.M))
+        for table in ("filter", "nat", "mangle", "raw"):
+            if table not in had:
                 _run(tool, "-t", table, "-F", check=False)
                 _run(tool, "-t", table, "-X", check=False)
 
@@ -227,7 +236,7 @@ def check_host() -> None:
         raise NodeFailed("a real node needs root (containerd, the kubelet, iptables, links)")
 
 
-def provision(step: StepFn | None = None, progress=None) -> NodeBinaries:
+def provision(step: StepFn | None = None, progress: ProgressFn | None = None) -> NodeBinaries:
     """Everything the node needs before it starts, each step skipped when already done:
     Debian packages, the Go-built components, the pause image. Returns the binaries."""
     check_host()
@@ -289,8 +298,8 @@ def claim_host(spec: NodeSpec | None = None, step: StepFn | None = None) -> Node
     return node
 
 
-def start_node(cp: ControlPlane, node: Node, *, images: list[str] = (),
-               step: StepFn | None = None, progress=None, timeout: float = 180.0,
+def start_node(cp: ControlPlane, node: Node, *, images: Sequence[str] = (),
+               step: StepFn | None = None, progress: ProgressFn | None = None, timeout: float = 180.0,
                kube_proxy: bool = True) -> Node:
     """Provision (:func:`provision`) and start ``node`` (from :func:`claim_host`) for ``cp``
     (started with ``node_name``/``node_address`` of ``node.spec``); import ``images`` (buildah
@@ -367,14 +376,14 @@ def start_node(cp: ControlPlane, node: Node, *, images: list[str] = (),
         kubelet_root = workdir / "kubelet"
         kubelet_root.mkdir(exist_ok=True)
         kcfg = workdir / "kubelet-config.json"
-        healthz = free_port()
         kcfg.write_text(json.dumps(kubelet_config(
-            spec, port=free_port(), healthz_port=healthz,
+            spec, port=free_port(), healthz_port=free_port(),
             runtime_endpoint=f"unix://{node.containerd_address}", pod_logs_dir=workdir / "pod-logs"),
             indent=2))
+        kubeconfig = _kubeconfig(workdir / "kubelet.kubeconfig", cp.apiserver_url,
+                                 pki / "apiserver.crt", f"system:node:{spec.name}", cp.node_token)
         kubelet = ManagedProcess("kubelet", [
-            binaries.kubelet, f"--config={kcfg}",
-            f"--kubeconfig={_kubeconfig(workdir / 'kubelet.kubeconfig', cp.apiserver_url, pki / 'apiserver.crt', f'system:node:{spec.name}', cp.node_token)}",
+            binaries.kubelet, f"--config={kcfg}", f"--kubeconfig={kubeconfig}",
             f"--root-dir={kubelet_root}", f"--node-ip={spec.address}",
             f"--hostname-override={spec.name}", "--v=1",
         ], cp.logs_dir / "kubelet.log")
