@@ -196,7 +196,7 @@ def build_operator_image(repo: Path, *, ca_bundle: Path = HOST_CA_BUNDLE) -> str
         try:
             buildah("rmi", previous)
         except BuildError as e:  # still used by a container: harmless, left for later
-            log.info("kept the previous operator image %s: %s", previous, e)
+            log.warning("kept the previous operator image %s: %s", previous, e)
     return built
 
 
