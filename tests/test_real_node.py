@@ -34,6 +34,7 @@ from mlx_fleet.devcluster.nodeconfig import (
     kubelet_config,
     node_ready,
     sysctls_to_restore,
+    tables_to_flush,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +97,14 @@ def test_kubelet_config_for_cgroup_v1_without_systemd_on_the_node_address() -> N
 ], ids=["changed", "unchanged", "gone-after", "new-key"])
 def test_sysctls_to_restore(before: dict, after: dict, restore: dict) -> None:
     assert sysctls_to_restore(before, after) == restore
+
+
+@pytest.mark.parametrize(("saved", "flush"), [
+    ("", ["filter", "nat", "mangle", "raw"]),
+    ("# Generated\n*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n*nat\nCOMMIT\n", ["mangle", "raw"]),
+], ids=["nothing-loaded", "filter-and-nat-saved"])
+def test_tables_absent_before_the_node_are_flushed(saved: str, flush: list[str]) -> None:
+    assert tables_to_flush(saved) == flush
 
 
 @pytest.mark.parametrize(("node", "ready"), [

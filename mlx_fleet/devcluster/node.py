@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from mlx_fleet.devcluster.nodeconfig import (
     kubelet_config,
     node_ready,
     sysctls_to_restore,
+    tables_to_flush,
 )
 from mlx_fleet.devcluster.images import PAUSE_REF, ensure_pause_image, import_images
 from mlx_fleet.devcluster.processes import ManagedProcess, ProcessFailed, free_port
@@ -130,11 +130,9 @@ def _iptables_restore(saved: Mapping[str, str]) -> None:
     for tool, text in saved.items():
         if text.strip():
             _run(f"{tool}-restore", input=text, check=False)
-        had = set(re.findall(r"^\*(\w+)$", text, re.M))
-        for table in ("filter", "nat", "mangle", "raw"):
-            if table not in had:
-                _run(tool, "-t", table, "-F", check=False)
-                _run(tool, "-t", table, "-X", check=False)
+        for table in tables_to_flush(text):
+            _run(tool, "-t", table, "-F", check=False)
+            _run(tool, "-t", table, "-X", check=False)
 
 
 def _mounts_under(roots: list[Path]) -> list[str]:

@@ -104,3 +104,14 @@ def node_ready(node: Mapping) -> bool:
     """Whether a Node object (as JSON) has condition ``Ready`` = ``"True"``."""
     conds = node.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+#: The iptables tables the kubelet and kube-proxy write to.
+IPTABLES_TABLES = ("filter", "nat", "mangle", "raw")
+
+
+def tables_to_flush(saved: str) -> list[str]:
+    """The :data:`IPTABLES_TABLES` absent from ``saved`` (``iptables-save`` output taken before
+    the node started): restoring ``saved`` leaves those alone, so they are flushed instead."""
+    had = set(re.findall(r"^\*(\w+)$", saved, re.M))
+    return [t for t in IPTABLES_TABLES if t not in had]
