@@ -306,6 +306,10 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     assert proc["Uid"].split()[:2] == ["65532", "65532"] and proc["Gid"].split()[0] == "65532"
     assert int(proc["CapEff"], 16) == 0 and int(proc["CapPrm"], 16) == 0
     assert proc["NoNewPrivs"] == "1"
+    # Its memory against the chart's default limit (values.yaml resources: 512Mi).
+    rss_mib = int(proc["VmRSS"].split()[0]) / 1024
+    print(f"\noperator Pod RSS after start: {rss_mib:.0f} MiB")
+    assert rss_mib < 512
     c = pod["spec"]["containers"][0]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
