@@ -171,10 +171,9 @@ class Node:
     _undo: list[Callable[[], None]] = field(default_factory=list)
 
     def stop(self) -> None:
-        """Remove the Pods' containers, stop the processes (newest first), unmount what they
-        mounted, delete the links, restore iptables and sysctls. Best effort: every step runs."""
-        with contextlib.suppress(Exception):
-            self._kill_containers()
+        """Stop the kubelet, then remove the Pods' containers (so that nothing restarts them),
+        stop the other processes (newest first), unmount what they mounted, delete the links,
+        restore iptables and sysctls. Best effort: every step runs; a second call does nothing."""
         for undo in reversed(self._undo):
             with contextlib.suppress(Exception):
                 undo()
@@ -388,8 +387,8 @@ def start_node(cp: ControlPlane, node: Node, *, images: Sequence[str] = (),
         node.processes.append(kubelet)
         node._undo.append(_remove_cgroups)
         node._undo.append(lambda: _unmount_all([kubelet_root]))
-        node._undo.append(kubelet.stop)
         node._undo.append(node._kill_containers)
+        node._undo.append(kubelet.stop)
 
         if kube_proxy:
             _start_kube_proxy(node, cp, binaries, admin)
