@@ -2,8 +2,9 @@
 
 Commands:
   provision         build (once) and cache etcd, kube-apiserver, kubectl, helm, prometheus and promtool
-                    from the Go module proxy
+                    from the Go module proxy (--node: also what a real node needs)
   dev up / dev down run / stop a local control plane (and optionally operator + agents) on loopback
+                    (--node: plus a real kubelet node running the chart's Pods; Linux, root)
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
   status            print nodes, assignments and agent reports from etcd
