@@ -1,8 +1,11 @@
 # The mlx-fleet operator image (charts/mlx-fleet runs `mlx-fleet-operator` in it).
-# Unbuilt and untested here: this project's machines have no Docker engine. scripts/kind-up.sh
-# builds it (`docker build -t mlx-fleet-operator:dev .`); tests/test_packaging.py checks it
-# statically against the chart (user, ports, entry point).
-FROM python:3.11-slim AS build
+# With a registry: `docker build -t mlx-fleet-operator:dev .` (scripts/kind-up.sh). With none
+# (this project's machines): mlx_fleet/devcluster/images.py builds it with buildah on a Python base
+# made from Debian packages (BASE_IMAGE) and imports it into containerd; tests/test_real_node.py
+# runs it on a real kubelet. tests/test_packaging.py checks it statically against the chart.
+# BASE_IMAGE: any image with python3 >= 3.11 and pip on PATH as `python`/`pip`.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY mlx_fleet ./mlx_fleet
@@ -11,7 +14,7 @@ COPY node_agent ./node_agent
 COPY router ./router
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 # Non-root, matching the chart's podSecurityContext (runAsUser/runAsGroup 65532). The root

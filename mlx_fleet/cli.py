@@ -2,8 +2,9 @@
 
 Commands:
   provision         build (once) and cache etcd, kube-apiserver, kubectl, helm, prometheus and promtool
-                    from the Go module proxy
+                    from the Go module proxy (--node: also what a real node needs)
   dev up / dev down run / stop a local control plane (and optionally operator + agents) on loopback
+                    (--node: plus a real kubelet node running the chart's Pods; Linux, root)
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
   status            print nodes, assignments and agent reports from etcd
@@ -37,6 +38,8 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         helm = progress_builder(console, ensure_helm)  # the chart tests lint and render with it
         # the dashboards' queries are checked against it; promtool lints the expositions
         prom = progress_builder(console, ensure_prometheus)
+        if args.node:
+            _provision_node(console)
     except BuildError as e:
         console.print(f"[red]build failed:[/] {e}")
         return 1
@@ -48,6 +51,26 @@ def _cmd_provision(args: argparse.Namespace) -> int:
                            ("prometheus", prom.prometheus), ("promtool", prom.promtool)):
             console.print(f"[green]✓[/] {name}: {path}")
     return 0
+
+
+def _provision_node(console) -> None:  # noqa: ANN001 - rich Console
+    """``provision --node``: what ``dev up --node`` needs, ahead of time (Debian packages, the
+    node's Kubernetes components, the pause and Python base images, the operator image)."""
+    import time
+
+    from mlx_fleet.devcluster.controlplane import REPO_ROOT
+    from mlx_fleet.devcluster.images import build_operator_image
+    from mlx_fleet.devcluster.node import NodeFailed, provision
+
+    step = _print_step(console)
+    try:
+        progress_builder(console, lambda progress: provision(step, progress))
+    except NodeFailed as e:
+        raise BuildError(str(e)) from e
+    started = time.monotonic()
+    with console.status("building the operator image (buildah; the Debian base on first use)"):
+        build_operator_image(REPO_ROOT)
+    step("operator image", time.monotonic() - started)
 
 
 def _state_file() -> Path:
@@ -65,20 +88,32 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     from mlx_fleet.devcluster.promserver import ScrapeTarget, start_prometheus
 
     from mlx_fleet.devcluster.binaries import BuildError
+    from mlx_fleet.devcluster.node import NodeFailed
     from mlx_fleet.devcluster.processes import ProcessFailed
 
     console = make_console(stderr=True)
+    node = None
     try:
         binaries = progress_builder(console, ensure_all)
+        if args.node:
+            from mlx_fleet.devcluster.node import claim_host
+
+            node = claim_host(step=_print_step(console))
         with console.status("starting etcd ×2 and kube-apiserver"):
             cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
-                                     keep_workdir=args.keep)
-    except (BuildError, ProcessFailed) as e:
+                                     keep_workdir=args.keep,
+                                     node_name=node.spec.name if node else "",
+                                     node_address=node.spec.address if node else "")
+    except (BuildError, ProcessFailed, NodeFailed) as e:
+        if node is not None:
+            node.stop()
         console.print(f"[red]error:[/] {e}")
         return 1
     try:
         prometheus_url = router_url = None
         try:
+            if node is not None:
+                _start_dev_node(console, cp, node)
             targets = []
             if args.operator:
                 with console.status("starting the operator"):
@@ -99,7 +134,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                                             binaries=prom_bins)
                     cp.extra.append(prom.process)
                 prometheus_url = prom.url
-        except (ProcessFailed, BuildError) as e:
+        except (ProcessFailed, BuildError, NodeFailed) as e:
             console.print(f"[red]error:[/] {e}")
             return 1
         state = {"pid": os.getpid(), "workdir": str(cp.workdir), "kubeconfig": str(cp.kubeconfig),
@@ -128,9 +163,45 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
         while not stop:
             signal.pause()
     finally:
+        if node is not None:
+            node.stop()
         cp.stop()
         _state_file().unlink(missing_ok=True)
     return 0
+
+
+def _print_step(console):  # noqa: ANN001, ANN202 - rich Console -> StepFn
+    def step(what: str, seconds: float) -> None:
+        console.print(f"[green]✓[/] {what} ({seconds:.1f}s)", highlight=False)
+
+    return step
+
+
+def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, ControlPlane, Node
+    """``dev up --node``: start the real node claimed by ``node``, with the operator image built
+    from this repository and imported; prints each step's time and how to install the chart."""
+    import time
+
+    from mlx_fleet.devcluster.controlplane import REPO_ROOT
+    from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
+    from mlx_fleet.devcluster.node import start_node
+
+    step = _print_step(console)
+    started = time.monotonic()
+    with console.status("building the operator image (buildah; the Debian base on first use)"):
+        build_operator_image(REPO_ROOT)
+    step(f"operator image {OPERATOR_REF}", time.monotonic() - started)
+    progress_builder(console, lambda progress: start_node(
+        cp, node, images=[OPERATOR_REF], step=step, progress=progress))
+    api_port = cp.apiserver_url.rsplit(":", 1)[1]
+    proxy = ("kube-proxy running" if node.kube_proxy is not None else
+             f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
+             f"--set kubernetesAPI.port={api_port}")
+    repo, tag = OPERATOR_REF.rsplit(":", 1)
+    console.print(f"[green]node {cp.node_name} Ready[/] ({proxy}). Install the chart:\n"
+                  f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
+                  f"--set image.repository={repo} --set image.tag={tag} --set image.pullPolicy=Never "
+                  f"--set hostNetwork=true --set etcd.endpoints={{{cp.etcd_url}}}", highlight=False)
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:
@@ -206,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "takes many minutes; later calls return at once.")
     s.add_argument("--print-bin-dir", action="store_true",
                    help="print the directories holding the binaries (for PATH) and nothing else")
+    s.add_argument("--node", action="store_true",
+                   help="also provision what `dev up --node` needs (Linux, root): Debian packages, "
+                        "kubelet, kube-controller-manager, kube-scheduler, kube-proxy, the pause, "
+                        "Python base and operator images")
     s.set_defaults(func=_cmd_provision)
 
     dev = sub.add_parser("dev", help="run a local control plane on loopback").add_subparsers(
@@ -224,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "OpenAI endpoint for the whole fleet; prints its URL")
     up.add_argument("--router-port", type=int, default=0, metavar="PORT",
                     help="the router's port (default: a free one)")
+    up.add_argument("--node", action="store_true",
+                    help="also run a real node (Linux, root): containerd, kubelet, kube-proxy, "
+                         "controller-manager and scheduler, with the operator image built from "
+                         "this repository imported, so that the chart's Pods run "
+                         "(docs/development.md, \"A real node\")")
     up.add_argument("--keep", action="store_true", help="keep the working directory on exit")
     up.set_defaults(func=_cmd_dev_up)
     down = dev.add_parser("down", help="stop a running `mlx-fleet dev up`")

@@ -349,14 +349,52 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path,
     (("--set", "etcd.endpoints={etcd:2379}"), "at '/etcd/endpoints/0'"),
     (("--set", "serviceMonitor.interval=30"), "at '/serviceMonitor/interval'"),
     (("--set", "operatr.verbose=true"), "additional properties 'operatr' not allowed"),
+    (("--set", "dnsPolicy=Cluster"), "at '/dnsPolicy'"),
+    (("--set", "hostNetwork=yes"), "at '/hostNetwork': got string, want boolean"),
+    (("--set", "kubernetesAPI.host=https://x"), "at '/kubernetesAPI/host'"),
+    (("--set", "probes.startup.periodSeconds=0"), "at '/probes/startup/periodSeconds'"),
+    (("--set", "probes.startup.httpGet=x"), "additional properties 'httpGet' not allowed"),
 ], ids=["negative-replicas", "port-not-int", "pull-policy", "endpoint-scheme", "interval-unit",
-        "typo"])
+        "typo", "dns-policy", "host-network-bool", "api-host-not-url", "probe-period",
+        "probe-handler-fixed"])
 def test_values_schema_rejects_bad_values_with_a_message(helm: Path, flags: tuple[str, ...],
                                                          message: str) -> None:
     proc = run_helm(helm, "template", RELEASE, str(CHART), *flags)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
     assert message in proc.stderr, proc.stderr
+
+
+def test_host_network_and_dns_policy(helm: Path, default_docs: list[dict[str, Any]]) -> None:
+    pod = one(default_docs, "Deployment")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in pod and "dnsPolicy" not in pod  # the cluster's defaults
+    pod = one(render(helm, "--set", "hostNetwork=true"), "Deployment")["spec"]["template"]["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    pod = one(render(helm, "--set", "hostNetwork=true", "--set", "dnsPolicy=Default"),
+              "Deployment")["spec"]["template"]["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "Default")
+
+
+def test_kubernetes_api_override_is_opt_in(helm: Path, default_docs: list[dict[str, Any]]) -> None:
+    assert not [e for e in _container(default_docs)["env"] if e["name"].startswith("KUBERNETES_")]
+    env = _container(render(helm, "--set", "kubernetesAPI.host=127.0.0.1",
+                            "--set", "kubernetesAPI.port=6443"))["env"]
+    assert {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"} in env
+    assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in env
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "kubernetesAPI.port=6443")
+    assert proc.returncode != 0 and "kubernetesAPI.port needs kubernetesAPI.host" in proc.stderr
+
+
+def test_probes_all_use_healthz_with_the_values_timings(helm: Path,
+                                                        default_docs: list[dict[str, Any]]) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["probes"]
+    c = _container(default_docs)
+    for kind in ("startup", "liveness", "readiness"):
+        probe = c[f"{kind}Probe"]
+        assert probe.pop("httpGet") == {"path": "/healthz", "port": "health"}
+        assert probe == values[kind]
+    c = _container(render(helm, "--set", "probes.readiness.periodSeconds=3"))
+    assert c["readinessProbe"]["periodSeconds"] == 3
 
 
 def test_values_defaults() -> None:

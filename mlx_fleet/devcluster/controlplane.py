@@ -117,6 +117,10 @@ class ControlPlane:
     token: str
     keep_workdir: bool = False
     extra: list[ManagedProcess] = field(default_factory=list)
+    #: With a real node (:mod:`mlx_fleet.devcluster.node`): its name and its kubelet's token
+    #: (user ``system:node:<name>`` in ``system:nodes``); empty otherwise.
+    node_name: str = ""
+    node_token: str = ""
 
     @property
     def etcd_url(self) -> str:
@@ -205,12 +209,30 @@ def _write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
     path.chmod(0o600)
 
 
+def apiserver_access_args(node_name: str) -> list[str]:
+    """Authorization and admission flags of kube-apiserver: without a node, RBAC alone and no
+    ServiceAccount admission (nothing runs Pods); with one (``node_name``), the Node authorizer
+    and NodeRestriction for its kubelet, ServiceAccount admission so that Pods get tokens, and
+    the kubelet reached by its InternalIP (``kubectl logs``; its hostname resolves nowhere)."""
+    if node_name:
+        return ["--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+                "--kubelet-preferred-address-types=InternalIP"]
+    return ["--authorization-mode=RBAC", "--disable-admission-plugins=ServiceAccount"]
+
+
 def start_control_plane(workdir: Path | None = None, *, binaries: Binaries | None = None,
                         install_crds: bool = True, keep_workdir: bool = False,
-                        timeout: float = 120.0) -> ControlPlane:
+                        timeout: float = 120.0, node_name: str = "",
+                        node_address: str = "") -> ControlPlane:
     """Start etcd ×2 and kube-apiserver on loopback, write a kubeconfig, install the CRDs.
 
     ``workdir``: where data, PKI, logs and the kubeconfig go (default: a new temp dir).
+    ``node_name``: prepare for a real node of that name (:func:`apiserver_access_args`, and a
+    token for its kubelet in ``ControlPlane.node_token``); start it with
+    :func:`mlx_fleet.devcluster.node.start_node`. ``node_address``: the API server listens on
+    (and advertises) this local address instead of 127.0.0.1, so that the in-cluster
+    ``kubernetes`` Service gets an endpoint (the API server refuses a loopback one); it must
+    already be on the host (:func:`mlx_fleet.devcluster.node.claim_host`).
     Blocks until ``/readyz`` is OK. On any failure, everything started so far is stopped and
     :class:`ProcessFailed` is raised naming the component and its log file.
     """
@@ -227,21 +249,25 @@ def start_control_plane(workdir: Path | None = None, *, binaries: Binaries | Non
         pki = workdir / "pki"
         _write_pki(pki)
         token = secrets.token_hex(16)
-        (pki / "tokens.csv").write_text(f'{token},admin,admin-uid,"system:masters"\n')
+        tokens = f'{token},admin,admin-uid,"system:masters"\n'
+        node_token = secrets.token_hex(16) if node_name else ""
+        if node_name:
+            tokens += f'{node_token},system:node:{node_name},node-{node_name},"system:nodes"\n'
+        (pki / "tokens.csv").write_text(tokens)
         port = free_port()
-        url = f"https://127.0.0.1:{port}"
+        address = node_address or "127.0.0.1"
+        url = f"https://{address}:{port}"
         apiserver = ManagedProcess("kube-apiserver", [
             binaries.kube_apiserver,
             f"--etcd-servers={kube_etcd.client_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--bind-address={address}", f"--advertise-address={address}",
             f"--secure-port={port}", f"--cert-dir={pki}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             "--service-cluster-ip-range=10.0.0.0/24",
-            "--authorization-mode=RBAC",
+            *apiserver_access_args(node_name),
             f"--token-auth-file={pki / 'tokens.csv'}",
-            "--disable-admission-plugins=ServiceAccount",
             "--allow-privileged=true",
             "--enable-priority-and-fairness=false",
             "--profiling=false",
@@ -249,7 +275,8 @@ def start_control_plane(workdir: Path | None = None, *, binaries: Binaries | Non
         ], workdir / "logs" / "kube-apiserver.log")
         cp = ControlPlane(workdir=workdir, binaries=binaries, etcd=etcd, kube_etcd=kube_etcd,
                           apiserver=apiserver, apiserver_url=url, kubeconfig=workdir / "kubeconfig",
-                          token=token, keep_workdir=keep_workdir)
+                          token=token, keep_workdir=keep_workdir, node_name=node_name,
+                          node_token=node_token)
         started.append(apiserver)
         # The serving certificate (and its self-signed CA, in the same file) appears in cert-dir
         # when the apiserver starts; wait for it before using it as the trust anchor.

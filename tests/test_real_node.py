@@ -1,0 +1,438 @@
+"""The chart's Pods running for real: a kubelet node in the local cluster (issue 18).
+
+The pure parts of :mod:`mlx_fleet.devcluster.node` are table-tested first. The integration test
+then does what a user does on a real cluster, offline: build the operator image from the
+repository's Dockerfile (no registry) and import it into the node's containerd, ``helm install``
+the chart with its CRDs, see the operator Pod Running and Ready under the chart's own security
+context, start agents on the host, get a ModelDeployment Ready through the in-cluster operator,
+serve a completion, ``helm upgrade`` under load with 0 failed requests, and ``helm uninstall``.
+
+It needs Linux and root (CI runs it on a fresh machine of this kind). A prerequisite that cannot
+be provisioned FAILS the test with one readable line; it is never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from mlx_fleet.devcluster.controlplane import apiserver_access_args
+from mlx_fleet.devcluster.nodeconfig import (
+    NodeSpec,
+    cni_conflist,
+    containerd_config,
+    kubelet_config,
+    node_ready,
+    sysctls_to_restore,
+    tables_to_flush,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "mlx-fleet"
+
+# ---- pure decisions ------------------------------------------------------------------------
+
+CONTAINERD_DEFAULT_EXCERPT = """\
+version = 2
+root = "/var/lib/containerd"
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    disable_apparmor = false
+    restrict_oom_score_adj = false
+    sandbox_image = "registry.k8s.io/pause:3.6"
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/opt/cni/bin"
+      conf_dir = "/etc/cni/net.d"
+"""
+
+
+def test_containerd_config_sets_what_these_machines_need() -> None:
+    out = containerd_config(CONTAINERD_DEFAULT_EXCERPT, pause_ref="localhost/p:1",
+                            cni_bin_dir=Path("/usr/lib/cni"), cni_conf_dir=Path("/w/cni"))
+    assert "    restrict_oom_score_adj = true\n" in out
+    assert "    disable_apparmor = true\n" in out
+    assert '    sandbox_image = "localhost/p:1"\n' in out
+    assert '      bin_dir = "/usr/lib/cni"\n' in out and '      conf_dir = "/w/cni"\n' in out
+    assert 'root = "/var/lib/containerd"' in out  # the rest untouched (root is a flag)
+
+
+def test_containerd_config_refuses_defaults_of_another_shape() -> None:
+    with pytest.raises(ValueError, match="restrict_oom_score_adj"):
+        containerd_config(CONTAINERD_DEFAULT_EXCERPT.replace("restrict_oom_score_adj", "x"),
+                          pause_ref="p", cni_bin_dir=Path("/b"), cni_conf_dir=Path("/c"))
+
+
+def test_cni_config_is_one_bridge_without_nat() -> None:
+    spec = NodeSpec(pod_cidr="10.9.0.0/24", cni_bridge="br-x")
+    bridge, loopback = cni_conflist(spec)["plugins"]
+    assert (bridge["type"], bridge["bridge"], bridge["ipMasq"]) == ("bridge", "br-x", False)
+    assert bridge["ipam"]["ranges"] == [[{"subnet": "10.9.0.0/24"}]]
+    assert loopback == {"type": "loopback"}
+
+
+def test_kubelet_config_for_cgroup_v1_without_systemd_on_the_node_address() -> None:
+    cfg = kubelet_config(NodeSpec(address="198.51.100.7"), port=1, healthz_port=2,
+                         runtime_endpoint="unix:///s.sock", pod_logs_dir=Path("/l"))
+    assert (cfg["cgroupDriver"], cfg["failCgroupV1"], cfg["failSwapOn"]) == ("cgroupfs", False, False)
+    assert (cfg["address"], cfg["port"], cfg["readOnlyPort"]) == ("198.51.100.7", 1, 0)
+    assert (cfg["healthzBindAddress"], cfg["healthzPort"]) == ("127.0.0.1", 2)
+    assert cfg["containerRuntimeEndpoint"] == "unix:///s.sock"
+
+
+@pytest.mark.parametrize(("before", "after", "restore"), [
+    ({"kernel.panic": "1"}, {"kernel.panic": "10"}, {"kernel.panic": "1"}),
+    ({"kernel.panic": "1"}, {"kernel.panic": "1"}, {}),
+    ({"a": "0", "b": "0"}, {"a": "1"}, {"a": "0"}),
+    ({}, {"a": "1"}, {}),
+], ids=["changed", "unchanged", "gone-after", "new-key"])
+def test_sysctls_to_restore(before: dict, after: dict, restore: dict) -> None:
+    assert sysctls_to_restore(before, after) == restore
+
+
+@pytest.mark.parametrize(("saved", "flush"), [
+    ("", ["filter", "nat", "mangle", "raw"]),
+    ("# Generated\n*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n*nat\nCOMMIT\n", ["mangle", "raw"]),
+], ids=["nothing-loaded", "filter-and-nat-saved"])
+def test_tables_absent_before_the_node_are_flushed(saved: str, flush: list[str]) -> None:
+    assert tables_to_flush(saved) == flush
+
+
+@pytest.mark.parametrize(("node", "ready"), [
+    ({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}, True),
+    ({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, False),
+    ({"status": {"conditions": [{"type": "MemoryPressure", "status": "True"}]}}, False),
+    ({}, False),
+])
+def test_node_ready(node: dict, ready: bool) -> None:
+    assert node_ready(node) is ready
+
+
+def test_api_server_access_flags_change_only_with_a_node() -> None:
+    assert apiserver_access_args("") == ["--authorization-mode=RBAC",
+                                         "--disable-admission-plugins=ServiceAccount"]
+    with_node = apiserver_access_args("n")
+    assert "--authorization-mode=Node,RBAC" in with_node
+    assert not any("ServiceAccount" in a for a in with_node)
+
+
+# ---- end to end on a real node -------------------------------------------------------------
+
+@dataclass
+class Timings:
+    """Wall-clock seconds of each step, printed at the end (docs/development.md quotes them)."""
+
+    steps: dict[str, float] = field(default_factory=dict)
+
+    def record(self, what: str, seconds: float) -> None:
+        self.steps[what] = round(seconds, 1)
+
+
+def _fail(step: str, error: BaseException) -> None:
+    """Fail (never skip) with one line: the step, the error's first line and, when the error
+    carries a log tail, its last line."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    detail = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1].strip()}"
+    pytest.fail(f"real node: {step}: {detail}", pytrace=False)
+
+
+@dataclass
+class RealCluster:
+    cp: object
+    node: object
+    helm: Path
+    timings: Timings
+    namespace: str
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    """A control plane prepared for a node, the operator image built and imported, and the node
+    Ready. Tears everything down after the module."""
+    from mlx_fleet.devcluster.binaries import ensure_all
+    from mlx_fleet.devcluster.controlplane import start_control_plane
+    from mlx_fleet.devcluster.helm import ensure_helm
+    from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
+    from mlx_fleet.devcluster.node import claim_host, start_node
+    from mlx_fleet.devcluster.nodeconfig import NodeSpec
+
+    timings = Timings()
+    try:
+        binaries, helm = ensure_all(), ensure_helm()
+    except Exception as e:  # noqa: BLE001 - one readable line, never a skip
+        _fail("building the control plane binaries", e)
+    try:
+        node = claim_host(NodeSpec(), step=timings.record)
+    except Exception as e:  # noqa: BLE001
+        _fail("preparing the host", e)
+    started = time.monotonic()
+    try:
+        # The chart installs the CRDs (its crds/ directory), so the control plane does not.
+        cp = start_control_plane(tmp_path_factory.mktemp("real-node"), binaries=binaries,
+                                 install_crds=False, node_name=node.spec.name,
+                                 node_address=node.spec.address)
+    except Exception as e:  # noqa: BLE001
+        node.stop()
+        _fail("starting the control plane", e)
+    timings.record("control plane", time.monotonic() - started)
+    try:
+        started = time.monotonic()
+        build_operator_image(REPO)
+        timings.record("operator image build (buildah, incl. base when missing)", time.monotonic() - started)
+        start_node(cp, node, images=[OPERATOR_REF], step=timings.record)
+    except Exception as e:  # noqa: BLE001
+        node.stop()
+        cp.stop()
+        _fail("provisioning the node", e)
+    ns = f"rn-{uuid.uuid4().hex[:6]}"
+    try:
+        yield RealCluster(cp=cp, node=node, helm=helm, timings=timings, namespace=ns)
+    finally:
+        print("\nreal-node timings (s):", json.dumps(timings.steps, indent=1))
+        if node.kube_proxy_error:
+            print("kube-proxy:", node.kube_proxy_error)
+        node.stop()
+        cp.stop()
+
+
+def _helm(rc: RealCluster, *args: str, timeout: float = 300) -> str:
+    env = {**os.environ, **{f"HELM_{k}_HOME": str(rc.cp.workdir / "helm" / k.lower())
+                            for k in ("CACHE", "CONFIG", "DATA")}}
+    proc = subprocess.run([str(rc.helm), *args, "--namespace", rc.namespace, "--kubeconfig",
+                           str(rc.cp.kubeconfig)], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, f"helm {args[0]}: {proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def _json(rc: RealCluster, *args: str) -> dict:
+    return json.loads(rc.cp.kubectl(*args, "-n", rc.namespace, "-o", "json").stdout)
+
+
+def _operator_pod(rc: RealCluster) -> dict:
+    pods = [p for p in _json(rc, "get", "pods", "-l", "app.kubernetes.io/name=mlx-fleet")["items"]
+            if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def _wait_pod_ready(rc: RealCluster, not_uid: str = "", timeout: float = 180) -> dict:
+    """The first operator Pod (other than the Pod ``not_uid``) seen Running and Ready, through
+    a watch (``kubectl get -w``: the current Pods, then every change). Fails after ``timeout``."""
+    proc = subprocess.Popen(
+        [str(rc.cp.binaries.kubectl), "--kubeconfig", str(rc.cp.kubeconfig), "get", "pods", "-l",
+         "app.kubernetes.io/name=mlx-fleet", "-n", rc.namespace, "-w", "-o", "json",
+         "--output-watch-events"], stdout=subprocess.PIPE, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    last: dict = {}
+    try:
+        assert proc.stdout is not None
+        decoder, buf = json.JSONDecoder(), ""
+        for line in proc.stdout:
+            buf += line
+            try:
+                ev, end = decoder.raw_decode(buf.lstrip())
+            except json.JSONDecodeError:
+                continue  # an object spans several lines: read on
+            buf = buf.lstrip()[end:]
+            pod = last = ev["object"]
+            ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready")
+            if (ev["type"] != "DELETED" and pod["metadata"]["uid"] != not_uid
+                    and not pod["metadata"].get("deletionTimestamp")
+                    and pod["status"].get("phase") == "Running" and ready == "True"):
+                return pod
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"no new operator Pod Running and Ready after {timeout:.0f}s; last seen: "
+                         f"{last.get('metadata', {}).get('name')} {last.get('status')}")
+
+
+def _container_process(rc: RealCluster, pod: dict) -> dict[str, str]:
+    """/proc/<pid>/status of the operator container's main process, found through containerd."""
+    cid = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    out = subprocess.run(["ctr", "--address", str(rc.node.containerd_address), "-n", "k8s.io",
+                          "tasks", "ls"], capture_output=True, text=True, check=True).stdout
+    (pid,) = [line.split()[1] for line in out.splitlines()[1:] if line.split()[0] == cid]
+    status = Path(f"/proc/{pid}/status").read_text()
+    return dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1800)
+def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_model_dir: Path) -> None:
+    from mlx_fleet.contract import Keys
+    from mlx_fleet.devcluster.fleet import start_agent
+    from mlx_fleet.devcluster.processes import free_port
+    from mlx_fleet.devcluster.promserver import ScrapeTarget, start_prometheus
+
+    from fleet_helpers import manifest, wait_ready
+
+    from mlx_fleet.devcluster.images import HOST_CA_BUNDLE, OPERATOR_REF, read_image_file
+
+    rc, cp = real_cluster, real_cluster.cp
+    # The host's CA bundle (with the intercepting proxy's CA) was trusted by the build only.
+    assert read_image_file(OPERATOR_REF, "/etc/ssl/certs/ca-certificates.crt") != HOST_CA_BUNDLE.read_bytes()
+    keys = Keys(f"/mlx-fleet-real-node/{uuid.uuid4().hex[:8]}")
+    values = ["--set", "image.repository=localhost/mlx-fleet/mlx-fleet-operator", "--set", "image.tag=dev",
+              "--set", "image.pullPolicy=Never", "--set", "hostNetwork=true",
+              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", f"etcd.prefix={keys.root}",
+              "--set", f"metrics.port={free_port()}", "--set", f"health.port={free_port()}",
+              "--set", f"operator.watchNamespaces={{{rc.namespace}}}"]
+    if rc.node.kube_proxy is None:  # the chart's documented option for a cluster without one
+        values += ["--set", "kubernetesAPI.host=127.0.0.1",
+                   "--set", f"kubernetesAPI.port={cp.apiserver_url.rsplit(':', 1)[1]}"]
+
+    # helm install, CRDs included; the operator Pod Running and Ready.
+    started = time.monotonic()
+    _helm(rc, "install", "mlx-fleet", str(CHART), "--create-namespace", *values)
+    pod = _wait_pod_ready(rc)
+    rc.timings.record("helm install → operator Pod Ready", time.monotonic() - started)
+    for crd in sorted((CHART / "crds").glob("*.yaml")):  # installed by helm from crds/
+        cp.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
+    # ... under the chart's own security context, as the kernel sees the process.
+    proc = _container_process(rc, pod)
+    assert proc["Uid"].split()[:2] == ["65532", "65532"] and proc["Gid"].split()[0] == "65532"
+    assert int(proc["CapEff"], 16) == 0 and int(proc["CapPrm"], 16) == 0
+    assert proc["NoNewPrivs"] == "1"
+    # Its memory against the chart's default limit (values.yaml resources: 512Mi).
+    rss_mib = int(proc["VmRSS"].split()[0]) / 1024
+    print(f"\noperator Pod RSS after start: {rss_mib:.0f} MiB")
+    assert rss_mib < 512
+    c = pod["spec"]["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["hostNetwork"] is True
+    # The API server reaches the kubelet (kubectl logs), through the node's InternalIP.
+    assert cp.kubectl("logs", pod["metadata"]["name"], "-n", rc.namespace).stdout.strip()
+
+    # Agents on the host register in etcd.
+    agents = [start_agent(cp, f"mac-{i}", etcd_prefix=keys.root, memory="64Gi", lease_ttl=5)
+              for i in range(2)]
+    assert set(asyncio.run(_node_names(cp.etcd_url, keys))) == {"mac-0", "mac-1"}
+
+    # A ModelDeployment gets Ready through the in-cluster operator; a completion is served.
+    name = "real-node"
+    cp.kubectl("apply", "-f", "-", input=manifest(name, rc.namespace, test_model_dir, replicas=2))
+    md = wait_ready(cp, rc.namespace, name, timeout=240)
+    endpoints = md["status"]["endpoints"]
+    assert sorted(endpoints) == sorted(a.url for a in agents)
+    assert asyncio.run(_complete(endpoints[0], name)) >= 1
+
+    # Prometheus (the dev set-up's) scrapes the in-cluster operator through the chart's metrics
+    # Service: its ClusterIP, routed to the Pod by kube-proxy.
+    svc = _json(rc, "get", "service", "mlx-fleet-metrics")["spec"]
+    prom = start_prometheus(cp.workdir / "prometheus",
+                            [ScrapeTarget(f"{svc['clusterIP']}:{svc['ports'][0]['port']}")],
+                            interval="1s")
+    try:
+        prom.wait_for_scrapes(1, timeout=60)
+        ready = prom.query(f'mlxfleet_operator_deployment_replicas{{namespace="{rc.namespace}",'
+                           f'name="{name}",state="ready"}}')
+        assert [s["value"][1] for s in ready] == ["2"], ready
+    finally:
+        prom.stop()
+
+    # helm upgrade with a changed value while clients send requests: the Pod is replaced, no
+    # request fails.
+    old_uid = pod["metadata"]["uid"]
+    started = time.monotonic()
+    result = asyncio.run(_under_load(endpoints, name, lambda: (
+        _helm(rc, "upgrade", "mlx-fleet", str(CHART), *values, "--set", "operator.verbose=true"),
+        _wait_pod_ready(rc, not_uid=old_uid))))
+    rc.timings.record("helm upgrade → new operator Pod Ready", time.monotonic() - started)
+    new_pod = result["value"][1]
+    assert new_pod["metadata"]["uid"] != old_uid
+    assert "--verbose" in new_pod["spec"]["containers"][0]["args"]
+    print(f"\nhelm upgrade under load: {result['ok']} requests, {result['failed']} failed")
+    assert result["ok"] > 0 and result["failed"] == 0, result["errors"][:3]
+    # The new operator takes over: the deployment stays Ready with both endpoints.
+    assert wait_ready(cp, rc.namespace, name)["status"]["readyReplicas"] == 2
+
+    # helm uninstall: the operator goes; CRDs (helm never deletes crds/), the ModelDeployment
+    # and the Macs' assignments stay, and the agents keep serving (docs/operator.md).
+    _helm(rc, "uninstall", "mlx-fleet", "--wait")
+    cp.kubectl("wait", "--for=delete", "pod", "-l", "app.kubernetes.io/name=mlx-fleet", "-n",
+               rc.namespace, "--timeout=120s", timeout=130)
+    assert _json(rc, "get", "pods", "-l", "app.kubernetes.io/name=mlx-fleet")["items"] == []
+    assert _json(rc, "get", "deployments")["items"] == []
+    assert "mlx-fleet.io/finalizer" in _json(rc, "get", "modeldeployment", name)["metadata"]["finalizers"]
+    assignments = asyncio.run(_keys(cp.etcd_url, keys.assignments_prefix))
+    assert len(assignments) == 2 and set(asyncio.run(_node_names(cp.etcd_url, keys))) == {"mac-0", "mac-1"}
+    assert asyncio.run(_complete(endpoints[1], name)) >= 1
+    for agent in agents:
+        agent.process.stop()
+
+
+async def _node_names(etcd_url: str, keys) -> list[str]:
+    from mlx_fleet.store import EtcdStore
+
+    async with EtcdStore(etcd_url) as store:
+        listing = await store.list(keys.nodes_prefix)
+        return [kv.key.removeprefix(keys.nodes_prefix) for kv in listing.items]
+
+
+async def _keys(etcd_url: str, prefix: str) -> list[str]:
+    from mlx_fleet.store import EtcdStore
+
+    async with EtcdStore(etcd_url) as store:
+        return [kv.key for kv in (await store.list(prefix)).items]
+
+
+async def _complete(endpoint: str, model: str) -> int:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{endpoint}/v1", api_key="unused")
+    try:
+        done = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+        return done.usage.completion_tokens
+    finally:
+        await client.close()
+
+
+async def _under_load(endpoints: list[str], model: str, action) -> dict:
+    """Run the blocking ``action`` in a thread while 4 clients send completions round-robin
+    over ``endpoints``; returns ``{"value", "ok", "failed", "errors"}``."""
+    import aiohttp
+
+    stop = asyncio.Event()
+    counts = {"ok": 0, "failed": 0, "errors": []}
+
+    async def client(i: int) -> None:
+        async with aiohttp.ClientSession() as http:
+            n = i
+            while not stop.is_set():
+                url = f"{endpoints[n % len(endpoints)]}/v1/completions"
+                n += 1
+                try:
+                    async with http.post(url, json={"model": model, "prompt": "hi", "max_tokens": 2},
+                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
+                        await r.read()
+                        if r.status == 200:
+                            counts["ok"] += 1
+                        else:
+                            counts["failed"] += 1
+                            counts["errors"].append(f"{url}: HTTP {r.status}")
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    counts["failed"] += 1
+                    counts["errors"].append(f"{url}: {e!r}")
+
+    tasks = [asyncio.create_task(client(i)) for i in range(4)]
+    try:
+        value = await asyncio.to_thread(action)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    return {"value": value, **counts}
