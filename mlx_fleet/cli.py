@@ -92,6 +92,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
             if args.router:
                 with console.status("starting the fleet router"):
                     router_url = start_router(cp, port=args.router_port or None).url
+                    targets.append(ScrapeTarget(router_url.removeprefix("http://"), router=True))
             if args.prometheus:
                 prom_bins = progress_builder(console, ensure_prometheus)
                 with console.status("starting Prometheus"):
@@ -113,7 +114,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                       f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
                       + (f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
                          if router_url else "")
-                      + (f"Prometheus (operator + agents, every 5 s): {prometheus_url}  "
+                      + (f"Prometheus (operator + agents{' + router' if router_url else ''}, every 5 s): {prometheus_url}  "
                          f"(HTTP API: {prometheus_url}/api/v1/query?query=up)\n"
                          if prometheus_url else "") +
                       "Ctrl-C (or `mlx-fleet dev down`) stops everything.")
