@@ -159,11 +159,12 @@ def build() -> dash.Dashboard:
                         "retryable 429/502/503/504), connect_error, reset, timeout."))
         .with_panel(timeseries_panel(
             "Retry decisions/s by reason", "ops",
-            [(_router_rate("mlxfleet_router_retries_total", "model, reason"),
-              "{{model}} {{reason}}")],
+            [("sum by (model, reason) (rate(mlxfleet_router_retries_total"
+              "[$__rate_interval]))", "{{model}} {{reason}}")],
             description="After a failed attempt: Retry (on the next Mac), or why not "
                         "(BytesSent: the answer had begun; the attempt limit or the retry "
-                        "budget: at most 10 + 20 % of requests are retries)."))
+                        "budget: at most 10 + 20 % of requests are retries). Every model: "
+                        "retries are rare, and one of any deployment is worth seeing."))
         .with_panel(state_panel(
             "Circuit breaker per Mac", [
                 (f"max by (node, state) (mlxfleet_router_breaker_state{{{_NODE}}})",
