@@ -7,10 +7,12 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from mlx_fleet.contract import Assignment, ModelSource, Role
 from mlx_fleet.routing import names
 from mlx_fleet_operator import served_names
+from mlx_fleet_router.table import build
 from mlx_fleet_operator.status import StatusInput, compute_status
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
@@ -147,3 +149,28 @@ def test_spec_served_name_defaults_to_the_object_name():
     named = parse_spec({**base, "model": {**base["model"], "servedModelName": "llama"}})
     assert named.served_name("obj") == "llama"
     assert to_assignment(named, namespace="ns", name="obj").served_model_name == "llama"
+
+
+# -- one rule: the operator's condition says exactly what the router refuses ----------------
+_assignments = st.lists(st.tuples(st.sampled_from(["mac-a", "mac-b"]),
+                                  st.sampled_from(["ns", "other"]),
+                                  st.sampled_from(["a", "b", "c"]),
+                                  st.sampled_from(["v1", "v2"]),
+                                  st.sampled_from(["llm", "chat", "code"])), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_assignments)
+def test_operator_rivals_match_the_router_refusals(rows):
+    stored = {(node, ns, name, rev): asg(ns, name, served, rev)
+              for node, ns, name, rev, served in rows}
+    router = build(nodes={}, assignments=stored, reports={})
+    placed_: dict = {}
+    for (node, ns, name, rev), a in stored.items():
+        placed_.setdefault((ns, name), {})[(node, rev)] = a
+    assert dict(router.conflicts) == names.conflicts(served_names.claims(placed_))
+    for key in placed_:
+        me = served_names.deployment_id(key)
+        want = {m: tuple(d for d in ds if d != me)
+                for m, ds in router.conflicts.items() if me in ds}
+        assert served_names.rivals(key, placed_) == want
