@@ -10,7 +10,7 @@ watched namespaces, its scope — and their assignments as last reconciled (``Ru
 condition changes when that deployment's claims change (the executor, :func:`.sync.sync` and
 ``Runtime.forget``, wakes them so both sides show it and both clear it).
 
-Pure: :mod:`mlx_fleet.contract` and :mod:`mlx_fleet.routing.names` only.
+Pure: :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.routing.names` and :mod:`.records` only.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import Iterator, Mapping
 from mlx_fleet.contract import Assignment
 from mlx_fleet.routing import names
 
+from .records import DeploymentKey, Slot
+
 __all__ = ["claims", "rivals", "to_wake", "deployment_id"]
 
-DeploymentKey = tuple[str, str]  #: (namespace, name), as records.DeploymentKey
-Slot = tuple[str, str]  #: (node, revision), as records.Slot
 #: Each deployment's assignments: ``Runtime.placed``.
 Placed = Mapping[DeploymentKey, Mapping[Slot, Assignment]]
 
