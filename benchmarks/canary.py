@@ -8,6 +8,14 @@ Measured, in one run:
   whole deployment to stable) — the worst node counts;
 * ``fleet_rollback_seconds``: from that first failure to the moment the operator has written
   ``phase: RolledBack`` (seen on a watch of the Canary);
+* ``candidate_requests_per_second``: the rate at which requests reached the candidate, beside
+  both times: the local guard trips only once the candidate has ``minFailures`` failed requests
+  (default 3, :class:`mlx_fleet.contract.LocalGuard`) making up ``failureRatio`` of its requests
+  in its window, so both times follow this rate — about ``(minFailures - 1) / rate`` after the
+  first failure for a candidate that fails every request (``local_guard_expected_seconds``).
+  The rate is the candidate's requests over the span from the first one's start to the last
+  one's (None with fewer than two); ``load_requests_per_second`` is the whole load's rate
+  before the Canary (× the weight: what the candidate should get);
 * ``stable_session_errors``: failed requests of sessions whose bucket hashes to the stable side;
 * ``revision_edit_failed_requests`` and ``revision_edit_max_unready_seconds``: a plain edit of
   ``spec.model.revision`` under the same load — failed requests, and the longest time any
@@ -30,6 +38,7 @@ import time
 from pathlib import Path
 
 from common import machine
+from mlx_fleet.contract import LocalGuard
 from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
 from mlx_fleet.devcluster.controlplane import start_control_plane
 from mlx_fleet.devcluster.fleet import start_agent, start_operator
@@ -65,6 +74,7 @@ async def rollback(cp, healthy: Path, faulty: Path, args) -> dict:
     async with LoadGenerator(lambda: endpoints, name, sessions=sessions,
                              max_tokens=args.max_tokens) as load:
         await load.wait_for(args.concurrency * 2)
+        warm = list(load.outcomes)
         apply(cp, {"apiVersion": "mlx-fleet.io/v1alpha1", "kind": "Canary",
                    "metadata": {"name": f"{name}-bad", "namespace": NS},
                    "spec": {"targetRef": {"name": name},
@@ -79,11 +89,23 @@ async def rollback(cp, healthy: Path, faulty: Path, args) -> dict:
     first_fail = min((o.ended for o in out if o.failed and o.revision == "bad"), default=None)
     if first_fail is None:
         raise SystemExit("the faulty candidate never served a request: nothing was measured")
-    last_to_candidate = max(o.started for o in out if o.revision == "bad")
+    to_candidate = sorted(o.started for o in out if o.revision == "bad")
+    last_to_candidate = to_candidate[-1]
+    span = to_candidate[-1] - to_candidate[0]
+    rate = (len(to_candidate) - 1) / span if len(to_candidate) > 1 and span > 0 else None
+    load_span = max(o.ended for o in warm) - min(o.started for o in warm)
+    guard = LocalGuard()  # the Canary below sets no localGuard: the contract's defaults
     rolled_back = watch.first(lambda o: (o.get("status") or {}).get("phase") == "RolledBack")
     return {
         "local_guard_seconds": round(max(last_to_candidate - first_fail, 0.0), 3),
         "fleet_rollback_seconds": round(rolled_back - first_fail, 3) if rolled_back else None,
+        "candidate_requests_per_second": round(rate, 2) if rate else None,
+        "local_guard_expected_seconds": (round((guard.min_failures - 1) / rate, 3)
+                                         if rate else None),
+        "load_requests_per_second": round(len(warm) / load_span, 2) if load_span > 0 else None,
+        "guard_min_failures": guard.min_failures,
+        "guard_window_seconds": guard.window_seconds,
+        "candidate_requests": len(to_candidate),
         "stable_session_errors": sum(o.failed for o in out if o.session in stable_side),
         "candidate_failed_requests": sum(o.failed for o in out if o.revision == "bad"),
         "requests": len(out),

@@ -115,10 +115,14 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
             if node is not None:
                 _start_dev_node(console, cp, node)
             targets = []
+            # the router's port is chosen first: the operator shows its URL in status.router
+            router_port = (args.router_port or free_port()) if args.router else None
             if args.operator:
                 with console.status("starting the operator"):
                     metrics_port = free_port()
-                    start_operator(cp, metrics_port=metrics_port)
+                    start_operator(cp, metrics_port=metrics_port, extra_args=(
+                        ("--router-url", f"http://127.0.0.1:{router_port}")
+                        if router_port else ()))
                     targets.append(ScrapeTarget(f"127.0.0.1:{metrics_port}"))
             for i in range(args.agents):
                 with console.status(f"starting agent mac-{i}"):
@@ -126,7 +130,8 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                     targets.append(ScrapeTarget(agent.url.removeprefix("http://"), node=agent.name))
             if args.router:
                 with console.status("starting the fleet router"):
-                    router_url = start_router(cp, port=args.router_port or None).url
+                    router_url = start_router(cp, port=router_port).url
+                    targets.append(ScrapeTarget(router_url.removeprefix("http://"), router=True))
             if args.prometheus:
                 prom_bins = progress_builder(console, ensure_prometheus)
                 with console.status("starting Prometheus"):
@@ -148,7 +153,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                       f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
                       + (f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
                          if router_url else "")
-                      + (f"Prometheus (operator + agents, every 5 s): {prometheus_url}  "
+                      + (f"Prometheus (operator + agents{' + router' if router_url else ''}, every 5 s): {prometheus_url}  "
                          f"(HTTP API: {prometheus_url}/api/v1/query?query=up)\n"
                          if prometheus_url else "") +
                       "Ctrl-C (or `mlx-fleet dev down`) stops everything.")
@@ -293,10 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--agents", type=int, default=0, metavar="N", help="also run N node agents")
     up.add_argument("--prometheus", action="store_true",
                     help="also run Prometheus (built once from the Go module proxy) scraping the "
-                         "operator and the agents every 5 s; prints its URL")
+                         "operator, the agents and the router every 5 s; prints its URL")
     up.add_argument("--router", action="store_true",
                     help="also run the fleet router (mlx-fleet-router, every namespace): one "
-                         "OpenAI endpoint for the whole fleet; prints its URL")
+                         "OpenAI endpoint for the whole fleet; prints its URL (with --operator, "
+                         "each ModelDeployment's status.router shows it)")
     up.add_argument("--router-port", type=int, default=0, metavar="PORT",
                     help="the router's port (default: a free one)")
     up.add_argument("--node", action="store_true",

@@ -216,15 +216,18 @@ def test_single_served_storage_version_with_status_subresource() -> None:
 
 def test_printer_columns() -> None:
     cols = {c["name"]: (c["type"], c["jsonPath"]) for c in VERSION["additionalPrinterColumns"]}
-    assert list(cols) == ["Model", "Revision", "Ready", "Desired", "Status", "Downloads", "Age"]
+    assert list(cols) == ["Model", "Revision", "Ready", "Desired", "Status", "Served", "Router",
+                          "Downloads", "Age"]
     assert [c["name"] for c in VERSION["additionalPrinterColumns"] if c.get("priority")] == [
-        "Downloads"]                                                   # only with -o wide
+        "Router", "Downloads"]                                         # only with -o wide
     assert cols == {
         "Model": ("string", ".spec.model.source"),
         "Revision": ("string", ".spec.model.revision"),
         "Ready": ("integer", ".status.readyReplicas"),
         "Desired": ("integer", ".spec.replicas"),
         "Status": ("string", '.status.conditions[?(@.type=="Ready")].status'),
+        "Served": ("string", ".status.router.model"),
+        "Router": ("string", ".status.router.url"),
         "Downloads": ("string", ".status.downloads"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
@@ -430,8 +433,10 @@ def test_every_cel_rule_has_a_message_and_a_python_check() -> None:
 def test_status_schema() -> None:
     assert set(STATUS["properties"]) == {
         "observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "nodes", "endpoints",
-        "downloads", "conditions"}
+        "downloads", "conditions", "router"}
     assert prop("status.updatedReplicas")["type"] == "integer"
+    router = prop("status.router")
+    assert set(router["properties"]) == {"url", "model"} and router["required"] == ["url", "model"]
     nodes = prop("status.nodes")
     assert set(nodes["items"]["properties"]) == {
         "name", "revision", "role", "state", "reason", "message", "endpoint", "download"}
@@ -456,7 +461,8 @@ def test_conditions_schema() -> None:
         "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     # A list-map key must be required.
     assert "type" in item["required"] and "status" in item["required"]
-    assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled"]
+    assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled",
+                                                  "ServedNameConflict"]
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert item["properties"]["observedGeneration"]["type"] == "integer"

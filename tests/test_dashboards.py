@@ -122,3 +122,11 @@ def test_expand_names_a_missing_variable() -> None:
 ])
 def test_metric_names(expr: str, names: set[str]) -> None:
     assert metric_names(expr) == names
+
+
+def test_fleet_dashboard_shows_every_router_metric(models: dict[str, dict]) -> None:
+    """The Router row uses each family the fleet router exports (docs/metrics.md)."""
+    router = {m for m in documented_metrics() if m.startswith("mlxfleet_router_")}
+    assert "mlxfleet_router_breaker_state" in router and len(router) >= 9
+    used = set().union(*(metric_names(q.expr) for q in panel_queries(models["fleet.json"])))
+    assert router <= used, router - used

@@ -1,5 +1,6 @@
-"""``mlx-fleet dev up --operator --agents 1 --prometheus`` runs a Prometheus that scrapes the
-operator and the agent, prints its URL, and stops it with everything else on SIGTERM."""
+"""``mlx-fleet dev up --operator --agents 1 --router --prometheus`` runs a Prometheus that
+scrapes the operator, the agent and the fleet router, prints its URL, and stops it with
+everything else on SIGTERM."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ from pathlib import Path
 import pytest
 
 from mlx_fleet.devcluster.processes import ManagedProcess
-from mlx_fleet.devcluster.promserver import AGENT_JOB, OPERATOR_JOB, PrometheusServer
+from mlx_fleet.devcluster.promserver import AGENT_JOB, OPERATOR_JOB, ROUTER_JOB, PrometheusServer
 
 pytestmark = pytest.mark.integration
 
-URL = re.compile(r"Prometheus \(operator \+ agents, every 5 s\): (http://127\.0\.0\.1:\d+)")
+URL = re.compile(r"Prometheus \(operator \+ agents \+ router, every 5 s\): "
+                 r"(http://127\.0\.0\.1:\d+)")
 
 
 def test_dev_up_prometheus_scrapes_the_dev_fleet(tmp_path: Path) -> None:
     proc = ManagedProcess("mlx-fleet dev up", [
         sys.executable, "-m", "mlx_fleet.cli", "dev", "up", "--operator", "--agents", "1",
-        "--prometheus", "--workdir", str(tmp_path / "dev")], tmp_path / "dev-up.log",
+        "--router", "--prometheus", "--workdir", str(tmp_path / "dev")], tmp_path / "dev-up.log",
         env={"PYTHONUNBUFFERED": "1", "COLUMNS": "200"})
     try:
         found: list[str] = []
@@ -35,7 +37,8 @@ def test_dev_up_prometheus_scrapes_the_dev_fleet(tmp_path: Path) -> None:
         prom.wait_for_scrapes(1, timeout=30)
         up = {(s["metric"]["job"], s["metric"].get("node")): s["value"][1]
               for s in prom.query("up")}
-        assert up == {(OPERATOR_JOB, None): "1", (AGENT_JOB, "mac-0"): "1"}
+        assert up == {(OPERATOR_JOB, None): "1", (AGENT_JOB, "mac-0"): "1",
+                      (ROUTER_JOB, None): "1"}
         assert prom.query('mlxfleet_operator_node_info{node="mac-0"}')
     finally:
         assert proc.stop(grace=30) == 0, proc.log_tail()

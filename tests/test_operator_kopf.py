@@ -254,3 +254,51 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
                                memo=memo)
     assert "runtime" not in memo and len(closed) == 1
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
+
+
+async def test_served_name_conflict_marks_both_and_clears(control_plane, fleet_keys, namespace,
+                                                          tmp_path):
+    """Two ModelDeployments claiming one served name: both get ``ServedNameConflict`` True
+    naming the other (and a Warning event); deleting one clears the other's. ``--router-url``
+    shows in each ``status.router`` with the served name."""
+    keys = fleet_keys
+    router = "http://mlx-fleet-router.test:8080"
+    first, second = (f"llm-{uuid.uuid4().hex[:6]}" for _ in range(2))
+
+    def named(name: str) -> str:
+        obj = json.loads(stub_manifest(name, namespace))
+        obj["spec"]["model"]["servedModelName"] = "shared"
+        return json.dumps(obj)
+
+    with running_operator(control_plane, keys, namespace, tmp_path / "operator.log",
+                          "--router-url", router + "/"):
+        async with EtcdStore(control_plane.etcd_url) as store:
+            lease = await store.grant_lease(60)
+            for node in ("mac-a", "mac-b"):  # one served name per Mac: placement needs two
+                await store.put(keys.node(node), node_record(node).to_json(), lease=lease)
+            await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=named(first))
+            await kubectl_wait(control_plane, namespace, first,
+                               "condition=ServedNameConflict=false")
+            obj = await get_object(control_plane, namespace, first)
+            assert obj["status"]["router"] == {"url": router, "model": "shared"}
+
+            await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-", input=named(second))
+            for name, other in ((first, second), (second, first)):
+                await kubectl_wait(control_plane, namespace, name, "condition=ServedNameConflict")
+                obj = await get_object(control_plane, namespace, name)
+                [c] = [c for c in obj["status"]["conditions"] if c["type"] == "ServedNameConflict"]
+                assert c["reason"] == "NameClaimedByAnother"
+                assert f"{namespace}/{other}" in c["message"] and "'shared'" in c["message"]
+                events = await asyncio.to_thread(
+                    control_plane.kubectl, "get", "events", "-n", namespace, "--field-selector",
+                    f"involvedObject.name={name}", "-o", "jsonpath={.items[*].reason}")
+                assert "ServedNameConflict" in events.stdout.split()
+
+            await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", second,
+                                    "-n", namespace, "--wait=true", "--timeout=60s")
+            await kubectl_wait(control_plane, namespace, first,
+                               "condition=ServedNameConflict=false")
+            await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", first,
+                                    "-n", namespace, "--wait=true", "--timeout=60s")
+            await until_assignments(store, keys, lambda v: not v)
+            await store.revoke_lease(lease)

@@ -12,7 +12,8 @@ import logging
 import pytest
 
 from fleet_helpers import asg_key, node_record, stored_assignment
-from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
+                                ModelSource)
 from mlx_fleet.memstore import MemoryStore
 
 TIMEOUT = 60.0
@@ -257,12 +258,16 @@ async def test_a_deleted_deployment_is_forgotten_in_one_place():
 
     rt = Runtime(store=None, keys=Keys("/t"), writer="test", patch_status=patch_status)
     key, other = ("ns", "gone"), ("ns", "kept")
-    for k in (key, other):
-        rt.deployment(k).reconciled({("mac-a", "v1"): None}, unsettled=True,
+    for k in (key, other):  # both claim the served name "llm": a served-name conflict
+        a = Assignment(namespace=k[0], name=k[1], served_model_name="llm",
+                       source=ModelSource(uri="/m", revision="v1"), memory_bytes=1)
+        rt.deployment(k).reconciled({("mac-a", "v1"): a}, unsettled=True,
                                     drain=DrainState(moving=(("mac-a", "v1"),), blocked="full"))
     rt.queue_status(key, {"readyReplicas": 0})
     writer = rt.deployment(key).status.writer
+    rt.deployment(other).wake.clear()
     rt.forget(key)
+    assert rt.deployment(other).wake.is_set()  # its ServedNameConflict clears on its re-sync
     assert rt.existing(key) is None and rt.synced(key) is None
     assert set(rt.placed) == set(rt.drains()) == rt.unsettled == {other}
     with pytest.raises(asyncio.CancelledError):

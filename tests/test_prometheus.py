@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from mlx_fleet.devcluster.prombuild import PROMETHEUS_MODULE_VERSION, ensure_prometheus, release_version
-from mlx_fleet.devcluster.promserver import AGENT_JOB, OPERATOR_JOB, ScrapeTarget, scrape_config
+from mlx_fleet.devcluster.promserver import (AGENT_JOB, OPERATOR_JOB, ROUTER_JOB, ScrapeTarget,
+                                             scrape_config)
 
 
 @pytest.mark.parametrize("module, release", [
@@ -42,10 +43,20 @@ def test_scrape_config_passes_promtool(tmp_path) -> None:
 
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(scrape_config([ScrapeTarget("127.0.0.1:8080"),
-                                                  ScrapeTarget("127.0.0.1:9001", "mac-a")])))
+                                                  ScrapeTarget("127.0.0.1:9001", "mac-a"),
+                                                  ScrapeTarget("127.0.0.1:9100", router=True)])))
     res = subprocess.run([str(ensure_prometheus().promtool), "check", "config", str(path)],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_scrape_config_puts_routers_in_their_own_job_without_a_node_label() -> None:
+    cfg = scrape_config([ScrapeTarget("op:8080"), ScrapeTarget("r1:9100", router=True),
+                         ScrapeTarget("r2:9100", router=True), ScrapeTarget("mac:8000", "mac")])
+    jobs = {j["job_name"]: j["static_configs"] for j in cfg["scrape_configs"]}
+    assert jobs == {OPERATOR_JOB: [{"targets": ["op:8080"]}],
+                    AGENT_JOB: [{"targets": ["mac:8000"], "labels": {"node": "mac"}}],
+                    ROUTER_JOB: [{"targets": ["r1:9100", "r2:9100"]}]}
 
 
 def test_scrape_config_without_agents_has_only_the_operator_job() -> None:

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 
@@ -58,17 +58,20 @@ class LoadGenerator:
     """``endpoints()``: the agent base URLs to send to now (re-read before every request, so
     a test can follow ``status.endpoints``). ``sessions``: one session key per worker.
     ``timeout``: seconds a request may take in all. ``failure_pause``: seconds a worker waits
-    after a failed request before its next one (a client's back-off; 0: none)."""
+    after a failed request before its next one (a client's back-off; 0: none). ``headers``:
+    sent with every request besides the session header (e.g. a router's ``Authorization``)."""
 
     def __init__(self, endpoints: Callable[[], Sequence[str]], model: str, *,
                  sessions: Sequence[str], max_tokens: int = 8,
-                 timeout: float = 60.0, failure_pause: float = 0.0) -> None:
+                 timeout: float = 60.0, failure_pause: float = 0.0,
+                 headers: Mapping[str, str] | None = None) -> None:
         self._endpoints = endpoints
         self.model = model
         self.sessions = list(sessions)
         self.max_tokens = max_tokens
         self.timeout = timeout
         self.failure_pause = failure_pause
+        self.headers = dict(headers or {})
         self.sent = 0
         self.outcomes: list[Outcome] = []
         self._stop = asyncio.Event()
@@ -131,7 +134,7 @@ class LoadGenerator:
         status, revision = 0, ""
         try:
             async with self._http.post(f"{endpoint}/v1/chat/completions", json=body,
-                                       headers={SESSION_HEADER: session}) as r:
+                                       headers={**self.headers, SESSION_HEADER: session}) as r:
                 status, revision = r.status, r.headers.get(REVISION_HEADER, "")
                 if r.status != 200:
                     text = (await r.text())[:200]

@@ -1,6 +1,6 @@
-"""Run a real Prometheus on loopback that scrapes a local fleet: the operator's ``/metrics`` and,
-directly, the agents' (each agent's series labelled ``node=<its node name>``, as the Mac
-dashboard expects).
+"""Run a real Prometheus on loopback that scrapes a local fleet: the operator's ``/metrics``,
+the fleet routers' and, directly, the agents' (each agent's series labelled
+``node=<its node name>``, as the Mac dashboard expects).
 
 Used by the dashboards' end-to-end test (every panel query must return data), the PNG renderer
 and ``mlx-fleet dev up --prometheus``. The binary comes from :mod:`.prombuild` (built once from
@@ -23,34 +23,41 @@ from mlx_fleet.devcluster.processes import ManagedProcess, ProcessFailed, free_p
 from mlx_fleet.devcluster.prombuild import PrometheusBinaries, ensure_prometheus
 
 __all__ = ["ScrapeTarget", "PrometheusServer", "scrape_config", "start_prometheus",
-           "OPERATOR_JOB", "AGENT_JOB"]
+           "OPERATOR_JOB", "AGENT_JOB", "ROUTER_JOB"]
 
-#: Job names of the two kinds of targets.
+#: Job names of the three kinds of targets.
 OPERATOR_JOB = "mlx-fleet-operator"
 AGENT_JOB = "mlx-fleet-agent"
+ROUTER_JOB = "mlx-fleet-router"
 
 
 @dataclasses.dataclass(frozen=True)
 class ScrapeTarget:
     """One ``/metrics`` endpoint: ``address`` is ``host:port``; ``node`` names the Mac of an
-    agent (``None`` for the operator)."""
+    agent (``None`` for the operator and routers); ``router``: a fleet router's (its series
+    already carry their Mac in their own ``node`` label, so the target gets none)."""
 
     address: str
     node: str | None = None
+    router: bool = False
 
 
 def scrape_config(targets: list[ScrapeTarget], *, interval: str = "15s") -> dict[str, Any]:
     """A Prometheus configuration (as a dict, for YAML) scraping ``targets`` every ``interval``
     (a Prometheus duration): the operator targets in job :data:`OPERATOR_JOB`, the agents in
-    :data:`AGENT_JOB` with a ``node`` label each. Pure."""
-    operators = [t.address for t in targets if t.node is None]
-    agents = [t for t in targets if t.node is not None]
+    :data:`AGENT_JOB` with a ``node`` label each, the fleet routers in :data:`ROUTER_JOB`.
+    Pure."""
+    operators = [t.address for t in targets if t.node is None and not t.router]
+    routers = [t.address for t in targets if t.router]
+    agents = [t for t in targets if t.node is not None and not t.router]
     jobs: list[dict[str, Any]] = []
     if operators:
         jobs.append({"job_name": OPERATOR_JOB, "static_configs": [{"targets": operators}]})
     if agents:
         jobs.append({"job_name": AGENT_JOB, "static_configs": [
             {"targets": [t.address], "labels": {"node": t.node}} for t in agents]})
+    if routers:
+        jobs.append({"job_name": ROUTER_JOB, "static_configs": [{"targets": routers}]})
     return {"global": {"scrape_interval": interval, "scrape_timeout": interval,
                        "evaluation_interval": interval},
             "scrape_configs": jobs}

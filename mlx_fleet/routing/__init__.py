@@ -11,6 +11,8 @@ One job per module:
   on an agent;
 * :mod:`~mlx_fleet.routing.replicas` — when a replica serves (the Ready predicate) and the
   endpoints of a set of replicas;
+* :mod:`~mlx_fleet.routing.names` — served-name conflicts (two deployments claiming one model
+  id), refused by the router and shown by the operator;
 * :mod:`~mlx_fleet.routing.headers` — the HTTP header names;
 * :mod:`~mlx_fleet.routing.api_keys` — bearer API keys: the key file, the constant-time check;
 * :mod:`~mlx_fleet.routing.proxy` — relaying a request to another server, streaming preserved

@@ -150,7 +150,7 @@ def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployment
                                    and s not in withdrawn)
     return TrafficSplit(
         namespace=target[0], name=target[1],
-        served_model_name=dspec.model.served_model_name or target[1],
+        served_model_name=dspec.served_name(target[1]),
         stable_revision=state.stable_revision or dspec.model.revision, candidate_revision=cand,
         weight=weight, canary=name, canary_uid=uid, generation=generation,
         stats_interval_seconds=spec.analysis.interval_seconds, candidate_endpoints=endpoints,

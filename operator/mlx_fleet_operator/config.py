@@ -43,6 +43,8 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # watched namespaces (globs); empty = cluster-wide
     gc_interval: float = GC_SECONDS  # seconds between orphan collections
     peering: PeeringConfig | None = None  # None: standalone
+    #: The fleet router's base URL shown in each ``status.router`` (None: no router).
+    router_url: str | None = None
     #: Whether ``/metrics`` is already served on ``metrics_port`` (main()'s pre-flight check
     #: binds it); else the start-up handler serves it.
     metrics_served: bool = False
@@ -56,5 +58,6 @@ class OperatorConfig:
     def from_env(cls) -> OperatorConfig:
         return cls(etcd_endpoint=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", cls.etcd_endpoint),
                    etcd_prefix=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
-                   metrics_port=int(os.environ.get("MLX_FLEET_METRICS_PORT", "8080")))
+                   metrics_port=int(os.environ.get("MLX_FLEET_METRICS_PORT", "8080")),
+                   router_url=os.environ.get("MLX_FLEET_ROUTER_URL", "").rstrip("/") or None)
 

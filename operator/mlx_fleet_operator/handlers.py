@@ -79,7 +79,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         await store.connect()
         api = await asyncio.to_thread(kubernetes_api)
         rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope,
-                     gc_interval=cfg.gc_interval, custom_api=api,
+                     gc_interval=cfg.gc_interval, custom_api=api, router_url=cfg.router_url,
                      list_live=lambda: orphan_gc.list_live_deployments(api, cfg.namespaces))
         # Running Canaries' candidates, before any ModelDeployment resumes: a restart
         # mid-canary must never unload a warm candidate.

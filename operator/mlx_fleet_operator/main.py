@@ -10,6 +10,7 @@ import random
 import socket
 import uuid
 import sys
+import urllib.parse
 from collections.abc import Mapping, Sequence
 
 from mlx_fleet.contract import ROOT
@@ -47,6 +48,16 @@ def _etcd_endpoint(text: str) -> str:
     return text
 
 
+def _router_url(text: str) -> str:
+    """argparse type: the fleet router's base URL (``http(s)://host[:port][/path]``), without a
+    trailing slash."""
+    u = urllib.parse.urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.netloc or u.query or u.fragment:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an http:// or https:// base URL (e.g. http://mlx-fleet-router:8080)")
+    return text.rstrip("/")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-fleet-operator", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", action="append", default=[], metavar="NS",
                    help="watch ModelDeployments only in this namespace (repeatable; glob "
                         "patterns allowed); default: all namespaces (cluster-wide)")
+    p.add_argument("--router-url", type=_router_url,
+                   default=os.environ.get("MLX_FLEET_ROUTER_URL") or None, metavar="URL",
+                   help="the fleet router's base URL clients use (the chart's router Service); "
+                        "shown with each ModelDeployment's served model name in its "
+                        "status.router (env MLX_FLEET_ROUTER_URL; default: none, no "
+                        "status.router)")
     p.add_argument("--metrics-port", type=int, default=8080,
                    help="port of the Prometheus /metrics endpoint on 0.0.0.0; 0 disables it "
                         "(default %(default)s)")
@@ -201,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             metrics_port=args.metrics_port,
                             metrics_served=bool(args.metrics_port),  # by preflight()
                             namespaces=tuple(args.namespace),
-                            gc_interval=args.gc_interval)
+                            gc_interval=args.gc_interval,
+                            router_url=args.router_url)
     run_kwargs = kopf_run_kwargs(args)
     if not args.standalone:
         config = dataclasses.replace(

@@ -32,7 +32,7 @@ from mlx_fleet.contract import Assignment, AssignmentReport, Keys, NodeRecord, S
 from mlx_fleet.store import CLOSE_TIMEOUT_SECONDS, Snapshot, Store, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, supervise
 
-from . import metrics, status_writer
+from . import metrics, served_names, status_writer
 from .config import GC_SECONDS
 from .followers import EtcdViews
 from .holds import NodeHolds
@@ -64,19 +64,23 @@ class Runtime:
     Kubernetes client (None: no MacNode mirror, no status patches through it);
     ``list_live``: lists the live ModelDeployments (None: no garbage collection);
     ``patch_status(key, status)``: patches a ModelDeployment's status (default: through
-    ``custom_api``); ``clock``: the disruption rule's clock (seconds, monotonic)."""
+    ``custom_api``); ``clock``: the disruption rule's clock (seconds, monotonic);
+    ``router_url``: the fleet router's base URL shown in each ``status.router`` (None: no
+    router)."""
 
     def __init__(self, store: Store, keys: Keys, writer: str,
                  in_scope: Callable[[str], bool] = lambda ns: True,
                  gc_interval: float = GC_SECONDS, *,
                  custom_api: CustomObjectsApi | None = None, list_live: ListLive | None = None,
                  patch_status: status_writer.PatchStatus | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 router_url: str | None = None) -> None:
         self.store = store
         self.keys = keys
         self.writer = writer
         self.in_scope = in_scope
         self.gc_interval = gc_interval
+        self.router_url = router_url
         self.custom_api = custom_api
         self.list_live = list_live
         self._patch_status = patch_status or self._patch_status_api
@@ -147,8 +151,11 @@ class Runtime:
 
     def forget(self, key: DeploymentKey) -> None:
         """The ModelDeployment ``key`` is deleted: drop its record, and stop its status
-        writer (a status still queued is dropped: the object is gone)."""
+        writer (a status still queued is dropped: the object is gone). The deployments it
+        shared a served name with are woken (their ``ServedNameConflict`` clears)."""
+        rivals = served_names.rivals(key, self.placed)
         rec = self._deployments.pop(key, None)
+        self.wake(served_names.to_wake(rivals, {}))
         if rec is not None and rec.status.writer is not None:
             rec.status.writer.cancel()
 

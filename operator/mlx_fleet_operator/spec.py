@@ -306,6 +306,12 @@ class DeploymentSpec(_Spec):
                              f"exceed spec.replicas ({self.replicas})")
         return self
 
+    def served_name(self, name: str) -> str:
+        """The model id clients send for this deployment (the OpenAI ``model``):
+        ``model.servedModelName``, else ``name`` (the object's ``metadata.name``). The one
+        definition: assignments, traffic splits, placement and ``status.router`` use it."""
+        return self.model.served_model_name or name
+
     def surge_limits(self) -> tuple[int, int]:
         """``(max_surge, max_unavailable)`` resolved against ``replicas``. When both come out
         0 (e.g. ``"10%"`` of 1 replica rounded down and ``maxSurge: 0``), a surge of 1 is
@@ -357,11 +363,11 @@ def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str =
     ``memory_bytes`` (the bytes placement reserved: the override or the agents' estimate) falls
     back to ``spec.resources.memory``, else 0 (no figure yet).
 
-    ``served_model_name`` defaults to ``name`` (``metadata.name``).
+    ``served_model_name``: :meth:`DeploymentSpec.served_name`.
     """
     return Assignment(
         namespace=namespace, name=name, uid=uid, generation=generation, role=role,
-        served_model_name=spec.model.served_model_name or name,
+        served_model_name=spec.served_name(name),
         source=ModelSource(uri=source or spec.model.source,
                            revision=revision or spec.model.revision),
         memory_bytes=memory_bytes or spec.resources.memory_bytes or 0,

@@ -46,6 +46,15 @@ Conditions
                  ``AwaitingEstimate`` while replicas wait for the agents' memory estimate
                  (``spec.resources.memory`` unset: one replica is placed first); False with
                  ``InvalidSpec`` for an invalid spec.
+``ServedNameConflict``  True (``NameClaimedByAnother``, naming the others) while another
+                 ModelDeployment in the operator's scope claims one of its served model names
+                 (:mod:`mlx_fleet.routing.names`: the fleet router refuses such a name);
+                 False (``NoConflict``) otherwise. A Warning event ``ServedNameConflict`` when
+                 it turns True (or the rivals change), Normal ``ServedNameConflictResolved``
+                 when it clears.
+
+``status.router`` (``{url, model}``): the URL and model id a client should use — the fleet
+router's (the operator's ``--router-url``) and the served model name; absent without a router.
 
 Drained replicas
 ----------------
@@ -72,7 +81,7 @@ from mlx_fleet.routing import replicas
 
 Slot = tuple[str, str]  # (node, revision)
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Scheduled")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,12 @@ class StatusInput:
     are those still stored from the last valid spec, still served, so still reported).
     ``withdrawn``: drained slots replaced elsewhere, on their way out (module docstring).
     ``waiting``: replicas held back until the revision's memory estimate exists.
+    ``served_name``: the model id clients send (:meth:`~.spec.DeploymentSpec.served_name`;
+    "" when the spec is invalid). ``rivals``: each served name of this deployment that another
+    ModelDeployment in the operator's scope claims too → those deployments
+    (``"namespace/name"``, sorted; :func:`mlx_fleet.routing.names.rivals`).
+    ``router_url``: the fleet router's base URL clients use (the operator's ``--router-url``;
+    None: no router configured).
     """
 
     generation: int
@@ -112,6 +127,9 @@ class StatusInput:
     rollout_message: str = ""
     withdrawn: frozenset[Slot] = frozenset()
     waiting: int = 0
+    served_name: str = ""
+    rivals: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    router_url: str | None = None
 
 
 def now_rfc3339(now: dt.datetime | None = None) -> str:
@@ -272,6 +290,7 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
             sched_c = cond("Scheduled", "True", "Scheduled",
                            f"{desired}/{desired} replicas placed")
         conditions = [ready_c, prog_c, deg_c, sched_c]
+    conditions.append(_served_name_condition(inp, cond))
 
     # -- events on transitions -----------------------------------------------------------------
     for e in entries:
@@ -318,6 +337,14 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         events.append(Event("Normal", "RolloutComplete",
                             f"Revision {inp.revision} serves on {n_updated} node(s); previous "
                             f"revisions unloaded"))
+    prev_conflict = prev_conditions.get("ServedNameConflict", {})
+    new_conflict = conditions[4]
+    if new_conflict["status"] == "True" and (prev_conflict.get("status") != "True"
+                                             or prev_conflict.get("message")
+                                             != new_conflict["message"]):
+        events.append(Event("Warning", "ServedNameConflict", new_conflict["message"]))
+    elif new_conflict["status"] == "False" and prev_conflict.get("status") == "True":
+        events.append(Event("Normal", "ServedNameConflictResolved", new_conflict["message"]))
     prev_degraded = prev_conditions.get("Degraded", {})
     new_degraded = conditions[2]
     if new_degraded["reason"] in ("FailedPlacement", "InvalidSpec") and (
@@ -336,8 +363,29 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         "downloads": "; ".join(f"{e['name']}: {e['download']['text']}"
                                for e in entries if "download" in e),
         "conditions": conditions,
+        # null removes it (a merge patch) when the operator runs without a router
+        "router": ({"url": inp.router_url, "model": inp.served_name}
+                   if inp.router_url and inp.served_name else None),
     }
     return status, events
+
+
+def _served_name_condition(inp: StatusInput, cond: Any) -> dict[str, Any]:
+    """``ServedNameConflict``: True (``NameClaimedByAnother``) while another ModelDeployment in
+    the operator's scope claims one of this deployment's served names — the fleet router then
+    refuses the name for both (409 ``model_name_conflict``) instead of mixing two models — else
+    False (``NoConflict``)."""
+    if inp.rivals:
+        what = "; ".join(
+            f"served model name {name!r} is also claimed by ModelDeployment "
+            f"{', '.join(others)}" for name, others in sorted(inp.rivals.items()))
+        return cond("ServedNameConflict", "True", "NameClaimedByAnother",
+                    f"{what}: the fleet router refuses the name for all of them (409 "
+                    "model_name_conflict) until all but one change spec.model.servedModelName "
+                    "or are deleted")
+    named = f"served model name {inp.served_name!r}" if inp.served_name else "its served names"
+    return cond("ServedNameConflict", "False", "NoConflict",
+                f"no other ModelDeployment in scope claims {named}")
 
 
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:

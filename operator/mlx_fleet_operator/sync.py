@@ -1,5 +1,6 @@
 """Converge one ModelDeployment: parse its spec, reconcile (placement → one fenced etcd
-transaction, :func:`.reconcile.reconcile`), compute its status (:func:`.status.compute_status`)
+transaction, :func:`.reconcile.reconcile`), wake the deployments whose served-name conflict
+with it changed (:mod:`.served_names`), compute its status (:func:`.status.compute_status`)
 and queue it (:mod:`.status_writer`), post its events. The kopf handlers and the deployment's
 daemon call :func:`sync`; every decision is made by the pure modules, this module gathers
 their inputs from the :class:`~.runtime.Runtime` and applies their outputs.
@@ -24,7 +25,7 @@ import kopf
 from mlx_fleet.contract import Role
 from mlx_fleet.store import StoreError
 
-from . import metrics
+from . import metrics, served_names
 from .placement import PlacementRequest, resolve_memory, revision_estimates
 from .records import CandidateIntent, DeploymentKey, SyncedSpec
 from .reconcile import ConflictError, Intent, read_fleet, reconcile
@@ -102,7 +103,8 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in placed}
             status, events = compute_status(StatusInput(
                 generation=generation, replicas=replicas, assignments=placed, reports=reports,
-                nodes=dict(rt.nodes), spec_error=str(e)), previous)
+                nodes=dict(rt.nodes), spec_error=str(e),
+                rivals=served_names.rivals(key, rt.placed)), previous)
             # The InvalidSpec Warning event is among ``events`` (posted on the transition only).
             await publish(rt, body, key, status, events, replicas)
             metrics.observe_reconcile(time.perf_counter() - started, success=False)
@@ -132,6 +134,7 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             metrics.observe_reconcile(time.perf_counter() - started, success=False)
             raise kopf.TemporaryError(f"etcd: {e}", delay=5) from e
         metrics.TXN_CONFLICTS.inc(result.conflicts)
+        rivals_before = served_names.rivals(key, rt.placed)
         drain_changed = rec.reconciled(result.assignments, unsettled=bool(
             result.decision.unplaced or result.decision.waiting
             or (result.candidate is not None and result.candidate.unplaced)
@@ -140,6 +143,8 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         if result.written or drain_changed:
             rt.macnode_wake.set()  # reserved memory / models / drain progress changed
         rt.wake_canary(key)
+        rivals = served_names.rivals(key, rt.placed)
+        rt.wake(served_names.to_wake(rivals_before, rivals))  # their condition changes too
 
         reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
         status, events = compute_status(StatusInput(
@@ -147,7 +152,8 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
             placement_message=result.decision.message, revision=spec.model.revision,
             rollout_reason=result.rollout.reason, rollout_message=result.rollout.message,
-            withdrawn=frozenset(result.drain.withdraw), waiting=result.decision.waiting),
+            withdrawn=frozenset(result.drain.withdraw), waiting=result.decision.waiting,
+            served_name=spec.served_name(key[1]), rivals=rivals, router_url=rt.router_url),
             previous)
         # a status that withdraws endpoints is patched now: the grace counts from its patch
         await publish(rt, body, key, status, events, spec.replicas,
@@ -173,7 +179,7 @@ def deployment_intent(spec: DeploymentSpec, key: DeploymentKey, *, uid: str, gen
     largest memory estimate (:func:`~.placement.revision_estimates`), used where
     ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`)."""
     estimates = estimates or {}
-    served = spec.model.served_model_name or key[1]
+    served = spec.served_name(key[1])
     memory = resolve_memory(spec.resources.memory_bytes,
                             [estimates.get(spec.model.revision, 0)])
     request = PlacementRequest(

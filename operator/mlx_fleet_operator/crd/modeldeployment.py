@@ -16,7 +16,7 @@ from .markers import Int32, Int64, Keywords
 from .resource import PrinterColumn, Resource
 
 __all__ = ["MODEL_DEPLOYMENT", "ModelDeploymentStatus", "NodeStatus", "DownloadStatus",
-           "ModelDeploymentCondition"]
+           "ModelDeploymentCondition", "RouterStatus"]
 
 _NonNegative = Annotated[int, Field(ge=0)]
 
@@ -58,11 +58,24 @@ class NodeStatus(Status):
         "refreshed at a bounded rate)."))
 
 
+class RouterStatus(Status):
+    """Where a client sends requests for this deployment through the fleet router."""
+
+    url: str = Field(description=(
+        "Base URL of the fleet router's OpenAI-compatible API (the operator's --router-url), "
+        "e.g. http://mlx-fleet-router.mlx-fleet:8080; requests go to <url>/v1/..."))
+    model: str = Field(description=(
+        'The model id to pass as "model": spec.model.servedModelName, else metadata.name.'))
+
+
 class ModelDeploymentCondition(Condition):
     """One aspect of the ModelDeployment's state (like metav1.Condition)."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "Scheduled"] = Field(
-        description="Condition type.")
+    type: Literal["Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict"] = Field(
+        description=(
+            "Condition type. ServedNameConflict is True while another ModelDeployment in the "
+            "operator's scope claims the same served model name: the fleet router refuses the "
+            "name for both until one changes spec.model.servedModelName or is deleted."))
 
 
 class ModelDeploymentStatus(Status):
@@ -88,6 +101,9 @@ class ModelDeploymentStatus(Status):
     endpoints: tuple[Annotated[str, Keywords(
         description="Base URL of one agent's OpenAI-compatible API, e.g. http://mac-1:8000.")], ...] | None = Field(
         default=None, description="Base URLs of the agents serving this model with state Ready.")
+    router: RouterStatus | None = Field(default=None, description=(
+        "The URL and model id a client should use: the fleet router's, absent when the "
+        "operator runs without a router (--router-url)."))
     conditions: Annotated[tuple[ModelDeploymentCondition, ...], CONDITIONS] | None = Field(
         default=None, description="Latest observations of the ModelDeployment's state.")
 
@@ -117,6 +133,12 @@ MODEL_DEPLOYMENT = Resource(
         PrinterColumn("Desired", "integer", "Replicas asked for (spec.replicas).", ".spec.replicas"),
         PrinterColumn("Status", "string", "Status of the Ready condition (True, False or Unknown).",
                       '.status.conditions[?(@.type=="Ready")].status'),
+        PrinterColumn("Served", "string",
+                      "The model id clients send to the fleet router (status.router.model).",
+                      ".status.router.model"),
+        PrinterColumn("Router", "string",
+                      "The fleet router's base URL for this model (status.router.url).",
+                      ".status.router.url", priority=1),
         PrinterColumn("Downloads", "string", "Downloads under way per Mac (status.downloads).",
                       ".status.downloads", priority=1),
         PrinterColumn("Age", "date", "Time since the ModelDeployment was created.",
