@@ -1,5 +1,6 @@
-"""The assignment controller (and the whole agent process) against a real etcd, the real
-ServingCore and a generated MLX model."""
+"""The assignment controller against the in-memory store, the real ServingCore and a generated
+MLX model; the whole agent process (``test_agent_end_to_end``, the CLI's start-up error)
+against a real etcd."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
                                 NodeCapacity, NodeHealth, NodeRecord, Role)
 from mlx_fleet import supervise as supervise_module
-from mlx_fleet.store import EtcdStore, StoreError, WatchEvent
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet.store import EtcdStore, Store, StoreError, WatchEvent
 from node_agent.controller import Controller, ServedModel
 from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
 from node_agent.registration import Registration
@@ -45,11 +47,11 @@ def assignment(name: str, model_dir: Path | str, *, model: str | None = None,
                       role=role)
 
 
-async def put(store: EtcdStore, keys: Keys, a: Assignment) -> int:
+async def put(store: Store, keys: Keys, a: Assignment) -> int:
     return await store.put(keys.assignment(NODE, a.namespace, a.name, a.revision), a.to_json())
 
 
-async def report_events(store: EtcdStore, key: str, start: int,
+async def report_events(store: Store, key: str, start: int,
                         until: Callable[[AssignmentReport | None], bool],
                         timeout: float = TIMEOUT) -> list[AssignmentReport | None]:
     """Reports written to ``key`` from revision ``start`` (None = deleted), up to and including
@@ -69,7 +71,7 @@ async def report_events(store: EtcdStore, key: str, start: int,
     return seen
 
 
-async def wait_report(store: EtcdStore, key: str,
+async def wait_report(store: Store, key: str,
                       until: Callable[[AssignmentReport | None], bool],
                       timeout: float = TIMEOUT) -> AssignmentReport | None:
     """The first state of the report at ``key`` (now or later) satisfying ``until``."""
@@ -111,10 +113,10 @@ class Capacity:
 
 
 class FlakyStore:
-    """The real store, with a switch that breaks the watch stream and keeps new watches
+    """The in-memory store, with a switch that breaks the watch stream and keeps new watches
     failing until :meth:`reconnect` (a network partition between agent and etcd watch)."""
 
-    def __init__(self, inner: EtcdStore) -> None:
+    def __init__(self, inner: MemoryStore) -> None:
         self._inner = inner
         self._up = asyncio.Event()
         self._up.set()
@@ -126,6 +128,9 @@ class FlakyStore:
     def disconnect(self) -> None:
         self._up.clear()
         self._broken.set()
+        # the in-memory store hands a live watch its events at once: break its streams too,
+        # so none is delivered before the break is seen
+        self._inner.break_watches("disconnected (test)")
 
     def reconnect(self) -> None:
         self._broken.clear()
@@ -163,6 +168,21 @@ class FlakyStore:
 # fixtures
 # ---------------------------------------------------------------------------------------------
 
+#: Parametrizes a test's ``store`` with the real etcd: the tests of the agent process.
+ON_ETCD = pytest.mark.parametrize("store", ["etcd"], indirect=True)
+
+
+@pytest.fixture
+async def store(request: pytest.FixtureRequest, memory_store: MemoryStore
+                ) -> AsyncIterator[Store]:
+    """``memory_store`` (the controller's logic needs a store, not etcd); the real etcd for a
+    test marked ``ON_ETCD``."""
+    if getattr(request, "param", "memory") == "memory":
+        yield memory_store
+        return
+    async with EtcdStore(request.getfixturevalue("etcd_server").client_url) as s:
+        yield s
+
 
 @pytest.fixture(scope="module")
 async def core() -> AsyncIterator[ServingCore]:
@@ -173,7 +193,7 @@ async def core() -> AsyncIterator[ServingCore]:
 
 
 @pytest.fixture
-async def registration(store: EtcdStore, keys: Keys) -> AsyncIterator[Registration]:
+async def registration(store: Store, keys: Keys) -> AsyncIterator[Registration]:
     reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
                        ttl=5)
     await reg.start()
@@ -182,7 +202,7 @@ async def registration(store: EtcdStore, keys: Keys) -> AsyncIterator[Registrati
 
 
 @pytest.fixture
-async def flaky(store: EtcdStore) -> FlakyStore:
+async def flaky(store: MemoryStore) -> FlakyStore:
     return FlakyStore(store)
 
 
@@ -231,7 +251,7 @@ def test_resolve_source(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-async def test_assignment_loads_serves_and_unloads(store: EtcdStore, keys: Keys,
+async def test_assignment_loads_serves_and_unloads(store: MemoryStore, keys: Keys,
                                                    core: ServingCore, controller: Controller,
                                                    test_model_dir: Path) -> None:
     rkey = keys.report(NODE, "default", "llama", "r1")
@@ -269,7 +289,7 @@ async def test_assignment_loads_serves_and_unloads(store: EtcdStore, keys: Keys,
 
 
 async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: Controller,
         test_model_dir: Path, other_model_path: Path) -> None:  # noqa: F811
     r1key, r2key = keys.report(NODE, "default", "m", "r1"), keys.report(NODE, "default", "m", "r2")
     await put(store, keys, assignment("m", test_model_dir, revision="r1"))
@@ -314,7 +334,7 @@ async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
     assert (await wait_report(store, r2key, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
 
 
-async def test_changed_source_of_a_revision_reloads_it(store: EtcdStore, keys: Keys,
+async def test_changed_source_of_a_revision_reloads_it(store: MemoryStore, keys: Keys,
                                                        core: ServingCore, controller: Controller,
                                                        test_model_dir: Path,
                                                        other_model_path: Path) -> None:  # noqa: F811
@@ -329,7 +349,7 @@ async def test_changed_source_of_a_revision_reloads_it(store: EtcdStore, keys: K
 
 
 async def test_a_served_name_taken_by_another_deployment_is_refused_until_it_is_freed(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: Controller,
         test_model_dir: Path) -> None:
     """Two deployments assigned the same served model name at once (converged concurrently):
     exactly one loads, the other is Failed/ModelNameConflict naming it; once the first is
@@ -354,7 +374,7 @@ async def test_a_served_name_taken_by_another_deployment_is_refused_until_it_is_
 
 
 async def test_unassigning_a_revision_the_core_is_loading_calls_the_load_off(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: Controller,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: Controller,
         test_model_dir: Path) -> None:
     """The MLX thread is held, so the load is queued on it: unassigning the revision cancels
     its task at once (its report goes while the thread is still held), the core drops the
@@ -374,7 +394,7 @@ async def test_unassigning_a_revision_the_core_is_loading_calls_the_load_off(
     assert core.models() == [] and not core.is_loaded("queued")
 
 
-async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
+async def test_bad_assignments_fail_with_reason(store: MemoryStore, keys: Keys,
                                                 core: ServingCore, controller: Controller,
                                                 tmp_path: Path) -> None:
     await put(store, keys, assignment("missing", str(tmp_path / "nope")))
@@ -417,7 +437,7 @@ async def test_bad_assignments_fail_with_reason(store: EtcdStore, keys: Keys,
 
 
 async def test_failed_load_is_retried_until_the_model_appears(
-        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        store: MemoryStore, keys: Keys, core: ServingCore, registration: Registration,
         test_model_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "disk" / "model"  # not there yet: a disk that isn't mounted
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
@@ -449,7 +469,7 @@ async def test_failed_load_is_retried_until_the_model_appears(
 
 
 async def test_retry_timing_follows_the_injected_clock(
-        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        store: MemoryStore, keys: Keys, core: ServingCore, registration: Registration,
         test_model_dir: Path, tmp_path: Path) -> None:
     """The back-off is measured on the controller's clock, not the wall clock: a failed load
     whose model has since appeared is not retried (a new generation is reported Failed
@@ -491,9 +511,9 @@ def settled_ready(r: AssignmentReport | None) -> bool:
 @pytest.mark.fault("etcd compaction while an agent's watch is down",
                    holds="the agent's assignment follower resumes, meets the compaction, re-lists and "
                          "converges: the assignment added meanwhile is Ready, the one removed is "
-                         "unloaded (the agent's controller in the test process, a real etcd; "
-                         "recovery: from the reconnect to converged)")
-async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core: ServingCore,
+                         "unloaded (the agent's controller in the test process, the in-memory "
+                         "store; recovery: from the reconnect to converged)")
+async def test_watch_relists_after_compaction(store: MemoryStore, keys: Keys, core: ServingCore,
                                               flaky: FlakyStore, controller: Controller,
                                               test_model_dir: Path, fault_record: FaultRecord) -> None:
     ka, kb = keys.report(NODE, "default", "a", "r1"), keys.report(NODE, "default", "b", "r1")
@@ -504,7 +524,7 @@ async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core
     flaky.disconnect()  # the controller's watch breaks and can't come back yet
     await store.delete(keys.assignment(NODE, "default", "a", "r1"))
     rev = await put(store, keys, assignment("b", test_model_dir))
-    await store._client.compact(rev)  # the events above are gone from etcd's history
+    await store.compact(rev)  # the events above are gone from the store's history
     flaky.reconnect()
     fault_record.fault_ended()
 
@@ -517,7 +537,7 @@ async def test_watch_relists_after_compaction(store: EtcdStore, keys: Keys, core
 
 
 async def test_callback_bug_restarts_the_follower_which_converges(
-        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        store: MemoryStore, keys: Keys, core: ServingCore, registration: Registration,
         test_model_dir: Path) -> None:
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED)
@@ -554,7 +574,7 @@ async def test_callback_bug_restarts_the_follower_which_converges(
 
 
 async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converges_it(
-        store: EtcdStore, keys: Keys, core: ServingCore, registration: Registration,
+        store: MemoryStore, keys: Keys, core: ServingCore, registration: Registration,
         test_model_dir: Path) -> None:
     """An unexpected exception in one assignment's task is raised by the converge worker (so
     /health shows it and the supervisor restarts it); the restarted worker starts that
@@ -685,6 +705,7 @@ def test_cli_rejects_a_bad_memory_watermark(value: str, error: str,
     assert f"argument --memory-watermark: {error}" in capsys.readouterr().err
 
 
+@ON_ETCD
 async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
                                 test_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                 caplog: pytest.LogCaptureFixture) -> None:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from etcd_tls import make_pki
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource, NodeCapacity, Role, TrafficSplit)
+from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.routing.api_keys import (KeyFile, KeyFileError, Stamp, bearer_token, digest,
                                         matches, parse_key_entries, parse_key_file,
                                         stamp_changed)
@@ -410,12 +411,13 @@ async def _capacity() -> NodeCapacity:
 
 
 async def test_forwarded_request_carries_the_fleet_internal_key(
-        store: EtcdStore, keys: Keys, canary_core: ServingCore, tmp_path: Path,
+        memory_store: MemoryStore, keys: Keys, canary_core: ServingCore, tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     """A canary candidate held by another node, over HTTPS from a private CA: the front node
     forwards with the first key of its --forward-key-file, not the client's key (the back node
     does not even know the client's key); without a forward key the back node refuses the
-    forwarded request."""
+    forwarded request. On the in-memory store: the nodes' traffic managers need a store, not
+    etcd."""
     from node_agent.main import forward_tls_context, tls_context
 
     pki = make_pki(tmp_path / "pki", [])
@@ -430,10 +432,10 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
     async def node(k: Keys, name: str, served: dict[str, Role], api_keys: KeyFile,
                    forward_keys: KeyFile | None, tls: ssl.SSLContext | None = None
                    ) -> TestClient:
-        reg = Registration(store, k, node_name=name, address="http://unused", ttl=5,
+        reg = Registration(memory_store, k, node_name=name, address="http://unused", ttl=5,
                            capacity=_capacity)
         await reg.start()
-        tm = TrafficManager(store, k, node_name=name, registration=reg,
+        tm = TrafficManager(memory_store, k, node_name=name, registration=reg,
                             served=lambda: {CANARY_MODEL: ServedModel(NS, DEP, dict(served))},
                             crashes=canary_core.crashes, memory_bytes=canary_core.memory_bytes)
         await tm.start()
@@ -457,7 +459,7 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
                              stable_revision="r1", candidate_revision="r2", weight=100,
                              canary="c", canary_uid="uid-1",
                              candidate_endpoints=[back_url])
-        await store.put(keys.traffic(NS, DEP), split.to_json())
+        await memory_store.put(keys.traffic(NS, DEP), split.to_json())
         front = await node(keys, "front", {"r1": Role.STABLE}, client_keys, fleet)
         bare = await node(keys, "front-without-key", {"r1": Role.STABLE}, client_keys, None)
         body = {"model": CANARY_MODEL, "prompt": "Once upon a time", "max_tokens": 3}

@@ -1,5 +1,5 @@
 """Idle unload and reload on demand (scale from zero): the controller and the agent's HTTP path
-against a real etcd, the real ServingCore and the tiny generated model."""
+against the in-memory store, the real ServingCore and the tiny generated model."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment, AssignmentReport,
                                 AssignmentState, Keys, LifecyclePolicy, Role)
+from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.routing.headers import REVISION_HEADER
-from mlx_fleet.store import EtcdStore
 from node_agent.controller import Controller, ServedModel
 from node_agent.openai_api import build_app
 from node_agent.registration import Registration
@@ -22,7 +22,7 @@ from node_agent.serving import ServingCore
 from node_agent.traffic import TrafficManager
 from serving_fixtures import mlx_thread_held, safetensors_bytes, wait_for
 from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, assignment, complete,  # noqa: F401
-                                   core, registration, report_events, wait_report)
+                                   core, registration, report_events, store, wait_report)
 
 MODEL = "tiny"
 CHAT = "/v1/chat/completions"
@@ -59,7 +59,7 @@ CtlFactory = Callable[..., Awaitable[Controller]]
 
 
 @pytest.fixture
-async def controller(store: EtcdStore, keys: Keys, core: ServingCore,
+async def controller(store: MemoryStore, keys: Keys, core: ServingCore,
                      registration: Registration) -> AsyncIterator[CtlFactory]:
     """``await controller(**kw)``: a started Controller with a fast lifecycle task (0.05 s)."""
     ctls: list[Controller] = []
@@ -97,7 +97,7 @@ HttpFactory = Callable[[Controller], Awaitable[Http]]
 
 
 @pytest.fixture
-async def http(store: EtcdStore, keys: Keys, core: ServingCore,
+async def http(store: MemoryStore, keys: Keys, core: ServingCore,
                registration: Registration) -> AsyncIterator[HttpFactory]:
     started: list[Http] = []
 
@@ -121,7 +121,7 @@ async def http(store: EtcdStore, keys: Keys, core: ServingCore,
         await h.tm.stop()
 
 
-async def assign_and_wait_ready(store: EtcdStore, keys: Keys, a: Assignment) -> str:
+async def assign_and_wait_ready(store: MemoryStore, keys: Keys, a: Assignment) -> str:
     rkey = keys.report(NODE, a.namespace, a.name, a.revision)
     await store.put(keys.assignment(NODE, a.namespace, a.name, a.revision), a.to_json())
     r = await wait_report(store, rkey, lambda r: r is not None and r.state in (
@@ -155,7 +155,7 @@ class Gate:
 
 
 async def test_idle_revision_is_unloaded_and_its_memory_returned(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     ctl = await controller()
     start = (await store.list(keys.root + "/")).revision + 1
@@ -201,7 +201,7 @@ async def test_idle_revision_is_unloaded_and_its_memory_returned(
 
 
 async def test_request_after_idle_unload_reloads_and_is_served(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         http: HttpFactory, test_model_dir: Path) -> None:
     ctl = await controller()
     h = await http(ctl)
@@ -228,7 +228,7 @@ async def test_request_after_idle_unload_reloads_and_is_served(
 
 
 async def test_concurrent_requests_share_one_reload(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         http: HttpFactory, test_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ctl = await controller()
     h = await http(ctl)
@@ -254,7 +254,7 @@ async def test_concurrent_requests_share_one_reload(
         AssignmentState.READY, AssignmentState.UNLOADED)) is not None
 
 
-async def test_too_many_waiters_get_429(store: EtcdStore, keys: Keys, core: ServingCore,
+async def test_too_many_waiters_get_429(store: MemoryStore, keys: Keys, core: ServingCore,
                                        controller: CtlFactory, http: HttpFactory,
                                        test_model_dir: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,7 +278,7 @@ async def test_too_many_waiters_get_429(store: EtcdStore, keys: Keys, core: Serv
 
 
 async def test_failed_reload_is_a_503_and_is_retried(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         http: HttpFactory, test_model_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     shutil.copytree(test_model_dir, model_dir)
@@ -304,7 +304,7 @@ async def test_failed_reload_is_a_503_and_is_retried(
 
 
 async def test_no_unload_with_idle_zero_or_a_request_in_flight(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     clock = FakeClock()
     ctl = await controller(clock=clock)
@@ -342,7 +342,7 @@ async def test_no_unload_with_idle_zero_or_a_request_in_flight(
     assert isinstance(await complete(core, "never"), str)
 
 
-async def test_touch_keeps_a_revision_resident(store: EtcdStore, keys: Keys,
+async def test_touch_keeps_a_revision_resident(store: MemoryStore, keys: Keys,
                                                core: ServingCore, controller: CtlFactory,
                                                test_model_dir: Path) -> None:
     clock = FakeClock()

@@ -1,7 +1,7 @@
-"""The agent's lifecycle beyond idle unload, on real parts (etcd, the ServingCore, the tiny
-generated model): eviction under memory pressure (least recently used first, memory measured
-freed), the minReady pin, predictive prefetch from the usage history, Eager vs OnDemand, the
-lifecycle metrics and ``GET /v1/models`` listing standby models.
+"""The agent's lifecycle beyond idle unload, on the in-memory store and real parts (the
+ServingCore, the tiny generated model): eviction under memory pressure (least recently used
+first, memory measured freed), the minReady pin, predictive prefetch from the usage history,
+Eager vs OnDemand, the lifecycle metrics and ``GET /v1/models`` listing standby models.
 
 Time is the controller's injected clock and the lifecycle is driven by explicit calls
 (``unload_idle``, ``tick``, ``observe``); the background lifecycle task is parked (an interval
@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 Assignment, AssignmentState, Keys)
 from mlx_fleet.quantity import format_bytes
-from mlx_fleet.store import EtcdStore
+from mlx_fleet.memstore import MemoryStore
 from node_agent import memory_estimate
 from node_agent.controller import INSUFFICIENT_MEMORY, MODEL_LIMIT
 from node_agent.openai_api import build_app
@@ -25,7 +25,7 @@ from node_agent.serving import ServingCore
 from node_agent.sources import resolve_source
 from serving_fixtures import mlx_thread_held, safetensors_bytes, wait_for
 from test_agent_controller import (TIMEOUT, collect, core, registration,  # noqa: F401
-                                   report_events, settled, wait_report)
+                                   report_events, settled, store, wait_report)
 from test_idle_unload import (CtlFactory, FakeClock, assign_and_wait_ready,  # noqa: F401
                               controller, idle_assignment, ready, standby)
 
@@ -50,7 +50,7 @@ def sample(core: ServingCore, name: str, **labels: str) -> float | None:
 
 
 async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_model(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     need = estimate(test_model_dir)
     clock = FakeClock()
@@ -102,7 +102,7 @@ async def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_mode
 
 
 async def test_pinned_model_is_never_idle_unloaded_nor_evicted(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     need = estimate(test_model_dir)
     budget = need + need // 2  # one fits
@@ -140,7 +140,7 @@ async def test_pinned_model_is_never_idle_unloaded_nor_evicted(
 
 
 async def test_predictive_prefetch_reloads_a_periodic_model_before_its_next_request(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     clock = FakeClock()
     t0 = clock.now
@@ -183,7 +183,7 @@ async def test_predictive_prefetch_reloads_a_periodic_model_before_its_next_requ
 
 
 async def test_eager_loads_at_once_and_on_demand_waits_for_the_first_request(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     resolved: list[str] = []
 
@@ -229,7 +229,7 @@ async def test_eager_loads_at_once_and_on_demand_waits_for_the_first_request(
 
 
 async def test_lifecycle_metrics_and_a_removed_revision_leaves_no_series(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     need = estimate(test_model_dir)
     clock = FakeClock()
@@ -270,7 +270,7 @@ async def test_lifecycle_metrics_and_a_removed_revision_leaves_no_series(
 
 
 async def test_model_limit_evicts_the_idle_model_and_a_request_brings_it_back(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     clock = FakeClock()
     ctl = await controller(clock=clock, lifecycle_interval=PARKED, max_loaded_models=1)
@@ -300,7 +300,7 @@ async def test_model_limit_evicts_the_idle_model_and_a_request_brings_it_back(
 
 
 async def test_model_limit_refuses_a_load_when_the_resident_model_is_pinned(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     ctl = await controller(lifecycle_interval=PARKED, max_loaded_models=1,
                            retry_backoff=NO_RETRY)
@@ -327,7 +327,7 @@ async def test_model_limit_refuses_a_load_when_the_resident_model_is_pinned(
 
 
 async def test_model_limit_waits_for_a_request_in_flight_then_the_retry_evicts(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     ctl = await controller(lifecycle_interval=PARKED, max_loaded_models=1,
                            retry_backoff=(0.1, 0.1))
@@ -359,7 +359,7 @@ async def test_model_limit_waits_for_a_request_in_flight_then_the_retry_evicts(
 
 
 async def test_predictive_prefetch_does_not_evict_for_the_model_limit(
-        store: EtcdStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
         test_model_dir: Path) -> None:
     clock = FakeClock()
     t0 = clock.now
