@@ -78,9 +78,17 @@ def keys() -> Keys:
 
 
 @pytest.fixture
-async def store(etcd_server: EtcdServer) -> AsyncIterator[EtcdStore]:
+async def etcd_store(etcd_server: EtcdServer) -> AsyncIterator[EtcdStore]:
+    """A client of the session's real etcd."""
     async with EtcdStore(etcd_server.client_url) as s:
         yield s
+
+
+@pytest.fixture
+def store(etcd_store: EtcdStore) -> EtcdStore:
+    """The store a test runs on: the real etcd, unless its module overrides ``store`` (e.g. with
+    ``memory_or_etcd_store``)."""
+    return etcd_store
 
 
 @pytest.fixture
@@ -93,9 +101,17 @@ async def memory_store() -> AsyncIterator[MemoryStore]:
 
 @pytest.fixture(params=["etcd", "memory"])
 def any_store(request: pytest.FixtureRequest) -> EtcdStore | MemoryStore:
-    """The test runs twice: on the real etcd (``store``) and on ``memory_store`` — for the
+    """The test runs twice: on the real etcd (``etcd_store``) and on ``memory_store`` — for the
     behaviour both must share (tests/test_store_contract.py)."""
-    return request.getfixturevalue("store" if request.param == "etcd" else "memory_store")
+    return request.getfixturevalue("etcd_store" if request.param == "etcd" else "memory_store")
+
+
+@pytest.fixture
+def memory_or_etcd_store(request: pytest.FixtureRequest) -> EtcdStore | MemoryStore:
+    """``memory_store`` (logic that needs a store, not etcd), or the real etcd for a test marked
+    :data:`stores.ON_ETCD` / :data:`stores.ON_BOTH`."""
+    return request.getfixturevalue("etcd_store" if getattr(request, "param", "memory") == "etcd"
+                                   else "memory_store")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, K
                                 NodeCapacity, NodeHealth, NodeRecord, Role)
 from mlx_fleet import supervise as supervise_module
 from mlx_fleet.memstore import MemoryStore
-from mlx_fleet.store import EtcdStore, Store, StoreError, WatchEvent
+from mlx_fleet.store import Store, StoreError, WatchEvent
 from node_agent.controller import Controller, ServedModel
 from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
 from node_agent.registration import Registration
@@ -26,6 +26,7 @@ from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
 from fault_record import FaultRecord
 from serving_fixtures import mlx_thread_held, other_model_path, wait_for  # noqa: F401  (a session fixture)
+from stores import ON_ETCD
 
 NODE = "mac-1"
 ADVERTISED = "http://agent.test:8000"
@@ -168,20 +169,10 @@ class FlakyStore:
 # fixtures
 # ---------------------------------------------------------------------------------------------
 
-#: Parametrizes a test's ``store`` with the real etcd: the tests of the agent process.
-ON_ETCD = pytest.mark.parametrize("store", ["etcd"], indirect=True)
-
-
 @pytest.fixture
-async def store(request: pytest.FixtureRequest, memory_store: MemoryStore
-                ) -> AsyncIterator[Store]:
-    """``memory_store`` (the controller's logic needs a store, not etcd); the real etcd for a
-    test marked ``ON_ETCD``."""
-    if getattr(request, "param", "memory") == "memory":
-        yield memory_store
-        return
-    async with EtcdStore(request.getfixturevalue("etcd_server").client_url) as s:
-        yield s
+def store(memory_or_etcd_store: Store) -> Store:
+    """The in-memory store; the real etcd for a test marked ``stores.ON_ETCD``."""
+    return memory_or_etcd_store
 
 
 @pytest.fixture(scope="module")

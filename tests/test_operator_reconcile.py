@@ -7,34 +7,25 @@ of a read, a dozen reconciles racing — run on the real etcd too (``ON_BOTH``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
                                 NodeCapacity, NodeRecord, PlacementEpoch, Role)
-from mlx_fleet.memstore import MemoryStore
-from mlx_fleet.store import EtcdStore, Put
+from mlx_fleet.store import Put
 from mlx_fleet.store_api import Store
 from mlx_fleet_operator import reconcile as rc
 from mlx_fleet_operator.placement import PlacementRequest
 from mlx_fleet_operator.rollout import RevisionTarget
+from stores import ON_BOTH
 
 GiB = 1024**3
-#: Parametrizes a test's ``store``: the real etcd (marked integration) and the in-memory one.
-ON_BOTH = pytest.mark.parametrize("store", [
-    pytest.param("etcd", marks=pytest.mark.integration), "memory"], indirect=True)
 
 
 @pytest.fixture
-async def store(request: pytest.FixtureRequest, memory_store: MemoryStore
-                ) -> AsyncIterator[Store]:
-    """``memory_store``; the real etcd for a test parametrized with ``"etcd"`` (``ON_BOTH``)."""
-    if getattr(request, "param", "memory") == "memory":
-        yield memory_store
-        return
-    async with EtcdStore(request.getfixturevalue("etcd_server").client_url) as s:
-        yield s
+def store(memory_or_etcd_store: Store) -> Store:
+    """The in-memory store; the real etcd for a test marked ``stores.ON_BOTH``."""
+    return memory_or_etcd_store
 
 
 def node(name: str, mem_gib: int = 16) -> NodeRecord:
