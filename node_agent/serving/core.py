@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -94,6 +95,7 @@ from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing, Materialization, load_tokenizer
 from .options import ServingOptions
+from .tokenize import DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, prompt_bytes, tokenize
 from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
@@ -145,7 +147,8 @@ class _Load:
     def __init__(self, info: ModelInfo, fut: asyncio.Future) -> None:
         self.info = info
         self.fut = fut
-        self.tokenizer: Any = None
+        self.tokenizer: Any = None     # handed to the thread (which drops it once resident)
+        self.served_tokenizer: Any = None   # loop side: kept for the core's tokenizer pool
         self.tokenizer_seconds = 0.0
         self.cancelled = False
         self.queued = False
@@ -179,17 +182,27 @@ class ServingCore:
     prompt cache and its budget, admission policy, stream buffer, request coalescing
     (:mod:`node_agent.serving.coalesce`), the first-token fast path
     (:mod:`node_agent.serving.fastpath`)), exported as ``mlxfleet_agent_serving_option_info``.
+    ``max_prompt_bytes``: the largest prompt (:func:`~node_agent.serving.tokenize.prompt_bytes`)
+    :meth:`generate` tokenizes; a larger one is refused at once (:class:`PromptTooLarge`).
+    ``tokenizer_threads``: the pool that renders chat templates and tokenizes prompts, off the
+    MLX thread and off the event loop (:mod:`node_agent.serving.tokenize`).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  max_queued_requests: int = 64,
                  load_pacing: LoadPacing | None = None,
-                 options: ServingOptions | None = None) -> None:
+                 options: ServingOptions | None = None,
+                 max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+                 tokenizer_threads: int = 2) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.options = options if options is not None else ServingOptions()
         self.metrics.set_serving_options(self.options.as_record())
         self.max_queued_requests = max_queued_requests
+        self.max_prompt_bytes = max_prompt_bytes
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=tokenizer_threads, thread_name_prefix="mlxfleet-tokenize")
+        self._tokenizers: dict[ModelKey, Any] = {}   # loop side: each served revision's
         self._coalescer = Coalescer()
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
@@ -234,6 +247,7 @@ class ServingCore:
         self._cmds.put(_STOP)
         await asyncio.to_thread(self._finished.wait)
         self._drop_all()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -375,6 +389,7 @@ class ServingCore:
             job.tokenizer = await asyncio.to_thread(load_tokenizer, job.info.path)
         except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        job.served_tokenizer = job.tokenizer
         job.tokenizer_seconds = time.perf_counter() - t0
         per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
         job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
@@ -406,6 +421,8 @@ class ServingCore:
             return      # (exception() also marks the error as retrieved)
         self._infos.pop(key, None)
         self._infos[key] = job.info
+        self._tokenizers[key] = job.served_tokenizer
+        job.served_tokenizer = None
         self.metrics.model_loaded.labels(*key).set(1)
 
     def loads(self) -> list[LoadProgress]:
@@ -487,6 +504,7 @@ class ServingCore:
         """Loop side: ``key`` is no longer served. False when it was not loaded."""
         self._end_drain(key)
         info = self._infos.pop(key, None)
+        self._tokenizers.pop(key, None)
         if info is None:
             return False
         self._drain_rates.pop(key, None)
@@ -636,20 +654,34 @@ class ServingCore:
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
+        size = prompt_bytes(prompt, messages)
+        if size > self.max_prompt_bytes:
+            raise PromptTooLarge(size, self.max_prompt_bytes)
         temperature, top_p = float(temperature), float(top_p)
         key = coalesce_key(info, prompt, messages, {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "stop": stops, "seed": seed}) if self.options.request_coalescing else None
-        shared = self._coalescer.get(key)
-        if shared is not None and len(shared.events) < self.options.stream_buffer_chunks // 2:
-            # (a joiner gets every event so far at once: far into a long generation it would
-            # start near its buffer bound, so it leads a generation of its own instead)
+        shared = self._joinable(key)
+        if shared is not None:
             self.metrics.coalesced_requests.labels(*info.key).inc()
             return await self._subscribe(shared)
         self._admit(info)
         loop = asyncio.get_running_loop()
         req = Request(info.key, prompt, messages, max_tokens, temperature, top_p,
                       stops, seed, Inbox(), loop)
+        tokenizer = self._tokenizers.get(info.key)
+        if tokenizer is not None:
+            try:
+                req.prompt_ids = await loop.run_in_executor(
+                    self._tokenize_pool, tokenize, tokenizer, prompt, messages)
+            except BaseException:
+                self._cancel(req)
+                raise
+            shared = self._joinable(key)  # an identical request may have led meanwhile
+            if shared is not None:
+                self._cancel(req)
+                self.metrics.coalesced_requests.labels(*info.key).inc()
+                return await self._subscribe(shared)
         if key is not None:
             return await self._lead(key, req)
         try:
@@ -659,6 +691,15 @@ class ServingCore:
             self._set_retry_after(e, req.key)
             raise
         return Generation(self._cancel, req, prompt_tokens, limit)
+
+    def _joinable(self, key: Any) -> SharedGeneration | None:
+        """The shared generation in flight under coalescing ``key`` that a request may join,
+        or None. (A joiner gets every event so far at once: far into a long generation it would
+        start near its buffer bound, so it leads a generation of its own instead.)"""
+        shared = self._coalescer.get(key)
+        if shared is not None and len(shared.events) < self.options.stream_buffer_chunks // 2:
+            return shared
+        return None
 
     def _set_retry_after(self, e: BaseException, key: ModelKey) -> None:
         """A refusal by the kv bound (:meth:`Engine.submit`, on the MLX thread) gets its
