@@ -499,6 +499,21 @@ def forward_tls_context(ca_file: str) -> ssl.SSLContext:
         raise StartupError(f"--forward-ca-file {ca_file!r}: cannot use ({reason})") from None
 
 
+def check_exposure(config: AgentConfig) -> tuple[str, ...]:
+    """:func:`mlx_fleet.exposure.exposure_check` of ``config``: raises :class:`StartupError`
+    with the first refusal (one line naming its ``--insecure-…`` flag); returns the warnings of
+    the settings accepted by such a flag, for the caller to log."""
+    exposure = exposure_check(
+        listen_host=config.listen_host, api_keys=config.api_key_file is not None,
+        etcd_endpoint=config.etcd_endpoint,
+        etcd_password=(config.etcd_credentials is not None
+                       and config.etcd_credentials.password is not None),
+        insecure=config.insecure)
+    if exposure.refusals:
+        raise StartupError(exposure.refusals[0])
+    return exposure.warnings
+
+
 def health_verdict(*, registered: bool, etcd_problem: str | None,
                    failures: Sequence[str]) -> tuple[bool, str, list[str]]:
     """``(serving, status, reasons)`` of a node agent for ``GET /health``.
@@ -533,15 +548,7 @@ class Agent:
         from .serving import ServingCore
 
         self.config = config
-        exposure = exposure_check(
-            listen_host=config.listen_host, api_keys=config.api_key_file is not None,
-            etcd_endpoint=config.etcd_endpoint,
-            etcd_password=(config.etcd_credentials is not None
-                           and config.etcd_credentials.password is not None),
-            insecure=config.insecure)
-        if exposure.refusals:
-            raise StartupError(exposure.refusals[0])
-        for warning in exposure.warnings:
+        for warning in check_exposure(config):
             log.warning("%s", warning)
         self.keys = Keys(config.etcd_prefix)
         self.keys.node(config.node_name)  # validates the name early (ValueError)
@@ -796,7 +803,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Keys(config.etcd_prefix).node(config.node_name)
         if config.lease_ttl < 1:
             raise ValueError("--lease-ttl must be at least 1 second")
-    except ValueError as e:
+        check_exposure(config)  # before anything heavy; the Agent logs the accepted risks
+    except (ValueError, StartupError) as e:
         print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
         return 2
     try:
