@@ -36,7 +36,7 @@ from aiohttp import web
 from mlx_fleet.exposure import is_loopback
 
 __all__ = ["HttpLimits", "hygiene_middleware", "CappedTCPSite", "host_allowed",
-           "allowed_hosts", "JSON_TYPES"]
+           "allowed_hosts", "JSON_TYPES", "start_server"]
 
 log = logging.getLogger(__name__)
 
@@ -217,3 +217,22 @@ class CappedTCPSite(web.TCPSite):
             reuse_port=self._reuse_port)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+
+async def start_server(app: web.Application, host: str, port: int, *, limits: HttpLimits,
+                       ssl_context: Any = None) -> tuple[web.AppRunner, CappedTCPSite]:
+    """Serve ``app`` on ``host:port`` with ``limits`` (header timeout, connection cap) and
+    ``handler_cancellation`` (a client that disconnects cancels its handler, and so its
+    generation). Returns the runner (clean it up) and the started site. Raises ``OSError`` when
+    the address can't be bound (the runner is cleaned up then)."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           **limits.runner_kwargs())
+    await runner.setup()
+    site = CappedTCPSite(runner, host, port, ssl_context=ssl_context,
+                         max_connections=limits.max_connections)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site

@@ -36,7 +36,7 @@ from mlx_fleet.routing.api_keys import KeyFile, KeyFileError
 from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
-from .http_hygiene import CappedTCPSite, HttpLimits, allowed_hosts
+from .http_hygiene import HttpLimits, allowed_hosts, start_server
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL, Registration
 from .serving.admission import POLICIES
@@ -643,17 +643,12 @@ class Agent:
                         insecure_forward=INSECURE_FORWARD in self.config.insecure,
                         limits=self.config.http, hosts=self._host_names(),
                         health_details=is_loopback(self.config.listen_host))
-        # handler_cancellation: a client that disconnects cancels its handler, and so its
-        # generation; keepalive_timeout is also the header read timeout (http_hygiene)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                                     **self.config.http.runner_kwargs())
-        await self._runner.setup()
         host = self.config.listen_host
         shown = f"[{host}]" if ":" in host else host
-        site = CappedTCPSite(self._runner, host, self.config.listen_port, ssl_context=self.tls,
-                             max_connections=self.config.http.max_connections)
         try:
-            await site.start()
+            self._runner, site = await start_server(app, host, self.config.listen_port,
+                                                    limits=self.config.http,
+                                                    ssl_context=self.tls)
         except OSError as e:  # address in use, not permitted, unknown host, …
             reason = (e.strerror or str(e)).rstrip(".")
             if e.errno == errno.EADDRINUSE:
