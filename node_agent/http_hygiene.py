@@ -7,9 +7,9 @@ rebinding DNS name can do before authentication is bounded here.
   arrived (``RequestHandler._process_keepalive``), so it bounds the time to send a request head
   (Go's ``http.Server.ReadHeaderTimeout``, nginx's ``client_header_timeout``) as well as the
   idle time of a kept-alive connection. aiohttp's default is 3630 s.
-* **Body read timeout** — aiohttp has none: :func:`hygiene_middleware` reads a POST body under
-  ``body_timeout_seconds`` (408 after it); the handlers' later ``request.read()`` returns the
-  body aiohttp cached.
+* **Body read timeout** — aiohttp has none: :func:`hygiene_middlewares` reads a POST body
+  under ``body_timeout_seconds`` (408 after it), after authentication; the handlers' later
+  ``request.read()`` returns the body aiohttp cached.
 * **Connection cap** — aiohttp has none (``backlog`` only bounds the kernel's accept queue):
   :class:`CappedTCPSite` answers connections beyond ``max_connections`` with a 503 and closes
   them at once, so the slow clients of one peer can't hold every file descriptor.
@@ -35,7 +35,7 @@ from aiohttp import web
 
 from mlx_fleet.exposure import is_loopback
 
-__all__ = ["HttpLimits", "hygiene_middleware", "CappedTCPSite", "host_allowed",
+__all__ = ["HttpLimits", "hygiene_middlewares", "CappedTCPSite", "host_allowed",
            "allowed_hosts", "JSON_TYPES", "start_server"]
 
 log = logging.getLogger(__name__)
@@ -106,22 +106,20 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ErrorFn = Callable[..., web.Response]
 
 
-def hygiene_middleware(limits: HttpLimits, *, check_host: bool, hosts: frozenset[str],
-                       error: ErrorFn) -> Any:
-    """The aiohttp middleware of this module's request checks, in order: ``Host`` (421, only
-    when ``check_host``: the API has no keys), a CORS preflight from a configured origin
-    (204), then for a POST with a body to a route that takes POSTs: its ``Content-Type`` (415)
-    and the body read under the body timeout (408).
-    Responses to a configured origin carry ``Access-Control-Allow-Origin``."""
+def hygiene_middlewares(limits: HttpLimits, *, check_host: bool, hosts: frozenset[str],
+                        error: ErrorFn) -> tuple[Any, Any]:
+    """``(before_auth, after_auth)``: the aiohttp middlewares of this module's request checks,
+    to be placed around the authentication middleware.
 
-    def cors(request: web.Request, resp: web.StreamResponse) -> None:
-        origin = request.headers.get("Origin")
-        if origin and origin in limits.cors_origins and not resp.prepared:
-            resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Vary"] = "Origin"
+    ``before_auth``, in order: ``Host`` (421, only when ``check_host``: the API has no keys), a
+    CORS preflight from a configured origin (204: a preflight carries no credentials), and for a
+    POST with a body to a route that takes POSTs its ``Content-Type`` (415); responses to a
+    configured origin carry ``Access-Control-Allow-Origin``. ``after_auth``: such a POST's
+    body is read under the body timeout (408) — after authentication, so a client without a key
+    never makes the server buffer a body."""
 
     @web.middleware
-    async def hygiene(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def before_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if check_host and not host_allowed(request.headers.get("Host"), hosts):
             return error(421, "this server does not answer for the host named in the Host "
                          "header (give --allowed-host, or API keys)", code="misdirected_request")
@@ -133,23 +131,34 @@ def hygiene_middleware(limits: HttpLimits, *, check_host: bool, hosts: frozenset
                 "Access-Control-Allow-Methods": "GET, POST",
                 "Access-Control-Allow-Headers": CORS_ALLOW_HEADERS,
                 "Access-Control-Max-Age": "600"})
-        routed = request.match_info.http_exception is None  # not a 404/405
-        if request.method == "POST" and routed and request.body_exists:
-            if request.content_type not in JSON_TYPES:
-                return error(415, "the request body must be JSON, sent with Content-Type: "
-                             "application/json", code="unsupported_media_type")
+        if _has_body(request) and request.content_type not in JSON_TYPES:
+            return error(415, "the request body must be JSON, sent with Content-Type: "
+                         "application/json", code="unsupported_media_type")
+        resp = await handler(request)
+        if origin and origin in limits.cors_origins and not resp.prepared:
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Vary"] = "Origin"
+        return resp
+
+    @web.middleware
+    async def after_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if _has_body(request):
             try:
                 async with asyncio.timeout(limits.body_timeout_seconds):
-                    await request.read()
+                    await request.read()  # cached: the handler's read() returns it
             except TimeoutError:
                 return error(408, f"the request body did not arrive within "
                              f"{limits.body_timeout_seconds:g} s", code="request_timeout",
                              headers={"Connection": "close"})
-        resp = await handler(request)
-        cors(request, resp)
-        return resp
+        return await handler(request)
 
-    return hygiene
+    return before_auth, after_auth
+
+
+def _has_body(request: web.Request) -> bool:
+    """A POST with a body to a route that exists and takes POSTs (not a 404/405)."""
+    return (request.method == "POST" and request.body_exists
+            and request.match_info.http_exception is None)
 
 
 class _Refuse(asyncio.Protocol):

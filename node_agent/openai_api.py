@@ -92,7 +92,7 @@ from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, pr
 from .api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                          CompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList,
                          PromptTokensDetails, SamplingRequest, TextChoice, TextCompletion, Usage)
-from .http_hygiene import HttpLimits, hygiene_middleware
+from .http_hygiene import HttpLimits, hygiene_middlewares
 from .openapi import OPENAPI_PATH, openapi_document
 from .sse import DONE, StreamEncoder, data_event
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
@@ -350,11 +350,12 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                                     endpoint, str(status)).inc()
 
     # errors outermost: a 401 is counted in the request metrics like any other answer; the
-    # hygiene checks (Host, Content-Type, body timeout, CORS) come before authentication
-    hygiene = hygiene_middleware(limits, check_host=api_keys is None, hosts=hosts,
-                                 error=_error)
+    # hygiene checks (Host, CORS, Content-Type) come before authentication, the body read
+    # (under its timeout) after it
+    before_auth, after_auth = hygiene_middlewares(limits, check_host=api_keys is None,
+                                                  hosts=hosts, error=_error)
     # a body may hold a prompt of max_prompt_bytes plus its JSON (aiohttp's default: 1 MiB)
-    app = web.Application(middlewares=[errors, hygiene, authenticate],
+    app = web.Application(middlewares=[errors, before_auth, authenticate, after_auth],
                           client_max_size=max(2**20, 2 * core.max_prompt_bytes))
     app[CORE_KEY] = core
 

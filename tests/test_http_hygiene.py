@@ -112,6 +112,21 @@ async def test_slow_body_is_answered_408(serve: Serve) -> None:
     assert err["code"] == "request_timeout" and "0.5 s" in err["message"]
 
 
+async def test_body_is_not_awaited_before_authentication(serve: Serve, tmp_path: Path) -> None:
+    """With keys, a POST without a key is answered 401 at once: the server never waits for (or
+    buffers) the body of a client it does not know."""
+    port = await serve(HttpLimits(body_timeout_seconds=BOUND), api_keys=_keys(tmp_path))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), BOUND / 3)
+    finally:
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 401"), status_line
+
+
 async def test_connections_over_the_cap_get_503_and_are_closed(serve: Serve) -> None:
     port = await serve(HttpLimits(max_connections=3))
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]

@@ -95,7 +95,8 @@ from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing, Materialization, load_tokenizer
 from .options import ServingOptions
-from .tokenize import DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, prompt_bytes, tokenize
+from .tokenize import (DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, default_tokenizer_threads,
+                       limit_tokenizer_parallelism, prompt_bytes, tokenize)
 from .types import LoadProgress, MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
@@ -185,7 +186,10 @@ class ServingCore:
     ``max_prompt_bytes``: the largest prompt (:func:`~node_agent.serving.tokenize.prompt_bytes`)
     :meth:`generate` tokenizes; a larger one is refused at once (:class:`PromptTooLarge`).
     ``tokenizer_threads``: the pool that renders chat templates and tokenizes prompts, off the
-    MLX thread and off the event loop (:mod:`node_agent.serving.tokenize`).
+    MLX thread and off the event loop (:mod:`node_agent.serving.tokenize`; default
+    :func:`~node_agent.serving.tokenize.default_tokenizer_threads`); the core also sets
+    ``TOKENIZERS_PARALLELISM=false`` unless it is set
+    (:func:`~node_agent.serving.tokenize.limit_tokenizer_parallelism`).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
@@ -193,15 +197,18 @@ class ServingCore:
                  load_pacing: LoadPacing | None = None,
                  options: ServingOptions | None = None,
                  max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-                 tokenizer_threads: int = 2) -> None:
+                 tokenizer_threads: int | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.options = options if options is not None else ServingOptions()
         self.metrics.set_serving_options(self.options.as_record())
         self.max_queued_requests = max_queued_requests
         self.max_prompt_bytes = max_prompt_bytes
+        limit_tokenizer_parallelism(os.environ)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=tokenizer_threads, thread_name_prefix="mlxfleet-tokenize")
+            max_workers=(tokenizer_threads if tokenizer_threads is not None
+                         else default_tokenizer_threads(os.cpu_count())),
+            thread_name_prefix="mlxfleet-tokenize")
         self._tokenizers: dict[ModelKey, Any] = {}   # loop side: each served revision's
         self._coalescer = Coalescer()
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
