@@ -161,42 +161,62 @@ def _has_body(request: web.Request) -> bool:
             and request.match_info.http_exception is None)
 
 
-class _Refuse(asyncio.Protocol):
-    """A connection over the cap: a 503 (OpenAI's error shape) and close."""
+_TOO_MANY = (b'{"error": {"message": "too many open connections", "type": "server_error", '
+             b'"param": null, "code": "too_many_connections"}}')
+_TOO_MANY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                      b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                      + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY)
 
-    BODY = (b'{"error": {"message": "too many open connections", "type": "server_error", '
-            b'"param": null, "code": "too_many_connections"}}')
+
+class _Gate(asyncio.Protocol):
+    """One connection of a :class:`CappedTCPSite`. When it is made (after the TLS handshake,
+    for HTTPS) it is either counted and handed to a fresh aiohttp ``RequestHandler``, or — over
+    the cap — answered 503 ``too_many_connections`` and closed. Counting at
+    ``connection_made``/``connection_lost`` keeps the count exact: a connection whose handshake
+    fails is never counted."""
+
+    def __init__(self, site: "CappedTCPSite") -> None:
+        self._site = site
+        self._inner: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
-                        + str(len(self.BODY)).encode() + b"\r\n\r\n" + self.BODY)
-        transport.close()
-
-
-class _Counted:
-    """Wraps one aiohttp ``RequestHandler`` (an asyncio protocol) to count it open from
-    ``connection_made`` to ``connection_lost``."""
-
-    def __init__(self, inner: Any, site: "CappedTCPSite") -> None:
-        self._inner, self._site = inner, site
-
-    def connection_made(self, transport: Any) -> None:
+        site = self._site
+        if site.open_connections >= site.max_connections:
+            site.refused(transport)
+            return
+        site.open_connections += 1
+        server = site._runner.server
+        assert server is not None
+        self._inner = server()
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._site.open_connections -= 1
-        self._inner.connection_lost(exc)
+        if self._inner is not None:
+            self._site.open_connections -= 1
+            inner, self._inner = self._inner, None
+            inner.connection_lost(exc)
 
-    def __getattr__(self, name: str) -> Any:  # data_received, eof_received, pause_writing, …
-        return getattr(self._inner, name)
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
 
 
 class CappedTCPSite(web.TCPSite):
     """``web.TCPSite`` that keeps at most ``max_connections`` connections open: one more is
-    answered 503 ``too_many_connections`` and closed (counted from the protocol's creation,
-    so a burst of accepts can't overshoot). ``open_connections``: the count now."""
+    answered 503 ``too_many_connections`` and closed at once. ``open_connections``: the count
+    now; ``refused_connections``: how many were turned away (logged at the 1st, 10th, 100th
+    and every 1000th)."""
 
     def __init__(self, runner: web.BaseRunner, host: str | None, port: int, *,
                  max_connections: int, **kwargs: Any) -> None:
@@ -205,23 +225,21 @@ class CappedTCPSite(web.TCPSite):
         self.open_connections = 0
         self.refused_connections = 0
 
-    def _protocol(self) -> asyncio.BaseProtocol:
-        if self.open_connections >= self.max_connections:
-            self.refused_connections += 1
-            if self.refused_connections in (1, 10, 100) or self.refused_connections % 1000 == 0:
-                log.warning("refused %d connection(s) over --max-connections %d",
-                            self.refused_connections, self.max_connections)
-            return _Refuse()
-        server = self._runner.server
-        assert server is not None
-        self.open_connections += 1
-        return _Counted(server(), self)  # type: ignore[return-value]
+    def refused(self, transport: asyncio.BaseTransport) -> None:
+        self.refused_connections += 1
+        n = self.refused_connections
+        if n in (1, 10, 100) or n % 1000 == 0:
+            log.warning("refused %d connection(s) over --max-connections %d", n,
+                        self.max_connections)
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_TOO_MANY_RESPONSE)
+        transport.close()
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._protocol, self._host, self._port, ssl=self._ssl_context,
+            lambda: _Gate(self), self._host, self._port, ssl=self._ssl_context,
             backlog=self._backlog, reuse_address=self._reuse_address,
             reuse_port=self._reuse_port)
         sockets = self._server.sockets

@@ -158,6 +158,43 @@ async def test_connections_over_the_cap_get_503_and_are_closed(serve: Serve) -> 
             w.close()
 
 
+async def test_failed_tls_handshakes_do_not_use_up_the_cap(agent: Agent,  # noqa: F811
+                                                           tmp_path: Path) -> None:
+    """Over HTTPS a connection counts once its handshake is done: clients that fail the
+    handshake (a port scanner, plain HTTP to the TLS port) never fill the cap."""
+    import ssl
+
+    from etcd_tls import make_pki
+    from node_agent.main import forward_tls_context, tls_context
+
+    pki = make_pki(tmp_path / "pki", [])
+    limits = HttpLimits(max_connections=1)
+    app = build_app(agent.core, health=lambda: (True, {"status": "ok"}),
+                    registry=agent.registry, limits=limits)
+    runner, site = await start_server(app, "127.0.0.1", 0, limits=limits,
+                                      ssl_context=tls_context(str(pki.server.cert),
+                                                              str(pki.server.key)))
+    try:
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # not TLS
+            await asyncio.wait_for(reader.read(), BOUND)  # the server drops it
+            writer.close()
+        trusting: ssl.SSLContext = forward_tls_context(str(pki.ca))
+        async with aiohttp.ClientSession() as http:
+            async def healthy() -> int:
+                while True:  # the server sees the failed handshakes end asynchronously
+                    async with http.get(f"https://localhost:{site.port}/health",
+                                        ssl=trusting) as resp:
+                        if resp.status != 503:
+                            return resp.status
+                    await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(healthy(), BOUND) == 200
+        assert site.refused_connections == 0
+    finally:
+        await runner.cleanup()
+
+
 # -- requests a browser can make --------------------------------------------------------------
 
 
