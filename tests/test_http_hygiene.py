@@ -199,7 +199,8 @@ async def test_failed_tls_handshakes_do_not_use_up_the_cap(agent: Agent,  # noqa
 
 
 @pytest_asyncio.fixture
-async def client_for(agent: Agent) -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:  # noqa: F811
+async def client_for(agent: Agent,  # noqa: F811
+                     ) -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     clients: list[TestClient] = []
 
     async def make(**kwargs: Any) -> TestClient:
@@ -235,7 +236,8 @@ async def test_post_body_that_is_not_json_is_415(client_for, content_type: str |
     assert resp.status == 415
     err = await _error(resp)
     assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
-    resp = await c.post(CHAT, json=BODY, headers={"Content-Type": "application/json; charset=utf-8"})
+    resp = await c.post(CHAT, json=BODY,
+                        headers={"Content-Type": "application/json; charset=utf-8"})
     assert resp.status == 200, await resp.text()
 
 

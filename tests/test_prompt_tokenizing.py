@@ -81,7 +81,8 @@ async def _core(path: Path, **kwargs: Any) -> tuple[ServingCore, _Spy]:
     return core, spy
 
 
-async def test_a_blocked_tokenizer_does_not_stall_a_stream(tiny_model_path: Path) -> None:  # noqa: F811
+async def test_a_blocked_tokenizer_does_not_stall_a_stream(
+        tiny_model_path: Path) -> None:  # noqa: F811
     core, spy = await _core(tiny_model_path)
     try:
         stream = await core.generate("m", prompt="Once upon a time", max_tokens=400,

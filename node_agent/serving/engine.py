@@ -223,7 +223,8 @@ class Engine:
 
     def reset(self, res: Resident, reason: str) -> None:
         """After an error in ``res``'s generator: abort its running sequences with ``reason``
-        (clients are told only "generation failed"), replace the generator and prompt cache (their state is unknown) and count a crash.
+        (clients are told only "generation failed"), replace the generator and prompt cache
+        (their state is unknown) and count a crash.
         Waiting requests stay queued. If even that fails, the revision is unloaded."""
         res.stats.crashes += 1
         events: Events = []
@@ -419,8 +420,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 log.exception("inserting a request failed")
                 req.done = True
-                self._send([(req, GenerationAborted(f"{type(e).__name__}: {e}",
-                                                       public="the request could not join the batch"))])
+                self._send([(req, GenerationAborted(
+                    f"{type(e).__name__}: {e}", public="the request could not join the batch"))])
         if inserted:
             self.trim_prompt_cache(res)   # the live batch grew: less room for the cache
         self.update_gauges(res)
