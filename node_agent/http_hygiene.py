@@ -52,7 +52,10 @@ class HttpLimits:
     ``--max-connections``, ``--cors-origin``, ``--allowed-host``).
 
     ``header_timeout_seconds``: time to send a request head (and idle time of a kept-alive
-    connection), 10 s like the Go servers hardened against slowloris; ``body_timeout_seconds``:
+    connection), 60 s like nginx's ``client_header_timeout``: it must stay above the idle
+    keep-alive of the clients that reuse connections (aiohttp's client connector: 15 s, the
+    agents' forwarding and the fleet router), or a reused connection races the server's
+    close; ``body_timeout_seconds``:
     time to send a POST body once the head arrived, 60 s like nginx's ``client_body_timeout``
     (the body is at most aiohttp's ``client_max_size``, 1 MiB); ``max_connections``: open
     connections at once (512; the agent's own queue holds 64 requests by default);
@@ -60,7 +63,7 @@ class HttpLimits:
     ``allowed_hosts``: extra ``Host`` names accepted when the API has no keys (besides
     loopback and the listen/advertised host)."""
 
-    header_timeout_seconds: float = 10.0
+    header_timeout_seconds: float = 60.0
     body_timeout_seconds: float = 60.0
     max_connections: int = 512
     cors_origins: frozenset[str] = frozenset()

@@ -96,6 +96,17 @@ async def test_slow_header_clients_are_closed(serve: Serve, tmp_path: Path) -> N
     assert took < 10, took
 
 
+async def test_default_header_timeout_outlasts_client_keep_alive() -> None:
+    """The header timeout is also aiohttp's server-side idle keep-alive: it must stay above the
+    idle keep-alive of aiohttp's client (agents forwarding to agents, the fleet router), or a
+    reused connection races the server's close and a forward fails for nothing."""
+    conn = aiohttp.TCPConnector()
+    try:
+        assert HttpLimits().header_timeout_seconds > conn._keepalive_timeout  # 15 s
+    finally:
+        await conn.close()
+
+
 async def test_slow_body_is_answered_408(serve: Serve) -> None:
     port = await serve(HttpLimits(body_timeout_seconds=0.5))
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
