@@ -30,14 +30,18 @@ from aiohttp import web
 from mlx_fleet.contract import (IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, Keys, NodeHealth,
                                 check_watermark)
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
+from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN,
+                                exposure_check, is_loopback)
 from mlx_fleet.routing.api_keys import KeyFile, KeyFileError
 from mlx_fleet.store import EtcdStore, StoreError, check_endpoint, parse_endpoint
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes, parse_quantity
+from .http_hygiene import HttpLimits, allowed_hosts, start_server
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL, Registration
 from .serving.admission import POLICIES
 from .serving.options import ServingOptions
+from .serving.tokenize import DEFAULT_MAX_PROMPT_BYTES
 
 log = logging.getLogger("node_agent")
 
@@ -220,6 +224,49 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "8 x 2048)")
 
 
+def positive_quantity(text: str) -> int:
+    """A Kubernetes quantity of at least one (``--max-prompt-bytes``)."""
+    n = parse_quantity(text)
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {text!r}")
+    return n
+
+
+def add_http_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP server's hygiene flags (:class:`~node_agent.http_hygiene.HttpLimits`)."""
+    d = HttpLimits()
+    g = p.add_argument_group("HTTP server limits (docs/security.md, 'HTTP hygiene')")
+    g.add_argument("--header-timeout-seconds", type=_argtype(positive_seconds),
+                   default=d.header_timeout_seconds, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head this long after "
+                        "it opened (or after its last response) is closed: slow-loris clients "
+                        "and idle keep-alive connections (default: %(default)s)")
+    g.add_argument("--body-timeout-seconds", type=_argtype(positive_seconds),
+                   default=d.body_timeout_seconds, metavar="SECONDS",
+                   help="a POST body that has not arrived this long after its head is answered "
+                        "408 and the connection closed (default: %(default)s)")
+    g.add_argument("--max-connections", type=_argtype(positive_int),
+                   default=d.max_connections, metavar="N",
+                   help="open connections at once; one more is answered 503 and closed "
+                        "(default: %(default)s)")
+    g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (scheme://host[:port]) browsers may call the API from "
+                        "(repeatable; default: none, no CORS headers are sent)")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="a Host header name accepted when the API has no keys, besides "
+                        "loopback names, the --listen host and the --advertise-url host "
+                        "(repeatable; other names are answered 421: DNS rebinding)")
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    """The :class:`~node_agent.http_hygiene.HttpLimits` of :func:`add_http_arguments`."""
+    return HttpLimits(header_timeout_seconds=args.header_timeout_seconds,
+                      body_timeout_seconds=args.body_timeout_seconds,
+                      max_connections=args.max_connections,
+                      cors_origins=frozenset(args.cors_origin),
+                      allowed_hosts=frozenset(h.lower() for h in args.allowed_host))
+
+
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
     """The :class:`~node_agent.serving.options.ServingOptions` of :func:`add_serving_arguments`'
     parsed flags."""
@@ -264,6 +311,10 @@ class AgentConfig:
     tls_cert_file: str | None = None  # HTTPS when set (with tls_key_file)
     tls_key_file: str | None = None
     forward_ca_file: str | None = None  # CA bundle to verify https:// nodes when forwarding
+    # the --insecure-… flags given (mlx_fleet.exposure): each accepts one exposed setting
+    insecure: frozenset[str] = frozenset()
+    http: HttpLimits = dataclasses.field(default_factory=HttpLimits)  # timeouts, cap, CORS, Host
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing (400)
     serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
 
 
@@ -311,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a batch slot, across all models, before the API "
                         "answers 429 with Retry-After (at least 1; default: %(default)s)")
     add_serving_arguments(p)
+    p.add_argument("--max-prompt-bytes", type=_argtype(positive_quantity),
+                   default=DEFAULT_MAX_PROMPT_BYTES, metavar="QUANTITY",
+                   help="largest prompt (UTF-8 bytes of the prompt, or of the messages' roles "
+                        "and contents) the agent tokenizes, a Kubernetes quantity; a larger one "
+                        "is answered 400 prompt_too_large before any tokenizing (default: 1Mi)")
+    add_http_arguments(p)
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
                    help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "
@@ -367,6 +424,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM CA bundle that verifies other agents' HTTPS certificates when "
                         "forwarding to them (agents with --tls-cert-file from a private CA); "
                         "default: the system's trusted CAs")
+    g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
+    g.add_argument(INSECURE_LISTEN, action="store_true",
+                   help="accept a --listen address that is not loopback without "
+                        "--api-key-file (anyone who reaches it may use every model); without "
+                        "this flag the agent refuses to start")
+    g.add_argument(INSECURE_ETCD, action="store_true",
+                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
+                        "or an etcd password over http://; without this flag the agent refuses "
+                        "to start")
+    g.add_argument(INSECURE_FORWARD, action="store_true",
+                   help="send the fleet forward key (--forward-key-file) to peers over plain "
+                        "http:// on other hosts; without this flag it goes only over https:// "
+                        "or to loopback, and a forwarded request to an http:// peer carries no "
+                        "key")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity (default: %(default)s; logs go to stderr)")
@@ -397,6 +468,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        api_key_file=args.api_key_file, forward_key_file=args.forward_key_file,
                        metrics_auth=args.metrics_auth, tls_cert_file=args.tls_cert_file,
                        tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file,
+                       insecure=frozenset(flag for flag in (INSECURE_LISTEN, INSECURE_ETCD,
+                                                            INSECURE_FORWARD)
+                                          if getattr(args, flag[2:].replace("-", "_"))),
+                       http=http_limits_from_args(args),
+                       max_prompt_bytes=args.max_prompt_bytes,
                        serving=serving_options_from_args(args))
 
 
@@ -421,6 +497,21 @@ def forward_tls_context(ca_file: str) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as e:
         reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or type(e).__name__
         raise StartupError(f"--forward-ca-file {ca_file!r}: cannot use ({reason})") from None
+
+
+def check_exposure(config: AgentConfig) -> tuple[str, ...]:
+    """:func:`mlx_fleet.exposure.exposure_check` of ``config``: raises :class:`StartupError`
+    with the first refusal (one line naming its ``--insecure-…`` flag); returns the warnings of
+    the settings accepted by such a flag, for the caller to log."""
+    exposure = exposure_check(
+        listen_host=config.listen_host, api_keys=config.api_key_file is not None,
+        etcd_endpoint=config.etcd_endpoint,
+        etcd_password=(config.etcd_credentials is not None
+                       and config.etcd_credentials.password is not None),
+        insecure=config.insecure)
+    if exposure.refusals:
+        raise StartupError(exposure.refusals[0])
+    return exposure.warnings
 
 
 def health_verdict(*, registered: bool, etcd_problem: str | None,
@@ -457,12 +548,15 @@ class Agent:
         from .serving import ServingCore
 
         self.config = config
+        for warning in check_exposure(config):
+            log.warning("%s", warning)
         self.keys = Keys(config.etcd_prefix)
         self.keys.node(config.node_name)  # validates the name early (ValueError)
         self.registry = CollectorRegistry()
         self.core = ServingCore(registry=self.registry,
                                 max_queued_requests=config.max_queued_requests,
-                                options=config.serving)
+                                options=config.serving,
+                                max_prompt_bytes=config.max_prompt_bytes)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes,
                                                   config.max_loaded_models,
@@ -545,15 +639,16 @@ class Agent:
                                          if self.controller is not None else ()),
                         api_keys=self.api_keys, forward_keys=self.forward_keys,
                         metrics_auth=self.config.metrics_auth == "api-key",
-                        forward_ssl=self.forward_tls)
-        # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
+                        forward_ssl=self.forward_tls,
+                        insecure_forward=INSECURE_FORWARD in self.config.insecure,
+                        limits=self.config.http, hosts=self._host_names(),
+                        health_details=is_loopback(self.config.listen_host))
         host = self.config.listen_host
         shown = f"[{host}]" if ":" in host else host
-        site = web.TCPSite(self._runner, host, self.config.listen_port, ssl_context=self.tls)
         try:
-            await site.start()
+            self._runner, site = await start_server(app, host, self.config.listen_port,
+                                                    limits=self.config.http,
+                                                    ssl_context=self.tls)
         except OSError as e:  # address in use, not permitted, unknown host, …
             reason = (e.strerror or str(e)).rstrip(".")
             if e.errno == errno.EADDRINUSE:
@@ -615,6 +710,16 @@ class Agent:
                                       ensure_loaded=self.controller.ensure_loaded,
                                       stats_interval=self.config.stats_interval_seconds)
         await self.traffic.start()
+
+    def _host_names(self) -> frozenset[str]:
+        """``Host`` names this agent answers for without keys (besides loopback): the listen
+        host, the advertised host (this host's name when listening on every address) and
+        ``--allowed-host``."""
+        host = self.config.listen_host
+        wildcard = host in {"0.0.0.0", "::", ""}
+        return allowed_hosts(host, self.config.advertise_url,
+                             socket.gethostname() if wildcard else None,
+                             extra=self.config.http.allowed_hosts)
 
     def _bound_port(self) -> int:
         server = self._site._server if self._site is not None else None  # type: ignore[attr-defined]
@@ -693,7 +798,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Keys(config.etcd_prefix).node(config.node_name)
         if config.lease_ttl < 1:
             raise ValueError("--lease-ttl must be at least 1 second")
-    except ValueError as e:
+        check_exposure(config)  # before anything heavy; the Agent logs the accepted risks
+    except (ValueError, StartupError) as e:
         print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
         return 2
     try:

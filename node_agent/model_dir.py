@@ -7,8 +7,10 @@ imports neither of them.
 
 A directory must hold a ``config.json`` that is a JSON object of at most
 :data:`MAX_CONFIG_BYTES` and asks for no custom model code (``trust_remote_code`` is never
-enabled), and no entry in it may be a symlink that leads out of the model's root, nor a device,
-FIFO or socket (:func:`check_model_dir`).
+enabled, and is passed as ``False`` wherever a tokenizer or model is loaded): no ``model_file``
+and no ``auto_map`` in ``config.json`` or ``tokenizer_config.json``, and no Python file
+(``*.py``) anywhere in the directory. No entry in it may be a symlink that leads out of the
+model's root, nor a device, FIFO or socket (:func:`check_model_dir`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SourceError", "check_model_dir", "check_config", "MAX_CONFIG_BYTES"]
+__all__ = ["SourceError", "check_model_dir", "check_config", "MAX_CONFIG_BYTES",
+           "CODE_SUFFIXES", "CODE_KEYS"]
 
 #: Largest ``config.json`` read (bytes); a bigger one is refused as ``InvalidSource``.
 MAX_CONFIG_BYTES = 16 * 2**20
+#: File suffixes refused in a model directory: code transformers would import with
+#: ``trust_remote_code`` (``modeling_*.py``, ``tokenization_*.py``, …).
+CODE_SUFFIXES = (".py", ".pyc")
+#: ``config.json`` / ``tokenizer_config.json`` keys that name custom code: ``auto_map``
+#: (transformers' remote-code classes), ``model_file`` (mlx-lm's custom architecture).
+CODE_KEYS = ("auto_map", "model_file")
+_CODE_CONFIGS = ("config.json", "tokenizer_config.json")
 
 
 class SourceError(Exception):
@@ -64,11 +74,24 @@ def check_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SourceError("InvalidSource",
                           f"{config} is not a JSON object (got {type(data).__name__})")
-    if data.get("model_file") is not None:
-        raise SourceError("InvalidSource",
-                          f"{config} asks for custom model code ({data['model_file']!r}); "
-                          "trust_remote_code is never enabled, so the model can't be loaded")
+    _refuse_code_keys(config, data)
+    tok = model_dir / "tokenizer_config.json"
+    if tok.is_file() and tok.stat().st_size <= MAX_CONFIG_BYTES:
+        try:
+            tok_data = json.loads(tok.read_bytes())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            tok_data = None  # the tokenizer's own loader reports a broken file
+        if isinstance(tok_data, dict):
+            _refuse_code_keys(tok, tok_data)
     return data
+
+
+def _refuse_code_keys(path: Path, data: dict[str, Any]) -> None:
+    for key in CODE_KEYS:
+        if data.get(key) is not None:
+            raise SourceError("InvalidSource",
+                              f"{path.name} asks for custom code ({key}); trust_remote_code "
+                              "is never enabled, so the model can't be loaded")
 
 
 def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
@@ -77,8 +100,9 @@ def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
     ``root``: the tree every symlink must stay in (default: the model directory itself; for a
     Hugging Face cache snapshot the repository folder, whose ``blobs/`` the snapshot links to).
     Walks ``model_dir`` without following symlinks; each symlink must resolve inside ``root``
-    (a link to a directory inside ``model_dir``), and every entry must be a regular file, a
-    directory or such a symlink. Then :func:`check_config`.
+    (a link to a directory inside ``model_dir``), every entry must be a regular file, a
+    directory or such a symlink, and none may be code (:data:`CODE_SUFFIXES`). Then
+    :func:`check_config`.
 
     Raises :class:`SourceError` (``InvalidSource`` naming the entry and where it leads;
     ``ModelNotFound`` without a ``config.json``)."""
@@ -112,4 +136,8 @@ def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
             elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 raise SourceError("InvalidSource",
                                   f"{rel} in {model_dir} is not a regular file or directory")
+            if name.endswith(CODE_SUFFIXES) and not stat.S_ISDIR(st.st_mode):
+                raise SourceError("InvalidSource",
+                                  f"{rel} in {model_dir} is Python code; a model directory may "
+                                  "hold no code (trust_remote_code is never enabled)")
     check_config(Path(model_dir))

@@ -86,6 +86,7 @@ from pydantic import ValidationError
 
 from mlx_fleet.http_errors import error_response as _error
 from mlx_fleet.http_errors import unauthorized as _unauthorized
+from mlx_fleet.exposure import INSECURE_FORWARD, may_send_key
 from mlx_fleet.routing.api_keys import KeyFile, bearer_token, matches
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, proxy
@@ -93,10 +94,12 @@ from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, pr
 from .api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                          CompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList,
                          PromptTokensDetails, SamplingRequest, TextChoice, TextCompletion, Usage)
+from .http_hygiene import HttpLimits, hygiene_middlewares
 from .openapi import OPENAPI_PATH, openapi_document
 from .sse import DONE, StreamEncoder, data_event
 from .serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                      ModelNotLoaded, Overloaded, ServingCore, StreamBufferOverflow)
+                      ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
+                      StreamBufferOverflow)
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
            "UNKNOWN_LABEL"]
@@ -229,7 +232,11 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
               standby: Callable[[], Iterable[Any]] = tuple,
               api_keys: KeyFile | None = None, forward_keys: KeyFile | None = None,
               metrics_auth: bool = False,
-              forward_ssl: ssl.SSLContext | None = None) -> web.Application:
+              forward_ssl: ssl.SSLContext | None = None,
+              insecure_forward: bool = False,
+              limits: HttpLimits = HttpLimits(),
+              hosts: frozenset[str] = frozenset(),
+              health_details: bool = True) -> web.Application:
     """Build the OpenAI-compatible app over ``core``.
 
     ``health()`` returns ``(serving, details)``; ``GET /health`` answers 200 (serving: healthy,
@@ -249,7 +256,17 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     every forwarded request; ``metrics_auth``: ``GET /metrics`` needs a key too.
     Both files are re-read when they change (:meth:`KeyFile.current`, a stat per request).
     ``forward_ssl``: how forwarded requests verify an ``https://`` node (default: the system's
-    trusted CAs).
+    trusted CAs). The forward key goes only to ``https://`` or loopback nodes unless
+    ``insecure_forward`` (``--insecure-forward-http``; :func:`mlx_fleet.exposure.may_send_key`):
+    a request forwarded to a plain-http node on another host carries no key (logged once per
+    node).
+
+    ``limits``: the server's HTTP hygiene (:mod:`node_agent.http_hygiene`: body timeout,
+    ``application/json`` POST bodies, CORS origins); without ``api_keys`` a request's ``Host``
+    must be loopback or one of ``hosts`` (421 otherwise). ``GET /health`` answers its
+    ``details`` only to a request with a valid key, or with no keys configured when
+    ``health_details`` (the agent: it listens on loopback only); anyone else gets
+    ``{"status": ...}`` alone (no lease, assignments or errors).
     """
     metrics = core.metrics
     open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
@@ -318,8 +335,14 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                                     request.get(_REVISION, UNKNOWN_LABEL),
                                     endpoint, str(status)).inc()
 
-    # errors outermost: a 401 is counted in the request metrics like any other answer
-    app = web.Application(middlewares=[errors, authenticate])
+    # errors outermost: a 401 is counted in the request metrics like any other answer; the
+    # hygiene checks (Host, CORS, Content-Type) come before authentication, the body read
+    # (under its timeout) after it
+    before_auth, after_auth = hygiene_middlewares(limits, check_host=api_keys is None,
+                                                  hosts=hosts, error=_error)
+    # a body may hold a prompt of max_prompt_bytes plus its JSON (aiohttp's default: 1 MiB)
+    app = web.Application(middlewares=[errors, before_auth, authenticate, after_auth],
+                          client_max_size=max(2**20, 2 * core.max_prompt_bytes))
     app[CORE_KEY] = core
 
     sessions: dict[str, ClientSession] = {}
@@ -335,6 +358,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     app.on_cleanup.append(close_sessions)
     refused_by: set[str] = set()  # forward targets that answered 401 (logged once each)
+    cleartext_refused: set[str] = set()  # http:// targets not sent the key (logged once each)
 
     async def forward(request: web.Request, routed: Any, body: bytes) -> web.StreamResponse:
         """Relay the request to ``routed.route.forward`` pinned to its revision; stream the
@@ -346,17 +370,23 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         t0 = time.perf_counter()
         target = routed.route.forward
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
-        if forward_keys is not None:
+        if forward_keys is not None and may_send_key(target, insecure=insecure_forward):
             forward_keys.current()  # a rotated file is in force for this request already
             headers["Authorization"] = f"Bearer {forward_keys.first}"
+        elif forward_keys is not None and target not in cleartext_refused:
+            cleartext_refused.add(target)
+            log.warning("not sending the forward key to %s over plain http (give the nodes "
+                        "--tls-cert-file, or accept the risk with %s)", target,
+                        INSECURE_FORWARD)
         failed = False  # counted here only when the serving node could not be reached
         try:
             resp = await proxy(request, forward_session(), target.rstrip("/") + request.path,
                                body=body, headers=headers)
         except UpstreamError as e:
             failed = True
+            log.warning("forwarding to %s failed: %s", target, e.reason)
             return _error(503, f"the node serving revision {routed.route.revision} is not "
-                          f"reachable: {e.reason}", type_="server_error", code="unavailable")
+                          f"reachable", type_="server_error", code="unavailable")
         except StreamCut:
             failed = True
             raise
@@ -372,6 +402,11 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         elif resp.status != 401:
             refused_by.discard(target)
         return resp
+
+    def aborted(e: GenerationAborted) -> str:
+        """A client's message for ``e``: never the serving core's failure text (it is in
+        the log and in /health for a keyed request)."""
+        return "this node's serving core failed" if core.failure is not None else e.public
 
     async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
         body = await request.read()
@@ -401,8 +436,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                        max_tokens: int | None, *, messages: list[dict] | None = None,
                        prompt: str | None = None) -> web.StreamResponse:
         if core.failure is not None:
-            return _error(503, f"this node cannot serve: {core.failure}", type_="server_error",
-                          code="unavailable")
+            return _error(503, "this node cannot serve: its serving core failed",
+                          type_="server_error", code="unavailable")
         not_found = _error(404, f"The model '{req.model}' does not exist or is not loaded on "
                            "this node", param="model", code="model_not_found")
         tm = router()
@@ -429,8 +464,8 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                     return not_found
                 except ModelLoadError as e:
                     return _error(503, f"revision {revision} of model '{req.model}' was "
-                                  f"unloaded while idle and could not be reloaded: {e.reason}: "
-                                  f"{e.message}", type_="server_error",
+                                  f"unloaded while idle and could not be reloaded ({e.reason})",
+                                  type_="server_error",
                                   code="model_reload_failed",
                                   headers={REVISION_HEADER: revision})
             tm.touch(req.model, revision)
@@ -458,12 +493,15 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         except ContextLengthExceeded as e:
             return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
                           code="context_length_exceeded", headers=headers)
+        except PromptTooLarge as e:
+            return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
+                          code="prompt_too_large", headers=headers)
         except InvalidPrompt as e:
             return _error(400, str(e), param="messages" if kind == "chat" else "prompt",
                           code="invalid_prompt", headers=headers)
         except GenerationAborted as e:
             outcome.done(failed=True)
-            return _error(503, str(e), type_="server_error", code="unavailable",
+            return _error(503, aborted(e), type_="server_error", code="unavailable",
                           headers=headers)
 
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -481,7 +519,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                         raise ConnectionResetError("client disconnected")
             except GenerationAborted as e:
                 outcome.done(failed=True)
-                return _error(503, str(e), type_="server_error", code="unavailable",
+                return _error(503, aborted(e), type_="server_error", code="unavailable",
                               headers=headers)
         outcome.done(failed=False)
         text = "".join(parts)
@@ -527,7 +565,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                 if not slow:  # a slow client is not a failure of the revision
                     outcome.done(failed=True)
                 err = ErrorResponse(error=ErrorDetail(
-                    message=str(e), type="server_error", param=None,
+                    message=aborted(e), type="server_error", param=None,
                     code="stream_buffer_overflow" if slow else "unavailable"))
                 await resp.write(data_event(err.model_dump_json().encode()))
                 await resp.write_eof()
@@ -563,9 +601,18 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         return web.json_response(ModelList(object="list", data=data).model_dump(
             exclude_none=True))
 
+    def keyed(request: web.Request) -> bool:
+        """The request presents one of the client or fleet-internal keys."""
+        presented = bearer_token(request.headers.get("Authorization"))
+        client = api_keys is not None and matches(presented, api_keys.current())
+        internal = forward_keys is not None and matches(presented, forward_keys.current())
+        return client or internal
+
     async def health_handler(request: web.Request) -> web.Response:
         ok, details = health()
-        return web.json_response(details, status=200 if ok else 503)
+        shown = details if (health_details if api_keys is None else keyed(request)) else {
+            "status": details.get("status", "ok" if ok else "unhealthy")}
+        return web.json_response(shown, status=200 if ok else 503)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(registry))

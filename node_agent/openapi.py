@@ -95,9 +95,16 @@ def _completion(request: str, response: str, chunk: str, summary: str) -> dict[s
                     "content": {"application/json": {"schema": _ref(response)},
                                 "text/event-stream": {"schema": _event(chunk)}}},
             "400": _error("Malformed JSON, an invalid field (`param` names it), an unsupported "
-                          "option or a prompt over the context."),
+                          "option, a prompt over the context, or over `--max-prompt-bytes` "
+                          "(`prompt_too_large`)."),
             "404": _error("The model is not loaded on this node (`model_not_found`)."),
-            "413": _error("Request body over 1 MiB."),
+            "408": _error("The body did not arrive within `--body-timeout-seconds` "
+                          "(`request_timeout`)."),
+            "413": _error("Request body over 1 MiB (or twice `--max-prompt-bytes`)."),
+            "415": _error("The body is not `Content-Type: application/json` "
+                          "(`unsupported_media_type`)."),
+            "421": _error("Without API keys: a `Host` this node does not answer for "
+                          "(`misdirected_request`)."),
             "429": _error("Too many requests queued (`overloaded`).",
                           {"Retry-After": _RETRY_AFTER}),
             "503": _error("The node cannot serve: the model went away, the serving core "

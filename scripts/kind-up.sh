@@ -211,7 +211,8 @@ mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
   kubectl -n $namespace logs deploy/mlx-fleet
 
 On every Mac, run the node agent pointed at the same etcd:
-  mlx-fleet-agent --etcd-endpoint $agent_etcd --advertise-url http://<the-mac's-address>:<port>
+  mlx-fleet-agent --etcd-endpoint $agent_etcd --insecure-etcd-http --api-key-file <keys> \
+    --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>
 (see docs/kind.md and mlx-fleet-agent --help).
 Tear down: scripts/kind-up.sh --name $cluster --down
 EOF

@@ -606,8 +606,9 @@ async def test_slow_reading_client_does_not_hold_up_the_others(
         body = json.dumps({"model": "streams", "prompt": "Read me slowly", "temperature": 0,
                            "max_tokens": slow_tokens, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n"
-                     b"Content-Type: application/json\r\n"
+        # (the Host names the agent: without keys it answers only its own names, issue 19)
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {target.netloc}\r\n".encode()
+                     + b"Connection: close\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         await writer.drain()
         try:

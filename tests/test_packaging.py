@@ -28,16 +28,45 @@ def test_launchd_plist_is_well_formed_and_keeps_the_agent_running() -> None:
     assert job["StandardOutPath"] == job["StandardErrorPath"]
     assert job["StandardErrorPath"].startswith("/Library/Logs/")
     assert job["ProgramArguments"][0].endswith("/bin/mlx-fleet-agent")
-    assert job["EnvironmentVariables"]["MLX_FLEET_ETCD_ENDPOINT"].startswith("http://")
 
 
-def test_launchd_arguments_parse_with_the_agents_own_cli() -> None:
+def test_launchd_job_is_closed_by_default() -> None:
+    """Issue 19 (finding 1): a dedicated user, not root; an https:// etcd with this Mac's own
+    client certificate (and no password); keys, TLS and a CA to verify the other Macs."""
+    with PLIST.open("rb") as f:
+        job = plistlib.load(f)
+    assert job.get("UserName") not in (None, "root", "")
+    assert job.get("GroupName") not in (None, "wheel", "admin", "")
+    assert job["Umask"] & 0o077 == 0o077  # keys and downloads unreadable to other users
+    env = job["EnvironmentVariables"]
+    assert env["MLX_FLEET_ETCD_ENDPOINT"].startswith("https://")
+    for var in ("MLX_FLEET_ETCD_CA_FILE", "MLX_FLEET_ETCD_CERT_FILE", "MLX_FLEET_ETCD_KEY_FILE"):
+        assert env[var].startswith("/")
+    assert "MLX_FLEET_ETCD_PASSWORD" not in env  # a client certificate, no password in a file
+    home = env["HOME"]
+    assert home.startswith("/") and not home.startswith(("/var/root", "/Users/"))
+
+
+def test_launchd_arguments_parse_with_the_agents_own_cli_and_raise_no_exposure() -> None:
+    """The agent's own parser accepts the plist's arguments, and the agent's own exposure check
+    (what makes it refuse to start, or warn) finds nothing: listening on every address is
+    fine because keys and TLS are set."""
+    from mlx_fleet.exposure import exposure_check
     from node_agent.main import build_parser
 
     with PLIST.open("rb") as f:
-        argv = plistlib.load(f)["ProgramArguments"][1:]
-    args = build_parser().parse_args(argv)  # exits (SystemExit) on an unknown or bad flag
-    assert args.advertise_url == "http://studio-1.lan:8000"
+        job = plistlib.load(f)
+    args = build_parser().parse_args(job["ProgramArguments"][1:])  # SystemExit on a bad flag
+    assert args.advertise_url == "https://studio-1.lan:8000"
+    assert args.listen[0] == "0.0.0.0"
+    assert args.api_key_file and args.forward_key_file and args.metrics_auth == "api-key"
+    assert args.tls_cert_file and args.tls_key_file and args.forward_ca_file
+    assert not (args.insecure_listen_without_keys or args.insecure_etcd_http
+                or args.insecure_forward_http)
+    found = exposure_check(listen_host=args.listen[0], api_keys=bool(args.api_key_file),
+                           etcd_endpoint=job["EnvironmentVariables"]["MLX_FLEET_ETCD_ENDPOINT"],
+                           etcd_password=False)
+    assert found.refusals == () and found.warnings == ()
 
 
 def test_router_launchd_plist_keeps_the_router_running_and_parses() -> None:

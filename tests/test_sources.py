@@ -466,6 +466,54 @@ def test_bad_config_is_refused(tmp_path: Path, config: str, words: str) -> None:
     assert reason_of(e) == "InvalidSource" and words in e.value.message
 
 
+@pytest.mark.parametrize("where, content, words", [
+    ("config.json", {"model_type": "x", "auto_map": {"AutoModel": "modeling_x.X"}},
+     "config.json asks for custom code (auto_map)"),
+    ("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["tok_x.T", None]}},
+     "tokenizer_config.json asks for custom code (auto_map)"),
+    ("modeling_x.py", "import os\n", "modeling_x.py in"),
+    ("sub/tokenization_x.pyc", b"\x00", "tokenization_x.pyc in")])
+def test_model_dir_with_code_is_refused(tmp_path: Path, where: str, content, words: str) -> None:
+    """Issue 19 (finding 11): a model directory holds no code — no ``*.py``, no ``auto_map`` —
+    whatever transformers would do with it (trust_remote_code is never enabled)."""
+    model = small_model(tmp_path)
+    check_model_dir(model)  # fine before
+    target = model / where
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, dict):
+        base = json.loads(target.read_text()) if target.exists() else {}
+        target.write_text(json.dumps({**base, **content}))
+    elif isinstance(content, bytes):
+        target.write_bytes(content)
+    else:
+        target.write_text(content)
+    with pytest.raises(SourceError) as e:
+        resolve_source(f"file://{model}")
+    assert reason_of(e) == "InvalidSource" and words in e.value.message
+    assert "trust_remote_code" in e.value.message
+
+
+def test_tokenizer_loads_with_trust_remote_code_false(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19 (finding 11): ``trust_remote_code=False`` is passed, not left to transformers'
+    interactive prompt."""
+    import transformers
+
+    from mlx_fleet.testmodel import make_test_model
+    from node_agent.serving.loading import load_tokenizer
+
+    seen: list[dict] = []
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(spy))
+    load_tokenizer(make_test_model(tmp_path / "tiny", seed=0))
+    assert seen and all(k.get("trust_remote_code") is False for k in seen), seen
+
+
 # ---------------------------------------------------------------------------------------------
 # hf:// from a populated offline cache
 # ---------------------------------------------------------------------------------------------

@@ -22,10 +22,12 @@ from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, Mo
 from .generation import Generation
 from .loading import LoadPacing
 from .options import ServingOptions
+from .tokenize import DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge
 from .types import Chunk, LoadProgress, MemoryUsage, ModelInfo
 
 __all__ = [
     "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
     "GenerationAborted", "StreamBufferOverflow", "MemoryUsage", "ModelInfo", "Chunk",
     "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
+    "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES",
 ]

@@ -74,7 +74,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -94,6 +96,8 @@ from .loading import LoadPacing
 from .options import ServingOptions
 from .revisions import _Drain, _Load, _Revisions
 from .step_loop import _StepLoop
+from .tokenize import (DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, default_tokenizer_threads,
+                       limit_tokenizer_parallelism, prompt_bytes, tokenize)
 from .types import MemoryUsage, ModelInfo, ModelKey
 from .worker import run_on_worker
 
@@ -123,17 +127,33 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
     prompt cache and its budget, admission policy, stream buffer, request coalescing
     (:mod:`node_agent.serving.coalesce`), the first-token fast path
     (:mod:`node_agent.serving.fastpath`)), exported as ``mlxfleet_agent_serving_option_info``.
+    ``max_prompt_bytes``: the largest prompt (:func:`~node_agent.serving.tokenize.prompt_bytes`)
+    :meth:`generate` tokenizes; a larger one is refused at once (:class:`PromptTooLarge`).
+    ``tokenizer_threads``: the pool that renders chat templates and tokenizes prompts, off the
+    MLX thread and off the event loop (:mod:`node_agent.serving.tokenize`; default
+    :func:`~node_agent.serving.tokenize.default_tokenizer_threads`); the core also sets
+    ``TOKENIZERS_PARALLELISM=false`` unless it is set
+    (:func:`~node_agent.serving.tokenize.limit_tokenizer_parallelism`).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  max_queued_requests: int = 64,
                  load_pacing: LoadPacing | None = None,
-                 options: ServingOptions | None = None) -> None:
+                 options: ServingOptions | None = None,
+                 max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+                 tokenizer_threads: int | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.options = options if options is not None else ServingOptions()
         self.metrics.set_serving_options(self.options.as_record())
         self.max_queued_requests = max_queued_requests
+        self.max_prompt_bytes = max_prompt_bytes
+        limit_tokenizer_parallelism(os.environ)
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=(tokenizer_threads if tokenizer_threads is not None
+                         else default_tokenizer_threads(os.cpu_count())),
+            thread_name_prefix="mlxfleet-tokenize")
+        self._tokenizers: dict[ModelKey, Any] = {}   # loop side: each served revision's
         self._coalescer = Coalescer()
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
@@ -178,6 +198,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         self._cmds.put(_STOP)
         await asyncio.to_thread(self._finished.wait)
         self._drop_all()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -312,14 +333,15 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
+        size = prompt_bytes(prompt, messages)
+        if size > self.max_prompt_bytes:
+            raise PromptTooLarge(size, self.max_prompt_bytes)
         temperature, top_p = float(temperature), float(top_p)
         key = coalesce_key(info, prompt, messages, {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "stop": stops, "seed": seed}) if self.options.request_coalescing else None
-        shared = self._coalescer.get(key)
-        if shared is not None and len(shared.events) < self.options.stream_buffer_chunks // 2:
-            # (a joiner gets every event so far at once: far into a long generation it would
-            # start near its buffer bound, so it leads a generation of its own instead)
+        shared = self._joinable(key)
+        if shared is not None:
             self.metrics.coalesced_requests.labels(*info.key).inc()
             return await self._subscribe(shared)
         self._admit(info)
@@ -329,6 +351,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         if key is not None:
             return await self._lead(key, req)
         try:
+            await self._tokenize(req)
             prompt_tokens, limit = await self._call(self._engine.submit, req)
         except BaseException as e:
             self._cancel(req)
@@ -336,24 +359,45 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
             raise
         return Generation(self._cancel, req, prompt_tokens, limit)
 
+    def _joinable(self, key: Any) -> SharedGeneration | None:
+        """The shared generation in flight under coalescing ``key`` that a request may join,
+        or None. (A joiner gets every event so far at once: far into a long generation it would
+        start near its buffer bound, so it leads a generation of its own instead.)"""
+        shared = self._coalescer.get(key)
+        if shared is not None and len(shared.events) < self.options.stream_buffer_chunks // 2:
+            return shared
+        return None
+
     def _set_retry_after(self, e: BaseException, key: ModelKey) -> None:
         """A refusal by the kv bound (:meth:`Engine.submit`, on the MLX thread) gets its
         ``Retry-After`` here, from the revision's measured drain rate."""
         if isinstance(e, Overloaded):
             e.retry_after_seconds = retry_after_seconds(e.waiting, self._drain_per_second(key))
 
+    async def _tokenize(self, req: Request) -> None:
+        """Render and tokenize ``req``'s prompt on the tokenizer pool — never on the MLX thread
+        nor the event loop — into ``req.prompt_ids``, when its revision's tokenizer is known
+        (else the engine does it on submission). Raises what the tokenizer raises."""
+        tokenizer = self._tokenizers.get(req.key)
+        if tokenizer is not None:
+            req.prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages)
+
     async def _lead(self, key: Any, req: Request) -> Generation:
-        """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle."""
+        """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle.
+        The generation is joinable from this call on, while its prompt is still being tokenized,
+        so identical requests arriving together share one tokenization and one generation."""
         shared = self._coalescer.lead(
             key, lambda: self._cancel(req), self.options.stream_buffer_chunks,
             lambda: self.metrics.stream_buffer_overflows.labels(*req.key).inc())
         shared.request = req
         req.out = shared   # the core delivers the request's events to the fan-out
-        try:
-            shared.watch(self._call_soon(self._engine.submit, req))
-        except BaseException:
-            shared.abandon()
-            raise
+
+        async def tokenized_and_submitted() -> Any:
+            await self._tokenize(req)
+            return await self._call_soon(self._engine.submit, req)
+
+        shared.watch(asyncio.ensure_future(tokenized_and_submitted()))
         return await self._subscribe(shared)
 
     async def _subscribe(self, shared: SharedGeneration) -> Generation:

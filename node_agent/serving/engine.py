@@ -28,13 +28,14 @@ from ..metrics import AgentMetrics, RevisionSeries
 from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
 from .detokenize import feed, next_text
-from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
+from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
                      ModelNotLoaded, Overloaded)
 from .generation import Request
 from .options import PROMPT_CACHE_ENTRIES, ServingOptions
 from .prefill import MLX_LM_PREFILL_BATCH_SIZE, prefill_group_size
 from .registry import Registry, Resident, parameter_bytes
 from .sampling import SamplerCache
+from .tokenize import tokenize
 from .types import Chunk, ModelInfo, ModelKey
 
 __all__ = ["Engine", "Events"]
@@ -100,12 +101,12 @@ class Engine:
 
         try:
             if self.load_stream is None:
-                model, _ = load_model(Path(info.path), lazy=True)
+                model, _ = load_model(Path(info.path), lazy=True, trust_remote_code=False)
             else:
                 # mx.load's reads (and any op of mlx-lm's sanitize/quantize on the weights) are
                 # scheduled on the load stream: evaluating them never waits on generation
                 with mx.stream(self.load_stream):
-                    model, _ = load_model(Path(info.path), lazy=True)
+                    model, _ = load_model(Path(info.path), lazy=True, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
         return model
@@ -221,14 +222,15 @@ class Engine:
             self.unload(res.key, reason=reason)
 
     def reset(self, res: Resident, reason: str) -> None:
-        """After an error in ``res``'s generator: abort its running sequences with ``reason``,
-        replace the generator and prompt cache (their state is unknown) and count a crash.
+        """After an error in ``res``'s generator: abort its running sequences with ``reason``
+        (clients are told only "generation failed"), replace the generator and prompt cache
+        (their state is unknown) and count a crash.
         Waiting requests stay queued. If even that fails, the revision is unloaded."""
         res.stats.crashes += 1
         events: Events = []
         for req in res.active.values():
             req.done = True
-            events.append((req, GenerationAborted(reason)))
+            events.append((req, GenerationAborted(reason, public="generation failed")))
         res.active.clear()
         res.prefilling.clear()
         self._send(events)
@@ -241,11 +243,11 @@ class Engine:
         try:
             res.generator = self.new_generator(res.model, res.tokenizer, res.info)
             res.prompt_cache = self.new_prompt_cache(res.info)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             log.exception("recreating the batch generator of %s@%s failed; unloading it",
                           *res.key)
             self.unload(res.key,
-                        reason=f"{reason}; the model could not recover ({e}) and was unloaded")
+                        reason=f"{reason}; the model could not recover and was unloaded")
             self._forget(res.info)
             return
         self.update_gauges(res)
@@ -287,7 +289,9 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, req: Request) -> tuple[int, int]:
-        """Tokenize ``req``, check its context limit and, under the ``kv`` admission policy, its
+        """Take ``req``'s prompt ids (:attr:`Request.prompt_ids`, tokenized off this thread;
+        tokenized here only when absent), check its context limit and, under the ``kv``
+        admission policy, its
         revision's KV budget (:func:`~node_agent.serving.admission.admit_kv`; raises
         :class:`Overloaded` with ``waiting`` set, the caller fills in ``Retry-After``), then
         queue it; returns ``(prompt tokens, max tokens)``."""
@@ -295,20 +299,10 @@ class Engine:
         if res is None:
             raise ModelNotLoaded(*req.key)
         tok = res.tokenizer
-        try:
-            if req.messages is not None:
-                ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
-                if not isinstance(ids, list):  # some transformers versions return an encoding
-                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            else:
-                ids = tok.encode(req.prompt, add_special_tokens=False)
-        except Exception as e:  # noqa: BLE001 - templates/tokenizers raise many kinds
-            raise InvalidPrompt(f"cannot tokenize the prompt: {e}") from e
-        ids = [int(i) for i in ids]
-        if not ids:
-            if tok.bos_token_id is None:
-                raise InvalidPrompt("the prompt is empty")
-            ids = [int(tok.bos_token_id)]
+        # tokenized in the core's pool before submission (node_agent.serving.tokenize); here
+        # only for a caller that hands in a raw request
+        ids = (req.prompt_ids if req.prompt_ids is not None
+               else tokenize(tok, req.prompt, req.messages))
         limit = res.info.max_context_tokens
         if req.max_tokens is None:
             req.max_tokens = limit - len(ids)
@@ -426,7 +420,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 log.exception("inserting a request failed")
                 req.done = True
-                self._send([(req, GenerationAborted(f"{type(e).__name__}: {e}"))])
+                self._send([(req, GenerationAborted(
+                    f"{type(e).__name__}: {e}", public="the request could not join the batch"))])
         if inserted:
             self.trim_prompt_cache(res)   # the live batch grew: less room for the cache
         self.update_gauges(res)
@@ -451,7 +446,8 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("processing a token of request %d (%s@%s) failed", req.rid,
                                   *req.key)
-                    chunk = GenerationAborted(f"generation failed: {type(e).__name__}: {e}")
+                    chunk = GenerationAborted(f"generation failed: {type(e).__name__}: {e}",
+                                              public="generation failed")
                     req.done = True
                 if req.done:
                     res.active.pop(r.uid, None)

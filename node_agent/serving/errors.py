@@ -62,7 +62,15 @@ class InvalidPrompt(ValueError):
 
 
 class GenerationAborted(RuntimeError):
-    """A running generation ended abnormally (model unloaded, core closed, MLX error)."""
+    """A running generation ended abnormally (model unloaded, core closed, MLX error).
+
+    ``str(e)`` may carry an internal exception's text (for logs and in-process callers);
+    ``public``: what a client may be told (the HTTP API's error message), the same unless
+    given."""
+
+    def __init__(self, message: str = "", *, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = public if public is not None else message
 
 
 class StreamBufferOverflow(GenerationAborted):

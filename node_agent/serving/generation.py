@@ -40,6 +40,8 @@ class Request:
         self.loop = loop
         self.submitted = time.perf_counter()
         self.finished = False          # loop side: final event delivered or cancelled
+        # loop side, before submission: the prompt's ids (tokenized in the core's pool)
+        self.prompt_ids: list[int] | None = None
         # thread
         self.tokens: list[int] = []
         self.uid: int | None = None

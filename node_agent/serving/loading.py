@@ -161,7 +161,9 @@ def load_tokenizer(path: str | Path) -> Any:
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
     p = Path(path)
-    return mlx_load_tokenizer(p, eos_token_ids=load_config(p).get("eos_token_id"))
+    # never run a model directory's code (node_agent.model_dir refuses *.py and auto_map too)
+    return mlx_load_tokenizer(p, {"trust_remote_code": False},
+                              eos_token_ids=load_config(p).get("eos_token_id"))
 
 
 @dataclass

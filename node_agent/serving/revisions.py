@@ -64,7 +64,8 @@ class _Load:
     def __init__(self, info: ModelInfo, fut: asyncio.Future) -> None:
         self.info = info
         self.fut = fut
-        self.tokenizer: Any = None
+        self.tokenizer: Any = None     # handed to the thread (which drops it once resident)
+        self.served_tokenizer: Any = None   # loop side: kept for the core's tokenizer pool
         self.tokenizer_seconds = 0.0
         self.cancelled = False
         self.queued = False
@@ -205,6 +206,7 @@ class _Revisions:
             job.tokenizer = await asyncio.to_thread(load_tokenizer, job.info.path)
         except Exception as e:  # noqa: BLE001 - any tokenizer failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        job.served_tokenizer = job.tokenizer
         job.tokenizer_seconds = time.perf_counter() - t0
         per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
         job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
@@ -236,6 +238,8 @@ class _Revisions:
             return      # (exception() also marks the error as retrieved)
         self._infos.pop(key, None)
         self._infos[key] = job.info
+        self._tokenizers[key] = job.served_tokenizer
+        job.served_tokenizer = None
         self.metrics.model_loaded.labels(*key).set(1)
 
     def loads(self) -> list[LoadProgress]:
@@ -317,6 +321,7 @@ class _Revisions:
         """Loop side: ``key`` is no longer served. False when it was not loaded."""
         self._end_drain(key)
         info = self._infos.pop(key, None)
+        self._tokenizers.pop(key, None)
         if info is None:
             return False
         self._drain_rates.pop(key, None)

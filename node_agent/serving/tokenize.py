@@ -1,0 +1,106 @@
+"""Prompt → token ids, off the MLX thread (issue 19: nothing slow on the MLX thread that a
+client controls).
+
+:func:`prompt_bytes` is the size a request's prompt is bounded by before anything tokenizes it
+(``ServingCore(max_prompt_bytes=...)``, the agent's ``--max-prompt-bytes``); :func:`tokenize`
+renders the chat template (Jinja, Python) and encodes (Hugging Face ``tokenizers``, Rust, which
+releases the GIL while it encodes) in the core's tokenizer pool, so a megabyte prompt costs the
+MLX thread nothing and the event loop nothing. The engine then only checks the context limit and
+queues the ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from typing import Any
+
+from .errors import InvalidPrompt
+
+__all__ = ["prompt_bytes", "tokenize", "DEFAULT_MAX_PROMPT_BYTES", "PromptTooLarge",
+           "default_tokenizer_threads", "limit_tokenizer_parallelism"]
+
+log = logging.getLogger(__name__)
+
+#: Default bound of :func:`prompt_bytes` (1 MiB: aiohttp's default request body limit,
+#: ``client_max_size``, so nothing the API accepted before is refused by default).
+DEFAULT_MAX_PROMPT_BYTES = 2**20
+#: Longest template error message passed on to the client (a template's own
+#: ``raise_exception("...")`` is meant for it; anything longer is cut).
+_MAX_TEMPLATE_MESSAGE = 200
+
+
+def default_tokenizer_threads(cpu_count: int | None) -> int:
+    """Threads of the core's tokenizer pool: a quarter of the cores, 1 to 4 (a 2-core host
+    keeps a core for the MLX thread; a 16-core Mac tokenizes 4 prompts at once)."""
+    return max(1, min(4, (cpu_count or 1) // 4))
+
+
+def limit_tokenizer_parallelism(environ: MutableMapping[str, str]) -> None:
+    """``TOKENIZERS_PARALLELISM=false`` unless the environment says otherwise (Hugging Face
+    ``tokenizers`` reads it at every call): each prompt is then encoded on its pool thread
+    alone, instead of spreading over every core with Rayon and taking them from the MLX
+    thread. Measured on the 2-core development box (``benchmarks/prompt_stall.py``'s 1 MB chat
+    prompt): 0.64 s with the longest pause of a 1 ms ticker 38 ms, against 6.3 s and 368 ms
+    with parallelism on."""
+    environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class PromptTooLarge(InvalidPrompt):
+    """The prompt is larger than the core's byte bound (refused before tokenizing).
+    ``size`` and ``limit`` in bytes."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the prompt is {size} bytes, more than this server's limit of "
+                         f"{limit} bytes (--max-prompt-bytes)")
+        self.size, self.limit = size, limit
+
+
+def prompt_bytes(prompt: str | None, messages: list[dict] | None) -> int:
+    """UTF-8 bytes of ``prompt``, or of every message's role and text content."""
+    if prompt is not None:
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    total = 0
+    for m in messages or ():
+        for v in m.values():
+            if isinstance(v, str):
+                total += len(v.encode("utf-8", "surrogatepass"))
+    return total
+
+
+def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None) -> list[int]:
+    """Token ids of ``prompt`` (raw text, no special tokens added) or of ``messages`` rendered
+    with the tokenizer's chat template plus a generation prompt; a prompt that tokenizes to
+    nothing becomes the BOS token when there is one.
+
+    Raises :class:`InvalidPrompt`: the message names the problem without internal detail — a
+    template's own error text (``raise_exception``, e.g. "roles must alternate") is kept, any
+    other exception is named by its type only (the log has the rest)."""
+    try:
+        if messages is not None:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            if not isinstance(ids, list):  # some transformers versions return an encoding
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - templates/tokenizers raise many kinds
+        raise InvalidPrompt(_public_reason(e)) from e
+    ids = [int(i) for i in ids]
+    if not ids:
+        if tokenizer.bos_token_id is None:
+            raise InvalidPrompt("the prompt is empty")
+        ids = [int(tokenizer.bos_token_id)]
+    return ids
+
+
+def _public_reason(e: Exception) -> str:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers depends on jinja2
+        TemplateError = ()  # type: ignore[assignment,misc]
+    if isinstance(e, TemplateError) and type(e).__name__ == "TemplateError" and str(e):
+        # raise_exception() in a chat template raises the base TemplateError with its message
+        text = str(e)[:_MAX_TEMPLATE_MESSAGE]
+        return f"the chat template refused the messages: {text}"
+    log.info("tokenizing a prompt failed: %s", type(e).__name__)
+    return f"cannot tokenize the prompt ({type(e).__name__})"
