@@ -28,7 +28,7 @@ memory-bandwidth limit reached at concurrency 1 (tokens/s × weight bytes ÷ ban
         --concurrency 1 8 32 64 --bandwidth-gbs 3350    # a GPU (H100 SXM: 3.35 TB/s)
 
 ``--ours-args`` passes the agent's serving flags to ours (parsed by the agent's own
-``node_agent.main.add_serving_arguments``), to measure what an optimisation buys by turning it
+``node_agent.cli.add_serving_arguments``), to measure what an optimisation buys by turning it
 off, e.g. ``--ours-args=--no-prompt-cache`` or ``--ours-args="--admission-policy count"`` (with
 ``=``: the value starts with ``--``); the
 options in force are in the results (``params.ours_args``) and on ours' ``/metrics``.
@@ -198,7 +198,7 @@ _REFERENCE = ("import sys, mlx.core as mx; mx.set_cache_limit(int(float(sys.argv
 def ours_options(ours_args: str) -> Any:
     """The :class:`~node_agent.serving.ServingOptions` of agent flags given as one string
     (``--no-prompt-cache --admission-policy count``), parsed as the agent parses them."""
-    from node_agent.main import add_serving_arguments, serving_options_from_args
+    from node_agent.cli import add_serving_arguments, serving_options_from_args
 
     p = argparse.ArgumentParser(prog="--ours-args")
     add_serving_arguments(p)

@@ -20,7 +20,8 @@ from mlx_fleet import supervise as supervise_module
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.store import Store, StoreError, WatchEvent
 from node_agent.controller import Controller, ServedModel
-from node_agent.main import Agent, AgentConfig, build_parser, config_from_args
+from node_agent.main import Agent
+from node_agent.cli import AgentConfig, build_parser, config_from_args
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source

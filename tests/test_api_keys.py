@@ -32,7 +32,7 @@ from mlx_fleet.store import EtcdStore
 from fleet_helpers import watch_until
 from node_agent.controller import ServedModel
 from node_agent.main import Agent as NodeAgent
-from node_agent.main import AgentConfig, StartupError, build_parser, config_from_args
+from node_agent.cli import AgentConfig, StartupError, build_parser, config_from_args
 from node_agent.openai_api import build_app
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore

@@ -18,7 +18,7 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from mlx_fleet.routing.headers import REVISION_HEADER
-from node_agent.main import build_parser
+from node_agent.cli import build_parser
 from node_agent.serving import (Chunk, GenerationAborted, ModelInfo, ServingCore,
                                 ServingOptions, StreamBufferOverflow)
 from node_agent.serving.coalesce import Coalescer, coalesce_key

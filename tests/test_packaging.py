@@ -52,7 +52,7 @@ def test_launchd_arguments_parse_with_the_agents_own_cli_and_raise_no_exposure()
     (what makes it refuse to start, or warn) finds nothing: listening on every address is
     fine because keys and TLS are set."""
     from mlx_fleet.exposure import exposure_check
-    from node_agent.main import build_parser
+    from node_agent.cli import build_parser
 
     with PLIST.open("rb") as f:
         job = plistlib.load(f)

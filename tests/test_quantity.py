@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_fleet.quantity import format_bytes, parse_quantity
-from node_agent.main import build_parser
+from node_agent.cli import build_parser
 
 GiB = 1024**3
 

@@ -24,7 +24,8 @@ from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.route import Route
 from node_agent import openai_api
-from node_agent.main import Agent, build_parser, config_from_args, main
+from node_agent.main import Agent, main
+from node_agent.cli import build_parser, config_from_args
 from node_agent.serving import ServingCore
 
 KEY_FLEET = "fleet-secure-defaults-0123456789"

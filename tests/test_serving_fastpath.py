@@ -110,7 +110,7 @@ async def test_a_second_request_batches_with_the_first(cores: dict[bool, Serving
 
 
 def test_agent_flag_reaches_the_config() -> None:
-    from node_agent.main import build_parser, config_from_args
+    from node_agent.cli import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args([])).serving.fast_first_token is True
     off = config_from_args(build_parser().parse_args(["--no-fast-first-token"]))

@@ -1,5 +1,5 @@
 """The serving core's optimisation switches (:class:`ServingOptions`; the agent's flags for them
-are ``node_agent.main.add_serving_arguments``, which ``benchmarks/serving.py`` shares so that a
+are ``node_agent.cli.add_serving_arguments``, which ``benchmarks/serving.py`` shares so that a
 benchmark turns each off exactly as an agent would) and their one rendering
 (:meth:`ServingOptions.as_record`) that goes into ``/metrics``
 (``mlxfleet_agent_serving_option_info``) and the node record in etcd
