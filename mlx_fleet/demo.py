@@ -314,7 +314,8 @@ async def _failover(console: Console, cp, router: str, model: str, agents: dict,
     if done.returncode != 0:
         raise DemoFailed(f"mlx-fleet uncordon {drained} failed: {done.stderr.strip()}")
     console.print(f"  {done.stdout.strip()}", markup=False, highlight=False)
-    console.print("$ kubectl patch modeldeployment/llama-demo -p '{\"spec\": {\"replicas\": 2}}'")
+    console.print("$ kubectl patch modeldeployment/llama-demo --type=merge "
+                  "-p '{\"spec\": {\"replicas\": 2}}'")
     cp.kubectl("patch", "modeldeployment/llama-demo", "--type=merge",
                "-p", '{"spec": {"replicas": 2}}')
     await asyncio.to_thread(
