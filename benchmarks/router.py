@@ -214,8 +214,8 @@ async def overhead(cp, router, model_dir: Path, args) -> dict:
                     "router_cpu_seconds": cpu1 - cpu0}
 
         tput: dict[str, list[dict]] = {"direct": [], "router": []}
-        # not measured: the first leg at 32 streams ran at half the rate of every later one
-        # (MLX compiling the larger batch shapes), whichever side it was
+        # a warm-up leg, not measured (in a run without it the first leg ran at half the rate
+        # of the three others; on this shared machine a later leg can too, see the results)
         await streams(legs["direct"])
         for leg in ("direct", "router", "router", "direct"):
             tput[leg].append(await streams(legs[leg]))

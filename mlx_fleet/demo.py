@@ -349,6 +349,8 @@ async def _failover(console: Console, cp, router: str, model: str, agents: dict,
                   f"{sum(o.failed for o in plain.outcomes)}); streams cut mid-answer on "
                   f"{victim}: {len(cut)}")
     _print_failures(console, failed)
+    console.print(f"[dim]  {victim} stays in etcd (the table below) until its lease TTL runs out; "
+                  "the router stopped sending to it at its first refused connection[/]")
     if failed:
         raise DemoFailed(f"{len(failed)} requests failed through the router after {victim} "
                          "was killed")
