@@ -316,9 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     down.set_defaults(func=_cmd_dev_down)
 
     d = sub.add_parser("demo", help="run the local demo fleet end to end",
-                       description="Bring up the local control plane, the operator and two agents, "
-                                   "apply examples/modeldeployment.yaml, wait until Ready, stream a "
-                                   "chat completion, print the fleet, tear down.")
+                       description="Bring up the local control plane, the operator, two agents "
+                                   "and the fleet router, apply examples/modeldeployment.yaml, wait "
+                                   "until Ready, stream a chat completion through the router, run "
+                                   "two canaries, a drain and a Mac's SIGKILL under load (every "
+                                   "request through the router), print the fleet, tear down.")
     d.add_argument("--prompt", default="Write one sentence about Apple silicon.",
                    help="the user message sent to the model (default: %(default)r)")
     d.add_argument("--max-tokens", type=_positive_int, default=48,

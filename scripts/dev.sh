@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # mlx-fleet developer entry point: idempotent set-up, then one of
-#   demo       bring up a local fleet (etcd, kube-apiserver, operator, two agents), stream a completion
+#   demo       bring up a local fleet (etcd, kube-apiserver, operator, two agents, the router), stream a completion
 #   test       run the test suite (unit + integration on the real local control plane); args go to pytest
 #   provision  only build/cache the binaries (etcd, kube-apiserver, kubectl, helm, prometheus, promtool)
 #   shell      a shell with the virtualenv activated and the cached binaries on PATH

@@ -1,11 +1,12 @@
 """A steady OpenAI-client load against a local fleet, recording every request's outcome.
 
 Used by the end-to-end tests and the benchmarks (the same code measures both): ``concurrency``
-workers, each with its own session key (``X-Session-ID``), send streamed chat completions in a
-loop to the agents' endpoints (round robin) until stopped. Every request ends in one
+workers, each with its own session key (``X-Session-ID``), send chat completions (streamed, or
+not with ``stream=False``) in a loop to the endpoints (round robin: agents, or one router) until
+stopped. Every request ends in one
 :class:`Outcome`: the HTTP status, the revision that served it (``X-Model-Revision``), and
-whether it failed — a non-2xx answer, a connection error, or a stream that ended with an error
-event or without ``[DONE]`` — and how (``error_kind``). Nothing is lost: a request in flight when
+whether it failed — a non-2xx answer, a connection error, a stream that ended with an error
+event or without ``[DONE]``, or a non-streamed answer that is not a ``chat.completion`` — and how (``error_kind``). Nothing is lost: a request in flight when
 the generator stops is awaited to its end (at most ``timeout``); ``sent`` counts the requests
 started, so ``sent - len(outcomes)`` is what never ended.
 """
@@ -59,14 +60,16 @@ class LoadGenerator:
     a test can follow ``status.endpoints``). ``sessions``: one session key per worker.
     ``timeout``: seconds a request may take in all. ``failure_pause``: seconds a worker waits
     after a failed request before its next one (a client's back-off; 0: none). ``headers``:
-    sent with every request besides the session header (e.g. a router's ``Authorization``)."""
+    sent with every request besides the session header (e.g. a router's ``Authorization``).
+    ``stream``: streamed requests (SSE, the default) or plain JSON answers."""
 
     def __init__(self, endpoints: Callable[[], Sequence[str]], model: str, *,
                  sessions: Sequence[str], max_tokens: int = 8,
                  timeout: float = 60.0, failure_pause: float = 0.0,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, stream: bool = True) -> None:
         self._endpoints = endpoints
         self.model = model
+        self.stream = stream
         self.sessions = list(sessions)
         self.max_tokens = max_tokens
         self.timeout = timeout
@@ -125,11 +128,11 @@ class LoadGenerator:
         self._ended.set()
 
     async def one(self, endpoint: str, session: str) -> Outcome:
-        """Send one streamed chat completion and classify its end."""
+        """Send one chat completion and classify its end."""
         assert self._http is not None
         self.sent += 1
         t0 = time.monotonic()
-        body = {"model": self.model, "stream": True, "max_tokens": self.max_tokens,
+        body = {"model": self.model, "stream": self.stream, "max_tokens": self.max_tokens,
                 "messages": [{"role": "user", "content": f"Hello from {session}"}]}
         status, revision = 0, ""
         try:
@@ -140,6 +143,14 @@ class LoadGenerator:
                     text = (await r.text())[:200]
                     return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
                                    True, f"HTTP {status}: {text}", error_kind="http")
+                if not self.stream:
+                    answer = await r.json()
+                    if answer.get("object") != "chat.completion":
+                        return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
+                                       True, f"not a chat.completion: {str(answer)[:200]}",
+                                       error_kind="incomplete")
+                    return Outcome(t0, time.monotonic(), session, endpoint, status, revision,
+                                   False, "")
                 done, first = False, None
                 async for raw in r.content:
                     line = raw.strip()
