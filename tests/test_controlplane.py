@@ -31,7 +31,7 @@ def test_crd_is_established_with_printer_columns(control_plane: ControlPlane, na
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
     # `kubectl get` (short name) renders the printer columns through the server-side Table API.
     header, row = control_plane.kubectl("get", "md", "-n", namespace).stdout.splitlines()[:2]
-    assert header.split() == ["NAME", "MODEL", "REVISION", "READY", "DESIRED", "STATUS", "AGE"]
+    assert header.split() == ["NAME", "MODEL", "REVISION", "READY", "DESIRED", "STATUS", "SERVED", "AGE"]
     assert row.split()[:3] == [obj["metadata"]["name"], obj["spec"]["model"]["source"],
                                obj["spec"]["model"]["revision"]]
     assert row.split()[3] == "1"  # DESIRED: spec.replicas defaulted by the schema; READY empty
