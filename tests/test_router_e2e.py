@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,11 +167,17 @@ async def test_sigkilled_agent_under_load_costs_no_request(
         workers = [asyncio.create_task(worker(w)) for w in range(WORKERS)]
         workers += [asyncio.create_task(streamer(w)) for w in range(STREAM_WORKERS)]
         await asyncio.wait_for(enough_before.wait(), 60)
-        async with http.get(f"{router.url}/metrics") as r:
-            before = await r.text()
-        # both Macs served through the router before the kill
-        served = {n: _sample(before, "mlxfleet_router_upstream_attempts_total", node=n,
-                             result="ok") for n in agents}
+        # both Macs served through the router before the kill (a replica in standby loads on
+        # its first request, which takes seconds on a busy machine: wait for it, bounded)
+        deadline = time.monotonic() + 60
+        while True:
+            async with http.get(f"{router.url}/metrics") as r:
+                before = await r.text()
+            served = {n: _sample(before, "mlxfleet_router_upstream_attempts_total", node=n,
+                                 result="ok") for n in agents}
+            if all(v > 0 for v in served.values()) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         assert all(v > 0 for v in served.values()), served
         victim = "rmac-1"
         agents[victim].process.kill()  # SIGKILL under load: no lease revocation
