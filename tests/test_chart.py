@@ -656,6 +656,7 @@ def test_helm_install_dry_run_against_a_real_api_server_renders_notes(helm: Path
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "etcd at:\n  http://etcd.mlx-fleet.svc:2379" in notes
     assert "kubectl get modeldeployments" in notes
+    assert "http://mlx-fleet-router.default.svc/v1" in notes  # the fleet router's URL
     assert "peering" not in notes
 
 
