@@ -300,7 +300,13 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
               "--set", f"metrics.port={free_port()}", "--set", f"health.port={free_port()}",
               "--set", f"operator.watchNamespaces={{{rc.namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
-              "--set", "router.replicaCount=1"]
+              "--set", "router.replicaCount=1", "--set", "router.apiKeys.secretName=router-keys"]
+    # The router's client keys, from a Secret mounted read-only under the chart's security
+    # context (uid 65532, fsGroup 65532, mode 0400): one key naming its tenant.
+    api_key = uuid.uuid4().hex
+    cp.kubectl("create", "namespace", rc.namespace)
+    cp.kubectl("create", "secret", "generic", "router-keys", "-n", rc.namespace,
+               f"--from-literal=api-keys={api_key} tenant=real-node")
     if rc.node.kube_proxy is None:  # the chart's documented option for a cluster without one
         values += ["--set", "kubernetesAPI.host=127.0.0.1",
                    "--set", f"kubernetesAPI.port={cp.apiserver_url.rsplit(':', 1)[1]}"]
@@ -351,7 +357,8 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
                                       "model": name}
     # Completions through the in-cluster router (its hostNetwork port on the node).
     assert asyncio.run(_wait_routable(router, name)) == 2
-    assert asyncio.run(_complete(router, name)) >= 1
+    assert asyncio.run(_complete(router, name, api_key=api_key)) >= 1
+    assert asyncio.run(_status_without_key(router, name)) == 401
 
     # Prometheus (the dev set-up's) scrapes the in-cluster operator through the chart's metrics
     # Service: its ClusterIP, routed to the Pod by kube-proxy.
@@ -366,7 +373,8 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
         ready = prom.query(f'mlxfleet_operator_deployment_replicas{{namespace="{rc.namespace}",'
                            f'name="{name}",state="ready"}}')
         assert [s["value"][1] for s in ready] == ["2"], ready
-        routed = prom.query(f'sum(mlxfleet_router_requests_total{{model="{name}",code="200"}})')
+        routed = prom.query(f'sum(mlxfleet_router_requests_total{{model="{name}",code="200",'
+                            f'tenant="real-node"}})')
         assert routed and float(routed[0]["value"][1]) >= 1, routed
     finally:
         prom.stop()
@@ -375,7 +383,7 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
     # operator Pod is replaced, the router's is not (its template is unchanged), no request fails.
     old_uid = pod["metadata"]["uid"]
     started = time.monotonic()
-    result = asyncio.run(_under_load([router], name, lambda: (
+    result = asyncio.run(_under_load([router], name, api_key=api_key, action=lambda: (
         _helm(rc, "upgrade", "mlx-fleet", str(CHART), *values, "--set", "operator.verbose=true"),
         _wait_pod_ready(rc, not_uid=old_uid))))
     rc.timings.record("helm upgrade → new operator Pod Ready", time.monotonic() - started)
@@ -437,10 +445,18 @@ async def _wait_routable(router: str, model: str, timeout: float = 60) -> int:
     return count
 
 
-async def _complete(endpoint: str, model: str) -> int:
+async def _status_without_key(endpoint: str, model: str) -> int:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{endpoint}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}) as r:
+        return r.status
+
+
+async def _complete(endpoint: str, model: str, api_key: str = "unused") -> int:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{endpoint}/v1", api_key="unused")
+    client = openai.AsyncOpenAI(base_url=f"{endpoint}/v1", api_key=api_key)
     try:
         done = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
@@ -449,16 +465,19 @@ async def _complete(endpoint: str, model: str) -> int:
         await client.close()
 
 
-async def _under_load(endpoints: list[str], model: str, action) -> dict:
+async def _under_load(endpoints: list[str], model: str, action, api_key: str = "") -> dict:
     """Run the blocking ``action`` in a thread while 4 clients send completions round-robin
-    over ``endpoints``; returns ``{"value", "ok", "failed", "errors"}``."""
+    over ``endpoints`` (with ``api_key`` as a bearer token when given); returns
+    ``{"value", "ok", "failed", "errors"}``."""
     import aiohttp
 
     stop = asyncio.Event()
     counts = {"ok": 0, "failed": 0, "errors": []}
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
     async def client(i: int) -> None:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=headers) as http:
             n = i
             while not stop.is_set():
                 url = f"{endpoints[n % len(endpoints)]}/v1/completions"
