@@ -90,7 +90,10 @@ def test_helm_lint_strict_with_every_option_on(helm: Path) -> None:
     proc = run_helm(helm, "lint", "--strict", str(CHART), "--set", "serviceMonitor.enabled=true",
                     "--set", "etcd.prefix=/fleet-a", "--set", "grafana.dashboards.enabled=true",
                     "--set", "operator.peering=true", "--set", "operator.verbose=true",
-                    "--set", "operator.watchNamespaces={a,b}")
+                    "--set", "operator.watchNamespaces={a,b}",
+                    "--set", "router.apiKeys.secretName=keys", "--set", "router.forwardKey.secretName=fwd",
+                    "--set", "router.tenantLimits={a:rpm=1}", "--set", "router.hostNetwork=true",
+                    "--set", "router.verbose=true", "--set", "router.url=https://llm.example.com")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
