@@ -1,4 +1,5 @@
-# The mlx-fleet operator image (charts/mlx-fleet runs `mlx-fleet-operator` in it).
+# The mlx-fleet operator image (charts/mlx-fleet runs `mlx-fleet-operator` in it, and the fleet
+# router from it with command `mlx-fleet-router`: one image, two entry points).
 # With a registry: `docker build -t mlx-fleet-operator:dev .` (scripts/kind-up.sh). With none
 # (this project's machines): mlx_fleet/devcluster/images.py builds it with buildah on a Python base
 # made from Debian packages (BASE_IMAGE) and imports it into containerd; tests/test_real_node.py
@@ -21,6 +22,7 @@ RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 # filesystem may be read-only: Python writes nothing but under HOME=/tmp (an emptyDir there).
 USER 65532:65532
 ENV HOME=/tmp PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-# /metrics (--metrics-port) and kopf's /healthz (--liveness-port), the chart's defaults
-EXPOSE 8080 8081
+# /metrics (--metrics-port) and kopf's /healthz (--liveness-port), and the router's API,
+# /health and /metrics (--port): the chart's defaults
+EXPOSE 8080 8081 8090
 ENTRYPOINT ["mlx-fleet-operator"]

@@ -190,6 +190,7 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
     from mlx_fleet.devcluster.controlplane import REPO_ROOT
     from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
     from mlx_fleet.devcluster.node import start_node
+    from mlx_fleet.devcluster.processes import free_port
 
     step = _print_step(console)
     started = time.monotonic()
@@ -206,7 +207,11 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
     console.print(f"[green]node {cp.node_name} Ready[/] ({proxy}). Install the chart:\n"
                   f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
                   f"--set image.repository={repo} --set image.tag={tag} --set image.pullPolicy=Never "
-                  f"--set hostNetwork=true --set etcd.endpoints={{{cp.etcd_url}}}", highlight=False)
+                  f"--set hostNetwork=true --set etcd.endpoints={{{cp.etcd_url}}} "
+                  # The router reaches etcd and the agents on loopback too; its port is then the
+                  # node's, so this one node holds one router Pod (docs/development.md).
+                  f"--set router.hostNetwork=true --set router.port={free_port()} "
+                  f"--set router.replicaCount=1", highlight=False)
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:

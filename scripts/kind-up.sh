@@ -209,6 +209,7 @@ cat >&2 <<EOF
 mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
   kubectl get md -A            # ModelDeployments
   kubectl -n $namespace logs deploy/mlx-fleet
+  kubectl -n $namespace port-forward svc/mlx-fleet-router 8090:80   # the fleet router: http://127.0.0.1:8090/v1
 
 On every Mac, run the node agent pointed at the same etcd:
   mlx-fleet-agent --etcd-endpoint $agent_etcd --insecure-etcd-http --api-key-file <keys> \

@@ -56,9 +56,21 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
-def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    [doc] = by_kind(docs, kind)
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one object of ``kind`` (named ``name`` when given)."""
+    [doc] = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
     return doc
+
+
+ROUTER = f"{FULLNAME}-router"  # the router's Deployment, Service, PDB and ServiceMonitor
+
+
+def operator_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "Deployment", FULLNAME)
+
+
+def router_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "Deployment", ROUTER)
 
 
 @pytest.fixture(scope="module")
@@ -78,24 +90,37 @@ def test_helm_lint_strict_with_every_option_on(helm: Path) -> None:
     proc = run_helm(helm, "lint", "--strict", str(CHART), "--set", "serviceMonitor.enabled=true",
                     "--set", "etcd.prefix=/fleet-a", "--set", "grafana.dashboards.enabled=true",
                     "--set", "operator.peering=true", "--set", "operator.verbose=true",
-                    "--set", "operator.watchNamespaces={a,b}")
+                    "--set", "operator.watchNamespaces={a,b}",
+                    "--set", "router.apiKeys.secretName=keys", "--set", "router.forwardKey.secretName=fwd",
+                    "--set", "router.tenantLimits={a:rpm=1}", "--set", "router.hostNetwork=true",
+                    "--set", "router.verbose=true", "--set", "router.url=https://llm.example.com")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_default_render_holds_exactly_the_operator_objects(default_docs: list[dict[str, Any]]) -> None:
+def test_default_render_holds_exactly_the_operator_and_router_objects(default_docs: list[dict[str, Any]]) -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in default_docs)
     assert kinds == [
         ("ClusterRole", FULLNAME), ("ClusterRoleBinding", FULLNAME),
         *[("ConfigMap", f"{FULLNAME}-dashboard-{d}") for d in DASHBOARDS],
-        ("Deployment", FULLNAME), ("Service", f"{FULLNAME}-metrics"),
+        ("Deployment", FULLNAME), ("Deployment", ROUTER),
+        ("PodDisruptionBudget", ROUTER),
+        ("Service", f"{FULLNAME}-metrics"), ("Service", ROUTER),
         ("ServiceAccount", FULLNAME),
     ]
     for doc in default_docs:
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/part-of"] == "mlx-fleet"
         assert labels["app.kubernetes.io/instance"] == RELEASE
-        if doc["kind"] in {"ConfigMap", "Deployment", "Service", "ServiceAccount"}:
+        assert labels["app.kubernetes.io/component"] == (
+            "router" if doc["metadata"]["name"] == ROUTER else "operator")
+        if doc["kind"] in {"ConfigMap", "Deployment", "Service", "ServiceAccount", "PodDisruptionBudget"}:
             assert doc["metadata"]["namespace"] == NAMESPACE
+
+
+def test_router_enabled_false_renders_the_operator_alone(helm: Path) -> None:
+    docs = render(helm, "--set", "router.enabled=false", "--set", "serviceMonitor.enabled=true")
+    assert not [d for d in docs if d["metadata"]["name"] == ROUTER]
+    assert not [a for a in _container(docs)["args"] if a.startswith("--router-url")]
 
 
 def test_include_crds_renders_the_crds_of_crds_dir(helm: Path) -> None:
@@ -174,7 +199,7 @@ def test_binding_ties_the_role_to_the_operator_service_account(default_docs: lis
                                   "name": one(default_docs, "ClusterRole")["metadata"]["name"]}
     sa = one(default_docs, "ServiceAccount")["metadata"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": NAMESPACE}]
-    pod = one(default_docs, "Deployment")["spec"]["template"]["spec"]
+    pod = operator_deployment(default_docs)["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["name"]
 
 
@@ -186,12 +211,17 @@ def test_rbac_create_false_renders_no_rbac(helm: Path) -> None:
 # --- Deployment, Service, options ---------------------------------------------------------------
 
 def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    [container] = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    [container] = operator_deployment(docs)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _router_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [container] = router_deployment(docs)["spec"]["template"]["spec"]["containers"]
     return container
 
 
 def test_operator_deployment(default_docs: list[dict[str, Any]]) -> None:
-    deploy = one(default_docs, "Deployment")
+    deploy = operator_deployment(default_docs)
     assert deploy["spec"]["replicas"] == 1
     assert deploy["spec"]["strategy"] == {"type": "Recreate"}
     pod = deploy["spec"]["template"]
@@ -200,7 +230,8 @@ def test_operator_deployment(default_docs: list[dict[str, Any]]) -> None:
     assert c["image"] == "ghcr.io/mlx-fleet/mlx-fleet-operator:0.1.0"
     assert c["command"] == ["mlx-fleet-operator"]
     assert c["args"] == ["--etcd-endpoint=http://etcd.mlx-fleet.svc:2379", "--metrics-port=8080",
-                         "--liveness-port=8081", "--standalone"]
+                         "--liveness-port=8081", "--standalone",
+                         f"--router-url=http://{ROUTER}.{NAMESPACE}.svc"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 8080, "health": 8081}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -226,7 +257,7 @@ def test_rendered_args_parse_with_the_operators_own_cli(helm: Path, flags: tuple
 
 
 def test_operator_runs_non_root_with_a_read_only_root_fs(default_docs: list[dict[str, Any]]) -> None:
-    pod = one(default_docs, "Deployment")["spec"]["template"]["spec"]
+    pod = operator_deployment(default_docs)["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     sc = _container(default_docs)["securityContext"]
@@ -239,8 +270,8 @@ def test_operator_runs_non_root_with_a_read_only_root_fs(default_docs: list[dict
 
 
 def test_metrics_service_selects_the_operator(default_docs: list[dict[str, Any]]) -> None:
-    svc = one(default_docs, "Service")
-    pod_labels = one(default_docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    svc = one(default_docs, "Service", f"{FULLNAME}-metrics")
+    pod_labels = operator_deployment(default_docs)["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     assert svc["spec"]["ports"] == [{"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}]
 
@@ -283,7 +314,7 @@ def test_etcd_tls_and_password_auth_mount_secrets_as_files(helm: Path) -> None:
         "mlx-fleet-operator", "/etc/mlx-fleet/etcd-auth/password")
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["etcd-tls"]["readOnly"] and mounts["etcd-auth"]["readOnly"]
-    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in operator_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["etcd-tls"]["secret"]["secretName"] == "etcd-client-tls"
     assert volumes["etcd-auth"]["secret"] == {"secretName": "etcd-operator-password",
                                               "defaultMode": 0o400,
@@ -294,9 +325,10 @@ def test_etcd_tls_and_password_auth_mount_secrets_as_files(helm: Path) -> None:
 def test_watch_namespaces_and_peering(helm: Path) -> None:
     docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-*}", "--set", "operator.peering=true",
                   "--set", "operator.verbose=true", "--set", "operator.extraArgs={--foo=bar}")
-    assert _container(docs)["args"][-7:] == [
+    assert _container(docs)["args"][-8:] == [
         "--liveness-port=8081", "--namespace=team-a", "--namespace=team-*", "--peering",
-        "--peering-name=mlx-fleet", "--verbose", "--foo=bar"]
+        "--peering-name=mlx-fleet", "--verbose", f"--router-url=http://{ROUTER}.{NAMESPACE}.svc",
+        "--foo=bar"]
 
 
 def test_peering_renders_the_peering_objects_kopf_needs(helm: Path, default_docs: list[dict[str, Any]]) -> None:
@@ -319,10 +351,10 @@ def test_peering_renders_the_peering_objects_kopf_needs(helm: Path, default_docs
 def test_service_monitor_is_opt_in(helm: Path, default_docs: list[dict[str, Any]]) -> None:
     assert not by_kind(default_docs, "ServiceMonitor")
     docs = render(helm, "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom")
-    sm = one(docs, "ServiceMonitor")
+    sm = one(docs, "ServiceMonitor", FULLNAME)
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "prom"
-    assert sm["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service")["metadata"]["labels"].items()
+    assert sm["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service", f"{FULLNAME}-metrics")["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
@@ -342,6 +374,183 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path,
     assert {cm["metadata"]["labels"]["dash"] for cm in by_kind(relabelled, "ConfigMap")} == {"yes"}
 
 
+# --- The fleet router ----------------------------------------------------------------------------
+
+def test_router_deployment(default_docs: list[dict[str, Any]]) -> None:
+    """Two stateless replicas from the operator's image, surging one at a time, on /health."""
+    deploy = router_deployment(default_docs)
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = deploy["spec"]["template"]
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    # Neither Deployment selects the other's Pods.
+    op_pod = operator_deployment(default_docs)["spec"]["template"]["metadata"]["labels"]
+    assert not operator_deployment(default_docs)["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert not deploy["spec"]["selector"]["matchLabels"].items() <= op_pod.items()
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    c = _router_container(default_docs)
+    assert c["image"] == _container(default_docs)["image"]
+    assert c["command"] == ["mlx-fleet-router"]
+    assert c["args"] == ["--listen=0.0.0.0", "--port=8090",
+                         "--etcd-endpoint=http://etcd.mlx-fleet.svc:2379"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8090, "protocol": "TCP"}]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["router"]
+    for kind in ("startup", "liveness", "readiness"):
+        probe = c[f"{kind}Probe"]
+        assert probe.pop("httpGet") == {"path": "/health", "port": "http"}
+        assert probe == values["probes"][kind]
+    assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+    assert c["resources"] == values["resources"]
+
+
+def test_router_runs_with_the_operators_hardening(default_docs: list[dict[str, Any]]) -> None:
+    op = operator_deployment(default_docs)["spec"]["template"]["spec"]
+    router = router_deployment(default_docs)["spec"]["template"]["spec"]
+    assert router["securityContext"] == op["securityContext"]
+    assert router["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = _router_container(default_docs)["securityContext"]
+    assert sc == _container(default_docs)["securityContext"]
+    assert (sc["readOnlyRootFilesystem"], sc["allowPrivilegeEscalation"], sc["capabilities"]) == (
+        True, False, {"drop": ["ALL"]})
+    assert {m["mountPath"] for m in _router_container(default_docs)["volumeMounts"]} == {"/tmp"}
+    assert {"name": "HOME", "value": "/tmp"} in _router_container(default_docs)["env"]
+
+
+def test_router_service_and_disruption_budget(default_docs: list[dict[str, Any]]) -> None:
+    svc = one(default_docs, "Service", ROUTER)
+    pod_labels = router_deployment(default_docs)["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    pdb = one(default_docs, "PodDisruptionBudget", ROUTER)
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {
+        "matchLabels": router_deployment(default_docs)["spec"]["selector"]["matchLabels"]}}
+
+
+def test_operator_router_url_follows_the_router(helm: Path) -> None:
+    from mlx_fleet_operator.main import build_parser
+
+    def url(*flags: str) -> str | None:
+        return build_parser().parse_args(_container(render(helm, *flags))["args"]).router_url
+
+    assert url() == f"http://{ROUTER}.{NAMESPACE}.svc"
+    assert url("--set", "router.service.port=8090") == f"http://{ROUTER}.{NAMESPACE}.svc:8090"
+    assert url("--set", "router.url=https://llm.example.com/") == "https://llm.example.com"
+    assert url("--set", "router.enabled=false", "--set", "router.url=http://mac-1.lan:8090") == "http://mac-1.lan:8090"
+    assert url("--set", "router.enabled=false") is None
+
+
+@pytest.mark.parametrize(("flags", "scope"), [
+    ((), []),
+    (("--set", "operator.watchNamespaces={team-a,team-b}"), ["team-a", "team-b"]),
+    (("--set", "operator.watchNamespaces={team-a,team-*}"), []),
+    (("--set", "operator.watchNamespaces={team-*}", "--set", "router.namespaces={team-a}"), ["team-a"]),
+], ids=["everywhere", "operators-names", "operator-pattern", "own"])
+def test_router_scope(helm: Path, flags: tuple[str, ...], scope: list[str]) -> None:
+    from mlx_fleet_router.main import parse_args
+
+    assert parse_args(_router_container(render(helm, *flags))["args"]).namespace == scope
+
+
+def test_router_args_parse_with_the_routers_own_cli(helm: Path) -> None:
+    """Every router value rendered, parsed by mlx-fleet-router's own parser; secrets as files."""
+    from mlx_fleet_router.main import parse_args
+
+    docs = render(helm, "--set", "etcd.endpoints={https://etcd.mlx-fleet.svc:2379}",
+                  "--set", "etcd.prefix=/fleet-a", "--set", "etcd.tls.secretName=etcd-operator-tls",
+                  "--set", "router.etcd.tls.secretName=etcd-router-tls",
+                  "--set", "router.etcd.auth.username=mlx-fleet-router",
+                  "--set", "router.etcd.auth.passwordSecret.name=etcd-router-password",
+                  "--set", "router.apiKeys.secretName=router-keys",
+                  "--set", "router.forwardKey.secretName=fleet-forward",
+                  "--set", "router.tenantLimits={team-a:rpm=60\\,tpm=10000}",
+                  "--set", "router.port=9000", "--set", "router.verbose=true",
+                  "--set", "router.extraArgs={--load-factor=1.5}")
+    c = _router_container(docs)
+    args = parse_args(c["args"])  # exits (SystemExit) on an unknown flag
+    assert (args.listen, args.port, args.etcd_endpoint, args.etcd_prefix) == (
+        "0.0.0.0", 9000, "https://etcd.mlx-fleet.svc:2379", "/fleet-a")
+    assert (args.etcd_ca_file, args.etcd_cert_file, args.etcd_key_file) == (
+        "/etc/mlx-fleet/etcd-tls/ca.crt", "/etc/mlx-fleet/etcd-tls/tls.crt",
+        "/etc/mlx-fleet/etcd-tls/tls.key")
+    assert (args.etcd_username, args.etcd_password_file) == (
+        "mlx-fleet-router", "/etc/mlx-fleet/etcd-auth/password")
+    assert (args.api_key_file, args.forward_key_file) == (
+        "/etc/mlx-fleet/api-keys/keys", "/etc/mlx-fleet/forward-key/keys")
+    [(tenant, limits)] = args.tenant_limits
+    assert (tenant, limits.requests_per_minute, limits.tokens_per_minute) == ("team-a", 60, 10000)
+    assert (args.verbose, args.load_factor) == (True, 1.5)
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert all(m["readOnly"] for path, m in mounts.items() if path != "/tmp")
+    assert set(mounts) == {"/tmp", "/etc/mlx-fleet/etcd-tls", "/etc/mlx-fleet/etcd-auth",
+                           "/etc/mlx-fleet/api-keys", "/etc/mlx-fleet/forward-key"}
+    volumes = {v["name"]: v for v in router_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["etcd-tls"]["secret"]["secretName"] == "etcd-router-tls"  # its own, not the operator's
+    assert volumes["etcd-auth"]["secret"]["secretName"] == "etcd-router-password"
+    assert volumes["api-keys"]["secret"] == {"secretName": "router-keys", "defaultMode": 0o400,
+                                             "items": [{"key": "api-keys", "path": "keys"}]}
+    assert volumes["forward-key"]["secret"]["items"] == [{"key": "forward-keys", "path": "keys"}]
+    assert "subPath" not in json.dumps(c)  # a subPath mount would never see a rotated key
+    # The operator keeps its own etcd credentials.
+    op_volumes = {v["name"]: v for v in operator_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert op_volumes["etcd-tls"]["secret"]["secretName"] == "etcd-operator-tls"
+    assert "etcd-auth" not in op_volumes
+
+
+def test_router_inherits_the_operators_etcd_credentials(helm: Path) -> None:
+    from mlx_fleet_router.main import parse_args
+
+    docs = render(helm, "--set", "etcd.auth.username=mlx-fleet-operator",
+                  "--set", "etcd.auth.passwordSecret.name=etcd-operator-password")
+    args = parse_args(_router_container(docs)["args"])
+    assert (args.etcd_username, args.etcd_password_file) == (
+        "mlx-fleet-operator", "/etc/mlx-fleet/etcd-auth/password")
+    volumes = {v["name"]: v for v in router_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["etcd-auth"]["secret"]["secretName"] == "etcd-operator-password"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--set", "router.etcd.tls.secretName=etcd-router-tls"),
+     "etcd.tls.secretName needs an https:// etcd endpoint"),
+    (("--set", "router.etcd.auth.username=mlx-fleet-router"),
+     "router.etcd.auth.username needs router.etcd.auth.passwordSecret.name"),
+], ids=["tls-over-http", "user-without-password"])
+def test_unsupported_router_etcd_values_fail_with_a_message(helm: Path, flags: tuple[str, ...],
+                                                            message: str) -> None:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *flags)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+def test_router_service_monitor_scrapes_its_http_port(helm: Path) -> None:
+    docs = render(helm, "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom")
+    sm = one(docs, "ServiceMonitor", ROUTER)
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service", ROUTER)["metadata"]["labels"].items()
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= one(
+        docs, "Service", f"{FULLNAME}-metrics")["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s",
+                                        "scrapeTimeout": "10s"}]
+
+
+def test_router_options(helm: Path) -> None:
+    docs = render(helm, "--set", "router.replicaCount=3", "--set", "router.podDisruptionBudget.maxUnavailable=2",
+                  "--set", "router.service.type=LoadBalancer", "--set", "router.preStopSleepSeconds=0",
+                  "--set", "router.nodeSelector.pool=cpu",
+                  "--set", "router.updateStrategy.rollingUpdate.maxSurge=0",
+                  "--set", "router.updateStrategy.rollingUpdate.maxUnavailable=1")
+    deploy = router_deployment(docs)
+    assert deploy["spec"]["replicas"] == 3
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert deploy["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert "lifecycle" not in _router_container(docs)
+    assert one(docs, "PodDisruptionBudget", ROUTER)["spec"]["maxUnavailable"] == 2
+    assert one(docs, "Service", ROUTER)["spec"]["type"] == "LoadBalancer"
+    assert not by_kind(render(helm, "--set", "router.podDisruptionBudget.enabled=false"), "PodDisruptionBudget")
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--set", "replicaCount=-1"), "at '/replicaCount': minimum: got -1, want 0"),
     (("--set", "metrics.port=http"), "at '/metrics/port': got string, want integer"),
@@ -354,9 +563,17 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path,
     (("--set", "kubernetesAPI.host=https://x"), "at '/kubernetesAPI/host'"),
     (("--set", "probes.startup.periodSeconds=0"), "at '/probes/startup/periodSeconds'"),
     (("--set", "probes.startup.httpGet=x"), "additional properties 'httpGet' not allowed"),
+    (("--set", "router.enabled=yes"), "at '/router/enabled': got string, want boolean"),
+    (("--set", "router.namespaces={team-*}"), "at '/router/namespaces/0'"),
+    (("--set", "router.url=mac-1:8090"), "at '/router/url'"),
+    (("--set", "router.tenantLimits={team-a:rps=5}"), "at '/router/tenantLimits/0'"),
+    (("--set", "router.apiKeys.secretName=Keys"), "at '/router/apiKeys/secretName'"),
+    (("--set", "router.probes.liveness.periodSeconds=0"), "at '/router/probes/liveness/periodSeconds'"),
+    (("--set", "router.replicas=2"), "additional properties 'replicas' not allowed"),
 ], ids=["negative-replicas", "port-not-int", "pull-policy", "endpoint-scheme", "interval-unit",
         "typo", "dns-policy", "host-network-bool", "api-host-not-url", "probe-period",
-        "probe-handler-fixed"])
+        "probe-handler-fixed", "router-enabled-bool", "router-scope-pattern", "router-url-scheme",
+        "tenant-limit-unit", "api-keys-secret-name", "router-probe-period", "router-typo"])
 def test_values_schema_rejects_bad_values_with_a_message(helm: Path, flags: tuple[str, ...],
                                                          message: str) -> None:
     proc = run_helm(helm, "template", RELEASE, str(CHART), *flags)
@@ -366,13 +583,18 @@ def test_values_schema_rejects_bad_values_with_a_message(helm: Path, flags: tupl
 
 
 def test_host_network_and_dns_policy(helm: Path, default_docs: list[dict[str, Any]]) -> None:
-    pod = one(default_docs, "Deployment")["spec"]["template"]["spec"]
+    pod = operator_deployment(default_docs)["spec"]["template"]["spec"]
     assert "hostNetwork" not in pod and "dnsPolicy" not in pod  # the cluster's defaults
-    pod = one(render(helm, "--set", "hostNetwork=true"), "Deployment")["spec"]["template"]["spec"]
+    pod = operator_deployment(render(helm, "--set", "hostNetwork=true"))["spec"]["template"]["spec"]
     assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
-    pod = one(render(helm, "--set", "hostNetwork=true", "--set", "dnsPolicy=Default"),
-              "Deployment")["spec"]["template"]["spec"]
+    pod = operator_deployment(render(helm, "--set", "hostNetwork=true", "--set", "dnsPolicy=Default")
+                              )["spec"]["template"]["spec"]
     assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "Default")
+    # The router's network is its own value: the operator's hostNetwork leaves it alone.
+    router = router_deployment(render(helm, "--set", "hostNetwork=true"))["spec"]["template"]["spec"]
+    assert "hostNetwork" not in router and "dnsPolicy" not in router
+    router = router_deployment(render(helm, "--set", "router.hostNetwork=true"))["spec"]["template"]["spec"]
+    assert (router["hostNetwork"], router["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
 
 
 def test_kubernetes_api_override_is_opt_in(helm: Path, default_docs: list[dict[str, Any]]) -> None:
@@ -406,6 +628,10 @@ def test_values_defaults() -> None:
     assert values["etcd"]["tls"]["secretName"] == "" and values["etcd"]["auth"]["username"] == ""
     assert values["operator"]["peering"] is False
     assert set(values["image"]) == {"repository", "tag", "pullPolicy"}
+    router = values["router"]
+    assert router["enabled"] is True and router["replicaCount"] >= 2
+    assert router["url"] == "" and router["apiKeys"]["secretName"] == ""
+    assert router["podDisruptionBudget"] == {"enabled": True, "maxUnavailable": 1}
 
 
 # --- A real API server accepts the rendered chart ------------------------------------------------
@@ -419,7 +645,7 @@ def test_rendered_chart_passes_server_side_dry_run(helm: Path, control_plane: An
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for doc in docs:
         assert f"{doc['kind'].lower()}/{doc['metadata']['name']}" in proc.stdout.lower().replace(
-            ".rbac.authorization.k8s.io", "").replace(".apps", "")
+            ".rbac.authorization.k8s.io", "").replace(".apps", "").replace(".policy", "")
 
 
 @pytest.mark.integration
@@ -433,6 +659,7 @@ def test_helm_install_dry_run_against_a_real_api_server_renders_notes(helm: Path
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "etcd at:\n  http://etcd.mlx-fleet.svc:2379" in notes
     assert "kubectl get modeldeployments" in notes
+    assert "http://mlx-fleet-router.default.svc/v1" in notes  # the fleet router's URL
     assert "peering" not in notes
 
 
@@ -504,6 +731,16 @@ def test_helm_install_upgrade_uninstall_on_a_real_api_server(helm: Path, control
             f"{release}-dashboard-{d}" for d in DASHBOARDS]
         sm = get("servicemonitor", release)
         assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+        # The router: its Deployment, Service, PodDisruptionBudget and ServiceMonitor.
+        router = get("deployment", f"{release}-router")
+        assert router["spec"]["replicas"] == 2
+        [rc_] = router["spec"]["template"]["spec"]["containers"]
+        assert rc_["command"] == ["mlx-fleet-router"]
+        assert rc_["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert get("service", f"{release}-router")["spec"]["ports"][0]["port"] == 80
+        assert get("poddisruptionbudget", f"{release}-router")["spec"]["maxUnavailable"] == 1
+        assert get("servicemonitor", f"{release}-router")["spec"]["endpoints"][0]["port"] == "http"
+        assert f"--router-url=http://{release}-router.{ns}.svc" in c["args"]
 
         helm_run("upgrade", release, str(CHART), "--reuse-values", "--set", "metrics.port=9090")
         assert get("service", f"{release}-metrics")["spec"]["ports"][0]["port"] == 9090
@@ -521,7 +758,8 @@ def test_helm_install_upgrade_uninstall_on_a_real_api_server(helm: Path, control
         assert len(json.loads(helm_run("history", release, "-o", "json"))) == 2
 
         helm_run("uninstall", release, "--wait", "--timeout", "60s")
-        left = kubectl("get", "deployment,service,serviceaccount,configmap,servicemonitor",
+        left = kubectl("get", "deployment,service,serviceaccount,configmap,servicemonitor,"
+                       "poddisruptionbudget",
                        "-n", ns, "-l", f"app.kubernetes.io/instance={release}", "-o", "name").stdout
         assert left.strip() == ""
         assert kubectl("get", "clusterrole", release, check=False).returncode != 0

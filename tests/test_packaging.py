@@ -106,9 +106,9 @@ def test_dockerfile_runs_the_operator_as_the_charts_non_root_user() -> None:
     assert f"USER {pod['runAsUser']}:{pod['runAsGroup']}" in lines
     assert lines[-1] == 'ENTRYPOINT ["mlx-fleet-operator"]'
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert "mlx-fleet-operator" in scripts
+    assert "mlx-fleet-operator" in scripts and "mlx-fleet-router" in scripts  # the chart's two commands
     exposed = {int(p) for line in lines if line.startswith("EXPOSE") for p in line.split()[1:]}
-    assert exposed == {values["metrics"]["port"], values["health"]["port"]}
+    assert exposed == {values["metrics"]["port"], values["health"]["port"], values["router"]["port"]}
     assert "HOME=/tmp" in " ".join(lines)  # the chart mounts a writable emptyDir there only
 
 

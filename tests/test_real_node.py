@@ -3,9 +3,10 @@
 The pure parts of :mod:`mlx_fleet.devcluster.node` are table-tested first. The integration test
 then does what a user does on a real cluster, offline: build the operator image from the
 repository's Dockerfile (no registry) and import it into the node's containerd, ``helm install``
-the chart with its CRDs, see the operator Pod Running and Ready under the chart's own security
-context, start agents on the host, get a ModelDeployment Ready through the in-cluster operator,
-serve a completion, ``helm upgrade`` under load with 0 failed requests, and ``helm uninstall``.
+the chart with its CRDs, see the operator and fleet router Pods Running and Ready under the
+chart's own security context, start agents on the host, get a ModelDeployment Ready through the
+in-cluster operator, serve completions through the in-cluster router, ``helm upgrade`` under load
+through the router with 0 failed requests, and ``helm uninstall``.
 
 It needs Linux and root (CI runs it on a fresh machine of this kind). A prerequisite that cannot
 be provisioned FAILS the test with one readable line; it is never skipped.
@@ -218,20 +219,23 @@ def _json(rc: RealCluster, *args: str) -> dict:
     return json.loads(rc.cp.kubectl(*args, "-n", rc.namespace, "-o", "json").stdout)
 
 
-def _operator_pod(rc: RealCluster) -> dict:
-    pods = [p for p in _json(rc, "get", "pods", "-l", "app.kubernetes.io/name=mlx-fleet")["items"]
+def _pods(rc: RealCluster, component: str) -> list[dict]:
+    """The chart's Pods of ``component`` (``operator`` or ``router``) not being deleted."""
+    return [p for p in _json(rc, "get", "pods", "-l", f"app.kubernetes.io/name=mlx-fleet,"
+                             f"app.kubernetes.io/component={component}")["items"]
             if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
 
 
-def _wait_pod_ready(rc: RealCluster, not_uid: str = "", timeout: float = 180) -> dict:
-    """The first operator Pod (other than the Pod ``not_uid``) seen Running and Ready, through
-    a watch (``kubectl get -w``: the current Pods, then every change). Fails after ``timeout``."""
+def _wait_pod_ready(rc: RealCluster, not_uid: str = "", timeout: float = 180,
+                    component: str = "operator") -> dict:
+    """The first Pod of ``component`` (other than the Pod ``not_uid``) seen Running and Ready,
+    through a watch (``kubectl get -w``: the current Pods, then every change). Fails after
+    ``timeout``."""
     proc = subprocess.Popen(
         [str(rc.cp.binaries.kubectl), "--kubeconfig", str(rc.cp.kubeconfig), "get", "pods", "-l",
-         "app.kubernetes.io/name=mlx-fleet", "-n", rc.namespace, "-w", "-o", "json",
-         "--output-watch-events"], stdout=subprocess.PIPE, text=True)
+         f"app.kubernetes.io/name=mlx-fleet,app.kubernetes.io/component={component}",
+         "-n", rc.namespace, "-w", "-o", "json", "--output-watch-events"],
+        stdout=subprocess.PIPE, text=True)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     last: dict = {}
@@ -255,7 +259,7 @@ def _wait_pod_ready(rc: RealCluster, not_uid: str = "", timeout: float = 180) ->
         timer.cancel()
         proc.kill()
         proc.wait()
-    raise AssertionError(f"no new operator Pod Running and Ready after {timeout:.0f}s; last seen: "
+    raise AssertionError(f"no new {component} Pod Running and Ready after {timeout:.0f}s; last seen: "
                          f"{last.get('metadata', {}).get('name')} {last.get('status')}")
 
 
@@ -271,7 +275,7 @@ def _container_process(rc: RealCluster, pod: dict) -> dict[str, str]:
 
 @pytest.mark.integration
 @pytest.mark.timeout(1800)
-def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_model_dir: Path) -> None:
+def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealCluster, test_model_dir: Path) -> None:
     from mlx_fleet.contract import Keys
     from mlx_fleet.devcluster.fleet import start_agent
     from mlx_fleet.devcluster.processes import free_port
@@ -285,11 +289,24 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     # The host's CA bundle (with the intercepting proxy's CA) was trusted by the build only.
     assert read_image_file(OPERATOR_REF, "/etc/ssl/certs/ca-certificates.crt") != HOST_CA_BUNDLE.read_bytes()
     keys = Keys(f"/mlx-fleet-real-node/{uuid.uuid4().hex[:8]}")
+    # The router reaches etcd and the agents on the node's loopback: hostNetwork, as the
+    # operator. Its port is then the node's, so one node holds one router Pod (the scheduler
+    # refuses a second: its host port is taken).
+    router_port = free_port()
+    router = f"http://127.0.0.1:{router_port}"
     values = ["--set", "image.repository=localhost/mlx-fleet/mlx-fleet-operator", "--set", "image.tag=dev",
               "--set", "image.pullPolicy=Never", "--set", "hostNetwork=true",
               "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", f"etcd.prefix={keys.root}",
               "--set", f"metrics.port={free_port()}", "--set", f"health.port={free_port()}",
-              "--set", f"operator.watchNamespaces={{{rc.namespace}}}"]
+              "--set", f"operator.watchNamespaces={{{rc.namespace}}}",
+              "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
+              "--set", "router.replicaCount=1", "--set", "router.apiKeys.secretName=router-keys"]
+    # The router's client keys, from a Secret mounted read-only under the chart's security
+    # context (uid 65532, fsGroup 65532, mode 0400): one key naming its tenant.
+    api_key = uuid.uuid4().hex
+    cp.kubectl("create", "namespace", rc.namespace)
+    cp.kubectl("create", "secret", "generic", "router-keys", "-n", rc.namespace,
+               f"--from-literal=api-keys={api_key} tenant=real-node")
     if rc.node.kube_proxy is None:  # the chart's documented option for a cluster without one
         values += ["--set", "kubernetesAPI.host=127.0.0.1",
                    "--set", f"kubernetesAPI.port={cp.apiserver_url.rsplit(':', 1)[1]}"]
@@ -299,21 +316,28 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     _helm(rc, "install", "mlx-fleet", str(CHART), "--create-namespace", *values)
     pod = _wait_pod_ready(rc)
     rc.timings.record("helm install → operator Pod Ready", time.monotonic() - started)
+    router_pod = _wait_pod_ready(rc, component="router")
+    rc.timings.record("helm install → router Pod Ready", time.monotonic() - started)
+    assert [p["metadata"]["uid"] for p in _pods(rc, "operator")] == [pod["metadata"]["uid"]]
     for crd in sorted((CHART / "crds").glob("*.yaml")):  # installed by helm from crds/
         cp.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
     # ... under the chart's own security context, as the kernel sees the process.
-    proc = _container_process(rc, pod)
-    assert proc["Uid"].split()[:2] == ["65532", "65532"] and proc["Gid"].split()[0] == "65532"
-    assert int(proc["CapEff"], 16) == 0 and int(proc["CapPrm"], 16) == 0
-    assert proc["NoNewPrivs"] == "1"
-    # Its memory against the chart's default limit (values.yaml resources: 512Mi).
-    rss_mib = int(proc["VmRSS"].split()[0]) / 1024
-    print(f"\noperator Pod RSS after start: {rss_mib:.0f} MiB")
-    assert rss_mib < 512
-    c = pod["spec"]["containers"][0]
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert pod["spec"]["hostNetwork"] is True
+    for what, p in (("operator", pod), ("router", router_pod)):
+        proc = _container_process(rc, p)
+        assert proc["Uid"].split()[:2] == ["65532", "65532"] and proc["Gid"].split()[0] == "65532"
+        assert int(proc["CapEff"], 16) == 0 and int(proc["CapPrm"], 16) == 0
+        assert proc["NoNewPrivs"] == "1"
+        assert proc["Seccomp"] == "2"  # filter mode: the RuntimeDefault profile
+        # Its memory against the chart's default limit (values.yaml resources: 512Mi).
+        rss_mib = int(proc["VmRSS"].split()[0]) / 1024
+        print(f"\n{what} Pod RSS after start: {rss_mib:.0f} MiB")
+        assert rss_mib < 512
+        c = p["spec"]["containers"][0]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert p["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert p["spec"]["hostNetwork"] is True
+    assert router_pod["spec"]["containers"][0]["command"] == ["mlx-fleet-router"]
+    assert router_pod["spec"]["automountServiceAccountToken"] is False
     # The API server reaches the kubelet (kubectl logs), through the node's InternalIP.
     assert cp.kubectl("logs", pod["metadata"]["name"], "-n", rc.namespace).stdout.strip()
 
@@ -328,35 +352,48 @@ def test_chart_runs_the_operator_on_a_real_node(real_cluster: RealCluster, test_
     md = wait_ready(cp, rc.namespace, name, timeout=240)
     endpoints = md["status"]["endpoints"]
     assert sorted(endpoints) == sorted(a.url for a in agents)
-    assert asyncio.run(_complete(endpoints[0], name)) >= 1
+    # The operator names the chart's router Service as the URL to use (its --router-url).
+    assert md["status"]["router"] == {"url": f"http://mlx-fleet-router.{rc.namespace}.svc",
+                                      "model": name}
+    # Completions through the in-cluster router (its hostNetwork port on the node).
+    assert asyncio.run(_wait_routable(router, name)) == 2
+    assert asyncio.run(_complete(router, name, api_key=api_key)) >= 1
+    assert asyncio.run(_status_without_key(router, name)) == 401
 
     # Prometheus (the dev set-up's) scrapes the in-cluster operator through the chart's metrics
     # Service: its ClusterIP, routed to the Pod by kube-proxy.
     svc = _json(rc, "get", "service", "mlx-fleet-metrics")["spec"]
+    router_svc = _json(rc, "get", "service", "mlx-fleet-router")["spec"]
     prom = start_prometheus(cp.workdir / "prometheus",
-                            [ScrapeTarget(f"{svc['clusterIP']}:{svc['ports'][0]['port']}")],
+                            [ScrapeTarget(f"{svc['clusterIP']}:{svc['ports'][0]['port']}"),
+                             ScrapeTarget(f"{router_svc['clusterIP']}:{router_svc['ports'][0]['port']}")],
                             interval="1s")
     try:
         prom.wait_for_scrapes(1, timeout=60)
         ready = prom.query(f'mlxfleet_operator_deployment_replicas{{namespace="{rc.namespace}",'
                            f'name="{name}",state="ready"}}')
         assert [s["value"][1] for s in ready] == ["2"], ready
+        routed = prom.query(f'sum(mlxfleet_router_requests_total{{model="{name}",code="200",'
+                            f'tenant="real-node"}})')
+        assert routed and float(routed[0]["value"][1]) >= 1, routed
     finally:
         prom.stop()
 
-    # helm upgrade with a changed value while clients send requests: the Pod is replaced, no
-    # request fails.
+    # helm upgrade with a changed value while clients send requests through the router: the
+    # operator Pod is replaced, the router's is not (its template is unchanged), no request fails.
     old_uid = pod["metadata"]["uid"]
     started = time.monotonic()
-    result = asyncio.run(_under_load(endpoints, name, lambda: (
+    result = asyncio.run(_under_load([router], name, api_key=api_key, action=lambda: (
         _helm(rc, "upgrade", "mlx-fleet", str(CHART), *values, "--set", "operator.verbose=true"),
         _wait_pod_ready(rc, not_uid=old_uid))))
     rc.timings.record("helm upgrade → new operator Pod Ready", time.monotonic() - started)
     new_pod = result["value"][1]
     assert new_pod["metadata"]["uid"] != old_uid
     assert "--verbose" in new_pod["spec"]["containers"][0]["args"]
-    print(f"\nhelm upgrade under load: {result['ok']} requests, {result['failed']} failed")
+    print(f"\nhelm upgrade under load (through the router): {result['ok']} requests, "
+          f"{result['failed']} failed")
     assert result["ok"] > 0 and result["failed"] == 0, result["errors"][:3]
+    assert [p["metadata"]["uid"] for p in _pods(rc, "router")] == [router_pod["metadata"]["uid"]]
     # The new operator takes over: the deployment stays Ready with both endpoints.
     assert wait_ready(cp, rc.namespace, name)["status"]["readyReplicas"] == 2
 
@@ -390,10 +427,36 @@ async def _keys(etcd_url: str, prefix: str) -> list[str]:
         return [kv.key for kv in (await store.list(prefix)).items]
 
 
-async def _complete(endpoint: str, model: str) -> int:
+async def _wait_routable(router: str, model: str, timeout: float = 60) -> int:
+    """The router's Ready replica count for ``model`` (``GET /v1/models``) once it is 2 (the
+    router follows etcd: the table may trail the operator's status by a watch event); the last
+    count seen after ``timeout`` seconds otherwise. Polls: the router has no watch API."""
+    import aiohttp
+
+    deadline, count = time.monotonic() + timeout, 0
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            async with http.get(f"{router}/v1/models") as r:
+                models = {m["id"]: m for m in (await r.json())["data"]}
+            count = models.get(model, {}).get("ready_replicas", 0)
+            if count == 2:
+                break
+            await asyncio.sleep(0.2)
+    return count
+
+
+async def _status_without_key(endpoint: str, model: str) -> int:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{endpoint}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}) as r:
+        return r.status
+
+
+async def _complete(endpoint: str, model: str, api_key: str = "unused") -> int:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{endpoint}/v1", api_key="unused")
+    client = openai.AsyncOpenAI(base_url=f"{endpoint}/v1", api_key=api_key)
     try:
         done = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
@@ -402,16 +465,19 @@ async def _complete(endpoint: str, model: str) -> int:
         await client.close()
 
 
-async def _under_load(endpoints: list[str], model: str, action) -> dict:
+async def _under_load(endpoints: list[str], model: str, action, api_key: str = "") -> dict:
     """Run the blocking ``action`` in a thread while 4 clients send completions round-robin
-    over ``endpoints``; returns ``{"value", "ok", "failed", "errors"}``."""
+    over ``endpoints`` (with ``api_key`` as a bearer token when given); returns
+    ``{"value", "ok", "failed", "errors"}``."""
     import aiohttp
 
     stop = asyncio.Event()
     counts = {"ok": 0, "failed": 0, "errors": []}
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
     async def client(i: int) -> None:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=headers) as http:
             n = i
             while not stop.is_set():
                 url = f"{endpoints[n % len(endpoints)]}/v1/completions"

@@ -23,9 +23,12 @@ Its ``endpoint`` is the report's, else the node record's ``address``. A node who
 one ``served_model_name`` would mix two models under one name; the name is then *refused*
 (:attr:`Table.conflicts`, the deployments claiming it) and has no entry in
 :attr:`Table.models`, so no request is sent to either. A deployment counts as claiming a name as
-soon as any of its assignments names it, Ready or not.
+soon as any of its assignments names it, Ready or not. The rule is
+:func:`mlx_fleet.routing.names.conflicts`, the one the operator's ``ServedNameConflict``
+condition uses.
 
-Pure: :mod:`mlx_fleet.contract` and :mod:`mlx_fleet.routing.replicas` only.
+Pure: :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.routing.names` and
+:mod:`mlx_fleet.routing.replicas` only.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 from mlx_fleet.contract import (Assignment, AssignmentReport, NodeHealth, NodeRecord,
                                 StatsReport, TrafficSplit)
+from mlx_fleet.routing import names
 from mlx_fleet.routing.replicas import serves
 
 __all__ = ["Replica", "Served", "Table", "build", "AssignmentKey", "SplitKey", "StatsKey"]
@@ -99,14 +103,14 @@ def build(*, nodes: Mapping[str, NodeRecord],
     all). Never raises for any combination of records."""
     splits = splits or {}
     stats = stats or {}
-    claims: dict[str, set[str]] = {}
+    claims: list[tuple[str, str]] = []  # (served name, "namespace/name"), one per assignment
     ready: dict[str, list[Replica]] = {}
     for key, a in assignments.items():
         node, ns, name, revision = key
         if namespaces is not None and ns not in namespaces:
             continue
         deployment = f"{ns}/{name}"
-        claims.setdefault(a.served_model_name, set()).add(deployment)
+        claims.append((a.served_model_name, deployment))
         ready.setdefault(deployment, [])
         r = reports.get(key)
         rec = nodes.get(node)
@@ -122,13 +126,11 @@ def build(*, nodes: Mapping[str, NodeRecord],
             batch_limit=a.serving.max_concurrent_sequences))
     tripped = {(ns, name, s.canary_uid) for (_, ns, name), s in stats.items()
                if s.guard_tripped}
+    conflicts = names.conflicts(claims)
     models: dict[str, Served] = {}
-    conflicts: dict[str, tuple[str, ...]] = {}
-    for model, deployments in claims.items():
-        if len(deployments) > 1:
-            conflicts[model] = tuple(sorted(deployments))
+    for model, deployment in dict(claims).items():
+        if model in conflicts:
             continue
-        (deployment,) = deployments
         ns, name = deployment.split("/", 1)
         split = splits.get((ns, name))
         models[model] = Served(

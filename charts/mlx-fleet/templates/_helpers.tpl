@@ -21,13 +21,18 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Labels for every resource. */}}
-{{- define "mlx-fleet.labels" -}}
+{{/* Labels of every resource that are not selector labels. */}}
+{{- define "mlx-fleet.commonLabels" -}}
 helm.sh/chart: {{ include "mlx-fleet.chart" . }}
-{{ include "mlx-fleet.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: mlx-fleet
+{{- end }}
+
+{{/* Labels for every operator resource (and the cluster-wide ones). */}}
+{{- define "mlx-fleet.labels" -}}
+{{ include "mlx-fleet.commonLabels" . }}
+{{ include "mlx-fleet.selectorLabels" . }}
 {{- end }}
 
 {{/* Labels that select the operator pods; never change them after a release (immutable selector). */}}
@@ -35,6 +40,109 @@ app.kubernetes.io/part-of: mlx-fleet
 app.kubernetes.io/name: {{ include "mlx-fleet.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
+{{- end }}
+
+{{/* Labels for every router resource. */}}
+{{- define "mlx-fleet.routerLabels" -}}
+{{ include "mlx-fleet.commonLabels" . }}
+{{ include "mlx-fleet.routerSelectorLabels" . }}
+{{- end }}
+
+{{/* Labels that select the router pods; never change them after a release (immutable selector). */}}
+{{- define "mlx-fleet.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "mlx-fleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{/* The router's name (Deployment, Service, PodDisruptionBudget, ServiceMonitor). */}}
+{{- define "mlx-fleet.routerName" -}}
+{{- printf "%s-router" (include "mlx-fleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The fleet router URL clients use (the operator's --router-url, each ModelDeployment's
+status.router): values router.url, else the router Service's in-cluster URL when the chart
+deploys the router, else empty (no router). */}}
+{{- define "mlx-fleet.routerURL" -}}
+{{- if .Values.router.url }}
+{{- .Values.router.url | trimSuffix "/" }}
+{{- else if .Values.router.enabled }}
+{{- $port := int .Values.router.service.port }}
+{{- printf "http://%s.%s.svc%s" (include "mlx-fleet.routerName" .) .Release.Namespace (ternary "" (printf ":%d" $port) (eq $port 80)) }}
+{{- end }}
+{{- end }}
+
+{{/* etcd client flags shared by the operator and the router (both parse them with
+mlx_fleet.etcd_credentials). Argument: dict root (the chart's top context), tls (a TLS Secret
+name or ""), username (or ""). The files are mounted by "mlx-fleet.etcdMounts". */}}
+{{- define "mlx-fleet.etcdArgs" -}}
+- --etcd-endpoint={{ first .root.Values.etcd.endpoints }}
+{{- with .root.Values.etcd.prefix }}
+- --etcd-prefix={{ . }}
+{{- end }}
+{{- if .tls }}
+- --etcd-ca-file=/etc/mlx-fleet/etcd-tls/ca.crt
+- --etcd-cert-file=/etc/mlx-fleet/etcd-tls/tls.crt
+- --etcd-key-file=/etc/mlx-fleet/etcd-tls/tls.key
+{{- end }}
+{{- if .username }}
+- --etcd-username={{ .username }}
+- --etcd-password-file=/etc/mlx-fleet/etcd-auth/password
+{{- end }}
+{{- end }}
+
+{{/* The volumeMounts for "mlx-fleet.etcdArgs" (same argument). */}}
+{{- define "mlx-fleet.etcdMounts" -}}
+{{- if .tls }}
+- name: etcd-tls
+  mountPath: /etc/mlx-fleet/etcd-tls
+  readOnly: true
+{{- end }}
+{{- if .username }}
+- name: etcd-auth
+  mountPath: /etc/mlx-fleet/etcd-auth
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The volumes for "mlx-fleet.etcdArgs"; argument as it plus passwordSecret (name, key). */}}
+{{- define "mlx-fleet.etcdVolumes" -}}
+{{- if .tls }}
+- name: etcd-tls
+  secret:
+    secretName: {{ .tls }}
+    defaultMode: 0400
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- if .username }}
+- name: etcd-auth
+  secret:
+    secretName: {{ .passwordSecret.name }}
+    defaultMode: 0400
+    items:
+      - key: {{ .passwordSecret.key }}
+        path: password
+{{- end }}
+{{- end }}
+
+{{/* Fails with a message on etcd values the operator or the router cannot use. Argument as
+"mlx-fleet.etcdVolumes" plus what (the values' path, for the message). */}}
+{{- define "mlx-fleet.checkEtcd" -}}
+{{- if not .root.Values.etcd.endpoints }}
+{{- fail "etcd.endpoints must list one etcd client URL" }}
+{{- end }}
+{{- if gt (len .root.Values.etcd.endpoints) 1 }}
+{{- fail "etcd.endpoints: the operator accepts exactly one etcd endpoint for now" }}
+{{- end }}
+{{- if and .tls (not (hasPrefix "https://" (first .root.Values.etcd.endpoints))) }}
+{{- fail (printf "%s.tls.secretName needs an https:// etcd endpoint (etcd.endpoints)" .what) }}
+{{- end }}
+{{- if and .username (not .passwordSecret.name) }}
+{{- fail (printf "%s.auth.username needs %s.auth.passwordSecret.name (a Secret with the password)" .what .what) }}
+{{- end }}
 {{- end }}
 
 {{- define "mlx-fleet.serviceAccountName" -}}
