@@ -151,7 +151,9 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                       f"  export KUBECONFIG={cp.kubeconfig}\n"
                       f"  export MLX_FLEET_ETCD_ENDPOINT={cp.etcd_url}\n"
                       f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
-                      + (f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
+                      + (f"  export MLX_FLEET_ROUTER_URL={router_url}  "
+                         "(`mlx-fleet status` shows its breakers)\n"
+                         f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
                          if router_url else "")
                       + (f"Prometheus (operator + agents{' + router' if router_url else ''}, every 5 s): {prometheus_url}  "
                          f"(HTTP API: {prometheus_url}/api/v1/query?query=up)\n"
