@@ -7,7 +7,7 @@ Commands:
                     (--node: plus a real kubelet node running the chart's Pods; Linux, root)
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
-  status            print nodes, assignments and agent reports from etcd
+  status            print nodes, assignments and agent reports from etcd (--router: breakers)
   canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
   cordon / uncordon NODE  stop / resume placing new replicas on a Mac (its MacNode)
   drain NODE        move every replica off a Mac (replacement Ready first), then wait
@@ -151,7 +151,9 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
                       f"  export KUBECONFIG={cp.kubeconfig}\n"
                       f"  export MLX_FLEET_ETCD_ENDPOINT={cp.etcd_url}\n"
                       f"  export PATH={os.pathsep.join(map(str, binaries.bin_dirs))}:$PATH\n"
-                      + (f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
+                      + (f"  export MLX_FLEET_ROUTER_URL={router_url}  "
+                         "(`mlx-fleet status` shows its breakers)\n"
+                         f"Fleet router (one OpenAI endpoint for every model): {router_url}/v1\n"
                          if router_url else "")
                       + (f"Prometheus (operator + agents{' + router' if router_url else ''}, every 5 s): {prometheus_url}  "
                          f"(HTTP API: {prometheus_url}/api/v1/query?query=up)\n"
@@ -244,25 +246,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from mlx_fleet.contract import Keys
     from mlx_fleet.etcd_credentials import credentials_from_args
-    from mlx_fleet.fleetstatus import collect, render
+    from mlx_fleet.fleetstatus import RouterUnavailable, collect, fetch_routing, render
+    from mlx_fleet.routing.api_keys import KeyFile
     from mlx_fleet.store import EtcdStore, StoreError
 
     try:
         store = EtcdStore(args.etcd_endpoint, credentials=credentials_from_args(args))
-    except ValueError as e:
+        key = (KeyFile(args.router_key_file, flag="--router-key-file").first
+               if args.router and args.router_key_file else None)
+    except ValueError as e:  # KeyFileError is one
         print(f"error: {e}", file=sys.stderr)
         return 2
+    unreachable: list[str] = []
 
     async def go() -> None:
         async with store:
-            render(await collect(store, Keys(args.etcd_prefix)), make_console())
+            view = await collect(store, Keys(args.etcd_prefix))
+        routing = None
+        if args.router:
+            try:
+                routing = await fetch_routing(args.router, key=key)
+            except RouterUnavailable as e:  # the etcd part still prints
+                unreachable.append(str(e))
+        render(view, make_console(), routing=routing)
 
     try:
         asyncio.run(go())
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    for line in unreachable:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if unreachable else 0
 
 
 def _positive_int(text: str) -> int:
@@ -345,6 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--etcd-endpoint", default=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", "http://127.0.0.1:2379"),
                     help="etcd client URL (env MLX_FLEET_ETCD_ENDPOINT)")
     st.add_argument("--etcd-prefix", default=ROOT, help=f"key root (default {ROOT})")
+    st.add_argument("--router", default=os.environ.get("MLX_FLEET_ROUTER_URL") or None,
+                    metavar="URL",
+                    help="a fleet router's base URL: add each Mac's circuit breaker and the "
+                         "router's requests in flight to it (its GET /fleet; env "
+                         "MLX_FLEET_ROUTER_URL). Unreachable: the etcd table still prints, "
+                         "then one error line, exit status 1")
+    st.add_argument("--router-key-file",
+                    default=os.environ.get("MLX_FLEET_ROUTER_KEY_FILE") or None, metavar="FILE",
+                    help="the router's API key file (its --api-key-file format; the first key "
+                         "is sent) when the router has keys (env MLX_FLEET_ROUTER_KEY_FILE)")
     from mlx_fleet.etcd_credentials import add_etcd_arguments
 
     add_etcd_arguments(st)

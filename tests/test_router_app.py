@@ -556,3 +556,45 @@ async def test_follower_rebuilds_once_per_change_burst_and_ignores_plain_stats(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_fleet_view_breakers_and_in_flight_behind_the_api_key(memory_store, stubs, router,
+                                                                    tmp_path: Path) -> None:
+    release, arrived = asyncio.Event(), asyncio.Event()
+
+    async def held(request: web.Request) -> web.Response:
+        arrived.set()
+        await release.wait()
+        return web.json_response(COMPLETION)
+
+    b = await stubs(held)
+    await publish(memory_store, "mac-a", dead_url())
+    await publish(memory_store, "mac-b", b.url)
+    (tmp_path / "keys").write_text(f"{KEY_A} tenant=acme\n")
+    rig = await router(macs=2, api_keys=KeyFile(tmp_path / "keys"))
+    # /fleet is behind the key; /health stays minimal and open (issue 19)
+    resp = await rig.client.get("/fleet")
+    assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key"
+    resp = await rig.client.get("/health")
+    assert resp.status == 200 and set(await resp.json()) == {"status", "models"}
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    first = await (await rig.client.get("/fleet", headers=auth)).json()
+    assert first == {"object": "fleet", "macs": [
+        {"node": n, "state": "closed", "reason": "", "in_flight": 0,
+         "half_open_in_seconds": None, "trial_in_flight": False, "deployments": ["team/chat"]}
+        for n in ("mac-a", "mac-b")]}
+    # a request whose session owner refuses connections: mac-a ejected, held on mac-b
+    task = asyncio.create_task(rig.chat(session_first_on("mac-a", {"mac-a", "mac-b"}),
+                                        headers=auth))
+    await arrived.wait()
+    resp = await rig.client.get("/fleet", headers=auth)
+    assert resp.status == 200
+    a_mac, b_mac = (await resp.json())["macs"]
+    assert (a_mac["node"], a_mac["state"], a_mac["reason"], a_mac["in_flight"]) == (
+        "mac-a", "open", "ConnectionRefused", 0)
+    assert 0 < a_mac["half_open_in_seconds"] <= RouterSettings().breaker.cooldown_seconds
+    assert (b_mac["node"], b_mac["state"], b_mac["in_flight"]) == ("mac-b", "closed", 1)
+    release.set()
+    assert (await task).status == 200
+    after = await (await rig.client.get("/fleet", headers=auth)).json()
+    assert [m["in_flight"] for m in after["macs"]] == [0, 0]

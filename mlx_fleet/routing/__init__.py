@@ -14,6 +14,8 @@ One job per module:
 * :mod:`~mlx_fleet.routing.names` — served-name conflicts (two deployments claiming one model
   id), refused by the router and shown by the operator;
 * :mod:`~mlx_fleet.routing.headers` — the HTTP header names;
+* :mod:`~mlx_fleet.routing.fleet` — the shape of a router's ``GET /fleet`` (per Mac: breaker,
+  in-flight), which ``mlx-fleet status --router`` reads;
 * :mod:`~mlx_fleet.routing.api_keys` — bearer API keys: the key file, the constant-time check;
 * :mod:`~mlx_fleet.routing.proxy` — relaying a request to another server, streaming preserved
   (aiohttp; the only module here that does network I/O).

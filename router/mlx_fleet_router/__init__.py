@@ -13,7 +13,8 @@ decisions import no I/O" contract):
 * :mod:`~mlx_fleet_router.breaker` — the circuit breaker of one Mac;
 * :mod:`~mlx_fleet_router.retry` — retry on the next Mac or give up, within a retry budget;
 * :mod:`~mlx_fleet_router.limits` — per-tenant token buckets and the backpressure queue;
-* :mod:`~mlx_fleet_router.table` — the routing table: Ready replicas per served model name.
+* :mod:`~mlx_fleet_router.table` — the routing table: Ready replicas per served model name;
+* :mod:`~mlx_fleet_router.fleet` — what the router routes to, per Mac (``GET /fleet``).
 
 The I/O around them: :mod:`~mlx_fleet_router.follow` (etcd views → the table),
 :mod:`~mlx_fleet_router.app` (the aiohttp server), :mod:`~mlx_fleet_router.state` (one

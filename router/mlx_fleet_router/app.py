@@ -8,6 +8,11 @@ Routes:
   ``deployment`` (``namespace/name``), ``revisions`` and ``ready_replicas`` (``created``: 0,
   unknown to the router);
 * ``GET /health``: 200 once the router follows etcd (its views synced), 503 before;
+* ``GET /fleet``: what this router routes to, per Mac — breaker state, in-flight requests,
+  seconds until a half-open trial (:func:`mlx_fleet_router.fleet.view`, the shape
+  :class:`mlx_fleet.routing.fleet.FleetRouting`); read-only, and behind the same API key as the
+  OpenAI routes when a key file is set (401 without one), while ``/health`` stays minimal and
+  open;
 * ``GET /metrics``: Prometheus (:mod:`~mlx_fleet_router.metrics`).
 
 Per generation request (each step a pure decision; this module gathers inputs, applies
@@ -69,7 +74,7 @@ from mlx_fleet.routing.headers import PIN_HEADER, SESSION_HEADER
 from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, proxy
 from mlx_fleet.routing.session import prefix_key, session_key
 
-from . import breaker, limits, retry
+from . import breaker, fleet, limits, retry
 from .metrics import UNKNOWN_MODEL, RouterMetrics
 from .picker import Target, pick
 from .state import RouterSettings, RouterState
@@ -199,15 +204,19 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                                         request.get(_TENANT, DEFAULT_TENANT)).inc()
                 metrics.duration.labels(model).observe(clock() - t0)
 
+    def authenticate(request: web.Request) -> str | web.Response:
+        """The tenant of the request's key (``default`` without a key file), or the 401."""
+        if api_keys is None:
+            return DEFAULT_TENANT
+        presented = bearer_token(request.headers.get("Authorization"))
+        found = api_keys.tenant_of(presented)
+        return unauthorized(presented) if found is None else found
+
     async def generate(request: web.Request) -> web.StreamResponse:
         t0 = clock()
-        tenant = DEFAULT_TENANT
-        if api_keys is not None:
-            presented = bearer_token(request.headers.get("Authorization"))
-            found = api_keys.tenant_of(presented)
-            if found is None:
-                return unauthorized(presented)
-            tenant = found
+        tenant = authenticate(request)
+        if isinstance(tenant, web.Response):
+            return tenant
         request[_TENANT] = tenant
         body = await request.read()
         try:
@@ -385,6 +394,13 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
         return web.json_response({"status": "ok" if ok else "syncing",
                                   "models": len(table().models)}, status=200 if ok else 503)
 
+    async def fleet_handler(request: web.Request) -> web.Response:
+        denied = authenticate(request)
+        if isinstance(denied, web.Response):
+            return denied
+        doc = fleet.view(table(), state.breakers, state.in_flight, settings.breaker, clock())
+        return web.json_response(doc.model_dump(mode="json"))
+
     async def metrics_handler(request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(registry))
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
@@ -437,5 +453,6 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     app.router.add_post("/v1/completions", generate)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
+    app.router.add_get("/fleet", fleet_handler)
     app.router.add_get("/metrics", metrics_handler)
     return app

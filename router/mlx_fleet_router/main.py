@@ -48,6 +48,8 @@ relays each request to a Mac that serves the requested model:
   POST /v1/chat/completions, POST /v1/completions   JSON or SSE streaming, as the agents
   GET  /v1/models     served names with a Ready replica in scope, with their revisions
   GET  /health        200 once following etcd, 503 before
+  GET  /fleet         per Mac: breaker state, in-flight, seconds until a half-open trial
+                      (behind --api-key-file's keys; mlx-fleet status --router reads it)
   GET  /metrics       Prometheus (mlxfleet_router_*)
 
 Per request: the session key (X-Session-ID, else the OpenAI "user" field, else a hash of the
