@@ -159,9 +159,9 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
     finally:
         with _step(console, "Tearing down"):
             cp.keep_workdir = keep or failed
-            cp.stop()
-            if real_node is not None:
+            if real_node is not None:  # its Pods' containers first, while the API server runs
                 real_node.stop()
+            cp.stop()
         if cp.keep_workdir:
             console.print(f"logs kept in {cp.logs_dir}")
 
