@@ -168,9 +168,11 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
 
 def _shown(console: Console, cp, *args: str) -> str:
     """``kubectl ARGS``, printed as typed and then its output; returns the output."""
-    console.print("$ kubectl " + " ".join(args), markup=False, highlight=False)
-    out = cp.kubectl(*args).stdout.rstrip()
-    console.print(out, markup=False, highlight=False)
+    console.print("$ kubectl " + " ".join(args), markup=False, highlight=False, soft_wrap=True)
+    done = cp.kubectl(*args)
+    out = done.stdout.rstrip()
+    # kubectl writes "No resources found ..." to stderr
+    console.print(out or done.stderr.rstrip(), markup=False, highlight=False)
     return out
 
 
@@ -203,7 +205,7 @@ def _chart_on_a_real_node(console: Console, cp, node, model_dir) -> None:  # noq
                           metrics_port=free_port(), health_port=free_port())
     chart = str(CHART.relative_to(REPO_ROOT))
     console.print(f"$ helm install mlx-fleet {chart} -n {ns} --create-namespace "
-                  + " ".join(values), markup=False, highlight=False)
+                  + " ".join(values), markup=False, highlight=False, soft_wrap=True)
     started = time.monotonic()
     with _step(console, "helm install, then waiting for the operator Pod to be Running and Ready"):
         console.print(helm(cp, helm_exe, ns, "install", "mlx-fleet", chart, "--create-namespace",
@@ -276,10 +278,14 @@ def _chart_on_a_real_node(console: Console, cp, node, model_dir) -> None:  # noq
         for agent in agents:
             agent.process.stop()
         router.process.stop()
-        console.print(f"$ kubectl delete namespace {ns}", markup=False)
+        # The in-cluster operator mirrored its agents as (cluster-scoped) MacNodes; it is gone.
+        macs = [a.name for a in agents]
+        console.print(f"$ kubectl delete namespace {ns}; kubectl delete macnodes {' '.join(macs)}",
+                      markup=False)
         cp.kubectl("delete", "namespace", ns, "--timeout=120s", timeout=130)
+        cp.kubectl("delete", "macnodes", *macs, "--ignore-not-found", "--timeout=60s", timeout=70)
     step("chart torn down (the CRDs stay: helm never deletes crds/)", time.monotonic() - started)
-    _shown(console, cp, "get", "pods", "-A")
+    _shown(console, cp, "get", "pods,modeldeployments,macnodes", "-A")
 
 
 def _complete_once(console: Console, router: str, model: str) -> None:
