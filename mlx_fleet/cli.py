@@ -24,7 +24,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mlx_fleet.console import make_console, progress_builder
+from mlx_fleet.console import make_console, print_step, progress_builder
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
@@ -62,7 +62,7 @@ def _provision_node(console) -> None:  # noqa: ANN001 - rich Console
     from mlx_fleet.devcluster.images import build_operator_image
     from mlx_fleet.devcluster.node import NodeFailed, provision
 
-    step = _print_step(console)
+    step = print_step(console)
     try:
         progress_builder(console, lambda progress: provision(step, progress))
     except NodeFailed as e:
@@ -98,7 +98,7 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
         if args.node:
             from mlx_fleet.devcluster.node import claim_host
 
-            node = claim_host(step=_print_step(console))
+            node = claim_host(step=print_step(console))
         with console.status("starting etcd ×2 and kube-apiserver"):
             cp = start_control_plane(Path(args.workdir) if args.workdir else None, binaries=binaries,
                                      keep_workdir=args.keep,
@@ -177,30 +177,16 @@ def _cmd_dev_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_step(console):  # noqa: ANN001, ANN202 - rich Console -> StepFn
-    def step(what: str, seconds: float) -> None:
-        console.print(f"[green]✓[/] {what} ({seconds:.1f}s)", highlight=False)
-
-    return step
-
-
 def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, ControlPlane, Node
     """``dev up --node``: start the real node claimed by ``node``, with the operator image built
     from this repository and imported; prints each step's time and how to install the chart."""
-    import time
+    from mlx_fleet.devcluster.chart import start_chart_node
+    from mlx_fleet.devcluster.images import OPERATOR_REF
 
-    from mlx_fleet.devcluster.controlplane import REPO_ROOT
-    from mlx_fleet.devcluster.images import OPERATOR_REF, build_operator_image
-    from mlx_fleet.devcluster.node import start_node
-    from mlx_fleet.devcluster.processes import free_port
-
-    step = _print_step(console)
-    started = time.monotonic()
-    with console.status("building the operator image (buildah; the Debian base on first use)"):
-        build_operator_image(REPO_ROOT)
-    step(f"operator image {OPERATOR_REF}", time.monotonic() - started)
-    progress_builder(console, lambda progress: start_node(
-        cp, node, images=[OPERATOR_REF], step=step, progress=progress))
+    step = print_step(console)
+    console.print("building the operator image (buildah; the Debian base on first use)")
+    progress_builder(console, lambda progress: start_chart_node(cp, node, step=step,
+                                                                progress=progress))
     api_port = cp.apiserver_url.rsplit(":", 1)[1]
     proxy = ("kube-proxy running" if node.kube_proxy is not None else
              f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
@@ -240,7 +226,7 @@ def _cmd_dev_down(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from mlx_fleet.demo import run_demo
 
-    return run_demo(prompt=args.prompt, max_tokens=args.max_tokens, keep=args.keep)
+    return run_demo(prompt=args.prompt, max_tokens=args.max_tokens, keep=args.keep, node=args.node)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -346,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=_positive_int, default=48,
                    help="completion tokens to stream, at least 1 (default: %(default)s)")
     d.add_argument("--keep", action="store_true", help="keep the logs directory after success")
+    d.add_argument("--node", action="store_true",
+                   help="first run the chart for real on a kubelet node added to the demo's "
+                        "control plane (Linux, root; adds minutes of set-up, more on first use: "
+                        "Debian packages, Go builds, the images): operator image built and "
+                        "imported, helm install with the CRDs, the operator Pod Ready, a "
+                        "ModelDeployment Ready through it, a completion, helm upgrade under load "
+                        "(0 failed), teardown (docs/development.md, \"A real node\")")
     d.set_defaults(func=_cmd_demo)
 
     from mlx_fleet import testmodel

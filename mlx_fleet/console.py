@@ -54,3 +54,12 @@ def progress_builder(console: Console, build: Callable[..., T]) -> T:
             bar.update(tasks[label], completed=done, total=total)
 
         return build(progress=progress)
+
+
+def print_step(console: Console) -> Callable[[str, float], None]:
+    """A ``step(what, seconds)`` callback (the devcluster's ``StepFn``) printing one ``✓`` line
+    per finished set-up step with its wall-clock seconds."""
+    def step(what: str, seconds: float) -> None:
+        console.print(f"[green]✓[/] {what} ({seconds:.1f}s)", highlight=False)
+
+    return step

@@ -15,6 +15,16 @@ keep sending: the replica moves to the other Mac with no failed request → unco
 replicas, and one serving agent SIGKILLed while clients keep sending: no request fails (the
 router retries what had not started on the other Mac) → print the fleet → tear everything down.
 On failure it says which step failed and keeps the logs directory.
+
+With ``node=True`` (``mlx-fleet demo --node``; Linux, root; minutes more set-up) the chart runs
+for real first, on a kubelet node added to the same control plane: the operator image built from
+the repository's Dockerfile and imported into the node's containerd → ``helm install`` of
+``charts/mlx-fleet`` with its CRDs → the operator Pod Running and Ready (``kubectl get pods``) →
+two agents on the host and a router for the chart's namespace → a ModelDeployment Ready through
+the in-cluster operator → a completion through the router → ``helm upgrade`` with a changed
+value while clients send requests (0 failed) → teardown (the ModelDeployment deleted, ``helm
+uninstall``, the namespace deleted). The CRDs helm installed stay (helm never deletes ``crds/``)
+and serve the rest of the demo, which runs as without the flag; the node goes at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import os
 import string
 import time
 
+import yaml
 from rich.console import Console
 from rich.panel import Panel
 
@@ -44,8 +55,9 @@ def _step(console: Console, text: str):
 
 
 def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tokens: int = 48,
-             keep: bool = False, console: Console | None = None) -> int:
-    """Run the demo; returns a process exit code (0 on success)."""
+             keep: bool = False, node: bool = False, console: Console | None = None) -> int:
+    """Run the demo; returns a process exit code (0 on success). ``node``: first run the chart
+    on a real local node (module docstring; Linux, root)."""
     from mlx_fleet.console import make_console, progress_builder
     from mlx_fleet.testmodel import Fault, make_test_model
 
@@ -56,12 +68,34 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
         model_dir = make_test_model(cache_dir() / "models" / "tiny-llama")
     console.print(f"[green]✓[/] test model at {model_dir}")
 
-    with _step(console, "Starting etcd ×2 and kube-apiserver on loopback"):
-        cp = start_control_plane(binaries=binaries, keep_workdir=True)
+    real_node = None
+    if node:
+        from mlx_fleet.console import print_step
+        from mlx_fleet.devcluster.node import NodeFailed, claim_host
+
+        try:
+            real_node = claim_host(step=print_step(console))
+        except NodeFailed as e:
+            console.print(f"[red]Demo failed while preparing the host for a real node:[/] {e}")
+            return 1
+    try:
+        # With a node, the API server listens on the node address, and helm installs the CRDs.
+        with _step(console, "Starting etcd ×2 and kube-apiserver"):
+            cp = start_control_plane(binaries=binaries, keep_workdir=True,
+                                     install_crds=real_node is None,
+                                     node_name=real_node.spec.name if real_node else "",
+                                     node_address=real_node.spec.address if real_node else "")
+    except BaseException:
+        if real_node is not None:
+            real_node.stop()
+        raise
     console.print(f"[green]✓[/] control plane up: {cp.apiserver_url} (kubeconfig {cp.kubeconfig})")
     failed = True
-    step = "starting the operator"
+    step = "starting the real node"
     try:
+        if real_node is not None:
+            _chart_on_a_real_node(console, cp, real_node, model_dir)
+        step = "starting the operator"
         with _step(console, "Starting the operator, two node agents and the fleet router"):
             start_operator(cp)
             step = "starting the agents"
@@ -125,9 +159,160 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
     finally:
         with _step(console, "Tearing down"):
             cp.keep_workdir = keep or failed
+            if real_node is not None:  # its Pods' containers first, while the API server runs
+                real_node.stop()
             cp.stop()
         if cp.keep_workdir:
             console.print(f"logs kept in {cp.logs_dir}")
+
+
+def _shown(console: Console, cp, *args: str) -> str:
+    """``kubectl ARGS``, printed as typed and then its output; returns the output."""
+    console.print("$ kubectl " + " ".join(args), markup=False, highlight=False, soft_wrap=True)
+    done = cp.kubectl(*args)
+    out = done.stdout.rstrip()
+    # kubectl writes "No resources found ..." to stderr
+    console.print(out or done.stderr.rstrip(), markup=False, highlight=False)
+    return out
+
+
+def _chart_on_a_real_node(console: Console, cp, node, model_dir) -> None:  # noqa: ANN001
+    """The ``--node`` part (module docstring); raises on any failure."""
+    from mlx_fleet.console import print_step, progress_builder
+    from mlx_fleet.contract import Keys
+    from mlx_fleet.devcluster.chart import (CHART, helm, local_values, start_chart_node,
+                                            wait_operator_pod)
+    from mlx_fleet.devcluster.helm import ensure_helm
+    from mlx_fleet.devcluster.processes import free_port
+
+    step = print_step(console)
+    console.print(Panel("A kubelet node joins this control plane; the operator image is built "
+                        "from the repository's Dockerfile (no registry) and imported into its "
+                        "containerd; then the chart is installed as on a real cluster",
+                        title="The chart on a real node"))
+    helm_exe = progress_builder(console, ensure_helm)
+    started = time.monotonic()
+    console.print("building the operator image (buildah; the Debian base on first use), then "
+                  "starting containerd, kubelet, kube-proxy, scheduler and controller-manager")
+    progress_builder(console, lambda progress: start_chart_node(cp, node, step=step,
+                                                                progress=progress))
+    step(f"node {cp.node_name} Ready", time.monotonic() - started)
+    _shown(console, cp, "get", "nodes", "-o", "wide")
+
+    ns = "mlx-fleet-system"
+    keys = Keys("/mlx-fleet-demo-node")  # its own Macs and assignments, apart from the rest
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"  # the chart's router, on the node's network
+    values = local_values(cp, node, namespace=ns, etcd_prefix=keys.root,
+                          metrics_port=free_port(), health_port=free_port(),
+                          router_port=router_port)
+    chart = str(CHART.relative_to(REPO_ROOT))
+    console.print(f"$ helm install mlx-fleet {chart} -n {ns} --create-namespace "
+                  + " ".join(values), markup=False, highlight=False, soft_wrap=True)
+    started = time.monotonic()
+    with _step(console, "helm install, then waiting for the operator Pod to be Running and Ready"):
+        console.print(helm(cp, helm_exe, ns, "install", "mlx-fleet", chart, "--create-namespace",
+                           *values).rstrip(), markup=False, highlight=False)
+        pod = wait_operator_pod(cp, ns)
+        cp.kubectl("wait", "--for=condition=Ready", "pod", "-n", ns,
+                   "-l", "app.kubernetes.io/component=router", "--timeout=120s", timeout=130)
+        for crd in sorted((CHART / "crds").glob("*.yaml")):  # installed by helm from crds/
+            cp.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
+    step("helm install → operator and router Pods Ready", time.monotonic() - started)
+    _shown(console, cp, "get", "crds")
+    _shown(console, cp, "get", "pods", "-n", ns, "-o", "wide")
+    security = pod["spec"]["containers"][0].get("securityContext", {})
+    console.print(f"  runAsNonRoot={pod['spec'].get('securityContext', {}).get('runAsNonRoot')} "
+                  f"readOnlyRootFilesystem={security.get('readOnlyRootFilesystem')} "
+                  f"capabilities={security.get('capabilities')}", highlight=False)
+
+    with _step(console, "Starting two agents on the host"):
+        agents = [start_agent(cp, f"node-mac-{i}", etcd_prefix=keys.root, memory="64Gi")
+                  for i in range(2)]
+    console.print(f"[green]✓[/] agents node-mac-0, node-mac-1; the chart's router: {router_url}/v1")
+
+    name = "llama-node"
+    obj = yaml.safe_load(string.Template(EXAMPLE.read_text()).safe_substitute(
+        MODEL_DIR=str(model_dir)))
+    obj["metadata"] = {"name": name, "namespace": ns}
+    obj["spec"]["model"]["servedModelName"] = name
+    obj["spec"]["replicas"] = 2
+    console.print(f"$ kubectl apply -f - -n {ns}   # {EXAMPLE.relative_to(REPO_ROOT)}, renamed, "
+                  "2 replicas", markup=False, highlight=False)
+    console.print(cp.kubectl("apply", "-f", "-", input=json.dumps(obj)).stdout.strip())
+    started = time.monotonic()
+    with _step(console, f"Waiting for {name} to become Ready through the in-cluster operator"):
+        cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", ns,
+                   "--timeout=240s", timeout=260)
+    step(f"{name} Ready", time.monotonic() - started)
+    _shown(console, cp, "get", "modeldeployments", "-n", ns)
+    _wait_listed(router_url, name, ready=2)
+    _complete_once(console, router_url, name)
+
+    old_uid = pod["metadata"]["uid"]
+    console.print(Panel("helm upgrade with a changed value (operator.verbose=true) while 8 "
+                        "clients send requests to the router: the operator Pod is replaced; "
+                        "the agents keep serving", title="helm upgrade under load"))
+    console.print(f"$ helm upgrade mlx-fleet {chart} -n {ns} ... --set operator.verbose=true",
+                  markup=False, highlight=False)
+    started = time.monotonic()
+    load, new_pod = asyncio.run(_under_load(router_url, name, lambda: (
+        helm(cp, helm_exe, ns, "upgrade", "mlx-fleet", chart, *values,
+             "--set", "operator.verbose=true"),
+        wait_operator_pod(cp, ns, not_uid=old_uid))[1]))
+    step("helm upgrade → new operator Pod Ready", time.monotonic() - started)
+    _shown(console, cp, "get", "pods", "-n", ns)
+    failed = [o for o in load.outcomes if o.failed]
+    console.print(f"[green]✓[/] operator Pod {pod['metadata']['name']} → "
+                  f"{new_pod['metadata']['name']} (args "
+                  f"{' '.join(new_pod['spec']['containers'][0].get('args', []))}): "
+                  f"{len(load.outcomes)} requests during the upgrade, [bold]{len(failed)} "
+                  "failed[/]", highlight=False)
+    _print_failures(console, failed)
+    if failed or not load.outcomes:
+        raise DemoFailed(f"{len(failed)} of {len(load.outcomes)} requests failed during helm upgrade")
+
+    started = time.monotonic()
+    with _step(console, "Tearing the chart down"):
+        console.print(f"$ kubectl delete modeldeployment {name} -n {ns}", markup=False)
+        cp.kubectl("delete", "modeldeployment", name, "-n", ns, "--timeout=120s", timeout=130)
+        console.print(f"$ helm uninstall mlx-fleet -n {ns} --wait", markup=False)
+        console.print(helm(cp, helm_exe, ns, "uninstall", "mlx-fleet", "--wait").rstrip(),
+                      markup=False, highlight=False)
+        for agent in agents:
+            agent.process.stop()
+        # The in-cluster operator mirrored its agents as (cluster-scoped) MacNodes; it is gone.
+        macs = [a.name for a in agents]
+        console.print(f"$ kubectl delete namespace {ns}; kubectl delete macnodes {' '.join(macs)}",
+                      markup=False)
+        cp.kubectl("delete", "namespace", ns, "--timeout=120s", timeout=130)
+        cp.kubectl("delete", "macnodes", *macs, "--ignore-not-found", "--timeout=60s", timeout=70)
+    step("chart torn down (the CRDs stay: helm never deletes crds/)", time.monotonic() - started)
+    _shown(console, cp, "get", "pods,modeldeployments,macnodes", "-A")
+
+
+def _complete_once(console: Console, router: str, model: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{router}/v1", api_key="not-needed")
+    done = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+    console.print(f"[green]✓[/] completion through the router from {model}: "
+                  f"{done.usage.completion_tokens} tokens "
+                  f"{done.choices[0].message.content!r}", highlight=False)
+
+
+async def _under_load(router: str, model: str, action):  # noqa: ANN001, ANN202
+    """Run the blocking ``action`` in a thread while 8 clients send requests to ``router``;
+    returns (the LoadGenerator, ``action``'s value)."""
+    from mlx_fleet.devcluster.loadgen import LoadGenerator
+
+    async with LoadGenerator(lambda: [router], model,
+                             sessions=[f"upgrade-{i}" for i in range(8)]) as load:
+        await load.wait_for(8)
+        value = await asyncio.to_thread(action)
+        await load.wait_for(8)  # and some after the new Pod is Ready
+    return load, value
 
 
 def _stream_completion(console: Console, base_url: str, model: str, prompt: str, max_tokens: int) -> None:
