@@ -79,7 +79,12 @@ export VIRTUAL_ENV=$venv
 cd "$repo"
 case "$cmd" in
   demo)      python -m mlx_fleet.cli provision && exec python -m mlx_fleet.cli demo "$@" ;;
-  test)      python -m mlx_fleet.cli provision && exec python -m pytest "$@" ;;
+  test)      python -m mlx_fleet.cli provision || exit
+             # Parallel workers (pytest-xdist, one file per worker, the fault suite first; see
+             # docs/development.md, Tests) unless the arguments turn it off (-p no:xdist, -n 0).
+             parallel=(-n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder)
+             for arg in "$@"; do case $arg in no:xdist|-pno:xdist) parallel=() ;; esac; done
+             exec python -m pytest "${parallel[@]}" "$@" ;;
   provision) exec python -m mlx_fleet.cli provision "$@" ;;
   shell)     bins=$(python -m mlx_fleet.cli provision --print-bin-dir) || die "provisioning failed"
              export PATH="$bins:$PATH"; exec "${SHELL:-bash}" ;;

@@ -18,6 +18,9 @@ from mlx_fleet.devcluster.binaries import Binaries, ensure_all
 from mlx_fleet.devcluster.controlplane import ControlPlane, EtcdServer, start_control_plane, start_etcd
 from mlx_fleet.store import EtcdStore
 
+# Under pytest-xdist, the fault suite's files go to the workers first (tests/xdist_order.py).
+pytest_plugins = ["xdist_order"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fault(fault, holds): a fault-suite test, one row of "
