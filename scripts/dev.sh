@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # mlx-fleet developer entry point: idempotent set-up, then one of
 #   demo       bring up a local fleet (etcd, kube-apiserver, operator, two agents, the router), stream a completion
-#   test       run the test suite (unit + integration on the real local control plane); args go to pytest
+#   test       run the test suite (unit + integration on the real local control plane) in parallel
+#              workers; args go to pytest
 #   provision  only build/cache the binaries (etcd, kube-apiserver, kubectl, helm, prometheus, promtool)
 #   shell      a shell with the virtualenv activated and the cached binaries on PATH
 # Everything installed is cached outside the repository, under $MLX_FLEET_CACHE
 # (default ~/.cache/mlx-fleet): the virtualenv, the Go-built binaries, generated test models.
 set -euo pipefail
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in
   demo|test|provision|shell) shift ;;
@@ -79,7 +80,12 @@ export VIRTUAL_ENV=$venv
 cd "$repo"
 case "$cmd" in
   demo)      python -m mlx_fleet.cli provision && exec python -m mlx_fleet.cli demo "$@" ;;
-  test)      python -m mlx_fleet.cli provision && exec python -m pytest "$@" ;;
+  test)      python -m mlx_fleet.cli provision || exit
+             # Parallel workers (pytest-xdist, one file per worker, the fault suite first; see
+             # docs/development.md, Tests) unless the arguments turn it off (-p no:xdist, -n 0).
+             parallel=(-n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder)
+             for arg in "$@"; do case $arg in no:xdist|-pno:xdist) parallel=() ;; esac; done
+             exec python -m pytest ${parallel[@]+"${parallel[@]}"} "$@" ;;  # (bash 3.2: set -u)
   provision) exec python -m mlx_fleet.cli provision "$@" ;;
   shell)     bins=$(python -m mlx_fleet.cli provision --print-bin-dir) || die "provisioning failed"
              export PATH="$bins:$PATH"; exec "${SHELL:-bash}" ;;

@@ -19,6 +19,9 @@ from mlx_fleet.devcluster.controlplane import ControlPlane, EtcdServer, start_co
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.store import EtcdStore
 
+# Under pytest-xdist, the fault suite's files go to the workers first (tests/xdist_order.py).
+pytest_plugins = ["xdist_order"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fault(fault, holds): a fault-suite test, one row of "
