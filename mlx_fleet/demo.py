@@ -181,7 +181,7 @@ def _chart_on_a_real_node(console: Console, cp, node, model_dir) -> None:  # noq
     from mlx_fleet.console import print_step, progress_builder
     from mlx_fleet.contract import Keys
     from mlx_fleet.devcluster.chart import (CHART, helm, local_values, start_chart_node,
-                                            wait_operator_pod)
+                                            wait_pod)
     from mlx_fleet.devcluster.helm import ensure_helm
     from mlx_fleet.devcluster.processes import free_port
 
@@ -213,9 +213,8 @@ def _chart_on_a_real_node(console: Console, cp, node, model_dir) -> None:  # noq
     with _step(console, "helm install, then waiting for the operator Pod to be Running and Ready"):
         console.print(helm(cp, helm_exe, ns, "install", "mlx-fleet", chart, "--create-namespace",
                            *values).rstrip(), markup=False, highlight=False)
-        pod = wait_operator_pod(cp, ns)
-        cp.kubectl("wait", "--for=condition=Ready", "pod", "-n", ns,
-                   "-l", "app.kubernetes.io/component=router", "--timeout=120s", timeout=130)
+        pod = wait_pod(cp, ns)
+        wait_pod(cp, ns, component="router")
         for crd in sorted((CHART / "crds").glob("*.yaml")):  # installed by helm from crds/
             cp.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
     step("helm install → operator and router Pods Ready", time.monotonic() - started)
@@ -259,7 +258,7 @@ def _chart_on_a_real_node(console: Console, cp, node, model_dir) -> None:  # noq
     load, new_pod = asyncio.run(_under_load(router_url, name, lambda: (
         helm(cp, helm_exe, ns, "upgrade", "mlx-fleet", chart, *values,
              "--set", "operator.verbose=true"),
-        wait_operator_pod(cp, ns, not_uid=old_uid))[1]))
+        wait_pod(cp, ns, not_uid=old_uid))[1]))
     step("helm upgrade → new operator Pod Ready", time.monotonic() - started)
     _shown(console, cp, "get", "pods", "-n", ns)
     failed = [o for o in load.outcomes if o.failed]

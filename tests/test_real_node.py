@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_fleet.devcluster.chart import wait_pod
 from mlx_fleet.devcluster.controlplane import apiserver_access_args
 from mlx_fleet.devcluster.nodeconfig import (
     NodeSpec,
@@ -228,39 +228,9 @@ def _pods(rc: RealCluster, component: str) -> list[dict]:
 
 def _wait_pod_ready(rc: RealCluster, not_uid: str = "", timeout: float = 180,
                     component: str = "operator") -> dict:
-    """The first Pod of ``component`` (other than the Pod ``not_uid``) seen Running and Ready,
-    through a watch (``kubectl get -w``: the current Pods, then every change). Fails after
-    ``timeout``."""
-    proc = subprocess.Popen(
-        [str(rc.cp.binaries.kubectl), "--kubeconfig", str(rc.cp.kubeconfig), "get", "pods", "-l",
-         f"app.kubernetes.io/name=mlx-fleet,app.kubernetes.io/component={component}",
-         "-n", rc.namespace, "-w", "-o", "json", "--output-watch-events"],
-        stdout=subprocess.PIPE, text=True)
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    last: dict = {}
-    try:
-        assert proc.stdout is not None
-        decoder, buf = json.JSONDecoder(), ""
-        for line in proc.stdout:
-            buf += line
-            try:
-                ev, end = decoder.raw_decode(buf.lstrip())
-            except json.JSONDecodeError:
-                continue  # an object spans several lines: read on
-            buf = buf.lstrip()[end:]
-            pod = last = ev["object"]
-            ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready")
-            if (ev["type"] != "DELETED" and pod["metadata"]["uid"] != not_uid
-                    and not pod["metadata"].get("deletionTimestamp")
-                    and pod["status"].get("phase") == "Running" and ready == "True"):
-                return pod
-    finally:
-        timer.cancel()
-        proc.kill()
-        proc.wait()
-    raise AssertionError(f"no new {component} Pod Running and Ready after {timeout:.0f}s; last seen: "
-                         f"{last.get('metadata', {}).get('name')} {last.get('status')}")
+    """The first Pod of ``component`` (other than the Pod ``not_uid``) seen Running and Ready
+    (:func:`mlx_fleet.devcluster.chart.wait_pod`, a watch); fails after ``timeout``."""
+    return wait_pod(rc.cp, rc.namespace, component=component, not_uid=not_uid, timeout=timeout)
 
 
 def _container_process(rc: RealCluster, pod: dict) -> dict[str, str]:

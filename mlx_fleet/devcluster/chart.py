@@ -21,8 +21,10 @@ from mlx_fleet.devcluster.node import Node, StepFn, start_node
 
 #: The chart, in this repository.
 CHART = REPO_ROOT / "charts" / "mlx-fleet"
-#: The label selecting the chart's operator Pods (its templates' ``app.kubernetes.io/name``).
-OPERATOR_SELECTOR = "app.kubernetes.io/name=mlx-fleet"
+#: The labels selecting the chart's Pods of one component (``operator`` or ``router``): its
+#: templates' ``app.kubernetes.io/name`` and ``app.kubernetes.io/component``.
+def component_selector(component: str) -> str:
+    return f"app.kubernetes.io/name=mlx-fleet,app.kubernetes.io/component={component}"
 
 
 class HelmFailed(RuntimeError):
@@ -95,14 +97,16 @@ def pod_running_ready(pod: dict, *, not_uid: str = "") -> bool:
             and status.get("phase") == "Running" and ready == "True")
 
 
-def wait_operator_pod(cp: ControlPlane, namespace: str, *, not_uid: str = "",
-                      timeout: float = 180) -> dict:
-    """The first operator Pod (:data:`OPERATOR_SELECTOR`, other than the Pod ``not_uid``) seen
-    Running and Ready, through a watch (``kubectl get -w``: the current Pods, then every
-    change). Raises ``TimeoutError`` after ``timeout`` seconds, naming the last Pod seen."""
+def wait_pod(cp: ControlPlane, namespace: str, *, component: str = "operator",
+             not_uid: str = "", timeout: float = 180) -> dict:
+    """The first Pod of the chart's ``component`` (:func:`component_selector`; other than the
+    Pod ``not_uid``) seen Running and Ready, through a watch (``kubectl get -w``: the current
+    Pods, then every change). Raises ``TimeoutError`` after ``timeout`` seconds, naming the last
+    Pod seen."""
     proc = subprocess.Popen(
         [str(cp.binaries.kubectl), "--kubeconfig", str(cp.kubeconfig), "get", "pods", "-l",
-         OPERATOR_SELECTOR, "-n", namespace, "-w", "-o", "json", "--output-watch-events"],
+         component_selector(component), "-n", namespace, "-w", "-o", "json",
+         "--output-watch-events"],
         stdout=subprocess.PIPE, text=True)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -124,5 +128,5 @@ def wait_operator_pod(cp: ControlPlane, namespace: str, *, not_uid: str = "",
         timer.cancel()
         proc.kill()
         proc.wait()
-    raise TimeoutError(f"no new operator Pod Running and Ready after {timeout:.0f}s; last seen: "
+    raise TimeoutError(f"no new {component} Pod Running and Ready after {timeout:.0f}s; last seen: "
                        f"{last.get('metadata', {}).get('name')} {last.get('status')}")
