@@ -203,6 +203,12 @@ async def test_etcd_outage_loses_nothing(fault: str, control_plane: ControlPlane
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         load = Load(http, endpoints, "steady")
+        # Nothing reaches etcd while it is down, so a node record whose heartbeat is later than
+        # this was written after etcd came back — even one an agent built during the outage and
+        # whose write went through at the resume (its heartbeat then precedes the resume: a
+        # timestamp taken after it missed such records, and the rewrite-only-on-change rule
+        # writes no later one; failed once under parallel workers).
+        fault_started_unix = time.time()
         if fault == "stop":
             fault_etcd.stop()
         else:
@@ -215,7 +221,6 @@ async def test_etcd_outage_loses_nothing(fault: str, control_plane: ControlPlane
             else:
                 fault_etcd.process.signal(signal.SIGCONT)
         fault_record.fault_ended()
-        restarted_unix = time.time()
         assert load.failed == 0, load.errors[:5]
         # both told their clients they had lost etcd, and served anyway
         assert all("degraded" in s for s in load.statuses.values()), load.statuses
@@ -225,7 +230,7 @@ async def test_etcd_outage_loses_nothing(fault: str, control_plane: ControlPlane
         # came back) and says ok again.
         async with EtcdStore(fault_etcd.client_url) as store:
             await watch_until(store, fleet_keys.nodes_prefix, lambda v: len(v) == 2 and all(
-                NodeRecord.from_json(b).heartbeat_unix >= restarted_unix for b in v.values()),
+                NodeRecord.from_json(b).heartbeat_unix >= fault_started_unix for b in v.values()),
                 timeout=RECOVERY_TIMEOUT)
             for url in endpoints:
                 await load.until(url, "ok")
