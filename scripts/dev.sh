@@ -80,7 +80,10 @@ export VIRTUAL_ENV=$venv
 cd "$repo"
 case "$cmd" in
   demo)      python -m mlx_fleet.cli provision && exec python -m mlx_fleet.cli demo "$@" ;;
-  test)      python -m mlx_fleet.cli provision || exit
+  test)      # As root on Linux the suite also runs the chart on a real node (tests/test_real_node.py):
+             # provision its packages, binaries and images here, with progress, not inside a test.
+             node=(); if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ]; then node=(--node); fi
+             python -m mlx_fleet.cli provision ${node[@]+"${node[@]}"} || exit
              # Parallel workers (pytest-xdist, one file per worker, the fault suite first; see
              # docs/development.md, Tests) unless the arguments turn it off (-p no:xdist, -n 0).
              # Two workers per core, at most 4: most integration time is waiting on processes
