@@ -606,7 +606,7 @@ async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converge
 
 def test_cli_parses_every_flag() -> None:
     args = build_parser().parse_args([
-        "--node-name", "studio-1", "--etcd-endpoint", "http://10.0.0.2:2379",
+        "--node-name", "studio-1", "--etcd-endpoint", "http://etcd.lan:2379",
         "--etcd-prefix", "/fleet", "--listen", "0.0.0.0:9000", "--advertise-url", "http://s:9",
         "--label", "rack=a", "--label", "tier=gold", "--lease-ttl", "9",
         "--simulated-chip", "Apple M4 Max", "--simulated-memory", "128Gi",
@@ -614,7 +614,7 @@ def test_cli_parses_every_flag() -> None:
         "--log-level", "DEBUG"])
     cfg = config_from_args(args)
     assert (cfg.node_name, cfg.etcd_endpoint, cfg.etcd_prefix) == (
-        "studio-1", "http://10.0.0.2:2379", "/fleet")
+        "studio-1", "http://etcd.lan:2379", "/fleet")
     assert (cfg.listen_host, cfg.listen_port, cfg.advertise_url) == ("0.0.0.0", 9000, "http://s:9")
     assert cfg.labels == {"rack": "a", "tier": "gold"} and cfg.lease_ttl == 9
     assert cfg.simulated_chip == "Apple M4 Max" and cfg.simulated_memory_bytes == 128 * 2**30

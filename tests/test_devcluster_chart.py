@@ -30,7 +30,7 @@ def test_pod_running_ready(pod: dict, not_uid: str, expected: bool) -> None:
 
 
 def _values(kube_proxy: object) -> dict[str, str]:
-    cp = SimpleNamespace(etcd_url="http://127.0.0.1:2379", apiserver_url="https://10.0.0.1:6443")
+    cp = SimpleNamespace(etcd_url="http://127.0.0.1:2379", apiserver_url="https://apiserver.example:6443")
     args = local_values(cp, SimpleNamespace(kube_proxy=kube_proxy), namespace="ns",  # type: ignore[arg-type]
                         etcd_prefix="/p", metrics_port=1, health_port=2, router_port=3)
     assert args[::2] == ["--set"] * (len(args) // 2)

@@ -74,10 +74,10 @@ def test_containerd_config_refuses_defaults_of_another_shape() -> None:
 
 
 def test_cni_config_is_one_bridge_without_nat() -> None:
-    spec = NodeSpec(pod_cidr="10.9.0.0/24", cni_bridge="br-x")
+    spec = NodeSpec(pod_cidr="203.0.113.0/25", cni_bridge="br-x")
     bridge, loopback = cni_conflist(spec)["plugins"]
     assert (bridge["type"], bridge["bridge"], bridge["ipMasq"]) == ("bridge", "br-x", False)
-    assert bridge["ipam"]["ranges"] == [[{"subnet": "10.9.0.0/24"}]]
+    assert bridge["ipam"]["ranges"] == [[{"subnet": "203.0.113.0/25"}]]
     assert loopback == {"type": "loopback"}
 
 

@@ -72,10 +72,10 @@ def test_endpoint_from_report_else_node_address_and_draining_is_cordoned():
     table = build(nodes={"mac-a": node("mac-a"), "mac-b": node("mac-b", NodeHealth.DRAINING)},
                   assignments={K_A: asg("team", "chat", "r1", batch=4),
                                K_B: asg("team", "chat", "r1")},
-                  reports={K_A: rep(*K_A, endpoint="http://10.0.0.1:9000/"),
+                  reports={K_A: rep(*K_A, endpoint="http://mac-a.example:9000/"),
                            K_B: rep(*K_B, endpoint="")})
     assert table.models["chat"].replicas == (
-        Replica("mac-a", "r1", "http://10.0.0.1:9000", cordoned=False, batch_limit=4),
+        Replica("mac-a", "r1", "http://mac-a.example:9000", cordoned=False, batch_limit=4),
         Replica("mac-b", "r1", "http://mac-b:8000", cordoned=True, batch_limit=8))
 
 

@@ -34,7 +34,7 @@ KEY_FLEET = "fleet-secure-defaults-0123456789"
 @pytest.mark.parametrize("host, loopback", [
     ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True),
     ("localhost", True), ("LOCALHOST.", True),
-    ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.2", False),
+    ("0.0.0.0", False), ("::", False), ("", False),
     ("studio-1.lan", False), ("localhost.evil.example", False), ("128.0.0.1", False)])
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
@@ -48,7 +48,7 @@ LOOPBACK_ETCD = "http://127.0.0.1:2379"
     ("127.0.0.1", False, LOOPBACK_ETCD, False, set(), [], []),
     # LAN without keys: refused, or a warning with the flag
     ("0.0.0.0", False, LOOPBACK_ETCD, False, set(), [INSECURE_LISTEN], []),
-    ("10.0.0.5", False, LOOPBACK_ETCD, False, {INSECURE_LISTEN}, [], [INSECURE_LISTEN]),
+    ("studio-1.lan", False, LOOPBACK_ETCD, False, {INSECURE_LISTEN}, [], [INSECURE_LISTEN]),
     # LAN with keys: fine
     ("0.0.0.0", True, LOOPBACK_ETCD, False, set(), [], []),
     # plain http etcd on another host: refused; https fine
@@ -83,7 +83,7 @@ def test_exposure_check(listen: str, keys: bool, etcd: str, password: bool, flag
     ("http://localhost:8000", False, True),
     ("http://[::1]:8000", False, True),
     ("http://studio-2.lan:8000", False, False),
-    ("http://10.0.0.7:8000", False, False),
+    ("http://studio-3.example:8000", False, False),
     ("http://studio-2.lan:8000", True, True)])
 def test_may_send_key(url: str, insecure: bool, ok: bool) -> None:
     assert may_send_key(url, insecure=insecure) is ok
@@ -92,7 +92,7 @@ def test_may_send_key(url: str, insecure: bool, ok: bool) -> None:
 @pytest.mark.parametrize("argv, flag", [
     (["--listen", "0.0.0.0:0"], INSECURE_LISTEN),
     (["--listen", "[::]:0"], INSECURE_LISTEN),
-    (["--etcd-endpoint", "http://10.0.0.2:2379"], INSECURE_ETCD)])
+    (["--etcd-endpoint", "http://etcd.lan:2379"], INSECURE_ETCD)])
 def test_agent_refuses_an_exposed_setting_in_one_line(argv: list[str], flag: str,
                                                       capsys: pytest.CaptureFixture) -> None:
     """Exit status 2 and one line naming the flag, before anything starts (nothing connects:
@@ -115,7 +115,7 @@ def test_agent_refuses_an_etcd_password_over_http(tmp_path: Path,
 
 def test_insecure_flags_are_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     args = build_parser().parse_args([
-        "--node-name", "n", "--listen", "0.0.0.0:0", "--etcd-endpoint", "http://10.0.0.2:2379",
+        "--node-name", "n", "--listen", "0.0.0.0:0", "--etcd-endpoint", "http://etcd.lan:2379",
         INSECURE_LISTEN, INSECURE_ETCD, INSECURE_FORWARD])
     config = config_from_args(args)
     assert config.insecure == {INSECURE_LISTEN, INSECURE_ETCD, INSECURE_FORWARD}
@@ -123,7 +123,7 @@ def test_insecure_flags_are_accepted_with_a_warning(caplog: pytest.LogCaptureFix
         Agent(config)  # constructed only: nothing listens, nothing dials etcd
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(INSECURE_LISTEN in w for w in warnings), warnings
-    assert any(INSECURE_ETCD in w and "10.0.0.2" in w for w in warnings), warnings
+    assert any(INSECURE_ETCD in w and "etcd.lan" in w for w in warnings), warnings
     # and without flags the defaults are quiet
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="node_agent"):

@@ -19,14 +19,15 @@ class NodeSpec:
     ``address``: a /32 from TEST-NET-2 (RFC 5737, never routed) on ``link``, a bridge with no
     ports: the kubelet refuses a loopback node IP, and an iptables rule drops anything to it
     that does not come from this host. ``pod_cidr``: the CNI bridge's range (only Pods without
-    hostNetwork use it).
+    hostNetwork use it), a documentation range (RFC 5737 TEST-NET-3) like the node address, so
+    nothing on the host's own networks is shadowed.
     """
 
     name: str = "mlx-fleet-node"
     address: str = "198.51.100.10"
     link: str = "mlxfleet0"
     cni_bridge: str = "mlxfleet-cni0"
-    pod_cidr: str = "10.244.0.0/24"
+    pod_cidr: str = "203.0.113.0/24"
 
 
 def containerd_config(default: str, *, pause_ref: str, cni_bin_dir: Path, cni_conf_dir: Path) -> str:
