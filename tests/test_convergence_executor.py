@@ -22,8 +22,8 @@ from node_agent.metrics import AgentMetrics
 from node_agent.registration import Registration
 from node_agent.serving import MemoryUsage
 from serving_fixtures import wait_for
-from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, Capacity, assignment, put,
-                                   settled, state_is, wait_report)
+from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, assignment, put,  # noqa: F401
+                                   registration, settled, state_is, wait_report)
 
 Ident = tuple[str, str]
 
@@ -88,15 +88,6 @@ class FakeCore:
 async def store(memory_store: MemoryStore) -> MemoryStore:
     """The in-memory store stands in for etcd in this module."""
     return memory_store
-
-
-@pytest.fixture
-async def registration(store: MemoryStore, keys: Keys) -> AsyncIterator[Registration]:
-    reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
-                       ttl=5)
-    await reg.start()
-    yield reg
-    await reg.stop()
 
 
 @pytest.fixture

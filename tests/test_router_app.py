@@ -344,6 +344,21 @@ async def test_retry_on_503_and_the_last_answer_relayed(memory_store, stubs, rou
     assert (len(a.seen), len(b.seen)) == (2, 2)
 
 
+async def test_a_mac_that_dropped_the_model_is_skipped(memory_store, stubs, router) -> None:
+    """The agent's 404 (its assignment was just deleted — a drain, an unassignment — and the
+    router's table is a watch event behind) is retried on the next Mac before the first byte."""
+    async def gone(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "not loaded", "type": "invalid_request_error",
+                                            "param": "model", "code": "model_not_found"}}, status=404)
+
+    a, b = await stubs(gone), await stubs(ok)
+    await publish(memory_store, "mac-a", a.url)
+    await publish(memory_store, "mac-b", b.url)
+    rig = await router(macs=2)
+    resp = await rig.chat(session_first_on("mac-a", {"mac-a", "mac-b"}))
+    assert resp.status == 200 and (len(a.seen), len(b.seen)) == (1, 1)
+
+
 async def test_no_retry_after_the_first_byte(memory_store, stubs, router) -> None:
     async def cut(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

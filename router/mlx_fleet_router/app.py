@@ -343,8 +343,9 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                 outcome, refused = _outcome(e)
                 last_reason = f"{target.name}: {e.reason}"
                 metrics.attempts.labels(model, target.name, outcome.kind).inc()
+                # a 429 (busy) or a 404 (the model just left that Mac) is no sign of sickness
                 state.feed(target.name, breaker.Refused() if refused else breaker.Finished(
-                    ok=outcome.status == 429, seconds=clock() - sent_at))
+                    ok=outcome.status in (404, 429), seconds=clock() - sent_at))
                 decision, state.budget = retry.decide(
                     cfg, state.budget, outcome, attempts=attempts,
                     macs_left=len(targets) - i - 1, now=clock())

@@ -7,8 +7,10 @@
   has begun; the stream is cut (``BytesSent``);
 * before that, retryable: a connection error (refused, unreachable, TLS, connect timeout), a
   connection reset or closed before the response's first byte, a timeout waiting for it, and the
-  statuses in :data:`RETRYABLE_STATUSES` — 502, 503, 504 and the agent's 429 (its admission
-  queue is full; another Mac may have room). Any other status is the answer (``NotRetryable``);
+  statuses in :data:`RETRYABLE_STATUSES` — 502, 503, 504, the agent's 429 (its admission
+  queue is full; another Mac may have room) and its 404 (the router only sends a model to Macs
+  its table says serve it, so a 404 means the Mac dropped the model — drained or unassigned —
+  a watch event before the table saw it). Any other status is the answer (``NotRetryable``);
 * at most ``max_attempts`` attempts in all (``AttemptsExhausted``), and only while a Mac is left
   to try (``NoMoreMacs``);
 * within the **retry budget** (``BudgetExhausted``): over the last ``window_seconds``, the
@@ -34,8 +36,9 @@ __all__ = ["RETRYABLE_STATUSES", "BUDGET_SLOTS", "RetryConfig", "Budget", "Outco
            "retryable", "record_request", "decide"]
 
 #: Upstream statuses worth another Mac before the first byte: 502/503/504 (a gateway or
-#: server failure of that Mac) and 429 (the agent's admission is full).
-RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+#: server failure of that Mac), 429 (the agent's admission is full) and 404 (the Mac no longer
+#: serves the model: the routing table is one watch event behind it).
+RETRYABLE_STATUSES = frozenset({404, 429, 502, 503, 504})
 #: Time slots of the budget's window.
 BUDGET_SLOTS = 10
 
