@@ -44,7 +44,8 @@ def test_local_values_use_the_local_image_host_network_and_dev_etcd() -> None:
         "image.pullPolicy": "Never", "hostNetwork": "true",
         "etcd.endpoints": "{http://127.0.0.1:2379}", "etcd.prefix": "/p",
         "metrics.port": "1", "health.port": "2", "operator.watchNamespaces": "{ns}",
-        "router.hostNetwork": "true", "router.port": "3", "router.replicaCount": "1"}
+        "router.hostNetwork": "true", "router.port": "3", "router.replicaCount": "1",
+        "router.url": "http://127.0.0.1:3"}
 
 
 def test_local_values_reach_the_api_server_directly_without_kube_proxy() -> None:

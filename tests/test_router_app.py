@@ -259,6 +259,31 @@ async def test_split_pins_the_revision_with_the_forward_key(memory_store, stubs,
     assert b.seen[0]["Authorization"] == f"Bearer {FORWARD}"  # never the client's key
 
 
+async def test_forward_key_only_over_tls_or_to_loopback(memory_store, stubs, router,
+                                                        tmp_path: Path, monkeypatch) -> None:
+    """An ``http://`` agent on another host gets the client's Authorization, never the fleet's
+    forward key (:func:`mlx_fleet.exposure.may_send_key`, the agents' own rule). The other host
+    is a name resolved to 127.0.0.1: no traffic leaves loopback."""
+    class Loopback(aiohttp.abc.AbstractResolver):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list:
+            return [{"hostname": host, "host": "127.0.0.1", "port": port,
+                     "family": socket.AF_INET, "proto": 0, "flags": socket.AI_NUMERICHOST}]
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(aiohttp.connector, "DefaultResolver", Loopback)
+    a = await stubs(ok)
+    await publish(memory_store, "mac-a", a.url.replace("127.0.0.1", "studio-1.example"))
+    (tmp_path / "fwd").write_text(FORWARD + "\n")
+    rig = await router(macs=1, forward_key=KeyFile(tmp_path / "fwd"))
+    assert (await rig.chat(headers={"Authorization": "Bearer client-key"})).status == 200
+    assert a.seen[0]["Authorization"] == "Bearer client-key"
+
+
 async def test_split_through_the_router_matches_the_agents_bucket(memory_store, stubs,
                                                                   router) -> None:
     """Each session's revision is the one the agents' own split picks for it

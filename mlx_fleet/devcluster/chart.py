@@ -66,7 +66,10 @@ def local_values(cp: ControlPlane, node: Node, *, namespace: str, etcd_prefix: s
               "--set", f"metrics.port={metrics_port}", "--set", f"health.port={health_port}",
               "--set", f"operator.watchNamespaces={{{namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
-              "--set", "router.replicaCount=1"]
+              "--set", "router.replicaCount=1",
+              # the URL clients on this host use (the operator shows it in status.router): the
+              # chart's default, the router Service's cluster DNS name, has no DNS here
+              "--set", f"router.url=http://127.0.0.1:{router_port}"]
     if node.kube_proxy is None:
         values += ["--set", "kubernetesAPI.host=127.0.0.1",
                    "--set", f"kubernetesAPI.port={cp.apiserver_url.rsplit(':', 1)[1]}"]

@@ -68,6 +68,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from mlx_fleet.exposure import may_send_key
 from mlx_fleet.http_errors import error_response, unauthorized
 from mlx_fleet.routing.api_keys import DEFAULT_TENANT, KeyFile, bearer_token
 from mlx_fleet.routing.headers import PIN_HEADER, SESSION_HEADER
@@ -146,13 +147,15 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
               synced: Callable[[], bool] = lambda: True,
               settings: RouterSettings | None = None,
               api_keys: KeyFile | None = None, forward_key: KeyFile | None = None,
-              upstream_ssl: ssl.SSLContext | None = None,
+              upstream_ssl: ssl.SSLContext | None = None, insecure_forward: bool = False,
               clock: Callable[[], float] = time.monotonic) -> web.Application:
     """The router's app over ``table()`` (the current routing table, e.g.
     :attr:`mlx_fleet_router.follow.Follower.table`). ``registry``: where its metrics go (and
     what ``/metrics`` exposes). ``synced()``: the table follows etcd (``/health``).
     ``api_keys``: client keys with their tenants (None: open API); ``forward_key``: the fleet's
-    forward key file (its first key is presented to agents, so they honour the pin);
+    forward key file (its first key is presented to agents, so they honour the pin — only over
+    ``https://`` or to loopback, unless ``insecure_forward``: the agent's own rule,
+    :func:`mlx_fleet.exposure.may_send_key`);
     ``upstream_ssl``: how ``https://`` agents are verified (default: the system's CAs);
     ``clock``: monotonic seconds (breakers, budget, buckets)."""
     settings = settings or RouterSettings()
@@ -310,7 +313,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
             headers[PIN_HEADER] = target.revision
         if request.headers.get(SESSION_HEADER):
             headers[SESSION_HEADER] = request.headers[SESSION_HEADER]
-        if forward_key is not None:
+        if forward_key is not None and may_send_key(target.endpoint, insecure=insecure_forward):
             forward_key.current()  # a rotated file is in force for this request already
             headers["Authorization"] = f"Bearer {forward_key.first}"
         elif request.headers.get("Authorization"):

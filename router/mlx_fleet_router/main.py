@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from mlx_fleet.contract import ROOT, Keys
 from mlx_fleet.etcd_credentials import (EtcdCredentials, add_etcd_arguments,
                                         credentials_from_args)
+from mlx_fleet.exposure import INSECURE_FORWARD
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.store import EtcdStore, check_endpoint, parse_endpoint
 
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the fleet-internal key file the agents have as --forward-key-file: its "
                         "first key is presented to them, so they honour the router's revision "
                         "pin. Without it the client's Authorization header is passed on")
+    p.add_argument(INSECURE_FORWARD, action="store_true",
+                   help="send the forward key to agents over plain http:// on other hosts; "
+                        "without this flag it goes only over https:// or to loopback (as the "
+                        "agents' own rule), and a request to an http:// agent carries the "
+                        "client's Authorization header instead")
     p.add_argument("--upstream-ca-file", default=None, metavar="PATH",
                    help="PEM CA bundle that verifies https:// agents (default: the system's)")
     p.add_argument("--tenant-limits", type=_tenant_limits, action="append", default=[],
@@ -196,7 +202,8 @@ async def serve(args: argparse.Namespace, setup: Setup) -> None:
     follower = Follower(store, Keys(args.etcd_prefix), namespaces=args.namespace or None)
     app = build_app(lambda: follower.table, registry=CollectorRegistry(),
                     synced=lambda: follower.synced, settings=settings_from_args(args),
-                    api_keys=api_keys, forward_key=forward_key, upstream_ssl=upstream_ssl)
+                    api_keys=api_keys, forward_key=forward_key, upstream_ssl=upstream_ssl,
+                    insecure_forward=getattr(args, INSECURE_FORWARD[2:].replace("-", "_")))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     stop = asyncio.Event()
