@@ -331,7 +331,10 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
             if not state.admits(target.name):  # its breaker opened since the pick
                 continue
             attempts += 1
-            final = attempts >= cfg.max_attempts or i == len(targets) - 1
+            # the Macs still to try: a later one whose breaker opened is skipped, so it counts
+            # neither for "the last attempt relays the Mac's own answer" nor for macs_left
+            left = sum(1 for t in targets[i + 1:] if state.admits(t.name))
+            final = attempts >= cfg.max_attempts or left == 0
             state.feed(target.name, breaker.Sent())
             relay = _Relay(clock)
             relayed.append(relay)
@@ -351,7 +354,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                     ok=outcome.status in (404, 429), seconds=clock() - sent_at))
                 decision, state.budget = retry.decide(
                     cfg, state.budget, outcome, attempts=attempts,
-                    macs_left=len(targets) - i - 1, now=clock())
+                    macs_left=left, now=clock())
                 metrics.retries.labels(model, decision.reason).inc()
                 if decision.retry:
                     log.info("retrying %s on the next Mac after %s", model, last_reason)
