@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import time
 from decimal import Decimal
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -292,6 +292,15 @@ class ModelSource(_Record):
     revision: str
 
 
+#: ``Assignment.task`` values (the CRD's ``spec.model.task`` enum): what the model is served
+#: for. The names are KubeAI's model ``features`` (``TextGeneration``, ``TextEmbedding``),
+#: CamelCase as Kubernetes API conventions want enum values; one per model, as vLLM's
+#: ``--task`` (``generate`` / ``embed``): a revision is served for one task.
+TASK_TEXT_GENERATION = "TextGeneration"
+TASK_TEXT_EMBEDDING = "TextEmbedding"
+TASKS = (TASK_TEXT_GENERATION, TASK_TEXT_EMBEDDING)
+
+
 class ServingParams(_Record):
     """Per-model serving limits. Defaults follow mlx-lm's server (batch 8 sequences)."""
 
@@ -337,7 +346,9 @@ class Assignment(_Record):
     ModelDeployment's ``metadata.generation`` the assignment was computed from; ``uid`` its
     ``metadata.uid``. ``served_model_name`` is the OpenAI ``model`` id clients send (the same for
     every revision of a deployment); ``source.revision`` is the revision (also the key's last
-    segment); ``role`` says which traffic it takes (:class:`Role`)."""
+    segment); ``role`` says which traffic it takes (:class:`Role`). ``task``: what the model is
+    served for (:data:`TASKS`): ``TextGeneration`` (chat and completions) or ``TextEmbedding``
+    (``POST /v1/embeddings``); records older than the field read as ``TextGeneration``."""
 
     namespace: str
     name: str
@@ -349,6 +360,7 @@ class Assignment(_Record):
     serving: ServingParams = Field(default_factory=ServingParams)
     lifecycle: LifecyclePolicy = Field(default_factory=LifecyclePolicy)
     role: Role = Role.STABLE
+    task: Literal["TextGeneration", "TextEmbedding"] = TASK_TEXT_GENERATION
 
     @property
     def revision(self) -> str:

@@ -134,7 +134,7 @@ class Loader:
                 await rt.core.load_model(
                     spec.model_id, path, revision=spec.revision,
                     max_concurrent_sequences=spec.max_concurrent_sequences,
-                    max_context_tokens=spec.max_context_tokens)
+                    max_context_tokens=spec.max_context_tokens, task=spec.task)
             except asyncio.CancelledError:
                 # the core calls the load off, unless it completed just now: then nothing may
                 # stay resident that no assignment tracks

@@ -20,7 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Union
 
 from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, Assignment, AssignmentReport,
-                                AssignmentState, Role)
+                                AssignmentState, Role, TASK_TEXT_GENERATION)
 from mlx_fleet.quantity import format_bytes
 
 if TYPE_CHECKING:  # a type only: importing node_agent.serving would load MLX
@@ -139,11 +139,12 @@ class Spec:
     revision: str
     max_concurrent_sequences: int
     max_context_tokens: int
+    task: str = TASK_TEXT_GENERATION   # Assignment.task: TextGeneration or TextEmbedding
 
     @classmethod
     def of(cls, a: Assignment) -> Spec:
         return cls(a.served_model_name, a.source.uri, a.source.revision,
-                   a.serving.max_concurrent_sequences, a.serving.max_context_tokens)
+                   a.serving.max_concurrent_sequences, a.serving.max_context_tokens, a.task)
 
     @property
     def ident(self) -> Ident:

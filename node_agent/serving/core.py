@@ -84,12 +84,15 @@ from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry
 
+from mlx_fleet.contract import TASK_TEXT_GENERATION
+
 from ..metrics import AgentMetrics
 from .admission import DrainRate, admit, retry_after_seconds
 from .channel import _STOP, _CommandChannel
 from .coalesce import Coalescer, SharedGeneration, coalesce_key
+from .embeddings import _Embeddings
 from .engine import Engine, Events
-from .errors import GenerationAborted, Overloaded, StreamBufferOverflow
+from .errors import GenerationAborted, Overloaded, StreamBufferOverflow, WrongTask
 from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing
@@ -116,7 +119,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-class ServingCore(_Revisions, _CommandChannel, _StepLoop):
+class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
     """Loads MLX models and generates with continuous batching on one MLX-owning thread.
 
     All coroutine methods must be awaited on the event loop that called :meth:`start`.
@@ -155,6 +158,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
             thread_name_prefix="mlxfleet-tokenize")
         self._tokenizers: dict[ModelKey, Any] = {}   # loop side: each served revision's
         self._coalescer = Coalescer()
+        self._embed_queues: dict[ModelKey, Any] = {}   # loop side: _Embeddings' batch queues
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
         self._started = False
@@ -318,7 +322,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         for the others (the last one leaving cancels it). Counted in
         ``mlxfleet_agent_coalesced_requests_total``.
 
-        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`Overloaded`,
+        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`WrongTask` (a
+        ``TextEmbedding`` model), :class:`Overloaded`,
         :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, ``ValueError`` for bad
         arguments, :class:`GenerationAborted` when the core is not running or has failed (see
         :attr:`failure`).
@@ -333,6 +338,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
+        if info.task != TASK_TEXT_GENERATION:
+            raise WrongTask(model_id, info.task, "POST /v1/embeddings")
         size = prompt_bytes(prompt, messages)
         if size > self.max_prompt_bytes:
             raise PromptTooLarge(size, self.max_prompt_bytes)

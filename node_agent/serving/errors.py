@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
-           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow"]
+           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow", "WrongTask"]
 
 
 #: :attr:`ModelLoadError.reason` of a load that an unload of the same revision called off.
@@ -83,3 +83,15 @@ class StreamBufferOverflow(GenerationAborted):
         super().__init__(f"the client read the stream too slowly: {buffered} generated chunks "
                          "were waiting for it, so the generation was stopped")
         self.buffered = buffered
+
+
+class WrongTask(ValueError):
+    """The request is for another task than the one the model is served for (a generation
+    request to a ``TextEmbedding`` model, an embeddings request to a ``TextGeneration`` one).
+    ``model_id``, ``task`` (the model's) and ``endpoint`` (what serves that task) say which."""
+
+    def __init__(self, model_id: str, task: str, endpoint: str) -> None:
+        super().__init__(f"the model {model_id!r} is served for {task}: use {endpoint}")
+        self.model_id = model_id
+        self.task = task
+        self.endpoint = endpoint

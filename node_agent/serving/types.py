@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_fleet.contract import TASK_TEXT_GENERATION
+
+from .embed_profile import EmbeddingProfile
+
 __all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage", "LoadProgress"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
@@ -18,7 +22,10 @@ class ModelInfo:
     ``max_context_tokens``: prompt + completion limit in tokens; ``kv_cache_bytes_per_token``:
     KV-cache bytes one token of one sequence holds
     (:func:`node_agent.memory_estimate.kv_cache_bytes_per_token` of its ``config.json``; 0 when
-    that cannot be read: then no KV bound applies to it)."""
+    that cannot be read: then no KV bound applies to it); ``task``: what it serves
+    (:data:`mlx_fleet.contract.TASKS`: ``TextGeneration`` or ``TextEmbedding``);
+    ``embedding``: how an embedding model pools (read from its directory at load), None for a
+    generation model."""
 
     model_id: str
     revision: str
@@ -27,6 +34,8 @@ class ModelInfo:
     max_concurrent_sequences: int
     max_context_tokens: int
     kv_cache_bytes_per_token: int = 0
+    task: str = TASK_TEXT_GENERATION
+    embedding: EmbeddingProfile | None = None
 
     @property
     def key(self) -> ModelKey:

@@ -156,6 +156,12 @@ class ModelSpec(_Spec):
         'The model id clients pass as "model" to the OpenAI-compatible API (1 to 128 characters: '
         'a letter or digit, then letters, digits, ".", "_", ":", "/" and "-"). Defaults to '
         'metadata.name when unset.'))
+    task: Literal["TextGeneration", "TextEmbedding"] = Field(default="TextGeneration", description=(
+        'What the model is served for: TextGeneration (POST /v1/chat/completions and '
+        '/v1/completions) or TextEmbedding (POST /v1/embeddings: the hidden state of the last '
+        'input token, L2-normalised, unless the model directory\'s sentence-transformers pooling '
+        'config says otherwise). A request for the other task is refused with 400. The names are '
+        'KubeAI\'s model features; one task per model, as vLLM\'s --task.'))
 
     @field_validator("source")
     @classmethod
@@ -375,6 +381,7 @@ def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str =
                               max_context_tokens=spec.serving.max_context_tokens),
         lifecycle=LifecyclePolicy(idle_unload_seconds=spec.lifecycle.idle_unload_seconds,
                                   prefetch=spec.lifecycle.prefetch),
+        task=spec.model.task,
     )
 
 
