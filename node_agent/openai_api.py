@@ -4,7 +4,10 @@ completion handlers).
 
 Routes:
 
-* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming),
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming) for a
+  ``TextGeneration`` model; ``POST /v1/embeddings`` (:mod:`node_agent.api.embeddings`) for a
+  ``TextEmbedding`` one (``spec.model.task``; the other task's route answers 400
+  ``wrong_model_task`` naming ``model``),
 * ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus),
 * ``GET /openapi.json``: the API's OpenAPI 3.1 document (:mod:`node_agent.openapi`, built from
   the request and response models of :mod:`node_agent.api_models` that this module validates
@@ -86,6 +89,7 @@ from mlx_fleet.routing.api_keys import KeyFile
 
 from .api.completions import Completions
 from .api.context import OPEN_PATHS, UNKNOWN_LABEL
+from .api.embeddings import EmbeddingsRoute
 from .api.forward import Forwarder
 from .api.middleware import authentication, keyed, request_errors
 from .api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -157,6 +161,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                           insecure_forward=insecure_forward, router=router)
     app.on_cleanup.append(forwarder.close)
     completions = Completions(core, router=router, forward=forwarder)
+    embeddings = EmbeddingsRoute(core, router=router, forward=forwarder)
 
     async def list_models(request: web.Request) -> web.Response:
         """OpenAI's model list: every resident revision (``status: loaded``) and every standby
@@ -199,6 +204,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     app.router.add_post("/v1/chat/completions", completions.chat)
     app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/embeddings", embeddings.create)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)
