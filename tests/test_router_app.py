@@ -74,6 +74,7 @@ class Stub:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", gen)
         app.router.add_post("/v1/completions", gen)
+        app.router.add_post("/v1/embeddings", gen)
         app.router.add_get("/health", health)
         self.server = TestServer(app, host="127.0.0.1")
 
@@ -229,6 +230,30 @@ async def test_models_health_and_a_routed_request(memory_store, stubs, router) -
     for name in ("mlxfleet_router_request_duration_seconds", "mlxfleet_router_upstream_attempts",
                  "mlxfleet_router_in_flight_requests", "mlxfleet_router_time_to_first_token"):
         assert name in text
+
+
+async def test_embeddings_are_relayed_like_the_other_routes(memory_store, stubs,
+                                                            router) -> None:
+    embedding = {"object": "list", "model": MODEL, "data": [
+        {"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+        "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+    paths: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        paths.append(request.path)
+        return web.json_response(embedding)
+
+    a = await stubs(answer)
+    await publish(memory_store, "mac-a", a.url)
+    rig = await router(macs=1)
+    resp = await rig.client.post("/v1/embeddings", json={"model": MODEL, "input": ["hi"]},
+                                 headers={SESSION_HEADER: "s"})
+    assert resp.status == 200 and await resp.json() == embedding
+    assert paths == ["/v1/embeddings"] and a.seen[0][SESSION_HEADER] == "s"
+    assert rig.metric("mlxfleet_router_requests_total", model=MODEL, code="200",
+                      tenant="default") == 1
+    resp = await rig.client.post("/v1/embeddings", json={"model": "nope", "input": "hi"})
+    assert resp.status == 404 and (await error_of(resp))["param"] == "model"
 
 
 async def test_a_draining_mac_gets_no_new_request(memory_store, stubs, router) -> None:

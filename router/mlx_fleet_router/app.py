@@ -2,8 +2,10 @@
 
 Routes:
 
-* ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming): relayed to a
-  Mac that serves the requested model (below), the Mac's answer streamed back as it comes;
+* ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming) and
+  ``POST /v1/embeddings`` (JSON): relayed to a Mac that serves the requested model (below), the
+  Mac's answer streamed back as it comes (an embeddings request to a generation model, or the
+  reverse, is the agent's 400 ``wrong_model_task``, relayed);
 * ``GET /v1/models``: the served names in scope with a Ready replica, each with its
   ``deployment`` (``namespace/name``), ``revisions`` and ``ready_replicas`` (``created``: 0,
   unknown to the router);
@@ -458,6 +460,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     app.cleanup_ctx.append(start_probes)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/embeddings", generate)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/fleet", fleet_handler)
