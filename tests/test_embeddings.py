@@ -427,3 +427,96 @@ def test_dimensions_is_a_positive_integer(value: object) -> None:
         assert not ok
     else:
         assert ok
+
+
+# -- revisions: the canary split and forwarding, as for the chat routes ------------------------
+
+NS, DEP = "default", "emb-dep"
+
+
+async def _capacity():
+    from mlx_fleet.contract import NodeCapacity
+    return NodeCapacity(memory_total_bytes=64 * 2**30, memory_available_bytes=48 * 2**30,
+                        chip="Apple M3 Max", chip_generation=3, simulated=True)
+
+
+async def test_canary_split_and_forwarding_of_embeddings(memory_store, keys,
+                                                         embed_model_path: Path) -> None:
+    """Under a split the embeddings route is routed like chat (X-Model-Revision, the outcome
+    counted for the revision that served it), and a candidate held on another node is
+    forwarded there pinned."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from prometheus_client import CollectorRegistry
+
+    from mlx_fleet.contract import Keys, Role, TrafficSplit
+    from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER
+    from node_agent.controller import ServedModel
+    from node_agent.openai_api import build_app
+    from node_agent.registration import Registration
+    from node_agent.serving import ServingCore
+    from node_agent.traffic import TrafficManager
+
+    other = make_test_model(embed_model_path.parent / "emb-other", embedding=True, seed=1)
+    core = ServingCore(registry=CollectorRegistry())
+    await core.start()
+    started = []
+    try:
+        for rev, path in (("r1", embed_model_path), ("r2", other)):
+            await core.load_model(EMB_ID, path, revision=rev, task="TextEmbedding",
+                                  max_context_tokens=256)
+
+        async def node(k: Keys, name: str, served: dict[str, Role]):
+            reg = Registration(memory_store, k, node_name=name, address="http://unused",
+                               ttl=5, capacity=_capacity)
+            await reg.start()
+            tm = TrafficManager(memory_store, k, node_name=name, registration=reg,
+                                served=lambda: {EMB_ID: ServedModel(NS, DEP, dict(served))},
+                                crashes=core.crashes, memory_bytes=core.memory_bytes)
+            recorded: list[tuple[str, bool]] = []
+            real = tm.record
+
+            def record(routed, **kw) -> None:
+                recorded.append((routed.route.revision, kw["failed"]))
+                real(routed, **kw)
+
+            tm.record = record  # type: ignore[method-assign]
+            await tm.start()
+            await asyncio.wait_for(tm.synced.wait(), 30)
+            client = TestClient(TestServer(build_app(core, health=lambda: (True, {}),
+                                                     registry=core.registry,
+                                                     router=lambda: tm), host="127.0.0.1"))
+            await client.start_server()
+            started.append((reg, tm, client))
+            return client, recorded
+
+        back, back_rec = await node(Keys(keys.root + "-back"), "holder",
+                                    {"r1": Role.STABLE, "r2": Role.CANDIDATE})
+        url = str(back.make_url("")).rstrip("/")
+        await memory_store.put(keys.traffic(NS, DEP), TrafficSplit(
+            namespace=NS, name=DEP, served_model_name=EMB_ID, stable_revision="r1",
+            candidate_revision="r2", weight=100, canary="c", canary_uid="uid-1",
+            candidate_endpoints=[url]).to_json())
+        front, front_rec = await node(keys, "front", {"r1": Role.STABLE})
+        body = {"model": EMB_ID, "input": TEXTS[:2]}
+
+        want = {rev: (await core.embed(EMB_ID, revision=rev, texts=TEXTS[:2])).vectors
+                for rev in ("r1", "r2")}
+        assert np.abs(want["r1"] - want["r2"]).max() > 1e-3   # two different models
+        direct = await back.post(EMBED, json=body)
+        assert direct.status == 200 and direct.headers[REVISION_HEADER] == "r1"
+        pinned = await back.post(EMBED, json=body, headers={PIN_HEADER: "r2"})
+        assert pinned.headers[REVISION_HEADER] == "r2"
+        # the split (weight 100) sends it to the candidate, held on the back node: forwarded
+        resp = await front.post(EMBED, json=body)
+        assert resp.status == 200 and resp.headers[REVISION_HEADER] == "r2"
+        got = np.array([d["embedding"] for d in (await resp.json())["data"]], np.float32)
+        np.testing.assert_allclose(got, want["r2"], atol=TOL)
+        # the serving node counted what it served; the forwarding node nothing
+        assert back_rec == [("r1", False), ("r2", False), ("r2", False)]
+        assert front_rec == []
+    finally:
+        for reg, tm, client in reversed(started):
+            await client.close()
+            await tm.stop()
+            await reg.stop()
+        await core.close()
