@@ -39,6 +39,33 @@ TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "a",
 TOL = 1e-5
 
 
+# -- the task in the API: spec.model.task → Assignment.task → the agent's load spec -------------
+
+
+def test_task_is_carried_from_the_spec_to_the_agent() -> None:
+    from mlx_fleet.contract import Assignment, TASKS
+    from mlx_fleet_operator.spec import DeploymentSpec, parse_spec, to_assignment
+    from node_agent.convergence.state import Spec
+
+    base = {"model": {"source": "/models/emb", "revision": "r1"}}
+    assert parse_spec(base).model.task == "TextGeneration"
+    spec = parse_spec({"model": {**base["model"], "task": "TextEmbedding"}})
+    a = to_assignment(spec, namespace="ns", name="emb")
+    assert a.task == "TextEmbedding"
+    assert Assignment.from_json(a.to_json()) == a
+    assert Spec.of(a).task == "TextEmbedding"
+    assert Spec.of(a) != Spec.of(a.model_copy(update={"task": "TextGeneration"}))  # reloads
+    # a record written before the field reads as a generation model
+    old = json.loads(a.to_json())
+    del old["task"]
+    assert Assignment.model_validate(old).task == "TextGeneration"
+    # one list of tasks: the CRD's enum is the contract's
+    field = DeploymentSpec.model_fields["model"].annotation.model_fields["task"]
+    assert tuple(field.annotation.__args__) == TASKS
+    with pytest.raises(ValueError, match="spec.model.task"):
+        parse_spec({"model": {**base["model"], "task": "embed"}})
+
+
 # -- the batching policy (pure) ---------------------------------------------------------------
 
 P = BatchPolicy(max_inputs=4, max_tokens=40, window_s=0.002)
