@@ -263,6 +263,9 @@ async def test_batch_equals_one_at_a_time_and_concurrent_requests_share_passes(
         del sizes[:]
         rs = await asyncio.gather(*(core.embed(EMB_ID, texts=[t]) for t in TEXTS * 2))
         assert sum(sizes) == 2 * len(TEXTS) and len(sizes) < 2 * len(TEXTS)
+        labels = {"model": EMB_ID, "revision": REVISION}
+        assert emb_agent.registry.get_sample_value(
+            "mlxfleet_agent_embedding_batch_inputs_count", labels) == 1 + len(TEXTS) + len(sizes)
         np.testing.assert_allclose(np.stack([r.vectors[0] for r in rs]),
                                    np.concatenate([one, one]), atol=TOL)
         # token ids give what their text gives

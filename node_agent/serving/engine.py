@@ -301,12 +301,14 @@ class Engine:
         """One forward pass of embedding revision ``key`` over ``batch`` (token lists): the
         vectors as a float32 numpy array ``(len(batch), dimensions)``
         (:func:`~node_agent.serving.embedder.embed_batch`). Counts the batch's tokens in
-        ``mlxfleet_agent_prompt_tokens_total``. Raises :class:`ModelNotLoaded`."""
+        ``mlxfleet_agent_prompt_tokens_total``, its size in
+        ``mlxfleet_agent_embedding_batch_inputs``. Raises :class:`ModelNotLoaded`."""
         res = self.registry.get(key)
         if res is None or res.info.embedding is None:
             raise ModelNotLoaded(*key)
         vectors = embed_batch(res.model, batch, res.info.embedding)
         self.metrics.prompt_tokens.labels(*key).inc(sum(len(ids) for ids in batch))
+        self.metrics.embedding_batch_inputs.labels(*key).observe(len(batch))
         return vectors
 
     # -- requests ------------------------------------------------------------------------------
