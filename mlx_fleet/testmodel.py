@@ -5,6 +5,13 @@ byte-level BPE tokenizer trained on a small built-in English corpus (``tokenizer
 ``tokenizer_config.json`` with a chat template). It is loaded by exactly the same code path as a
 downloaded model: ``mlx_lm.load(str(path))``.
 
+Embedding models: ``make_test_model(dir, embedding=True)`` writes a ``qwen3``-architecture
+decoder laid out as Qwen3-Embedding is (whose ``config.json`` is a plain ``Qwen3ForCausalLM``):
+the sentence-transformers ``modules.json`` and ``1_Pooling/config.json`` (last-token pooling,
+then Normalize), vLLM's ``is_matryoshka: true`` in ``config.json``, and a tokenizer that appends
+EOS to every text. Served with ``spec.model.task: TextEmbedding``
+(:mod:`node_agent.serving.embed_profile` reads those files), loaded through the same path.
+
 No network access is needed, output is deterministic for a given seed and parameters, and
 calling :func:`make_test_model` again on a complete model directory with the same parameters
 returns at once.
@@ -35,7 +42,7 @@ detokenizer, which could at best be slowed down by megabyte-long token strings; 
 server's whole MLX thread (every model on the node), not one request.
 
 CLI: ``mlx-fleet make-test-model DIR [--hidden-size N] [--num-layers N] [--vocab-size N]
-[--seed N] [--fault raise --fault-after-tokens N] [--force]`` (wired through
+[--seed N] [--fault raise --fault-after-tokens N] [--embedding] [--force]`` (wired through
 :func:`add_arguments` / :func:`run`; :func:`main` runs it stand-alone).
 """
 
