@@ -277,6 +277,26 @@ async def test_batch_equals_one_at_a_time_and_concurrent_requests_share_passes(
         del core._engine.embed
 
 
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean_tokens", "cls_token"])
+async def test_long_batches_run_in_chunks_with_the_same_vectors(emb_agent: Agent,
+                                                              pooling: str) -> None:
+    """Past mlx-lm's prefill step a pass runs in chunks over a KV cache: the same vectors."""
+    import dataclasses
+
+    from node_agent.serving.embedder import embed_batch
+
+    core = emb_agent.core
+    res = core._engine.registry.get((EMB_ID, REVISION))
+    profile = dataclasses.replace(res.info.embedding, pooling=pooling)
+    tok = core._tokenizers[(EMB_ID, REVISION)]
+    batch = [tok.encode(t, add_special_tokens=True) for t in TEXTS]
+    whole = await core._call(embed_batch, res.model, batch, profile)
+    for step in (3, 5, max(map(len, batch)) - 1):
+        chunked = await core._call(lambda: embed_batch(res.model, batch, profile,
+                                                       step_tokens=step))
+        np.testing.assert_allclose(chunked, whole, atol=TOL)
+
+
 async def test_core_bounds_and_task(emb_agent: Agent) -> None:
     core = emb_agent.core
     r = await core.embed(EMB_ID, texts=TEXTS[:2], dimensions=16)
