@@ -5,9 +5,9 @@ the request models and builds its JSON responses through the response models, an
 :mod:`node_agent.openapi` turns both into the ``GET /openapi.json`` document
 (``model_json_schema``), so the published schema cannot drift from what the server does.
 
-Request models follow OpenAI's Chat Completions and (legacy) Completions APIs; unknown fields
-are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
-(``chat.completion``, ``text_completion``, ``list`` of ``model``) plus this server's additions
+Request models follow OpenAI's Chat Completions, (legacy) Completions and Embeddings APIs;
+unknown fields are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
+(``chat.completion``, ``text_completion``, ``list`` of ``model`` or of ``embedding``) plus this server's additions
 to a model card (``revision``, ``max_context_tokens``, ``status``, ``standby_reason``). Errors
 have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`).
 """

@@ -6,5 +6,8 @@ them into one aiohttp app.
   counts),
 * :mod:`.parse` — request bodies validated into :mod:`node_agent.api_models` or a 400,
 * :mod:`.forward` — relaying a request to the node that serves its revision,
-* :mod:`.completions` — ``/v1/chat/completions`` and ``/v1/completions``.
+* :mod:`.routing` — which revision serves a request (split, pin, standby reload, forward),
+  shared by every model route,
+* :mod:`.completions` — ``/v1/chat/completions`` and ``/v1/completions``,
+* :mod:`.embeddings` — ``/v1/embeddings``.
 """
