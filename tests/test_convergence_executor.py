@@ -46,7 +46,8 @@ class FakeCore:
         self._released.set()
 
     async def load_model(self, model_id: str, path, *, revision: str,
-                         max_concurrent_sequences: int, max_context_tokens: int) -> None:
+                         max_concurrent_sequences: int, max_context_tokens: int,
+                         task: str = "TextGeneration") -> None:
         ident = (model_id, revision)
         self.events.append(("load", ident))
         if self.hold_loads:
