@@ -28,6 +28,12 @@ confirmed once due, :class:`~node_agent.serving.loading.LoadPacing`), so the oth
 keep emitting tokens at their rate during a load. Loads queue (one materialises at a time); commands (unload, cancel, new
 requests) are served between chunks. A revision becomes visible only once fully read.
 
+A revision loaded with ``task="TextEmbedding"`` has no BatchGenerator and no prompt cache: it
+serves :meth:`ServingCore.embed` (whole forward passes over batches of inputs, see
+:mod:`node_agent.serving.embeddings`), and :meth:`ServingCore.generate` refuses it
+(:class:`~node_agent.serving.errors.WrongTask`), as :meth:`ServingCore.embed` refuses a
+generation revision.
+
 Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per loaded
 revision): a request admitted while others decode is inserted into the running generator and
 joins the batch at its next step. Prompt prefixes are reused through mlx-lm's
