@@ -23,13 +23,14 @@ from pydantic import ValidationError
 
 from mlx_fleet.testmodel import make_test_model
 from node_agent.api_models import MAX_EMBEDDING_INPUTS, EmbeddingRequest
-from node_agent.serving import (DimensionsNotSupported, InputTooLong, InvalidPrompt,
-                                ModelLoadError, WrongTask)
+from node_agent.serving import (DimensionsNotSupported, GenerationAborted, InputTooLong,
+                                InvalidPrompt, ModelLoadError, WrongTask)
 from node_agent.serving.embed_batch import BatchPolicy, Decision, decide, fits
 from node_agent.serving.embed_profile import (EmbeddingProfile, UnsupportedEmbeddingModel,
                                               check_dimensions, parse_profile, read_profile)
 from node_agent.serving.embeddings import truncate
-from serving_fixtures import MODEL_ID, REVISION, Agent, close_agent, make_agent
+from serving_fixtures import (MODEL_ID, REVISION, Agent, close_agent, make_agent,
+                              mlx_thread_held, wait_for)
 
 EMBED = "/v1/embeddings"
 EMB_ID = "emb"
@@ -103,8 +104,9 @@ def test_a_batch_never_exceeds_its_bounds(lengths: list[int], max_inputs: int,
                                           max_tokens: int) -> None:
     policy = BatchPolicy(max_inputs, max_tokens)
     n = fits(lengths, policy)
-    assert n == (0 if not lengths else n)
-    if lengths:
+    if not lengths:
+        assert n == 0
+    else:
         assert 1 <= n <= min(max_inputs, len(lengths))
         assert n == 1 or n * max(lengths[:n]) <= max_tokens
         # the longest head that fits: one more would break a bound
@@ -317,6 +319,34 @@ async def test_core_bounds_and_task(emb_agent: Agent) -> None:
     with pytest.raises(WrongTask, match="TextGeneration"):
         await core.embed(MODEL_ID, texts=["hi"])
     assert core.inflight_requests() == 0     # every refused or served request was released
+
+
+async def test_cancelled_and_unloaded_requests_leave_nothing_behind(
+        emb_agent: Agent, embed_model_path: Path) -> None:
+    core = emb_agent.core
+    # a request cancelled while its input waits for the MLX thread: the others are served
+    async with mlx_thread_held(core, 30):
+        gone = asyncio.ensure_future(core.embed(EMB_ID, texts=["a"]))
+        kept = asyncio.ensure_future(core.embed(EMB_ID, texts=["b", "c"]))
+        await wait_for(lambda: core.inflight_requests(EMB_ID) == 2)
+        gone.cancel()
+    assert (await kept).vectors.shape == (2, 64)
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert core.inflight_requests() == 0
+    # a revision unloaded while a request is tokenized for it: the request fails, not hangs
+    await core.load_model(EMB_ID, embed_model_path, revision="gone", task="TextEmbedding",
+                          max_context_tokens=256)
+    # (64 inputs: more than one pass of 8, so at most the first pass runs before the unload)
+    async with mlx_thread_held(core, 30):
+        orphan = asyncio.ensure_future(core.embed(EMB_ID, revision="gone", texts=["a"] * 64))
+        await wait_for(lambda: core.inflight_requests(EMB_ID, "gone") == 1)
+        unloading = asyncio.ensure_future(core.unload_model(EMB_ID, "gone"))
+        await wait_for(lambda: not core.is_loaded(EMB_ID, "gone"))
+    await unloading
+    with pytest.raises(GenerationAborted, match="unloaded"):
+        await asyncio.wait_for(orphan, 30)
+    assert core.inflight_requests() == 0 and not core._embed_queues
 
 
 async def test_a_model_that_asks_for_what_is_not_served_does_not_load(

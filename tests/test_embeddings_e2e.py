@@ -11,7 +11,6 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import openai

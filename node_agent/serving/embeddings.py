@@ -197,8 +197,8 @@ class _Embeddings:
         queue = self._embed_queues.get(key)
         if queue is None:
             return
-        while queue.items and queue.items[0].fut.done():   # requests that went away
-            queue.items.popleft()
+        # inputs of requests that went away (cancelled, or failed on another input) are dropped
+        queue.items = collections.deque(it for it in queue.items if not it.fut.done())
         if queue.timer is not None:
             queue.timer.cancel()
             queue.timer = None
@@ -210,12 +210,10 @@ class _Embeddings:
             if not queue.busy:
                 del self._embed_queues[key]
             return
-        live = [it for it in queue.items if not it.fut.done()]
-        queue.items = collections.deque(live)
         policy = BatchPolicy(info.max_concurrent_sequences,
                              info.max_concurrent_sequences * info.max_context_tokens)
-        decision = decide([len(it.ids) for it in live], time.monotonic() - live[0].queued_at,
-                          queue.busy, policy)
+        decision = decide([len(it.ids) for it in queue.items],
+                          time.monotonic() - queue.items[0].queued_at, queue.busy, policy)
         if decision.take:
             taken = [queue.items.popleft() for _ in range(decision.take)]
             queue.busy = True
