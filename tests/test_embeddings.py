@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from mlx_fleet.testmodel import make_test_model
-from node_agent.api_models import MAX_EMBEDDING_INPUTS, EmbeddingRequest
+from node_agent.api_models import MAX_EMBEDDING_INPUTS, EmbeddingList, EmbeddingRequest
 from node_agent.serving import (DimensionsNotSupported, GenerationAborted, InputTooLong,
                                 InvalidPrompt, ModelLoadError, WrongTask)
 from node_agent.serving.embed_batch import BatchPolicy, Decision, decide, fits
@@ -410,6 +410,7 @@ async def test_base64_is_little_endian_float32(emb_agent: Agent) -> None:
         "model": EMB_ID, "input": "hello world"})).json())["data"][0]["embedding"]
     np.testing.assert_array_equal(np.frombuffer(raw, dtype="<f4"),
                                   np.array(floats, dtype=np.float32))
+    EmbeddingList.model_validate(body)        # the response model the OpenAPI document shows
     assert set(body) == {"object", "data", "model", "usage"}
     assert set(body["data"][0]) == {"object", "index", "embedding"}
     assert body["usage"] == {"prompt_tokens": body["usage"]["prompt_tokens"],
