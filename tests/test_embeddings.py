@@ -437,6 +437,8 @@ async def error_of(resp) -> dict:
     ({"model": EMB_ID, "input": "a", "dimensions": 65}, 400, "dimensions", "invalid_value"),
     ({"model": EMB_ID, "input": "word " * 400}, 400, "input", "context_length_exceeded"),
     ({"model": EMB_ID, "input": [[1], [10**6]]}, 400, "input", "invalid_prompt"),
+    ({"model": EMB_ID, "input": ["a" * 2**19, "b" * 2**19 + "c"]}, 400, "input",
+     "prompt_too_large"),                                 # over --max-prompt-bytes together
     ({"model": MODEL_ID, "input": "a"}, 400, "model", "wrong_model_task"),
     ({"model": "nope", "input": "a"}, 404, "model", "model_not_found"),
 ])

@@ -30,7 +30,7 @@ from .embed_batch import BatchPolicy, decide
 from .embed_profile import check_dimensions
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelNotLoaded,
                      WrongTask)
-from .tokenize import PromptTooLarge, tokenize_inputs
+from .tokenize import PromptTooLarge, prompt_bytes, tokenize_inputs
 from .types import ModelInfo, ModelKey
 
 __all__ = ["Embeddings", "InputTooLong", "DimensionsNotSupported"]
@@ -139,7 +139,7 @@ class _Embeddings:
         if why is not None:
             raise DimensionsNotSupported(why)
         if texts is not None:
-            size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+            size = sum(prompt_bytes(t, None) for t in texts)
             if size > self.max_prompt_bytes:
                 raise PromptTooLarge(size, self.max_prompt_bytes)
         else:
