@@ -1,0 +1,294 @@
+"""What a served model can do, what an OpenAI request needs, and whether the one satisfies the
+other: the one definition the node agent (which refuses) and the fleet router (which routes)
+share, so that both answer with the same message and code.
+
+* :class:`ModelCapabilities`: per loaded revision, written by its agent into its
+  :class:`~mlx_fleet.contract.AssignmentReport` (``capabilities``) and shown on its
+  ``GET /v1/models`` card. The agent computes it from the loaded model
+  (``node_agent.serving.capabilities.model_capabilities``).
+* :func:`required_capabilities`: an OpenAI request body (chat, legacy completions, embeddings)
+  → the :class:`Need` s it makes.
+* :func:`satisfies`: capabilities and needs → the first :class:`Missing` one, or None; an agent
+  answers it as a 400 (:meth:`Missing.message`, :attr:`Missing.code`, ``param``).
+* :func:`missing_everywhere`: the router's question over a model's replicas: is there one that
+  may serve the request? (A replica whose capabilities are unknown may.)
+
+Compatibility: every field has a default that claims nothing (no tools, no structured outputs,
+no logprobs, ``n`` 1), so a record written by an older agent, or a capability added later that
+an older agent does not write, never promises what the agent does not do. A report with no
+``capabilities`` at all (an agent older than them, or a standby revision never loaded here)
+is *unknown*: the router still sends it requests, and that agent refuses what it cannot do.
+
+Codes (OpenAI's own, as its API answers a parameter a model does not support):
+``unsupported_parameter`` when the model lacks the capability, ``unsupported_value`` when it has
+it with a smaller bound (``n``, ``top_logprobs``) or the model's task does not serve the
+endpoint (``param`` ``model``). ``type`` is always ``invalid_request_error``, status 400.
+
+Pure: standard library and pydantic.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Task", "TASK_GENERATE", "TASK_EMBED", "Capability", "Need", "Missing",
+           "ModelCapabilities", "CHAT_PATH", "COMPLETIONS_PATH", "EMBEDDINGS_PATH",
+           "UNSUPPORTED_PARAMETER", "UNSUPPORTED_VALUE", "REQUEST_FIELDS",
+           "required_capabilities", "satisfies", "missing_everywhere"]
+
+#: What a model is for (the ModelDeployment's task): text generation, or embeddings.
+Task = Literal["generate", "embed"]
+TASK_GENERATE: Task = "generate"
+TASK_EMBED: Task = "embed"
+
+#: The OpenAI endpoints whose bodies :func:`required_capabilities` reads.
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
+
+#: Error codes (module docstring).
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+UNSUPPORTED_VALUE = "unsupported_value"
+
+#: The request fields :func:`required_capabilities` reads besides the path (an agent that has
+#: parsed the body into a model passes ``model.model_dump(include=REQUEST_FIELDS)``).
+REQUEST_FIELDS = frozenset({"tools", "tool_choice", "response_format", "logprobs",
+                            "top_logprobs", "n"})
+
+
+class Capability(str, enum.Enum):
+    """One thing a request may need. The order of the members is the order in which
+    :func:`satisfies` reports missing ones (the endpoint first)."""
+
+    GENERATE = "generate"                      # chat / completions: a generate model
+    EMBEDDINGS = "embeddings"                  # /v1/embeddings
+    TOOL_CALLING = "tool_calling"              # tools with tool_choice other than "none"
+    STRUCTURED_OUTPUTS = "structured_outputs"  # response_format json_object / json_schema
+    LOGPROBS = "logprobs"                      # logprobs / top_logprobs (amount: top k)
+    N = "n"                                    # n > 1 (amount: n)
+
+
+_RANK = {c: i for i, c in enumerate(Capability)}
+
+#: How a missing capability is named in messages.
+_WHAT = {Capability.GENERATE: "text generation (chat and completions)",
+         Capability.EMBEDDINGS: "embeddings",
+         Capability.TOOL_CALLING: "tool calling",
+         Capability.STRUCTURED_OUTPUTS: "structured outputs (response_format json_object / "
+                                        "json_schema)",
+         Capability.LOGPROBS: "logprobs",
+         Capability.N: "n > 1"}
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """A capability a request needs: ``capability``, the request field that asks for it
+    (``param``: ``model``, ``tools``, ``tool_choice``, ``response_format``, ``logprobs``,
+    ``top_logprobs``, ``n``) and, for bounded ones, the ``amount`` asked (``n``; the number of
+    top logprobs, 0 for the chosen token's only)."""
+
+    capability: Capability
+    param: str
+    amount: int = 0
+
+    def sort_key(self) -> tuple[int, str, int]:
+        return (_RANK[self.capability], self.param, self.amount)
+
+
+class ModelCapabilities(BaseModel):
+    """What one loaded revision serves (all fields default to claiming nothing).
+
+    ``task``: ``generate`` (chat and completions) or ``embed`` (``/v1/embeddings``), the
+    deployment's task. ``tool_calling``: ``tools`` are rendered into the prompt and the model's
+    tool calls parsed into ``tool_calls``; ``tool_parser``: mlx-lm's parser for it
+    (``mlx_lm.tool_parsers.<name>``, e.g. ``json_tools``, ``qwen3_coder``; null without tool
+    calling). ``structured_outputs``: ``response_format`` ``json_object`` / ``json_schema`` by
+    constrained decoding. ``logprobs``: ``logprobs`` answered; ``max_top_logprobs``: the most
+    ``top_logprobs`` (chat) or ``logprobs`` (legacy completions) it answers (OpenAI's bound is
+    20). ``max_n``: the most choices per request (``n``). ``embeddings``: ``/v1/embeddings``
+    answered. ``max_context_tokens``: prompt plus completion tokens a request may use (0:
+    unknown)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    task: Task = TASK_GENERATE
+    tool_calling: bool = False
+    tool_parser: str | None = None
+    structured_outputs: bool = False
+    logprobs: bool = False
+    max_top_logprobs: Annotated[int, Field(ge=0)] = 0
+    max_n: Annotated[int, Field(ge=1)] = 1
+    embeddings: bool = False
+    max_context_tokens: Annotated[int, Field(ge=0)] = 0
+
+    def limit(self, capability: Capability) -> int | None:
+        """The most a bounded ``capability`` offers here (``n``: :attr:`max_n`; logprobs:
+        :attr:`max_top_logprobs` when :attr:`logprobs`), None for the others and for logprobs
+        when not offered."""
+        if capability is Capability.N:
+            return self.max_n
+        if capability is Capability.LOGPROBS:
+            return self.max_top_logprobs if self.logprobs else None
+        return None
+
+    def supports(self, need: Need) -> bool:
+        """Whether this revision serves ``need``."""
+        c = need.capability
+        if c is Capability.GENERATE:
+            return self.task == TASK_GENERATE
+        if c is Capability.EMBEDDINGS:
+            return self.embeddings
+        if c is Capability.TOOL_CALLING:
+            return self.tool_calling
+        if c is Capability.STRUCTURED_OUTPUTS:
+            return self.structured_outputs
+        if c is Capability.LOGPROBS:
+            return self.logprobs and need.amount <= self.max_top_logprobs
+        return need.amount <= self.max_n
+
+
+@dataclass(frozen=True, slots=True)
+class Missing:
+    """The need a model (or, at the router, every replica of it) does not serve, with the most
+    it offers of a bounded capability (``limit``; None when it does not offer it at all)."""
+
+    need: Need
+    limit: int | None = None
+
+    @property
+    def param(self) -> str:
+        """The request field at fault (OpenAI's ``param``)."""
+        return self.need.param
+
+    @property
+    def code(self) -> str:
+        """``unsupported_value`` for a bound exceeded or a task that does not serve the
+        endpoint, else ``unsupported_parameter`` (module docstring)."""
+        bounded = self.limit is not None and self.need.capability in (Capability.N,
+                                                                       Capability.LOGPROBS)
+        if bounded and not (self.need.capability is Capability.N and self.limit == 1):
+            return UNSUPPORTED_VALUE
+        if self.need.capability in (Capability.GENERATE, Capability.EMBEDDINGS):
+            return UNSUPPORTED_VALUE
+        return UNSUPPORTED_PARAMETER
+
+    def message(self, model: str) -> str:
+        """The 400's message for a request to ``model`` (the served name), naming the field."""
+        need = self.need
+        p = need.param
+        if need.capability is Capability.GENERATE:
+            return (f"model: '{model}' is an embedding model; it does not serve "
+                    f"{_WHAT[need.capability]}: use {EMBEDDINGS_PATH}")
+        if need.capability is Capability.EMBEDDINGS:
+            return (f"model: '{model}' is not an embedding model; {_WHAT[need.capability]} "
+                    f"are not supported by it")
+        if self.limit is not None and need.capability is Capability.N:
+            return (f"n: n = {need.amount} is not supported by the model '{model}' "
+                    f"(at most {self.limit})")
+        if self.limit is not None and need.capability is Capability.LOGPROBS:
+            return (f"{p}: {need.amount} top logprobs are not supported by the model "
+                    f"'{model}' (at most {self.limit})")
+        return f"{p}: {_WHAT[need.capability]} is not supported by the model '{model}'"
+
+
+def _whole(v: Any) -> int | None:
+    """``v`` as an int when it is a JSON integer or a number with a zero fraction (not a
+    boolean), else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
+def required_capabilities(path: str, body: Mapping[str, Any]) -> frozenset[Need]:
+    """What the OpenAI request ``body`` (a parsed JSON object, not validated) sent to ``path``
+    needs. Never raises: a malformed field is the agent's validation to refuse (400
+    ``invalid_value``), not a need.
+
+    * ``/v1/embeddings`` → :attr:`Capability.EMBEDDINGS` (param ``model``); nothing else.
+    * ``/v1/chat/completions``, ``/v1/completions`` → :attr:`Capability.GENERATE` (``model``),
+      plus:
+
+      - ``tools`` non-empty and ``tool_choice`` other than ``"none"`` → tool calling
+        (``tools``); ``tool_choice`` other than ``"none"`` without tools → tool calling
+        (``tool_choice``);
+      - ``response_format`` other than absent/null/``{"type": "text"}`` → structured outputs;
+      - ``logprobs`` other than absent/null/false/0 → logprobs (``logprobs``; ``amount``: its
+        value when it is a number — legacy completions' top-k — else 0); ``top_logprobs`` other
+        than absent/null/0 → logprobs (``top_logprobs``, ``amount`` its value);
+      - ``n`` a whole number > 1 → :attr:`Capability.N` (``amount`` n).
+
+    * any other path → nothing.
+
+    The "off" spellings are those the agent has always accepted (``tools: []``, ``tool_choice:
+    "none"``, ``response_format: {"type": "text"}``, ``logprobs: false``, ``n: 1``).
+    """
+    if path == EMBEDDINGS_PATH:
+        return frozenset({Need(Capability.EMBEDDINGS, "model")})
+    if path not in (CHAT_PATH, COMPLETIONS_PATH):
+        return frozenset()
+    needs = {Need(Capability.GENERATE, "model")}
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    choice_on = choice is not None and choice != "none"
+    if tools and choice != "none":
+        needs.add(Need(Capability.TOOL_CALLING, "tools"))
+    elif choice_on:
+        needs.add(Need(Capability.TOOL_CALLING, "tool_choice"))
+    if body.get("response_format") not in (None, {"type": "text"}):
+        needs.add(Need(Capability.STRUCTURED_OUTPUTS, "response_format"))
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False and logprobs != 0:
+        amount = _whole(logprobs)
+        needs.add(Need(Capability.LOGPROBS, "logprobs", max(amount or 0, 0)))
+    top = body.get("top_logprobs")
+    if top is not None and top is not False and top != 0:
+        needs.add(Need(Capability.LOGPROBS, "top_logprobs", max(_whole(top) or 0, 0)))
+    n = _whole(body.get("n"))
+    if n is not None and n > 1:
+        needs.add(Need(Capability.N, "n", n))
+    return frozenset(needs)
+
+
+def _ordered(needs: Iterable[Need]) -> list[Need]:
+    return sorted(needs, key=Need.sort_key)
+
+
+def satisfies(caps: ModelCapabilities, needs: Iterable[Need]) -> Missing | None:
+    """The first of ``needs`` (in :class:`Capability` order) that ``caps`` does not serve, as a
+    :class:`Missing` with ``caps``' bound for it; None when it serves them all."""
+    for need in _ordered(needs):
+        if not caps.supports(need):
+            return Missing(need, caps.limit(need.capability))
+    return None
+
+
+def missing_everywhere(replicas: Iterable[ModelCapabilities | None],
+                       needs: Iterable[Need]) -> Missing | None:
+    """The router's check over one model's replicas (``None``: a replica whose capabilities are
+    unknown). None when some replica may serve ``needs`` (one that :func:`satisfies` them, or
+    an unknown one), or when there are no replicas (then nothing is known: 503, not 400).
+    Otherwise the :class:`Missing` to answer: the first need (in :class:`Capability` order)
+    that no replica serves, with the largest bound any replica offers for it; when each need
+    is served by some replica but no replica serves them all, the first replica's (in the given
+    order) first missing need."""
+    known: list[ModelCapabilities] = []
+    for caps in replicas:
+        if caps is None:
+            return None
+        known.append(caps)
+    ordered = _ordered(needs)
+    if not known or any(satisfies(c, ordered) is None for c in known):
+        return None
+    for need in ordered:
+        if not any(c.supports(need) for c in known):
+            limits = [x for c in known if (x := c.limit(need.capability)) is not None]
+            return Missing(need, max(limits) if limits else None)
+    return satisfies(known[0], ordered)
