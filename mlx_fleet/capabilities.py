@@ -39,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["Task", "TASK_GENERATE", "TASK_EMBED", "Capability", "Need", "Missing",
            "ModelCapabilities", "CHAT_PATH", "COMPLETIONS_PATH", "EMBEDDINGS_PATH",
            "UNSUPPORTED_PARAMETER", "UNSUPPORTED_VALUE", "REQUEST_FIELDS",
-           "required_capabilities", "satisfies", "missing_everywhere"]
+           "required_capabilities", "satisfies", "missing_everywhere", "FieldRule", "FIELD_RULES",
+           "rules_markdown"]
 
 #: What a model is for (the ModelDeployment's task): text generation, or embeddings.
 Task = Literal["generate", "embed"]
@@ -292,3 +293,49 @@ def missing_everywhere(replicas: Iterable[ModelCapabilities | None],
             limits = [x for c in known if (x := c.limit(need.capability)) is not None]
             return Missing(need, max(limits) if limits else None)
     return satisfies(known[0], ordered)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRule:
+    """One row of the capability table (documentation: the agent's OpenAPI document, the
+    docs): request field ``param``, ``when`` it needs ``capability`` (in words), the
+    :class:`ModelCapabilities` fields that decide, and an ``example`` body on ``path``
+    (``tests/test_capabilities.py`` checks that :func:`required_capabilities` of each example
+    makes that need, so the table cannot drift from the rule)."""
+
+    param: str
+    when: str
+    capability: Capability
+    decided_by: str
+    path: str
+    example: Mapping[str, Any]
+
+
+FIELD_RULES: tuple[FieldRule, ...] = (
+    FieldRule("model", "any chat or completions request", Capability.GENERATE,
+              "`task` = `generate`", CHAT_PATH, {}),
+    FieldRule("model", "any embeddings request", Capability.EMBEDDINGS, "`embeddings`",
+              EMBEDDINGS_PATH, {"input": "x"}),
+    FieldRule("tools", "non-empty, `tool_choice` not `\"none\"`", Capability.TOOL_CALLING,
+              "`tool_calling` (`tool_parser`)", CHAT_PATH,
+              {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    FieldRule("tool_choice", "not `\"none\"` without `tools`", Capability.TOOL_CALLING,
+              "`tool_calling`", CHAT_PATH, {"tool_choice": "auto"}),
+    FieldRule("response_format", "`json_object` or `json_schema` (anything but `text`)",
+              Capability.STRUCTURED_OUTPUTS, "`structured_outputs`", CHAT_PATH,
+              {"response_format": {"type": "json_object"}}),
+    FieldRule("logprobs", "true (chat) or k > 0 (completions: top k)", Capability.LOGPROBS,
+              "`logprobs`, k ≤ `max_top_logprobs`", COMPLETIONS_PATH, {"logprobs": 2}),
+    FieldRule("top_logprobs", "k > 0", Capability.LOGPROBS, "`logprobs`, k ≤ `max_top_logprobs`",
+              CHAT_PATH, {"logprobs": True, "top_logprobs": 3}),
+    FieldRule("n", "> 1", Capability.N, "n ≤ `max_n`", CHAT_PATH, {"n": 2}),
+)
+
+
+def rules_markdown() -> str:
+    """:data:`FIELD_RULES` as a Markdown table (field, when, needs, decided by)."""
+    rows = ["| field | when | needs | decided by (`capabilities`) |",
+            "|---|---|---|---|"]
+    rows += [f"| `{r.param}` | {r.when} | {r.capability.value} | {r.decided_by} |"
+             for r in FIELD_RULES]
+    return "\n".join(rows)

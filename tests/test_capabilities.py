@@ -3,12 +3,15 @@ and the 400 both the agent and the router answer (pure, table tests)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from mlx_fleet.capabilities import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH,
+from mlx_fleet.capabilities import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, FIELD_RULES,
+                                    rules_markdown,
                                     UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE, Capability,
                                     ModelCapabilities, Need, missing_everywhere,
                                     required_capabilities, satisfies)
@@ -195,3 +198,20 @@ def test_defaults_claim_nothing_and_old_reports_parse() -> None:
 def test_invalid_capabilities_are_refused(bad: dict) -> None:
     with pytest.raises(ValidationError):
         ModelCapabilities(**bad)
+
+
+@pytest.mark.parametrize("rule", FIELD_RULES, ids=lambda r: f"{r.param}-{r.capability.value}")
+def test_the_documented_table_is_the_rule(rule) -> None:
+    needs = required_capabilities(rule.path, rule.example)
+    assert any(n.capability is rule.capability and n.param == rule.param for n in needs)
+    # and a model with nothing but the defaults lacks it (except plain generation)
+    missing = satisfies(ModelCapabilities(), needs)
+    assert (missing is None) == (rule.capability is C.GENERATE)
+
+
+def test_the_agents_docs_and_openapi_document_show_that_table() -> None:
+    from node_agent.openapi import openapi_document
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "node-agent.md").read_text()
+    assert rules_markdown() in doc
+    assert rules_markdown() in openapi_document()["info"]["description"]
