@@ -21,8 +21,10 @@ is *unknown*: the router still sends it requests, and that agent refuses what it
 
 Codes (OpenAI's own, as its API answers a parameter a model does not support):
 ``unsupported_parameter`` when the model lacks the capability, ``unsupported_value`` when it has
-it with a smaller bound (``n``, ``top_logprobs``) or the model's task does not serve the
-endpoint (``param`` ``model``). ``type`` is always ``invalid_request_error``, status 400.
+it with a smaller bound (``n``, ``top_logprobs``); ``wrong_model_task`` (``param`` ``model``)
+when the model is served for another task than the endpoint's (a chat request to a
+``TextEmbedding`` model, embeddings from a ``TextGeneration`` one). ``type`` is always
+``invalid_request_error``, status 400.
 
 Pure: standard library and pydantic.
 """
@@ -36,16 +38,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Task", "TASK_GENERATE", "TASK_EMBED", "Capability", "Need", "Missing",
+__all__ = ["Task", "TASK_TEXT_GENERATION", "TASK_TEXT_EMBEDDING", "TASKS", "Capability", "Need",
+           "Missing", "WRONG_MODEL_TASK",
            "ModelCapabilities", "CHAT_PATH", "COMPLETIONS_PATH", "EMBEDDINGS_PATH",
            "UNSUPPORTED_PARAMETER", "UNSUPPORTED_VALUE", "REQUEST_FIELDS",
            "required_capabilities", "satisfies", "missing_everywhere", "FieldRule", "FIELD_RULES",
            "rules_markdown"]
 
-#: What a model is for (the ModelDeployment's task): text generation, or embeddings.
-Task = Literal["generate", "embed"]
-TASK_GENERATE: Task = "generate"
-TASK_EMBED: Task = "embed"
+#: What a model is served for (the ModelDeployment's task): text generation (chat,
+#: completions) or embeddings. The names are KubeAI's model ``features``, CamelCase as Kubernetes
+#: enum values are; one task per model, as vLLM's ``--task`` (``generate`` / ``embed``).
+Task = Literal["TextGeneration", "TextEmbedding"]
+TASK_TEXT_GENERATION: Task = "TextGeneration"
+TASK_TEXT_EMBEDDING: Task = "TextEmbedding"
+TASKS: tuple[Task, ...] = (TASK_TEXT_GENERATION, TASK_TEXT_EMBEDDING)
 
 #: The OpenAI endpoints whose bodies :func:`required_capabilities` reads.
 CHAT_PATH = "/v1/chat/completions"
@@ -55,6 +61,11 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 #: Error codes (module docstring).
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 UNSUPPORTED_VALUE = "unsupported_value"
+WRONG_MODEL_TASK = "wrong_model_task"
+
+#: The endpoints that serve each task (named in a ``wrong_model_task`` message).
+_ENDPOINTS = {TASK_TEXT_GENERATION: f"POST {CHAT_PATH} or {COMPLETIONS_PATH}",
+              TASK_TEXT_EMBEDDING: f"POST {EMBEDDINGS_PATH}"}
 
 #: The request fields :func:`required_capabilities` reads besides the path (an agent that has
 #: parsed the body into a model passes ``model.model_dump(include=REQUEST_FIELDS)``).
@@ -104,8 +115,8 @@ class Need:
 class ModelCapabilities(BaseModel):
     """What one loaded revision serves (all fields default to claiming nothing).
 
-    ``task``: ``generate`` (chat and completions) or ``embed`` (``/v1/embeddings``), the
-    deployment's task. ``tool_calling``: ``tools`` are rendered into the prompt and the model's
+    ``task``: ``TextGeneration`` (chat and completions) or ``TextEmbedding``
+    (``/v1/embeddings``), the deployment's task. ``tool_calling``: ``tools`` are rendered into the prompt and the model's
     tool calls parsed into ``tool_calls``; ``tool_parser``: mlx-lm's parser for it
     (``mlx_lm.tool_parsers.<name>``, e.g. ``json_tools``, ``qwen3_coder``; null without tool
     calling). ``structured_outputs``: ``response_format`` ``json_object`` / ``json_schema`` by
@@ -117,7 +128,7 @@ class ModelCapabilities(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    task: Task = TASK_GENERATE
+    task: Task = TASK_TEXT_GENERATION
     tool_calling: bool = False
     tool_parser: str | None = None
     structured_outputs: bool = False
@@ -141,9 +152,9 @@ class ModelCapabilities(BaseModel):
         """Whether this revision serves ``need``."""
         c = need.capability
         if c is Capability.GENERATE:
-            return self.task == TASK_GENERATE
+            return self.task == TASK_TEXT_GENERATION
         if c is Capability.EMBEDDINGS:
-            return self.embeddings
+            return self.task == TASK_TEXT_EMBEDDING and self.embeddings
         if c is Capability.TOOL_CALLING:
             return self.tool_calling
         if c is Capability.STRUCTURED_OUTPUTS:
@@ -156,10 +167,19 @@ class ModelCapabilities(BaseModel):
 @dataclass(frozen=True, slots=True)
 class Missing:
     """The need a model (or, at the router, every replica of it) does not serve, with the most
-    it offers of a bounded capability (``limit``; None when it does not offer it at all)."""
+    it offers of a bounded capability (``limit``; None when it does not offer it at all) and
+    the model's ``task`` (what it is served for: named when that is the reason)."""
 
     need: Need
     limit: int | None = None
+    task: Task = TASK_TEXT_GENERATION
+
+    @property
+    def wrong_task(self) -> bool:
+        """The model is served for another task than the request's endpoint."""
+        c = self.need.capability
+        return ((c is Capability.GENERATE and self.task != TASK_TEXT_GENERATION)
+                or (c is Capability.EMBEDDINGS and self.task != TASK_TEXT_EMBEDDING))
 
     @property
     def param(self) -> str:
@@ -168,13 +188,14 @@ class Missing:
 
     @property
     def code(self) -> str:
-        """``unsupported_value`` for a bound exceeded or a task that does not serve the
-        endpoint, else ``unsupported_parameter`` (module docstring)."""
+        """``wrong_model_task`` when the model is served for another task,
+        ``unsupported_value`` for a bound exceeded, else ``unsupported_parameter`` (module
+        docstring)."""
+        if self.wrong_task:
+            return WRONG_MODEL_TASK
         bounded = self.limit is not None and self.need.capability in (Capability.N,
                                                                        Capability.LOGPROBS)
         if bounded and not (self.need.capability is Capability.N and self.limit == 1):
-            return UNSUPPORTED_VALUE
-        if self.need.capability in (Capability.GENERATE, Capability.EMBEDDINGS):
             return UNSUPPORTED_VALUE
         return UNSUPPORTED_PARAMETER
 
@@ -182,12 +203,11 @@ class Missing:
         """The 400's message for a request to ``model`` (the served name), naming the field."""
         need = self.need
         p = need.param
-        if need.capability is Capability.GENERATE:
-            return (f"model: '{model}' is an embedding model; it does not serve "
-                    f"{_WHAT[need.capability]}: use {EMBEDDINGS_PATH}")
+        if self.wrong_task:
+            return (f"model: the model '{model}' is served for {self.task}: use "
+                    f"{_ENDPOINTS[self.task]}")
         if need.capability is Capability.EMBEDDINGS:
-            return (f"model: '{model}' is not an embedding model; {_WHAT[need.capability]} "
-                    f"are not supported by it")
+            return f"model: embeddings are not supported by the model '{model}'"
         if self.limit is not None and need.capability is Capability.N:
             return (f"n: n = {need.amount} is not supported by the model '{model}' "
                     f"(at most {self.limit})")
@@ -267,7 +287,7 @@ def satisfies(caps: ModelCapabilities, needs: Iterable[Need]) -> Missing | None:
     :class:`Missing` with ``caps``' bound for it; None when it serves them all."""
     for need in _ordered(needs):
         if not caps.supports(need):
-            return Missing(need, caps.limit(need.capability))
+            return Missing(need, caps.limit(need.capability), caps.task)
     return None
 
 
@@ -291,7 +311,7 @@ def missing_everywhere(replicas: Iterable[ModelCapabilities | None],
     for need in ordered:
         if not any(c.supports(need) for c in known):
             limits = [x for c in known if (x := c.limit(need.capability)) is not None]
-            return Missing(need, max(limits) if limits else None)
+            return Missing(need, max(limits) if limits else None, known[0].task)
     return satisfies(known[0], ordered)
 
 
@@ -313,9 +333,9 @@ class FieldRule:
 
 FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule("model", "any chat or completions request", Capability.GENERATE,
-              "`task` = `generate`", CHAT_PATH, {}),
-    FieldRule("model", "any embeddings request", Capability.EMBEDDINGS, "`embeddings`",
-              EMBEDDINGS_PATH, {"input": "x"}),
+              "`task` = `TextGeneration`", CHAT_PATH, {}),
+    FieldRule("model", "any embeddings request", Capability.EMBEDDINGS,
+              "`task` = `TextEmbedding` and `embeddings`", EMBEDDINGS_PATH, {"input": "x"}),
     FieldRule("tools", "non-empty, `tool_choice` not `\"none\"`", Capability.TOOL_CALLING,
               "`tool_calling` (`tool_parser`)", CHAT_PATH,
               {"tools": [{"type": "function", "function": {"name": "f"}}]}),

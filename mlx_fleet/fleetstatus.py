@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from mlx_fleet.capabilities import TASK_EMBED, ModelCapabilities
+from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, ModelCapabilities
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
                                 Keys, NodeRecord)
 from mlx_fleet.quantity import format_bytes
@@ -78,7 +78,7 @@ def capabilities_text(caps: ModelCapabilities | None) -> str:
     does not serve them); ``-`` when unknown (None)."""
     if caps is None:
         return "-"
-    if caps.task == TASK_EMBED:
+    if caps.task == TASK_TEXT_EMBEDDING:
         return "embeddings" if caps.embeddings else "embed (not served)"
     parts = ["generate"]
     if caps.tool_calling:

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from mlx_fleet.capabilities import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, FIELD_RULES,
                                     rules_markdown,
-                                    UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE, Capability,
+                                    UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE, WRONG_MODEL_TASK,
+                                    Capability,
                                     ModelCapabilities, Need, missing_everywhere,
                                     required_capabilities, satisfies)
 from mlx_fleet.contract import AssignmentReport, AssignmentState
@@ -96,7 +97,7 @@ def test_required_capabilities_never_raises(body: dict, path: str) -> None:
 BASE = ModelCapabilities(max_context_tokens=4096)
 FULL = ModelCapabilities(tool_calling=True, tool_parser="json_tools", structured_outputs=True,
                          logprobs=True, max_top_logprobs=20, max_n=8, max_context_tokens=4096)
-EMBED = ModelCapabilities(task="embed", embeddings=True, max_context_tokens=512)
+EMBED = ModelCapabilities(task="TextEmbedding", embeddings=True, max_context_tokens=512)
 
 
 @pytest.mark.parametrize(("caps", "body", "param", "code", "words"), [
@@ -122,8 +123,9 @@ EMBED = ModelCapabilities(task="embed", embeddings=True, max_context_tokens=512)
      UNSUPPORTED_PARAMETER, "tool calling"),
     (BASE, {"n": 3, "logprobs": True}, "logprobs", UNSUPPORTED_PARAMETER, "logprobs"),
     # the endpoint against the model's task
-    (EMBED, {}, "model", UNSUPPORTED_VALUE, f"embedding model; it does not serve"),
-    (EMBED, {"tools": [TOOL]}, "model", UNSUPPORTED_VALUE, "use /v1/embeddings"),
+    (EMBED, {}, "model", WRONG_MODEL_TASK,
+     "model: the model 'm' is served for TextEmbedding: use POST /v1/embeddings"),
+    (EMBED, {"tools": [TOOL]}, "model", WRONG_MODEL_TASK, "use POST /v1/embeddings"),
 ])
 def test_satisfies(caps: ModelCapabilities, body: dict, param: str | None, code: str | None,
                    words: str | None) -> None:
@@ -138,15 +140,21 @@ def test_satisfies(caps: ModelCapabilities, body: dict, param: str | None, code:
 
 
 @pytest.mark.parametrize(("caps", "missing"), [
-    (BASE, ("model", UNSUPPORTED_VALUE)),
-    (FULL, ("model", UNSUPPORTED_VALUE)),
+    (BASE, ("model", WRONG_MODEL_TASK,
+            "model: the model 'm' is served for TextGeneration: use POST /v1/chat/completions "
+            "or /v1/completions")),
+    (FULL, ("model", WRONG_MODEL_TASK, "served for TextGeneration")),
     (EMBED, None),
+    # an embedding model whose agent does not serve embeddings (yet)
+    (ModelCapabilities(task="TextEmbedding"), ("model", UNSUPPORTED_PARAMETER,
+                                               "model: embeddings are not supported by the "
+                                               "model 'm'")),
 ])
 def test_embeddings_need_an_embedding_model(caps: ModelCapabilities, missing) -> None:
     got = satisfies(caps, required_capabilities(EMBEDDINGS_PATH, {"input": "x"}))
-    assert (None if got is None else (got.param, got.code)) == missing
+    assert (None if got is None else (got.param, got.code)) == (missing and missing[:2])
     if got is not None:
-        assert "not an embedding model" in got.message("m")
+        assert missing[2] in got.message("m")
 
 
 TOOLS_ONLY = ModelCapabilities(tool_calling=True, tool_parser="json_tools")
@@ -177,7 +185,7 @@ def test_defaults_claim_nothing_and_old_reports_parse() -> None:
     caps = ModelCapabilities()
     assert (caps.task, caps.tool_calling, caps.tool_parser, caps.structured_outputs,
             caps.logprobs, caps.max_top_logprobs, caps.max_n, caps.embeddings) == (
-        "generate", False, None, False, False, 0, 1, False)
+        "TextGeneration", False, None, False, False, 0, 1, False)
     # a report written before the field: capabilities unknown
     old = b'{"node": "a", "namespace": "ns", "name": "m", "state": "Ready"}'
     assert AssignmentReport.from_json(old).capabilities is None

@@ -122,7 +122,7 @@ async def test_a_renamed_assignment_drains_its_old_name_then_loads_the_new(
     # the Ready report carries the loaded revision's capabilities: its limits, and its
     # tokenizer's tool parser once this build serves tool calls
     caps = first.capabilities
-    assert caps is not None and caps.task == "generate"
+    assert caps is not None and caps.task == "TextGeneration"
     assert caps.max_context_tokens == assignment("chat", test_model_dir).serving.max_context_tokens
     assert (caps.tool_calling, caps.tool_parser) == (
         (True, "json_tools") if TOOL_CALLING_SERVED else (False, None))

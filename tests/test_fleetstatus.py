@@ -102,8 +102,8 @@ def test_breaker_text(mac, text) -> None:
     (ModelCapabilities(tool_calling=True, tool_parser="json_tools", structured_outputs=True,
                        logprobs=True, max_top_logprobs=20, max_n=4),
      "generate, tools (json_tools), json, logprobs ≤20, n ≤4"),
-    (ModelCapabilities(task="embed", embeddings=True), "embeddings"),
-    (ModelCapabilities(task="embed"), "embed (not served)"),
+    (ModelCapabilities(task="TextEmbedding", embeddings=True), "embeddings"),
+    (ModelCapabilities(task="TextEmbedding"), "embed (not served)"),
 ])
 def test_capabilities_text(caps, text) -> None:
     assert capabilities_text(caps) == text

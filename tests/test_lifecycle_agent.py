@@ -219,7 +219,7 @@ async def test_eager_loads_at_once_and_on_demand_waits_for_the_first_request(
         # limits); the never-loaded standby card has none (unknown), checked whole below
         caps = by_id["eager"]["capabilities"]
         assert (caps["task"], caps["max_n"], caps["max_context_tokens"], caps["embeddings"]) == (
-            "generate", min(MAX_N, eager.serving.max_concurrent_sequences), 4096, False)
+            "TextGeneration", min(MAX_N, eager.serving.max_concurrent_sequences), 4096, False)
         assert by_id["lazy"] == {"id": "lazy", "object": "model",
                                  "created": by_id["lazy"]["created"], "owned_by": "mlx-fleet",
                                  "revision": "r1", "max_context_tokens": 4096,

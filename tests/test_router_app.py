@@ -686,7 +686,8 @@ async def test_a_request_needing_a_capability_goes_only_to_macs_that_have_it(
     # the largest n any Mac of the model offers is named
     ("/v1/completions", {"n": 3}, "n", "unsupported_value", "n = 3 is not supported by the "
                                                              "model 'chat' (at most 2)"),
-    ("/v1/embeddings", {"input": "x"}, "model", "unsupported_value", "not an embedding model"),
+    ("/v1/embeddings", {"input": "x"}, "model", "wrong_model_task",
+     "model: the model 'chat' is served for TextGeneration: use POST /v1/chat/completions"),
 ])
 async def test_no_mac_with_the_capability_is_a_400_naming_the_field_without_trying_any(
         memory_store, stubs, router, path, extra, param, code, words) -> None:
@@ -716,7 +717,7 @@ async def test_embeddings_are_routed_to_an_embedding_model(memory_store, stubs, 
 
     e = await stubs(embed)
     await publish(memory_store, "mac-e", e.url, capabilities=ModelCapabilities(
-        task="embed", embeddings=True, max_context_tokens=512))
+        task="TextEmbedding", embeddings=True, max_context_tokens=512))
     rig = await router(macs=1)
     resp = await rig.client.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert resp.status == 200 and await resp.json() == embedded
@@ -725,5 +726,6 @@ async def test_embeddings_are_routed_to_an_embedding_model(memory_store, stubs, 
     resp = await rig.chat()
     assert resp.status == 400
     err = await error_of(resp)
-    assert (err["param"], err["code"]) == ("model", "unsupported_value")
+    assert (err["param"], err["code"]) == ("model", "wrong_model_task")
+    assert "served for TextEmbedding: use POST /v1/embeddings" in err["message"]
     assert len(e.seen) == 1

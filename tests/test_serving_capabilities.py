@@ -76,17 +76,18 @@ ALL_OFF = {"TOOL_CALLING_SERVED": False, "STRUCTURED_OUTPUTS_SERVED": False,
 
 @pytest.mark.parametrize(("switches", "info", "task", "expected"), [
     # what this build serves with nothing switched on: text generation, n = 1
-    (ALL_OFF, INFO, "generate", ModelCapabilities(max_context_tokens=4096)),
+    (ALL_OFF, INFO, "TextGeneration", ModelCapabilities(max_context_tokens=4096)),
     # every feature on: the tokenizer's parser and grammar decide, n within the batch
-    (ALL_ON, INFO, "generate", ModelCapabilities(
+    (ALL_ON, INFO, "TextGeneration", ModelCapabilities(
         tool_calling=True, tool_parser="qwen3_coder", structured_outputs=True, logprobs=True,
         max_top_logprobs=20, max_n=4, max_context_tokens=4096)),
-    (ALL_ON, NO_PARSER, "generate", ModelCapabilities(
+    (ALL_ON, NO_PARSER, "TextGeneration", ModelCapabilities(
         logprobs=True, max_top_logprobs=20, max_n=2, max_context_tokens=2048)),
     # an embedding model serves embeddings only
-    (ALL_ON, INFO, "embed", ModelCapabilities(task="embed", embeddings=True,
-                                              max_context_tokens=4096)),
-    (ALL_OFF, INFO, "embed", ModelCapabilities(task="embed", max_context_tokens=4096)),
+    (ALL_ON, INFO, "TextEmbedding", ModelCapabilities(task="TextEmbedding", embeddings=True,
+                                                      max_context_tokens=4096)),
+    (ALL_OFF, INFO, "TextEmbedding", ModelCapabilities(task="TextEmbedding",
+                                                       max_context_tokens=4096)),
 ])
 def test_model_capabilities(switches: dict, info: ModelInfo, task: str,
                             expected: ModelCapabilities,
@@ -94,6 +95,14 @@ def test_model_capabilities(switches: dict, info: ModelInfo, task: str,
     for name, value in switches.items():
         monkeypatch.setattr(caps_mod, name, value)
     assert model_capabilities(info, task) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("max_choices", "batch", "max_n"), [
+    (None, 8, min(caps_mod.MAX_N, 8)), (6, 8, 6), (6, 4, 4), (1, 8, 1)])
+def test_the_n_bound_is_the_agents_within_the_batch(max_choices, batch: int,
+                                                    max_n: int) -> None:
+    info = ModelInfo("m", "r1", "/models/m", 1, batch, 4096)
+    assert model_capabilities(info, max_choices=max_choices).max_n == max_n
 
 
 async def test_the_agent_refuses_by_its_revisions_capabilities(

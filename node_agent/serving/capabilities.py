@@ -22,11 +22,15 @@ feature's branch lands, its merge flips its switch here (and nothing else decide
   (:func:`grammar_tokenizer_ok`; that branch may hand its own built tokenizer's success in);
 * ``LOGPROBS_SERVED`` / ``MAX_TOP_LOGPROBS`` → True / 20 (OpenAI's bound) with
   ``logprobs`` / ``top_logprobs`` (wip/h20logprobs);
-* ``MAX_N`` → the ``n`` bound with ``n`` > 1 (wip/h20logprobs); a revision offers
-  ``min(MAX_N, max_concurrent_sequences)`` (its n sequences share one batch);
-* ``EMBEDDINGS_SERVED`` → True with ``/v1/embeddings`` (wip/h20embed), whose revisions also
-  pass their deployment's ``task`` (``embed``) to :func:`model_capabilities` (at this base
-  every revision the core loads is a generate model).
+* ``n`` > 1 (wip/h20logprobs): the agent's bound (``--max-choices``, the core's
+  ``max_choices``) is passed as ``max_choices`` by the callers (the convergence's load, the
+  ``/v1/models`` route, the completion route); a revision offers ``min(max_choices,
+  max_concurrent_sequences)`` (its n sequences share one batch). :data:`MAX_N`, the default
+  while the agent has no such flag, is 1;
+* ``EMBEDDINGS_SERVED`` → True with ``/v1/embeddings`` (wip/h20embed); that branch's
+  ``ModelInfo.task`` (the assignment's ``task``) then replaces the ``task`` argument of
+  :func:`model_capabilities` (at this base every revision the core loads is a
+  ``TextGeneration`` model).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlx_fleet.capabilities import TASK_EMBED, TASK_GENERATE, ModelCapabilities, Task
+from mlx_fleet.capabilities import (TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities,
+                                    Task)
 
 from .types import ModelInfo, TokenizerFeatures
 
@@ -44,7 +49,8 @@ __all__ = ["TOOL_CALLING_SERVED", "STRUCTURED_OUTPUTS_SERVED", "LOGPROBS_SERVED"
 
 log = logging.getLogger(__name__)
 
-#: Served by this build of the agent (module docstring: who flips each, and when).
+#: Served by this build of the agent (module docstring: who flips each, and when). ``MAX_N``:
+#: the ``n`` bound when the caller passes none.
 TOOL_CALLING_SERVED = False
 STRUCTURED_OUTPUTS_SERVED = False
 LOGPROBS_SERVED = False
@@ -98,21 +104,24 @@ def tokenizer_features(tokenizer: Any) -> TokenizerFeatures:
         grammar=STRUCTURED_OUTPUTS_SERVED and grammar_tokenizer_ok(tokenizer))
 
 
-def model_capabilities(info: ModelInfo, task: Task = TASK_GENERATE) -> ModelCapabilities:
+def model_capabilities(info: ModelInfo, task: Task = TASK_TEXT_GENERATION, *,
+                       max_choices: int | None = None) -> ModelCapabilities:
     """The capabilities of the loaded revision ``info`` (its ``features`` from
     :func:`tokenizer_features`, its limits) as this build serves them (module docstring).
-    ``task``: its deployment's task (``generate`` at this base)."""
-    if task == TASK_EMBED:
-        return ModelCapabilities(task=TASK_EMBED, embeddings=EMBEDDINGS_SERVED,
+    ``task``: its deployment's task (``TextGeneration`` at this base); ``max_choices``: the
+    agent's bound on ``n`` (None: :data:`MAX_N`)."""
+    if task == TASK_TEXT_EMBEDDING:
+        return ModelCapabilities(task=TASK_TEXT_EMBEDDING, embeddings=EMBEDDINGS_SERVED,
                                  max_context_tokens=info.max_context_tokens)
+    n = MAX_N if max_choices is None else max_choices
     parser = info.features.tool_parser if TOOL_CALLING_SERVED else None
     return ModelCapabilities(
-        task=TASK_GENERATE,
+        task=TASK_TEXT_GENERATION,
         tool_calling=parser is not None,
         tool_parser=parser,
         structured_outputs=STRUCTURED_OUTPUTS_SERVED and info.features.grammar,
         logprobs=LOGPROBS_SERVED,
         max_top_logprobs=MAX_TOP_LOGPROBS if LOGPROBS_SERVED else 0,
-        max_n=max(1, min(MAX_N, info.max_concurrent_sequences)),
+        max_n=max(1, min(n, info.max_concurrent_sequences)),
         embeddings=False,
         max_context_tokens=info.max_context_tokens)
