@@ -14,7 +14,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mlx_fleet.capabilities import CHAT_PATH, ModelCapabilities, required_capabilities
+from mlx_fleet.capabilities import (CHAT_PATH, ModelCapabilities, missing_everywhere,
+                                    required_capabilities, satisfies)
 from mlx_fleet.contract import SPLIT_BUCKETS, TrafficSplit
 from mlx_fleet.routing.split import bucket
 from mlx_fleet_router import breaker
@@ -261,6 +262,31 @@ def test_macs_lacking_what_the_request_needs_are_left_out(caps, needs, eligible)
     for key in ("alice", "bob", "carol"):
         p = pick(ring, DEP, key, cands, now=0.0, needs=needs)
         assert {t.name for t in p.targets} == eligible
+
+
+_caps = st.none() | st.builds(ModelCapabilities, tool_calling=st.booleans(),
+                              structured_outputs=st.booleans(), logprobs=st.booleans(),
+                              max_top_logprobs=st.integers(0, 20), max_n=st.integers(1, 8))
+_bodies = st.fixed_dictionaries({}, optional={
+    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
+    "response_format": st.just({"type": "json_object"}),
+    "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20), "n": st.integers(1, 8)})
+
+
+@settings(max_examples=150, deadline=None)
+@given(caps=st.lists(_caps, min_size=1, max_size=6), body=_bodies, key=st.text(max_size=8))
+def test_targets_are_exactly_the_macs_that_may_serve_the_request(caps, body: dict,
+                                                                 key: str) -> None:
+    """Every target may serve what the request needs (its capabilities satisfy it, or they
+    are unknown); every such Mac is a target; none is only when the table's 400 applies."""
+    names = MACS[:len(caps)]
+    cands = [Candidate(n, "r1", capabilities=c) for n, c in zip(names, caps)]
+    needs = required_capabilities(CHAT_PATH, body)
+    p = pick(ring_of(frozenset(names)), DEP, key, cands, now=0.0, needs=needs)
+    able = {c.name for c in cands if c.capabilities is None
+            or satisfies(c.capabilities, needs) is None}
+    assert {t.name for t in p.targets} == able
+    assert (missing_everywhere(caps, needs) is None) == bool(able)
 
 
 def test_a_canary_revision_without_the_capability_falls_back_to_stable() -> None:
