@@ -33,10 +33,11 @@ from __future__ import annotations
 import enum
 import time
 from decimal import Decimal
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, ModelCapabilities, Task
 from mlx_fleet.quantity import format_bytes
 
 ROOT = "/mlx-fleet/v2"
@@ -292,15 +293,6 @@ class ModelSource(_Record):
     revision: str
 
 
-#: ``Assignment.task`` values (the CRD's ``spec.model.task`` enum): what the model is served
-#: for. The names are KubeAI's model ``features`` (``TextGeneration``, ``TextEmbedding``),
-#: CamelCase as Kubernetes API conventions want enum values; one per model, as vLLM's
-#: ``--task`` (``generate`` / ``embed``): a revision is served for one task.
-TASK_TEXT_GENERATION = "TextGeneration"
-TASK_TEXT_EMBEDDING = "TextEmbedding"
-TASKS = (TASK_TEXT_GENERATION, TASK_TEXT_EMBEDDING)
-
-
 class ServingParams(_Record):
     """Per-model serving limits. Defaults follow mlx-lm's server (batch 8 sequences)."""
 
@@ -347,7 +339,8 @@ class Assignment(_Record):
     ``metadata.uid``. ``served_model_name`` is the OpenAI ``model`` id clients send (the same for
     every revision of a deployment); ``source.revision`` is the revision (also the key's last
     segment); ``role`` says which traffic it takes (:class:`Role`). ``task``: what the model is
-    served for (:data:`TASKS`): ``TextGeneration`` (chat and completions) or ``TextEmbedding``
+    served for (:data:`mlx_fleet.capabilities.TASKS`, the CRD's ``spec.model.task``):
+    ``TextGeneration`` (chat and completions) or ``TextEmbedding``
     (``POST /v1/embeddings``); records older than the field read as ``TextGeneration``."""
 
     namespace: str
@@ -360,7 +353,7 @@ class Assignment(_Record):
     serving: ServingParams = Field(default_factory=ServingParams)
     lifecycle: LifecyclePolicy = Field(default_factory=LifecyclePolicy)
     role: Role = Role.STABLE
-    task: Literal["TextGeneration", "TextEmbedding"] = TASK_TEXT_GENERATION
+    task: Task = TASK_TEXT_GENERATION
 
     @property
     def revision(self) -> str:
@@ -464,6 +457,11 @@ class AssignmentReport(_Record):
     after it (0 when it did not fall); the ``message`` gives both measurements and the process
     RSS before and after (an eviction's also names the load it made room for). A standby
     replica stays assigned: a request reloads it (:func:`is_standby`).
+    ``capabilities``: what the revision serves (tools, structured outputs, logprobs, ``n``,
+    embeddings, context; :class:`mlx_fleet.capabilities.ModelCapabilities`), computed from the
+    loaded model; on Ready reports and on standby reports of a revision loaded here before.
+    None when unknown: not loaded yet, or an agent older than the field (the fleet router then
+    still sends it requests, and that agent refuses what it cannot serve).
     """
 
     node: str
@@ -479,6 +477,7 @@ class AssignmentReport(_Record):
     progress: DownloadProgress | None = None
     estimated_bytes: Annotated[int, Field(ge=0)] = 0
     freed_bytes: Annotated[int, Field(ge=0)] = 0
+    capabilities: ModelCapabilities | None = None
     updated_unix: float = Field(default_factory=time.time)
 
 

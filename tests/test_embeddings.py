@@ -44,7 +44,8 @@ TOL = 1e-5
 
 
 def test_task_is_carried_from_the_spec_to_the_agent() -> None:
-    from mlx_fleet.contract import Assignment, TASKS
+    from mlx_fleet.capabilities import TASKS
+    from mlx_fleet.contract import Assignment
     from mlx_fleet_operator.spec import DeploymentSpec, parse_spec, to_assignment
     from node_agent.convergence.state import Spec
 

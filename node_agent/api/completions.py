@@ -3,8 +3,13 @@
 :class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
 
 The revision is chosen by :func:`.routing.serve_on` (shared with the embeddings route).
-Statuses beyond :mod:`.parse`'s 400s and :mod:`.routing`'s: 400 ``wrong_model_task`` (``param``
-``model``: a ``TextEmbedding`` model), 400 ``context_length_exceeded`` / ``prompt_too_large`` /
+Statuses beyond :mod:`.parse`'s 400s and :mod:`.routing`'s: 400 ``unsupported_parameter`` /
+``unsupported_value`` when the revision that would serve the request lacks a capability it needs
+(tools, structured outputs, logprobs, ``n``), or ``wrong_model_task`` (``param`` ``model``) for a
+``TextEmbedding`` model (:func:`.routing.refusal`: :func:`mlx_fleet.capabilities.satisfies` over
+the revision's :func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's
+answer, word for word, ``param`` naming the field), 400 ``context_length_exceeded`` /
+``prompt_too_large`` /
 ``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
@@ -19,6 +24,7 @@ from typing import Any, Callable, Literal
 
 from aiohttp import web
 
+from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
@@ -31,7 +37,7 @@ from ..sse import DONE, StreamEncoder, data_event
 from .context import HUNG_UP
 from .forward import Forwarder
 from .parse import parse
-from .routing import Outcome, Served, serve_on, wrong_task
+from .routing import Outcome, Served, refusal, serve_on, wrong_task
 
 __all__ = ["Completions", "usage_of"]
 
@@ -91,6 +97,10 @@ class Completions:
         if not isinstance(served, Served):
             return served
         info, headers = served.info, served.headers
+        refused = refusal(info, request.path, req.model_dump(include=set(REQUEST_FIELDS)),
+                          req.model, headers)
+        if refused is not None:
+            return refused
         outcome = Outcome(served.tm, served.routed)
         prompt_param = "messages" if kind == "chat" else "prompt"
         try:

@@ -33,7 +33,7 @@ from ..serving import (DimensionsNotSupported, GenerationAborted, InputTooLong, 
                        ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore, WrongTask)
 from .forward import Forwarder
 from .parse import validation_error
-from .routing import Outcome, Served, not_found, serve_on, wrong_task
+from .routing import Outcome, Served, not_found, refusal, serve_on, wrong_task
 
 __all__ = ["EmbeddingsRoute", "encode"]
 
@@ -80,6 +80,9 @@ class EmbeddingsRoute:
         if not isinstance(served, Served):
             return served
         headers = served.headers
+        refused = refusal(served.info, request.path, {}, req.model, headers)
+        if refused is not None:   # a TextGeneration model: wrong_model_task, as the router says
+            return refused
         outcome = Outcome(served.tm, served.routed)
         texts = req.input if req.input and isinstance(req.input[0], str) else None
         try:

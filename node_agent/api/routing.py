@@ -3,6 +3,9 @@ canary split or the revision pin, a standby reload, or a forward to the node tha
 revision; then the request's model/revision labels and its ``X-Model-Revision`` header.
 :class:`Outcome` times a request for the per-revision statistics under a split.
 
+:func:`refusal` answers a request the revision cannot serve (its capabilities), as the fleet
+router does.
+
 Statuses: 404 ``model_not_found``, 429 ``overloaded`` with ``Retry-After`` (a standby reload
 has too many waiting), 503 ``unavailable`` (the serving core failed) or
 ``model_reload_failed`` (a standby revision can't be reloaded).
@@ -11,20 +14,23 @@ has too many waiting), 503 ``unavailable`` (the serving core failed) or
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiohttp import web
 
+from mlx_fleet.capabilities import WRONG_MODEL_TASK, required_capabilities, satisfies
 from mlx_fleet.http_errors import error_response as _error
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
 from ..serving import (ModelInfo, ModelLoadError, ModelNotLoaded, Overloaded, ServingCore,
                        WrongTask)
+from ..serving.capabilities import model_capabilities
 from .context import FLEET_INTERNAL, MODEL, REVISION
 from .forward import Forwarder
 
-__all__ = ["Served", "Outcome", "serve_on", "not_found", "wrong_task"]
+__all__ = ["Served", "Outcome", "serve_on", "not_found", "refusal", "wrong_task"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,25 @@ def not_found(model: str) -> web.Response:
                   param="model", code="model_not_found")
 
 
+def refusal(info: ModelInfo, path: str, fields: Mapping[str, Any], model: str,
+            headers: dict[str, str]) -> web.Response | None:
+    """The 400 for a request to ``path`` (``fields``: its body's
+    :data:`~mlx_fleet.capabilities.REQUEST_FIELDS`) that revision ``info`` cannot serve —
+    :func:`mlx_fleet.capabilities.satisfies` over its
+    :func:`~node_agent.serving.capabilities.model_capabilities`, the fleet router's answer word
+    for word (``wrong_model_task`` for a model of the other task, ``unsupported_parameter`` /
+    ``unsupported_value`` for a capability it lacks) — or None when it can."""
+    missing = satisfies(model_capabilities(info), required_capabilities(path, fields))
+    if missing is None:
+        return None
+    return _error(400, missing.message(model), param=missing.param, code=missing.code,
+                  headers=headers)
+
+
 def wrong_task(e: WrongTask, headers: dict[str, str]) -> web.Response:
-    """400 ``wrong_model_task`` naming ``model``: the model is served for another task
-    (``spec.model.task``) than the route's."""
-    return _error(400, str(e), param="model", code="wrong_model_task", headers=headers)
+    """400 ``wrong_model_task`` naming ``model``: the serving core refused a request for
+    another task than the model's (``spec.model.task``); the same answer as :func:`refusal`'s."""
+    return _error(400, str(e), param="model", code=WRONG_MODEL_TASK, headers=headers)
 
 
 async def serve_on(request: web.Request, core: ServingCore, router: Callable[[], Any],

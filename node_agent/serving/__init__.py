@@ -13,10 +13,11 @@ work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, ch
 :mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`: its state,
 observability, generation and admission), :mod:`.revisions` (its loading, unloading and
 draining of revisions), :mod:`.channel` (its command channel to the MLX thread),
-:mod:`.step_loop` (the MLX thread's step loop), :mod:`.embeddings` (its embedding requests and
-their batch queues), :mod:`.embed_batch` (when a forward pass of embeddings runs, pure),
-:mod:`.embed_profile` (how an embedding model pools, from its directory), :mod:`.embedder` (the
-forward pass and pooling on the MLX thread).
+:mod:`.step_loop` (the MLX thread's step loop), :mod:`.capabilities` (what a loaded revision
+serves: tool parser, constrained decoding, logprobs, ``n``, embeddings; the switches each feature
+flips), :mod:`.embeddings` (its embedding requests and their batch queues), :mod:`.embed_batch`
+(when a forward pass of embeddings runs, pure), :mod:`.embed_profile` (how an embedding model
+pools, from its directory), :mod:`.embedder` (the forward pass and pooling on the MLX thread).
 """
 
 from .core import ServingCore

@@ -90,7 +90,7 @@ from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry
 
-from mlx_fleet.contract import TASK_TEXT_GENERATION
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Capability
 
 from ..metrics import AgentMetrics
 from .admission import DrainRate, admit, retry_after_seconds
@@ -345,7 +345,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
         if info.task != TASK_TEXT_GENERATION:
-            raise WrongTask(model_id, info.task, "POST /v1/embeddings")
+            raise WrongTask(model_id, info.task, Capability.GENERATE)
         size = prompt_bytes(prompt, messages)
         if size > self.max_prompt_bytes:
             raise PromptTooLarge(size, self.max_prompt_bytes)

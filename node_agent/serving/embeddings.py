@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mlx_fleet.contract import TASK_TEXT_EMBEDDING
+from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, Capability
 
 from .embed_batch import BatchPolicy, decide
 from .embed_profile import check_dimensions
@@ -134,7 +134,7 @@ class _Embeddings:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
         if info.task != TASK_TEXT_EMBEDDING or info.embedding is None:
-            raise WrongTask(model_id, info.task, "POST /v1/chat/completions or /v1/completions")
+            raise WrongTask(model_id, info.task, Capability.EMBEDDINGS)
         why = check_dimensions(info.embedding, dimensions)
         if why is not None:
             raise DimensionsNotSupported(why)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlx_fleet.capabilities import Capability, Missing, Need
+
 __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
            "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow", "WrongTask"]
 
@@ -88,10 +90,10 @@ class StreamBufferOverflow(GenerationAborted):
 class WrongTask(ValueError):
     """The request is for another task than the one the model is served for (a generation
     request to a ``TextEmbedding`` model, an embeddings request to a ``TextGeneration`` one).
-    ``model_id``, ``task`` (the model's) and ``endpoint`` (what serves that task) say which."""
+    ``model_id`` and ``task`` (the model's) say which; the message is
+    :class:`mlx_fleet.capabilities.Missing`'s, the fleet router's and the API's own words."""
 
-    def __init__(self, model_id: str, task: str, endpoint: str) -> None:
-        super().__init__(f"the model {model_id!r} is served for {task}: use {endpoint}")
+    def __init__(self, model_id: str, task: str, needs: Capability) -> None:
+        super().__init__(Missing(Need(needs, "model"), None, task).message(model_id))  # type: ignore[arg-type]
         self.model_id = model_id
         self.task = task
-        self.endpoint = endpoint

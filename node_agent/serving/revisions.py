@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlx_fleet.contract import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, TASKS
+from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, TASKS
 
 from ..memory_estimate import ModelFileError, kv_cache_bytes_per_token, read_config
 from .embed_profile import UnsupportedEmbeddingModel, read_profile
 from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded
+from .capabilities import tokenizer_features
 from .loading import Materialization, load_tokenizer
 from .types import LoadProgress, ModelInfo, ModelKey
 
@@ -124,7 +125,7 @@ class _Revisions:
         revision, or :meth:`close`, calls a load off (queued or half read: what it read is
         freed). If the calling task is cancelled the load is called off too, unless it has
         already completed (then the revision stays loaded).
-        ``task`` (:data:`mlx_fleet.contract.TASKS`): ``TextGeneration`` (a BatchGenerator and a
+        ``task`` (:data:`mlx_fleet.capabilities.TASKS`): ``TextGeneration`` (a BatchGenerator and a
         prompt cache, :meth:`generate`) or ``TextEmbedding`` (no generator: :meth:`embed`, how it
         pools read from the directory, :mod:`node_agent.serving.embed_profile`); the same id,
         revision and path with another task is a replacement.
@@ -208,8 +209,8 @@ class _Revisions:
         return job.info        # with its KV bytes per token (_hand_to_thread)
 
     async def _hand_to_thread(self, job: _Load) -> None:
-        """Load ``job``'s tokenizer and read its KV bytes per token (into ``job.info``) off the
-        MLX thread, then queue the job on it. Raises
+        """Load ``job``'s tokenizer, read its KV bytes per token and its tokenizer's features
+        (into ``job.info``) off the MLX thread, then queue the job on it. Raises
         :class:`ModelLoadError` (``LoadFailed``, ``Cancelled``, ``CoreFailed``, ``NotStarted``)."""
         t0 = time.perf_counter()
         try:
@@ -220,7 +221,9 @@ class _Revisions:
         job.served_tokenizer = job.tokenizer
         job.tokenizer_seconds = time.perf_counter() - t0
         per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
-        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
+        features = await asyncio.to_thread(tokenizer_features, job.tokenizer)
+        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token,
+                                       features=features)
         if job.info.task == TASK_TEXT_EMBEDDING:
             try:
                 profile = await asyncio.to_thread(read_profile, job.info.path)

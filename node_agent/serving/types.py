@@ -6,14 +6,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_fleet.contract import TASK_TEXT_GENERATION
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Task
 
 from .embed_profile import EmbeddingProfile
 
-__all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage", "LoadProgress"]
+__all__ = ["ModelKey", "TokenizerFeatures", "ModelInfo", "Chunk", "MemoryUsage",
+           "LoadProgress"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
 ModelKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class TokenizerFeatures:
+    """What a revision's tokenizer brings for the capabilities
+    (:func:`node_agent.serving.capabilities.tokenizer_features`): ``tool_parser``, mlx-lm's
+    tool parser for it (``mlx_lm.tool_parsers.<name>``; None: none); ``grammar``: llguidance
+    builds a tokenizer from it (constrained decoding; False also when not checked)."""
+
+    tool_parser: str | None = None
+    grammar: bool = False
 
 
 @dataclass(frozen=True)
@@ -22,8 +34,10 @@ class ModelInfo:
     ``max_context_tokens``: prompt + completion limit in tokens; ``kv_cache_bytes_per_token``:
     KV-cache bytes one token of one sequence holds
     (:func:`node_agent.memory_estimate.kv_cache_bytes_per_token` of its ``config.json``; 0 when
-    that cannot be read: then no KV bound applies to it); ``task``: what it serves
-    (:data:`mlx_fleet.contract.TASKS`: ``TextGeneration`` or ``TextEmbedding``);
+    that cannot be read: then no KV bound applies to it); ``features``: what its tokenizer
+    brings for its capabilities
+    (:func:`node_agent.serving.capabilities.model_capabilities`); ``task``: what it serves
+    (:data:`mlx_fleet.capabilities.TASKS`: ``TextGeneration`` or ``TextEmbedding``);
     ``embedding``: how an embedding model pools (read from its directory at load), None for a
     generation model."""
 
@@ -34,7 +48,8 @@ class ModelInfo:
     max_concurrent_sequences: int
     max_context_tokens: int
     kv_cache_bytes_per_token: int = 0
-    task: str = TASK_TEXT_GENERATION
+    features: TokenizerFeatures = TokenizerFeatures()
+    task: Task = TASK_TEXT_GENERATION
     embedding: EmbeddingProfile | None = None
 
     @property
