@@ -451,6 +451,14 @@ async def test_errors_name_the_field(emb_agent: Agent, body: dict, status: int, 
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
 
 
+async def test_the_model_card_says_what_the_model_serves(emb_agent: Agent) -> None:
+    cards = {m["id"]: m for m in (await (await emb_agent.client.get("/v1/models")).json())["data"]}
+    assert cards[EMB_ID]["capabilities"]["task"] == "TextEmbedding"
+    assert cards[EMB_ID]["capabilities"]["embeddings"] is True
+    assert cards[MODEL_ID]["capabilities"]["task"] == "TextGeneration"
+    assert cards[MODEL_ID]["capabilities"]["embeddings"] is False
+
+
 async def test_a_generation_request_to_an_embedding_model_is_400(
         client: openai.AsyncOpenAI) -> None:
     for call in (lambda: client.chat.completions.create(
