@@ -12,9 +12,13 @@ from pydantic import ValidationError
 
 from mlx_fleet.http_errors import error_response as _error
 
-from ..api_models import SamplingRequest
+from ..api_models import ChatCompletionRequest, SamplingRequest
 
-__all__ = ["parse", "unsupported", "validation_error"]
+__all__ = ["parse", "unsupported", "validation_error", "CHAT_SERVED"]
+
+#: Options served on chat completions (typed and checked by ``ChatCompletionRequest`` and
+#: :mod:`.structured`), still refused on legacy completions (OpenAI has none of them there).
+CHAT_SERVED = frozenset({"tools", "tool_choice", "response_format"})
 
 
 def validation_error(e: ValidationError) -> web.Response:
@@ -47,7 +51,7 @@ def unsupported(req: SamplingRequest) -> web.Response | None:
         "top_logprobs": req.top_logprobs in (None, 0),
     }
     for param, ok in off.items():
-        if not ok:
+        if not ok and not (param in CHAT_SERVED and isinstance(req, ChatCompletionRequest)):
             what = "n > 1" if param == "n" else param
             return _error(400, f"{param}: {what} is not supported by this server",
                           param=param, code="unsupported_parameter")
@@ -60,7 +64,7 @@ def _is_type_tag(part: object) -> bool:
         return False
     p = str(part)
     return ("[" in p or "-" in p or p in {"str", "int", "float", "bool", "none",
-                                          "ContentPart", "ChatMessage"})
+                                          "ContentPart", "ChatMessage", "NamedToolChoice"})
 
 
 async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
