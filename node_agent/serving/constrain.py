@@ -116,8 +116,10 @@ class GrammarProcessor:
     (mlx-lm's token context, its last element the token sampled at the previous step — or the
     last prompt token at the first call); ``logits``: shape ``(1, model vocab)``.
 
-    ``seconds`` / ``calls``: time spent computing and applying masks, and how many (the per-token
-    cost ``benchmarks/constrained.py`` reports). A matcher in error (a token it did not allow:
+    ``seconds`` / ``calls``: time spent advancing the matcher, computing and applying masks, and
+    how many (the per-token cost ``benchmarks/constrained.py`` reports); ``wait_seconds``: time
+    spent waiting for the previous step's token (``.item()``: the step's loss of overlap). A
+    matcher in error (a token it did not allow:
     cannot happen through this mask) allows only the end-of-sequence tokens, so the sequence
     ends instead of running unconstrained."""
 
@@ -131,6 +133,7 @@ class GrammarProcessor:
         self._fill = llnp.fill_next_token_bitmask
         self._started = False
         self.seconds = 0.0
+        self.wait_seconds = 0.0
         self.calls = 0
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
@@ -140,6 +143,9 @@ class GrammarProcessor:
         t0 = time.perf_counter()
         if self._started:
             token = int(tokens[-1].item())
+            t1 = time.perf_counter()
+            self.wait_seconds += t1 - t0
+            t0 = t1
             if not self.matcher.consume_token(token):
                 log.warning("constrained decoding: token %d refused (%s)", token,
                             self.matcher.get_error())
