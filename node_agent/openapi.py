@@ -96,7 +96,9 @@ def _completion(request: str, response: str, chunk: str, summary: str) -> dict[s
                                 "text/event-stream": {"schema": _event(chunk)}}},
             "400": _error("Malformed JSON, an invalid field (`param` names it), an unsupported "
                           "option, a prompt over the context, or over `--max-prompt-bytes` "
-                          "(`prompt_too_large`)."),
+                          "(`prompt_too_large`), tools or a response format that cannot be "
+                          "served as asked, a JSON schema using a keyword constrained decoding "
+                          "cannot enforce (`invalid_schema`)."),
             "404": _error("The model is not loaded on this node (`model_not_found`)."),
             "408": _error("The body did not arrive within `--body-timeout-seconds` "
                           "(`request_timeout`)."),

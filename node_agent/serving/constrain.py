@@ -3,27 +3,32 @@ against a revision's tokenizer, applied to one sequence of mlx-lm's ``BatchGener
 per-sequence logits processor (``BatchGenerator.insert(..., logits_processors=[[p]])``, mlx-lm
 0.32): the other sequences of the batch are not masked.
 
-Why llguidance: its mask is computed lazily over a token trie with a derivative-based lexer, so
-a JSON-schema mask costs tens of microseconds per token without a per-schema precompilation of
-the whole vocabulary (outlines-core builds an index over the vocabulary for each schema first:
-seconds for a real vocabulary, on the request's path); it supports the JSON-schema keywords
-OpenAI's structured outputs use (``anyOf``, ``$ref``/``$defs``, ``enum``/``const``, ``minItems`` /
-``maxItems``, numeric bounds, string ``pattern`` / ``maxLength``, ``additionalProperties``) and
-*reports* the ones it does not (never ignores them: ``lenient: false``); it runs on CPU with
-``numpy`` (xgrammar needs torch). Measured by ``benchmarks/constrained.py`` (per-token mask cost
-of llguidance vs outlines-core on the same schemas and tokenizer; constrained vs unconstrained
-tokens/s at 8 and 32 streams): see ``docs/node-agent.md`` (*Structured outputs and tool
-calls*) for the numbers.
+Why llguidance (measured by ``benchmarks/constrained.py`` on the generated test model's
+tokenizer, ``benchmarks/results/constrained-*.json``): outlines-core's mask is cheaper per token
+(a lookup in an index precomputed per schema: ~1 µs against llguidance's ~4–12 µs there), but
+that index is built over the whole vocabulary for every new schema, on the request's path (120 ms
+for a ``maxLength: 400`` string on a 512-token vocabulary, growing with the vocabulary and the
+schema), and its JSON-schema regex does not enforce integer ``minimum``/``maximum`` (it accepted
+``{"age": 999}`` for ``maximum: 120``) — a silently unenforced keyword, the failure issue 20
+forbids. llguidance computes masks lazily over a token trie (no per-schema precomputation:
+~1–10 ms compiles), enforces the keywords OpenAI's structured outputs use (``anyOf``,
+``$ref``/``$defs``, ``enum``/``const``, ``minItems``/``maxItems``, numeric bounds, string
+``pattern``/``maxLength``, ``additionalProperties``) and *reports* the ones it does not
+(``lenient: false``); its per-token mask is a small part of a constrained token's cost in the
+batch step (below). xgrammar needs torch. Numbers: ``docs/node-agent.md`` (*Structured outputs
+and tool calls*).
 
-Where the time goes: :func:`compile_grammar` (tokenizer adaptation once per revision, ~ms for a
-small vocabulary, ~1 s for a 150k one; grammar construction per request) runs on the core's
-tokenizer pool, never on the MLX thread. :class:`GrammarProcessor` runs on the MLX thread inside
-``BatchGenerator``'s step, once per generated token of the constrained sequence: it reads the
-token just sampled (``.item()``: the step waits for the previous step's sampling instead of
-overlapping it — the only cost the other sequences of the batch pay, once per step however many
-sequences are constrained), advances the matcher, computes the next mask (llguidance, Rust) and
-masks the row's logits (``mx.where``). A sequence whose grammar is complete may only end: the
-mask then allows only the end-of-sequence tokens.
+Where the time goes: :func:`compile_grammar` (tokenizer adaptation once per revision: ms for the
+test model, about 1 s for a large vocabulary by llguidance's own account; grammar construction
+per request) runs on the core's tokenizer pool, never on the MLX thread. :class:`GrammarProcessor`
+runs on the MLX thread inside ``BatchGenerator``'s step, once per generated token of the
+constrained sequence: it reads the token just sampled (``.item()``: the step waits for the
+previous step's sampling instead of overlapping it), advances the matcher, computes the next
+mask (llguidance, Rust) and masks the row's logits (``mx.where``). What the other sequences of
+the batch pay while a constrained one is in it: that lost overlap (once per step however many
+sequences are constrained) and mlx-lm's per-row path (with any logits processor in the batch,
+``GenerationBatch._step`` slices the logits row by row and concatenates them). A sequence whose
+grammar is complete may only end: the mask then allows only the end-of-sequence tokens.
 """
 
 from __future__ import annotations
