@@ -24,7 +24,10 @@ per request) runs on the core's tokenizer pool, never on the MLX thread. :class:
 runs on the MLX thread inside ``BatchGenerator``'s step, once per generated token of the
 constrained sequence: it reads the token just sampled (``.item()``: the step waits for the
 previous step's sampling instead of overlapping it), advances the matcher, computes the next
-mask (llguidance, Rust) and masks the row's logits (``mx.where``). What the other sequences of
+mask (llguidance, Rust) and masks the row's logits (``mx.where``). (Dispatching the step's
+forward pass early, ``mx.async_eval(logits)`` right after the read, so that it runs while the
+mask is computed, measured no better on the 2-core CPU: the forward pass then competes with the
+mask for the cores; worth trying on a GPU.) What the other sequences of
 the batch pay while a constrained one is in it: that lost overlap (once per step however many
 sequences are constrained) and mlx-lm's per-row path (with any logits processor in the batch,
 ``GenerationBatch._step`` slices the logits row by row and concatenates them). A sequence whose
