@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      field_validator, model_validator)
 
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
 from mlx_fleet.routing.headers import SESSION_HEADER
@@ -221,6 +221,12 @@ _TOOL_CHOICE = ("none: no tool call (the tools are not shown to the model); auto
                 "{name}}: one call of that function, enforced likewise.")
 
 
+def _tool_choice_kind(v: Any) -> str:
+    """Which form of ``tool_choice`` ``v`` is meant to be (an object: a named function), so that
+    a bad value's error is the one of that form (the tags have a ``-``: no part of ``param``)."""
+    return "named-function" if isinstance(v, (dict, NamedToolChoice)) else "tool-choice-mode"
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``.
 
@@ -232,8 +238,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: PositiveInt | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, description=(
         "Function tools, rendered into the prompt by the model's chat template."))] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description=_TOOL_CHOICE)
+    tool_choice: Annotated[
+        Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
+        | Annotated[NamedToolChoice, Tag("named-function")],
+        Discriminator(_tool_choice_kind)] | None = Field(None, description=_TOOL_CHOICE)
     parallel_tool_calls: Annotated[bool, Field(strict=True, description=(
         "With tool_choice required: up to 8 calls (else exactly one)."))] = True
     response_format: ResponseFormat | None = Field(None, description=(

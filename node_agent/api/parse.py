@@ -64,7 +64,7 @@ def _is_type_tag(part: object) -> bool:
         return False
     p = str(part)
     return ("[" in p or "-" in p or p in {"str", "int", "float", "bool", "none",
-                                          "ContentPart", "ChatMessage", "NamedToolChoice"})
+                                          "ContentPart", "ChatMessage"})
 
 
 async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
