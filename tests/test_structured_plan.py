@@ -316,3 +316,22 @@ def test_finish_reason() -> None:
     assert finish_reason("stop", True) == "tool_calls"
     assert finish_reason("stop", False) == "stop"
     assert finish_reason("length", True) == "length"
+
+
+# -- the stream's tool-call event --------------------------------------------------------------
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_tool_calls_event_is_the_json_of_openais_chunk(include_usage: bool) -> None:
+    from node_agent.api_models import ChatCompletionChunk
+    from node_agent.sse import StreamEncoder
+
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}]
+    event = StreamEncoder("chat", "chatcmpl-1", 7, "m", include_usage).tool_calls(calls, 2)
+    want = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+            "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 2, **calls[0]}]},
+                         "logprobs": None, "finish_reason": None}]}
+    if include_usage:
+        want["usage"] = None
+    assert event == b"data: " + json.dumps(want, separators=(",", ":")).encode() + b"\n\n"
+    ChatCompletionChunk.model_validate_json(event[len(b"data: "):])   # the documented shape
