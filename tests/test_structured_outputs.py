@@ -424,10 +424,17 @@ async def test_coalescing_never_merges_constrained_with_unconstrained(
     assert coalesced(agent) == before + 1
 
 
-async def test_core_refuses_an_uncompilable_grammar(agent: Agent) -> None:  # noqa: F811
-    with pytest.raises(InvalidConstraint) as e:
-        await agent.core.generate(MODEL_ID, messages=MSGS, max_tokens=4,
-                                  grammar=json_schema_grammar({"type": "object", "if": {}}),
-                                  grammar_param="response_format.json_schema.schema")
-    assert e.value.param == "response_format.json_schema.schema"
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["alone", "coalescable"])
+async def test_core_refuses_an_uncompilable_grammar(agent: Agent,  # noqa: F811
+                                                    temperature: float) -> None:
+    """Refused before it reaches the MLX thread, whether it leads a shareable generation
+    (greedy: identical requests would join it) or not; nothing stays in flight."""
+    grammar = json_schema_grammar({"type": "object", "if": {}})
+    calls = [agent.core.generate(MODEL_ID, messages=MSGS, max_tokens=4, grammar=grammar,
+                                 temperature=temperature,
+                                 grammar_param="response_format.json_schema.schema")
+             for _ in range(2)]
+    for result in await asyncio.gather(*calls, return_exceptions=True):
+        assert isinstance(result, InvalidConstraint)
+        assert result.param == "response_format.json_schema.schema"
     assert agent.core.inflight_requests() == 0
