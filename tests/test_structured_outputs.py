@@ -438,3 +438,30 @@ async def test_core_refuses_an_uncompilable_grammar(agent: Agent,  # noqa: F811
         assert isinstance(result, InvalidConstraint)
         assert result.param == "response_format.json_schema.schema"
     assert agent.core.inflight_requests() == 0
+
+
+async def test_a_matcher_error_fails_the_request(agent: Agent,  # noqa: F811
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar the matcher can no longer follow (here: put in its error state by a token it
+    refuses, as a parser limit would) ends the request as failed — a 503, never output that
+    may not match the schema — and the batch goes on."""
+    from node_agent.serving import constrain, core as core_module
+
+    def broken(tokenizer: Any, grammar: str, param: str) -> Any:
+        c = constrain.compile_grammar(tokenizer, grammar, param)
+        c.matcher.consume_token(tokenizer.encode("}", add_special_tokens=False)[0])
+        assert c.error() is not None
+        return c
+
+    monkeypatch.setattr(core_module, "compile_grammar", broken)
+    resp = await agent.client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
+                                               "max_tokens": 8,
+                                               "response_format": {"type": "json_object"}})
+    assert resp.status == 503
+    assert (await resp.json())["error"]["message"] == "generation failed"
+    monkeypatch.undo()
+    ok = await agent.client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
+                                             "max_tokens": MAX,
+                                             "response_format": {"type": "json_object"}})
+    assert ok.status == 200
+    assert isinstance(json.loads((await ok.json())["choices"][0]["message"]["content"]), dict)

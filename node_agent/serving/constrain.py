@@ -100,6 +100,12 @@ class Constraint:
     def processor(self) -> "GrammarProcessor":
         return GrammarProcessor(self.matcher, self.vocab_size, self.eos_ids)
 
+    def error(self) -> str | None:
+        """Why the matcher cannot go on (a token it refused, a parser limit such as
+        llguidance's per-token lexer fuel), or None. The engine then ends the request as
+        failed instead of answering output that may not match the grammar."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
 
 def compile_grammar(tokenizer: Any, grammar: str, param: str) -> Constraint:
     """Compile ``grammar`` for mlx-lm ``TokenizerWrapper`` ``tokenizer`` (tokenizer pool only:
@@ -127,9 +133,9 @@ class GrammarProcessor:
     ``seconds`` / ``calls``: time spent advancing the matcher, computing and applying masks, and
     how many (the per-token cost ``benchmarks/constrained.py`` reports); ``wait_seconds``: time
     spent waiting for the previous step's token (``.item()``: the step's loss of overlap). A
-    matcher in error (a token it did not allow:
-    cannot happen through this mask) allows only the end-of-sequence tokens, so the sequence
-    ends instead of running unconstrained."""
+    matcher in error (a parser limit; a refused token cannot come through this mask) allows
+    only the end-of-sequence tokens, so the sequence never runs on unconstrained, and the
+    engine fails the request (:meth:`Constraint.error`)."""
 
     def __init__(self, matcher: Any, vocab_size: int, eos_ids: list[int]) -> None:
         import llguidance.numpy as llnp

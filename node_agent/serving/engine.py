@@ -507,6 +507,10 @@ class Engine:
         else:
             series.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
+        if req.constraint is not None and req.constraint.error() is not None:
+            # the grammar could not be followed (a parser limit): end the request as failed
+            # rather than answer output that may not match it
+            raise RuntimeError(f"constrained decoding failed: {req.constraint.error()}")
         segment = feed(req.detok, r.token, r.finish_reason)
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
         if reason is not None:
