@@ -10,10 +10,11 @@ import json
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 import pytest_asyncio
 from prometheus_client import generate_latest
@@ -129,6 +130,36 @@ async def test_json_schema_outputs_validate(client: openai.AsyncOpenAI, name: st
     content, calls, reason = await streamed(client, messages=MSGS, temperature=0,
                                             max_tokens=MAX, response_format=json_format(schema))
     assert (content, calls, reason) == (choice.message.content, [], "stop")
+
+
+class Step(pydantic.BaseModel):
+    n: int = pydantic.Field(ge=0, le=9)
+    kind: Literal["add", "sub"]
+
+
+class Plan(pydantic.BaseModel):
+    title: str = pydantic.Field(max_length=12)
+    steps: list[Step] = pydantic.Field(min_length=1, max_length=3)
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=10)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+async def test_openai_parse_helpers(client: openai.AsyncOpenAI) -> None:
+    """The client's own structured-output helpers: ``chat.completions.parse`` with a pydantic
+    model (strict JSON schema with ``$defs``) and ``pydantic_function_tool`` (a strict tool):
+    the answers parse into the models."""
+    r = await client.chat.completions.parse(model=MODEL_ID, messages=MSGS, response_format=Plan,
+                                            temperature=0, max_tokens=MAX)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, Plan)
+    r = await client.chat.completions.parse(
+        model=MODEL_ID, messages=MSGS, tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required", temperature=0, max_tokens=MAX)
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
 async def test_sampled_json_schema_outputs_validate(client: openai.AsyncOpenAI) -> None:
