@@ -24,7 +24,8 @@ per request) runs on the core's tokenizer pool, never on the MLX thread. :class:
 runs on the MLX thread inside ``BatchGenerator``'s step, once per generated token of the
 constrained sequence: it reads the token just sampled (``.item()``: the step waits for the
 previous step's sampling instead of overlapping it), advances the matcher, computes the next
-mask (llguidance, Rust) and masks the row's logits (``mx.where``). (Dispatching the step's
+mask (llguidance, Rust) and masks the row's logits (``mx.where`` over the unpacked bitmask:
+``llguidance.mlx``'s kernel is Metal-only, and this runs on Linux CPU and CUDA too). (Dispatching the step's
 forward pass early, ``mx.async_eval(logits)`` right after the read, so that it runs while the
 mask is computed, measured no better on the 2-core CPU: the forward pass then competes with the
 mask for the cores; worth trying on a GPU.) What the other sequences of
