@@ -9,6 +9,12 @@ complete and every file has its recorded size (:func:`_complete_download`). ``<d
 (``filelock``, polled every 0.1 s so that waiting stays cancellable) serializes fetches of
 one URI across tasks and processes. Read errors make a state file count as absent; write
 errors (``OSError``) propagate.
+
+The state file's modification time is the download's *last use* (touched whenever a fetch
+returns the directory). :func:`cache_bytes` measures the cache; :func:`collect_garbage` applies
+:func:`~node_agent.fetch.gc.gc_plan`: it takes each entry's lock without waiting (an entry whose
+lock is held is *active*: a download runs, so it is never touched) and holds the locks it got
+while it deletes, so no download starts in a directory being deleted.
 """
 
 from __future__ import annotations
@@ -17,13 +23,20 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
-from collections.abc import AsyncIterator
+import shutil
+import stat
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
 from ..model_dir import SourceError
+from .bounds import DownloadLimits, is_commit, hub_digest, manifest_digest
+from .gc import CacheEntry, Deletion, PartFile, gc_plan
 from .manifest import STATE_FILE, _safe_relpath
+
+log = logging.getLogger("node_agent.fetch")
 
 _CHUNK_BYTES = 1 << 20
 
@@ -94,3 +107,112 @@ async def _dir_lock(path: Path) -> AsyncIterator[None]:
         yield
     finally:
         lock.release()
+
+
+def touch_state(target: Path) -> None:
+    """Mark ``target``'s download as used now (its state file's mtime: the garbage collector's
+    least-recently-used order). Errors are ignored."""
+    with contextlib.suppress(OSError):
+        os.utime(target / STATE_FILE)
+
+
+def digest_of(model_dir: Path) -> str:
+    """The content address of a fetched model directory: a mirror download's
+    :func:`~node_agent.fetch.bounds.manifest_digest` (from its state file), a Hugging Face
+    snapshot's ``hf-commit:<commit>`` (``…/snapshots/<commit>``), else ``""`` (a local
+    directory: not content-addressed)."""
+    state = _load_state(model_dir)
+    if state is not None:
+        digest = state.get("digest")
+        if isinstance(digest, str) and digest:
+            return digest
+        files = state.get("files")
+        pairs = [(f.get("path"), f.get("sha256")) for f in files if isinstance(f, dict)] if (
+            isinstance(files, list)) else []
+        if not pairs or not all(isinstance(p, str) and isinstance(d, str) for p, d in pairs):
+            return ""  # a download from before digests were required
+        return manifest_digest(pairs)  # type: ignore[arg-type]
+    if model_dir.parent.name == "snapshots" and is_commit(model_dir.name):
+        return hub_digest(model_dir.name)
+    return ""
+
+
+def _tree(directory: Path) -> tuple[int, list[PartFile]]:
+    """Bytes of the regular files under ``directory`` (symlinks not followed) and its
+    ``.part`` files."""
+    total = 0
+    parts: list[PartFile] = []
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            total += st.st_size
+            if name.endswith(".part"):
+                parts.append(PartFile(os.path.relpath(path, directory), st.st_size, st.st_mtime))
+    return total, parts
+
+
+def cache_bytes(root: Path) -> int:
+    """Bytes of the regular files in the model cache ``root`` (0 when it does not exist)."""
+    return _tree(root)[0] if root.is_dir() else 0
+
+
+def collect_garbage(root: Path, *, assigned: Iterable[str], loaded: Iterable[str],
+                    limits: DownloadLimits, now: float, need: int = 0,
+                    shortfall: int = 0) -> list[Deletion]:
+    """Delete what :func:`~node_agent.fetch.gc.gc_plan` names among the ``https://`` downloads
+    in ``root/https/`` and return it. ``assigned`` / ``loaded``: their directory names
+    (:func:`~node_agent.fetch.manifest.mirror_dir`); ``now``: unix seconds; ``need`` /
+    ``shortfall``: bytes a download is about to add / the disk lacks for it. Blocking (run it
+    in a thread). An ``OSError`` while deleting one entry is logged and the rest goes on."""
+    from filelock import FileLock, Timeout
+
+    base = root / "https"
+    if not base.is_dir():
+        return []
+    held: list[Any] = []
+    entries: list[CacheEntry] = []
+    try:
+        for d in sorted(base.iterdir()):
+            if d.is_symlink() or not d.is_dir():
+                continue
+            lock = FileLock(f"{d}.lock")
+            try:
+                lock.acquire(timeout=0)
+                held.append(lock)
+                active = False
+            except Timeout:
+                active = True  # a download holds it
+            size, parts = _tree(d)
+            try:
+                used = (d / STATE_FILE).stat().st_mtime
+            except OSError:
+                used = d.stat().st_mtime
+            entries.append(CacheEntry(d.name, size, used, active, tuple(parts)))
+        plan = gc_plan(entries, assigned, loaded, now, limits.cache_max_bytes, need=need,
+                       shortfall=shortfall, unused_max_age_s=limits.unused_max_age_s,
+                       part_max_age_s=limits.part_max_age_s)
+        done: list[Deletion] = []
+        for x in plan:
+            try:
+                if x.part is not None:
+                    (base / x.name / x.part).unlink()
+                else:
+                    shutil.rmtree(base / x.name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("model cache: cannot delete %s: %s", base / x.name, e)
+                continue
+            log.info("model cache: deleted %s (%s, %d bytes)",
+                     x.name + (f"/{x.part}" if x.part else ""), x.reason, x.bytes)
+            done.append(x)
+        return done
+    finally:
+        for lock in held:
+            lock.release()

@@ -2,8 +2,13 @@
 
 A directory served over HTTPS holding ``manifest.json`` (format in
 :mod:`node_agent.fetch.manifest`; the URI may also name the manifest itself:
-``https://host/path/manifest.json``). Sizes and sha256 are checked when the manifest gives
-them (without ``size`` the ``Content-Length`` is checked). Each file is fetched from
+``https://host/path/manifest.json``). Every entry's size and sha256 are required
+(:func:`~node_agent.fetch.manifest.parse_manifest`): before the first byte, the bytes still to
+fetch are checked against the cache's cap and the disk's free space minus its reserve
+(:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` may free space first — the
+agent's garbage collector — then ``InsufficientDisk``); a server announcing another size, or
+sending one byte more than declared (any transfer encoding), fails the file; its sha256 is
+checked before it is moved into place. Each file is fetched from
 ``<base>/<path>`` (percent-encoded) into ``dest_root/https/<name>/``
 (:func:`~node_agent.fetch.manifest.mirror_dir`). A file is written to ``<path>.part``,
 resumed with ``Range: bytes=<done>-`` after a dropped connection (up to ``max_attempts``
@@ -20,7 +25,9 @@ serializes fetches of one URI across tasks and processes.
 
 ``_Mirror(...).run()`` returns the checked directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no manifest at the mirror),
-``InvalidSource`` (a malformed manifest, an unsafe path, a bad model directory),
+``InvalidSource`` (a malformed manifest — an entry without a size or sha256 —, an unsafe path,
+a bad model directory), ``InsufficientDisk`` (the download would exceed the cache's cap or eat
+into the disk's reserve; nothing was downloaded),
 ``DownloadFailed`` (an HTTP error status, the connection lost too often, TLS failure),
 ``DownloadStalled`` (no byte for ``stall_timeout_s``; names the file and the bytes done),
 ``DownloadCorrupt`` (size or sha256 mismatch; the bad file is deleted). Partial files are
@@ -36,9 +43,10 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -46,7 +54,9 @@ from urllib.parse import quote
 import aiohttp
 
 from ..model_dir import SourceError, check_config, check_model_dir
-from .cache import _complete_download, _dir_lock, _hash_file, _load_state, _write_json_atomic
+from .bounds import DownloadLimits, manifest_digest, room_refusal
+from .cache import (_complete_download, _dir_lock, _hash_file, _load_state, _write_json_atomic,
+                    cache_bytes, touch_state)
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_manifest)
 from .progress import ProgressCallback, _Progress
@@ -76,13 +86,24 @@ def _fmt_bytes(n: int | None) -> str:
     return "unknown" if n is None else f"{n} bytes"
 
 
+#: ``make_room(need, shortfall)``: free space before a download of ``need`` more bytes for
+#: which the disk lacks ``shortfall`` bytes (the agent's cache garbage collector).
+MakeRoom = Callable[[int, int], Awaitable[None]]
+
+
 class _Mirror:
     def __init__(self, uri: str, dest_root: Path, *, callback: ProgressCallback, interval: float,
                  stall_timeout_s: float, max_attempts: int, chunk_bytes: int,
-                 ssl_context: ssl.SSLContext | None) -> None:
+                 ssl_context: ssl.SSLContext | None, limits: DownloadLimits | None = None,
+                 disk_usage: Callable[[str], Any] = shutil.disk_usage,
+                 make_room: MakeRoom | None = None) -> None:
         self.uri = uri
         self.base = mirror_base_url(uri)
+        self.dest_root = dest_root
         self.target = mirror_dir(uri, dest_root)
+        self.limits = limits or DownloadLimits()
+        self.disk_usage = disk_usage
+        self.make_room = make_room
         self.stall = stall_timeout_s
         self.max_attempts = max_attempts
         self.chunk_bytes = chunk_bytes
@@ -106,6 +127,7 @@ class _Mirror:
                 entries = parse_manifest(await self._get_manifest(session),
                                          self.base + MANIFEST_NAME)
                 sizes = await asyncio.to_thread(self._prepare, entries)
+                await self._check_room(entries)
                 self.progress.maybe_emit(force=True)
                 for entry in entries:
                     if entry.path in self.progress.done:
@@ -118,8 +140,30 @@ class _Mirror:
         self.progress.maybe_emit(force=True)
         return self.target
 
+    async def _check_room(self, entries: list[ManifestEntry]) -> None:
+        """Before the first byte: the bytes still to fetch against the cache's cap and the
+        disk's free space minus its reserve; ``make_room`` is asked once to free what is
+        missing. Raises ``InsufficientDisk``."""
+        need = sum(max(e.size - self.progress.local.get(e.path, 0), 0) for e in entries
+                   if e.path not in self.progress.done)
+
+        def measure() -> tuple[SourceError | None, int]:
+            usage = self.disk_usage(str(self.target))
+            held = cache_bytes(self.dest_root) if self.limits.cache_max_bytes else 0
+            refusal = room_refusal(need, free=usage.free, fs_total=usage.total,
+                                   cache_bytes=held, limits=self.limits, what=self.base)
+            return refusal, max(need - (usage.free - self.limits.reserve(usage.total)), 0)
+
+        refusal, shortfall = await asyncio.to_thread(measure)
+        if refusal is not None and self.make_room is not None:
+            await self.make_room(need, shortfall)
+            refusal, _ = await asyncio.to_thread(measure)
+        if refusal is not None:
+            raise refusal
+
     async def _adopted(self) -> Path:
         await asyncio.to_thread(check_model_dir, self.target)
+        await asyncio.to_thread(touch_state, self.target)
         state = _load_state(self.target) or {}
         for item in state.get("files", []):
             self.progress.expected[item["path"]] = item["size"]
@@ -166,6 +210,7 @@ class _Mirror:
     def _finish(self, entries: list[ManifestEntry], sizes: dict[str, int | None]) -> None:
         _write_json_atomic(self.target / STATE_FILE, {
             "uri": self.base, "complete": True, "completed_unix": time.time(),
+            "digest": manifest_digest((e.path, e.sha256) for e in entries),
             "files": [{"path": e.path, "size": sizes[e.path], "sha256": e.sha256}
                       for e in entries]})
 
