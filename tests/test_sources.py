@@ -62,8 +62,9 @@ class Mirror:
     """Serves ``files`` and a ``manifest.json`` under ``/models/tiny/`` over HTTPS, with Range
     support. Records every request as ``(name, Range header)``; can drop a file's connection
     once after N bytes (``cut_once``), stop sending a file after N bytes until ``unstall`` is
-    set (``stall_at``), answer a file with a status (``status``), and pace every file
-    (``pace``: seconds per 16 KiB, a slow link)."""
+    set (``stall_at``), answer a file with a status (``status``), pace every file
+    (``pace``: seconds per 16 KiB, a slow link), send a file with chunked transfer encoding
+    (``chunked``: no Content-Length) and send N bytes more than the file (``extra``)."""
 
     CHUNK = 16 * 1024
 
@@ -77,6 +78,9 @@ class Mirror:
         self.stall_at: dict[str, int] = {}
         self.status: dict[str, int] = {}
         self.pace = 0.0
+        self.chunked: set[str] = set()
+        self.extra: dict[str, int] = {}
+        self.sent: dict[str, int] = {}  # bytes of each file written to a client
         self.unstall = asyncio.Event()
         self.stalled = asyncio.Event()
         self.port = 0
@@ -102,6 +106,7 @@ class Mirror:
                 else self.files.get(name))
         if body is None:
             return web.Response(status=404, text="not found")
+        body += bytes(self.extra.get(name, 0))
         start, status, headers = 0, 200, {}
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-", rng)
@@ -112,7 +117,10 @@ class Mirror:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
         resp = web.StreamResponse(status=status, headers=headers)
-        resp.content_length = len(body) - start
+        if name in self.chunked:
+            resp.enable_chunked_encoding()
+        else:
+            resp.content_length = len(body) - start
         await resp.prepare(request)
         end = len(body)
         cut = self.cut_once.pop(name, None)
@@ -124,6 +132,7 @@ class Mirror:
         pos = start
         while pos < end:
             await resp.write(body[pos:min(pos + self.CHUNK, end)])
+            self.sent[name] = self.sent.get(name, 0) + min(self.CHUNK, end - pos)
             pos = min(pos + self.CHUNK, end)
             if self.pace:
                 await asyncio.sleep(self.pace)  # a slow link
