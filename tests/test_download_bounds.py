@@ -6,6 +6,7 @@ never what is assigned, loaded or downloading)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections import namedtuple
@@ -21,7 +22,8 @@ from node_agent.fetch.bounds import (manifest_digest, parse_reserve, room_refusa
 from node_agent.fetch.gc import CacheEntry, Deletion, PartFile, gc_plan
 from node_agent.model_dir import SourceError
 from mlx_fleet.quantity import parse_quantity
-from test_sources import Mirror, assert_same_files, mirror, model_files, tls  # noqa: F401
+from test_agent_controller import core  # noqa: F401
+from test_sources import Mirror, assert_same_files, mirror, model_files, store, tls  # noqa: F401
 
 GiB = 2**30
 Usage = namedtuple("Usage", "total used free")
@@ -315,3 +317,50 @@ def test_collect_garbage_on_a_real_cache(tmp_path: Path) -> None:
                            limits=DownloadLimits(cache_max_bytes=1), now=time.time())
     assert {d.name for d in done} == {"unassigned-recent", "downloading"}
     assert assigned.exists() and not recent.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent: digests reported, the cache collected after an unassignment
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_an_unassigned_source_is_collected_and_an_assigned_one_kept(
+        store, keys, core, tmp_path: Path, mirror: Mirror) -> None:  # noqa: F811
+    from mlx_fleet.contract import AssignmentState
+    from node_agent.controller import Controller
+    from node_agent.registration import Registration
+    from test_agent_controller import ADVERTISED, NODE, Capacity
+    from test_sources import https_assignment, report_events, settled
+
+    reg = Registration(store, keys, node_name=NODE, address=ADVERTISED, capacity=Capacity(),
+                       ttl=5)
+    await reg.start()
+    cache = tmp_path / "cache"
+    stray = cache / "https" / "stray-download"  # from before: no longer assigned
+    stray.mkdir(parents=True)
+    (stray / "model.safetensors.part").write_bytes(bytes(100))
+    ctl = Controller(store, keys, node_name=NODE, core=core, registration=reg,
+                     advertise_url=ADVERTISED, model_cache=cache,
+                     download_limits=DownloadLimits(unused_max_age_s=0))
+    await ctl.start()
+    try:
+        await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # on start
+        assert not stray.exists()
+        start = (await store.list(keys.root + "/")).revision + 1
+        akey = keys.assignment(NODE, "default", "remote", "r1")
+        await store.put(akey, https_assignment("remote", mirror.url).to_json())
+        rkey = keys.report(NODE, "default", "remote", "r1")
+        seen = await report_events(store, rkey, start, settled)
+        assert seen[-1] is not None and seen[-1].state == AssignmentState.READY
+        target = mirror_dir(mirror.url, cache)
+        assert seen[-1].digest == digest_of(target) and seen[-1].digest.startswith("sha256:")
+        ctl.cache_collected.clear()
+        await store.delete(akey)
+        await report_events(store, rkey, start, lambda r: r is None)
+        await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # after the unassignment
+        assert not target.exists()
+    finally:
+        await ctl.stop()
+        for m in core.models():
+            await core.unload_model(m.model_id, m.revision)
+        await reg.stop()

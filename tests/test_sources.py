@@ -27,6 +27,7 @@ from mlx_fleet.store import Store
 from node_agent.controller import Controller
 from node_agent.fetch import (STATE_FILE, DownloadLimits, digest_of, fetch, mirror_dir,
                               parse_hf_uri, parse_manifest)
+from node_agent.fetch.bounds import manifest_digest
 from node_agent.model_dir import SourceError, check_model_dir
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
@@ -796,6 +797,10 @@ async def test_https_assignment_prefetches_with_progress_then_serves(
     ready = seen[-1]
     assert ready is not None and ready.endpoint == ADVERTISED and ready.resident_bytes > 0
     assert seen[n] is not None and seen[n].progress is None  # Loading carries no download
+    # what was loaded, content-addressed: the digest of the manifest's (path, sha256) list
+    digest = manifest_digest((f["path"], f["sha256"]) for f in mirror.manifest["files"])
+    assert seen[n].digest == ready.digest == digest  # type: ignore[union-attr]
+    assert all(r.digest == "" for r in seen[:n] if r)  # not known while downloading
 
     gen = await core.generate("remote", revision="r1", prompt="Hello, world!", max_tokens=4,
                               temperature=0.0)

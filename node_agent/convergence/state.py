@@ -182,7 +182,8 @@ class Loaded:
     ``last_used``: clock time of its last request (or of its load); ``standby``: not resident
     — unloaded since (``unload`` says how) or never loaded (``OnDemand``: ``standby_reason``
     ``AwaitingRequest``) — still served on demand; ``load_seconds``: how long its last load
-    took (clock seconds); ``created_unix``: wall-clock time it was loaded or assigned."""
+    took (clock seconds); ``created_unix``: wall-clock time it was loaded or assigned;
+    ``digest``: the content address of a downloaded source's files ("" for a local one)."""
 
     spec: Spec
     resident_bytes: int
@@ -193,6 +194,7 @@ class Loaded:
     load_seconds: float = 0.0
     standby_reason: str = ""
     created_unix: float = 0.0
+    digest: str = ""  # content address of the files loaded (AssignmentReport.digest)
 
     @property
     def reason(self) -> str:
