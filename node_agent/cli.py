@@ -230,7 +230,7 @@ def non_negative_quantity(text: str) -> int:
 def add_download_arguments(p: argparse.ArgumentParser) -> None:
     """The model downloads' bounds and cache flags (:class:`~node_agent.fetch.DownloadLimits`)."""
     g = p.add_argument_group("model downloads and their cache (docs/node-agent.md, 'Model "
-                             "sources')")
+                             "sources and the download cache')")
     g.add_argument("--model-cache-reserve", type=_argtype(model_cache_reserve), default="10%",
                    metavar="PERCENT|QUANTITY",
                    help="free space a download must leave on the model cache's disk: a "
