@@ -112,12 +112,11 @@ class _Mirror:
 
     # -- top level -----------------------------------------------------------------------------
     async def run(self) -> Path:
-        if await asyncio.to_thread(_complete_download, self.target, self.base):
-            return await self._adopted()
         await asyncio.to_thread(self.target.parent.mkdir, parents=True, exist_ok=True)
+        # adopted under the lock too: the cache's garbage collector deletes under it
         async with _dir_lock(Path(f"{self.target}.lock")):
             if await asyncio.to_thread(_complete_download, self.target, self.base):
-                return await self._adopted()  # another task or process finished it meanwhile
+                return await self._adopted()  # complete already (another task, a restart)
             ctx = self.ssl_context or ssl.create_default_context()
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall,
                                             sock_read=self.stall)
