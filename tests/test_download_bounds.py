@@ -7,6 +7,7 @@ never what is assigned, loaded or downloading)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections import namedtuple
@@ -364,3 +365,31 @@ async def test_an_unassigned_source_is_collected_and_an_assigned_one_kept(
         for m in core.models():
             await core.unload_model(m.model_id, m.revision)
         await reg.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-fleet make-manifest: what a mirror needs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_make_manifest_writes_what_the_agent_requires(test_model_dir: Path, tmp_path: Path,
+                                                      mirror: Mirror) -> None:  # noqa: F811
+    import shutil
+
+    from mlx_fleet.cli import main as fleet_main
+    from mlx_fleet.mirror_manifest import build_manifest
+    from node_agent.fetch import parse_manifest
+
+    model = tmp_path / "model"
+    shutil.copytree(test_model_dir, model)
+    (model / ".mlx-fleet-download.json").write_text("{}")  # hidden: left out
+    (model / "model.safetensors.part").write_bytes(b"x")   # partial: left out
+    assert fleet_main(["make-manifest", str(model)]) == 0
+    written = json.loads((model / "manifest.json").read_text())
+    assert written == mirror.manifest == build_manifest(test_model_dir)  # the fixture's own
+    assert parse_manifest(json.dumps(written))[0].path == "config.json"
+
+    (model / "modeling_evil.py").write_text("raise SystemExit")
+    with pytest.raises(ValueError, match="modeling_evil.py is Python code"):
+        build_manifest(model)
+    assert fleet_main(["make-manifest", str(tmp_path / "absent")]) == 2

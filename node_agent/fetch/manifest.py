@@ -31,10 +31,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
+from mlx_fleet.mirror_manifest import MANIFEST_NAME  # the writer: mlx-fleet make-manifest
+
 from ..model_dir import SourceError
 
-#: The mirror's file list, next to the model files.
-MANIFEST_NAME = "manifest.json"
 #: The manifest as fetched, plus ``complete``, kept in the download directory.
 STATE_FILE = ".mlx-fleet-download.json"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
