@@ -328,6 +328,7 @@ class Controller:
         while True:
             self._changed.clear()
             wake_at = await self._converge()
+            self._loader.hold_sources()  # before the keys' tasks started just now run
             if not self._gc_started and self.follower.snapshots:
                 # only now is it known what is assigned here: nothing assigned is collected
                 self._gc_started = True

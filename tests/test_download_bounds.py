@@ -320,6 +320,27 @@ def test_collect_garbage_on_a_real_cache(tmp_path: Path) -> None:
     assert assigned.exists() and not recent.exists()
 
 
+def test_agents_sharing_a_cache_keep_each_others_sources(tmp_path: Path) -> None:
+    """Two agents on one host (a development fleet) share ``$MLX_FLEET_CACHE``: each holds an
+    in-use lock on its own sources, so the other's collector leaves them alone."""
+    from node_agent.fetch.cache import SourceHolds
+
+    mine = cached(tmp_path, "mine", {"config.json": 10}, age=9 * HOUR)
+    theirs = cached(tmp_path, "theirs", {"config.json": 10}, age=9 * HOUR)
+    other_agent = SourceHolds(tmp_path)
+    other_agent.hold(["theirs"])
+    try:
+        done = collect_garbage(tmp_path, assigned=["mine"], loaded=[], limits=DownloadLimits(),
+                               now=time.time())
+        assert done == [] and mine.exists() and theirs.exists()
+        other_agent.hold([])  # unassigned there too
+        done = collect_garbage(tmp_path, assigned=["mine"], loaded=[], limits=DownloadLimits(),
+                               now=time.time())
+        assert [d.name for d in done] == ["theirs"] and not theirs.exists() and mine.exists()
+    finally:
+        other_agent.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent: digests reported, the cache collected after an unassignment
 # ---------------------------------------------------------------------------------------------

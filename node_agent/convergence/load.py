@@ -24,7 +24,7 @@ from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
 
 from .. import memory_estimate
 from ..fetch import DownloadLimits, collect_garbage, digest_of, fetch, mirror_dir
-from ..fetch.cache import touch_state
+from ..fetch.cache import SourceHolds, touch_state
 from ..fetch.gc import Deletion
 from ..serving import ModelLoadError
 from ..serving.errors import LOAD_CANCELLED
@@ -59,6 +59,7 @@ class Loader:
         self.backoff = backoff
         self.limits = limits or DownloadLimits()
         self._gc: set[asyncio.Task] = set()
+        self._holds = SourceHolds(model_cache)  # our sources, kept from other agents' GC
         #: Set when a scheduled garbage collection has ended; cleared when one is scheduled
         #: to run at once.
         self.collected = asyncio.Event()
@@ -89,6 +90,12 @@ class Loader:
                     loaded.add(n)
         return assigned, loaded
 
+    def hold_sources(self) -> None:
+        """Mark the downloads assigned here or loaded as in use (:class:`SourceHolds`), for
+        another agent's collector on a shared cache; called after every converge pass."""
+        assigned, loaded = self._cache_names()
+        self._holds.hold(assigned | loaded)
+
     async def collect_garbage(self, need: int = 0, shortfall: int = 0) -> list[Deletion]:
         """Delete from the model cache what :func:`~node_agent.fetch.gc.gc_plan` names (stale
         ``.part`` files, sources no longer assigned here, least recently used first; never one
@@ -96,6 +103,7 @@ class Loader:
         to add / the disk lacks for it. Returns the deletions; an error is logged, never
         raised."""
         assigned, loaded = self._cache_names()
+        self._holds.hold(assigned | loaded)
         try:
             return await asyncio.to_thread(
                 collect_garbage, self._model_cache, assigned=assigned, loaded=loaded,
@@ -136,6 +144,7 @@ class Loader:
             t.cancel()
         await asyncio.gather(*self._gc, return_exceptions=True)
         self._gc.clear()
+        self._holds.close()
 
     async def load(self, key: str, a: Assignment, spec: Spec, *, retry: Failure | None = None,
                    on_demand: bool = False, reason: str = RELOADING_ON_DEMAND) -> bool:

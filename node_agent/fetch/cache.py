@@ -14,13 +14,17 @@ The state file's modification time is the download's *last use* (touched wheneve
 returns the directory). :func:`cache_bytes` measures the cache; :func:`collect_garbage` applies
 :func:`~node_agent.fetch.gc.gc_plan`: it takes each entry's lock without waiting (an entry whose
 lock is held is *active*: a download runs, so it is never touched) and holds the locks it got
-while it deletes, so no download starts in a directory being deleted.
+while it deletes, so no download starts in a directory being deleted. Agents sharing one cache
+(a development host) keep each other's sources: each holds a shared ``flock`` on
+``<dir>.inuse`` for every source assigned to it or loaded (:class:`SourceHolds`), and the
+collector counts an entry it cannot lock exclusively there as active too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -162,6 +166,63 @@ def cache_bytes(root: Path) -> int:
     return _tree(root)[0] if root.is_dir() else 0
 
 
+#: Suffix of the file whose shared lock marks a download in use by an agent.
+IN_USE_SUFFIX = ".inuse"
+
+
+class SourceHolds:
+    """Shared locks (``flock(LOCK_SH)``) on ``root/https/<name>.inuse`` for the downloads this
+    agent has assigned or loaded, so that another agent's :func:`collect_garbage` on the same
+    cache leaves them alone. :meth:`hold` makes the held set ``names`` (a name whose lock a
+    collector holds right now is tried again on the next call); :meth:`close` drops them all.
+    Not thread-safe: call it from one thread (the event loop)."""
+
+    def __init__(self, root: Path) -> None:
+        self._base = Path(root) / "https"
+        self._fds: dict[str, int] = {}
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._fds)
+
+    def hold(self, names: Iterable[str]) -> None:
+        want = set(names)
+        for name in [n for n in self._fds if n not in want]:
+            os.close(self._fds.pop(name))
+        for name in sorted(want - set(self._fds)):
+            try:
+                self._base.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self._base / f"{name}{IN_USE_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                log.warning("model cache: cannot mark %s in use: %s", name, e)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:  # a collector holds it this instant: next time
+                os.close(fd)
+                continue
+            self._fds[name] = fd
+
+    def close(self) -> None:
+        self.hold(())
+
+
+def _in_use_elsewhere(base: Path, name: str, fds: list[int]) -> bool:
+    """True when another agent holds ``name``'s in-use lock; else its exclusive lock is taken
+    (its fd appended to ``fds``, closed by the caller) until the collection ends."""
+    try:
+        fd = os.open(base / f"{name}{IN_USE_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return True
+    fds.append(fd)
+    return False
+
+
 def collect_garbage(root: Path, *, assigned: Iterable[str], loaded: Iterable[str],
                     limits: DownloadLimits, now: float, need: int = 0,
                     shortfall: int = 0) -> list[Deletion]:
@@ -175,7 +236,9 @@ def collect_garbage(root: Path, *, assigned: Iterable[str], loaded: Iterable[str
     base = root / "https"
     if not base.is_dir():
         return []
+    assigned, loaded = set(assigned), set(loaded)
     held: list[Any] = []
+    in_use_fds: list[int] = []
     entries: list[CacheEntry] = []
     try:
         for d in sorted(base.iterdir()):
@@ -188,6 +251,9 @@ def collect_garbage(root: Path, *, assigned: Iterable[str], loaded: Iterable[str
                 active = False
             except Timeout:
                 active = True  # a download holds it
+            if (not active and d.name not in assigned and d.name not in loaded
+                    and _in_use_elsewhere(base, d.name, in_use_fds)):
+                active = True  # another agent sharing this cache has it assigned
             size, parts = _tree(d)
             try:
                 used = (d / STATE_FILE).stat().st_mtime
@@ -216,3 +282,5 @@ def collect_garbage(root: Path, *, assigned: Iterable[str], loaded: Iterable[str
     finally:
         for lock in held:
             lock.release()
+        for fd in in_use_fds:
+            os.close(fd)
