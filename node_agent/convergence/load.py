@@ -12,11 +12,11 @@ here, loaded, or downloading). The downloaded files' digest
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 RELOADING_ON_DEMAND, Assignment, AssignmentState,
@@ -65,6 +65,16 @@ class Loader:
         self.collected = asyncio.Event()
 
     # -- the model cache's garbage collection ------------------------------------------------
+    def _cache_dir(self, spec: Spec | None) -> Path | None:
+        """Where ``spec``'s source is downloaded in the model cache (None: not an
+        ``https://`` source, or a malformed one)."""
+        if spec is None or urlsplit(spec.uri.strip()).scheme.lower() != "https":
+            return None
+        try:
+            return mirror_dir(spec.uri, self._model_cache)
+        except SourceError:
+            return None
+
     def _cache_names(self) -> tuple[set[str], set[str]]:
         """The model cache's directory names of the ``https://`` sources ``(assigned here —
         desired, attempted or being worked on —, loaded or being loaded)``."""
@@ -72,12 +82,8 @@ class Loader:
         loaded: set[str] = set()
 
         def name(spec: Spec | None) -> str | None:
-            if spec is None or not spec.uri.strip().lower().startswith("https://"):
-                return None
-            try:
-                return mirror_dir(spec.uri, self._model_cache).name
-            except SourceError:
-                return None
+            d = self._cache_dir(spec)
+            return d.name if d is not None else None
 
         for rec in self._rt.records.values():
             running = rec.running if isinstance(rec.running, Spec) else None
@@ -132,9 +138,8 @@ class Loader:
         garbage collector keeps them ``unused_max_age_s`` from here, for a re-assignment or a
         rollback, unless the space is needed) and a collection is scheduled now and then."""
         for spec in specs:
-            if spec is not None and spec.uri.strip().lower().startswith("https://"):
-                with contextlib.suppress(SourceError):
-                    touch_state(mirror_dir(spec.uri, self._model_cache))
+            if (d := self._cache_dir(spec)) is not None:
+                touch_state(d)
         self.schedule_gc()
         self.schedule_gc(self.limits.unused_max_age_s + 1.0)
 
