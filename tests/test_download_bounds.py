@@ -414,3 +414,34 @@ def test_make_manifest_writes_what_the_agent_requires(test_model_dir: Path, tmp_
     with pytest.raises(ValueError, match="modeling_evil.py is Python code"):
         build_manifest(model)
     assert fleet_main(["make-manifest", str(tmp_path / "absent")]) == 2
+
+
+async def test_an_hf_download_is_checked_against_the_disk_before_its_first_byte(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """huggingface_hub's dry run (the files it would fetch, with their sizes) is checked
+    against the Hugging Face cache's disk minus the reserve: refused with no file body
+    fetched; then, with room, the download runs."""
+    from aiohttp import web
+
+    from test_sources import COMMIT_MAIN, FakeHub
+
+    hub = FakeHub(model_files, COMMIT_MAIN)
+    runner = web.AppRunner(hub.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    endpoint = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    need = sum(map(len, model_files.values()))
+    uri = f"hf://hub-org/tiny@{COMMIT_MAIN}"
+    try:
+        with pytest.raises(SourceError) as e:
+            await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                        offline=False, disk_usage=disk(100 * GiB, 10 * GiB + need - 1))
+        assert e.value.reason == "InsufficientDisk" and f"needs {need} more bytes" in (
+            e.value.message)
+        assert [m for m, _ in hub.requests if m == "GET"] == []  # no body fetched
+        path = await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                           offline=False, disk_usage=disk(100 * GiB, 10 * GiB + need))
+    finally:
+        await runner.cleanup()
+    assert_same_files(path, model_files)

@@ -93,8 +93,8 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
     read at call time, else huggingface_hub's own). ``limits``: the disk reserve, cache cap
     and whether ``hf://`` may follow a branch (default :class:`DownloadLimits`: 10 % reserve,
     no cap, commits only); ``disk_usage``: ``shutil.disk_usage`` (injectable: a full disk
-    can't be made in a test); ``make_room(need, shortfall)``: awaited once when a mirror
-    download does not fit, before it is refused (the agent's garbage collector).
+    can't be made in a test); ``make_room(need, shortfall)``: awaited once when a download
+    does not fit, before it is refused (the agent's garbage collector).
 
     Raises :class:`~node_agent.model_dir.SourceError` (reasons in the module docstring);
     ``UnsupportedSource`` for another scheme."""
@@ -107,7 +107,8 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
             raise refusal
         return await _fetch_hub(uri, callback=callback, interval=progress_interval_s,
                                 stall_timeout_s=stall_timeout_s, cache_dir=hf_cache_dir,
-                                endpoint=hf_endpoint, offline=offline)
+                                endpoint=hf_endpoint, offline=offline, limits=limits,
+                                disk_usage=disk_usage, make_room=make_room)
     if scheme == "https":
         return await _Mirror(uri, Path(dest_root), callback=callback,
                              interval=progress_interval_s, stall_timeout_s=stall_timeout_s,
