@@ -162,8 +162,10 @@ def _tree(directory: Path) -> tuple[int, list[PartFile]]:
 
 
 def cache_bytes(root: Path) -> int:
-    """Bytes of the regular files in the model cache ``root`` (0 when it does not exist)."""
-    return _tree(root)[0] if root.is_dir() else 0
+    """Bytes of the downloads in the model cache ``root`` (its ``https/`` directories, what the
+    cap and the garbage collector govern; 0 when there are none)."""
+    base = Path(root) / "https"
+    return _tree(base)[0] if base.is_dir() else 0
 
 
 #: Suffix of the file whose shared lock marks a download in use by an agent.
