@@ -445,3 +445,23 @@ async def test_an_hf_download_is_checked_against_the_disk_before_its_first_byte(
     finally:
         await runner.cleanup()
     assert_same_files(path, model_files)
+
+
+def test_agent_flags() -> None:
+    from node_agent.cli import build_parser, config_from_args
+
+    def config(*argv: str):
+        return config_from_args(build_parser().parse_args(list(argv))).downloads
+
+    assert config() == DownloadLimits()  # 10 %, no cap, commits only, an hour
+    got = config("--model-cache-reserve", "20Gi", "--model-cache-max-bytes", "200Gi",
+                 "--model-cache-unused-seconds", "60", "--allow-unpinned-hub-revisions")
+    assert got == DownloadLimits(reserve_bytes=20 * GiB, reserve_fraction=0.0,
+                                 cache_max_bytes=200 * GiB, allow_unpinned_hub=True,
+                                 unused_max_age_s=60)
+    assert config("--model-cache-reserve", "5%").reserve_fraction == 0.05
+    for bad in (["--model-cache-reserve", "100%"], ["--model-cache-reserve", "lots"],
+                ["--model-cache-max-bytes", "-1"], ["--model-cache-unused-seconds", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(bad)
+        assert e.value.code == 2, bad
