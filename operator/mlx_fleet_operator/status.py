@@ -304,8 +304,9 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                            f"{desired}/{desired} replicas placed")
         conditions = [ready_c, prog_c, deg_c, sched_c]
     conditions.append(_served_name_condition(inp, cond))
-    conditions.append(cond("ReplicasConsistent", *digest_consistency(
-        (e["name"], e["revision"], e.get("digest", "")) for e in entries)))
+    new_consistent = cond("ReplicasConsistent", *digest_consistency(
+        (e["name"], e["revision"], e.get("digest", "")) for e in entries))
+    conditions.append(new_consistent)
 
     # -- events on transitions -----------------------------------------------------------------
     for e in entries:
@@ -361,7 +362,6 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     elif new_conflict["status"] == "False" and prev_conflict.get("status") == "True":
         events.append(Event("Normal", "ServedNameConflictResolved", new_conflict["message"]))
     prev_consistent = prev_conditions.get("ReplicasConsistent", {})
-    new_consistent = conditions[5]
     if new_consistent["status"] == "False" and (
             prev_consistent.get("status") != "False"
             or prev_consistent.get("message") != new_consistent["message"]):
