@@ -381,6 +381,10 @@ async def test_an_unassigned_source_is_collected_and_an_assigned_one_kept(
         await report_events(store, rkey, start, lambda r: r is None)
         await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # after the unassignment
         assert not target.exists()
+        registry = core.metrics.registry
+        assert registry.get_sample_value("mlxfleet_agent_model_cache_deleted_bytes_total",
+                                         {"reason": "Unassigned"}) >= mirror.total + 100
+        assert registry.get_sample_value("mlxfleet_agent_model_cache_bytes") == 0
     finally:
         await ctl.stop()
         for m in core.models():

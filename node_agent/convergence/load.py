@@ -23,7 +23,8 @@ from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 DownloadProgress)
 
 from .. import memory_estimate
-from ..fetch import DownloadLimits, collect_garbage, digest_of, fetch, mirror_dir
+from ..fetch import (DownloadLimits, cache_bytes, collect_garbage, digest_of, fetch,
+                     mirror_dir)
 from ..fetch.cache import SourceHolds, touch_state
 from ..fetch.gc import Deletion
 from ..serving import ModelLoadError
@@ -110,13 +111,23 @@ class Loader:
         raised."""
         assigned, loaded = self._cache_names()
         self._holds.hold(assigned | loaded)
+
+        def collect() -> tuple[list[Deletion], int]:
+            done = collect_garbage(self._model_cache, assigned=assigned, loaded=loaded,
+                                   limits=self.limits, now=time.time(), need=need,
+                                   shortfall=shortfall)
+            return done, cache_bytes(self._model_cache)
+
         try:
-            return await asyncio.to_thread(
-                collect_garbage, self._model_cache, assigned=assigned, loaded=loaded,
-                limits=self.limits, now=time.time(), need=need, shortfall=shortfall)
+            done, held = await asyncio.to_thread(collect)
         except Exception:  # noqa: BLE001 - the cache's upkeep must not fail a load
             log.exception("model cache garbage collection failed")
             return []
+        metrics = self._rt.metrics
+        for d in done:
+            metrics.model_cache_deleted_bytes.labels(d.reason).inc(d.bytes)
+        metrics.model_cache_bytes.set(held)
+        return done
 
     def schedule_gc(self, delay: float = 0.0) -> None:
         """Run :meth:`collect_garbage` in the background after ``delay`` seconds (at start once
