@@ -444,8 +444,10 @@ async def test_an_hf_download_is_checked_against_the_disk_before_its_first_byte(
         assert e.value.reason == "InsufficientDisk" and f"needs {need} more bytes" in (
             e.value.message)
         assert [m for m, _ in hub.requests if m == "GET"] == []  # no body fetched
+        # the cap is the agent's own cache's (https:// downloads), not the Hugging Face one's
         path = await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
-                           offline=False, disk_usage=disk(100 * GiB, 10 * GiB + need))
+                           offline=False, disk_usage=disk(100 * GiB, 10 * GiB + need),
+                           limits=DownloadLimits(cache_max_bytes=1))
     finally:
         await runner.cleanup()
     assert_same_files(path, model_files)

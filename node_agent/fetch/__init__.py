@@ -48,11 +48,12 @@ from urllib.parse import urlsplit
 
 from ..model_dir import SourceError
 from .bounds import INSUFFICIENT_DISK, DownloadLimits, unpinned_refusal
-from .cache import _CHUNK_BYTES, cache_bytes, collect_garbage, default_model_cache, digest_of
+from .cache import (_CHUNK_BYTES, MakeRoom, cache_bytes, collect_garbage, default_model_cache,
+                    digest_of)
 from .hub import HUB_ALLOW_PATTERNS, _fetch_hub
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_hf_uri, parse_manifest)
-from .mirror import MakeRoom, _Mirror
+from .mirror import _Mirror
 from .progress import PROGRESS_INTERVAL_S, RATE_WINDOW_S, ProgressCallback, _ignore
 
 __all__ = ["fetch", "default_model_cache", "parse_hf_uri", "mirror_base_url", "mirror_dir",

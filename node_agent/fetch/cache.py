@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -31,12 +32,12 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from ..model_dir import SourceError
-from .bounds import DownloadLimits, is_commit, hub_digest, manifest_digest
+from .bounds import DownloadLimits, hub_digest, is_commit, manifest_digest, room_refusal
 from .gc import CacheEntry, Deletion, PartFile, gc_plan
 from .manifest import STATE_FILE, _safe_relpath
 
@@ -111,6 +112,37 @@ async def _dir_lock(path: Path) -> AsyncIterator[None]:
         yield
     finally:
         lock.release()
+
+
+#: ``make_room(need, shortfall)``: free space before a download of ``need`` more bytes for
+#: which the disk lacks ``shortfall`` bytes (the agent's cache garbage collector).
+MakeRoom = Callable[[int, int], Awaitable[None]]
+
+
+async def ensure_room(need: int, *, where: Path, limits: DownloadLimits,
+                      disk_usage: Callable[[str], Any], make_room: MakeRoom | None, what: str,
+                      model_cache: Path | None = None) -> None:
+    """Before a download's first byte: :func:`~node_agent.fetch.bounds.room_refusal` of
+    ``need`` bytes on ``where``'s disk (``disk_usage``, ``shutil.disk_usage``'s shape) and,
+    when ``model_cache`` is given and ``limits`` has a cap, against the cap over
+    :func:`cache_bytes`; ``make_room`` is asked once to free what is missing, then the check
+    is made again. ``what`` names the source. Raises ``InsufficientDisk``."""
+    if model_cache is None:  # the cap is the model cache's (not the Hugging Face cache's)
+        limits = dataclasses.replace(limits, cache_max_bytes=0)
+
+    def measure() -> tuple[SourceError | None, int]:
+        usage = disk_usage(str(where))
+        held = cache_bytes(model_cache) if model_cache is not None and limits.cache_max_bytes else 0
+        refusal = room_refusal(need, free=usage.free, fs_total=usage.total, cache_bytes=held,
+                               limits=limits, what=what)
+        return refusal, max(need - (usage.free - limits.reserve(usage.total)), 0)
+
+    refusal, shortfall = await asyncio.to_thread(measure)
+    if refusal is not None and make_room is not None:
+        await make_room(need, shortfall)
+        refusal, _ = await asyncio.to_thread(measure)
+    if refusal is not None:
+        raise refusal
 
 
 def touch_state(target: Path) -> None:

@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..model_dir import SourceError, check_model_dir
-from .bounds import DownloadLimits, room_refusal
+from .bounds import DownloadLimits
+from .cache import MakeRoom, ensure_room
 from .manifest import parse_hf_uri
 from .progress import ProgressCallback, _Progress
 
@@ -124,7 +124,7 @@ def _existing(path: Path) -> Path:
 
 async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, what: str,
                           limits: DownloadLimits, disk_usage: Callable[[str], Any],
-                          make_room: Callable[[int, int], Awaitable[None]] | None) -> None:
+                          make_room: MakeRoom | None) -> None:
     """The dry run's bytes to fetch against the Hugging Face cache's disk minus the reserve;
     ``make_room`` is asked once. Raises ``InsufficientDisk``."""
     from huggingface_hub import constants
@@ -136,21 +136,8 @@ async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, wh
                     "checked against the disk's reserve", what, type(e).__name__, e)
         return
     need = sum(i.file_size or 0 for i in infos if i.will_download)
-    where = _existing(Path(cache or constants.HF_HUB_CACHE))
-    hub_limits = dataclasses.replace(limits, cache_max_bytes=0)  # the cap is the model cache's
-
-    def measure() -> tuple[SourceError | None, int]:
-        usage = disk_usage(str(where))
-        refusal = room_refusal(need, free=usage.free, fs_total=usage.total, cache_bytes=0,
-                               limits=hub_limits, what=what)
-        return refusal, max(need - (usage.free - hub_limits.reserve(usage.total)), 0)
-
-    refusal, shortfall = await asyncio.to_thread(measure)
-    if refusal is not None and make_room is not None:
-        await make_room(need, shortfall)
-        refusal, _ = await asyncio.to_thread(measure)
-    if refusal is not None:
-        raise refusal
+    await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
+                      limits=limits, disk_usage=disk_usage, make_room=make_room, what=what)
 
 
 async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
@@ -158,7 +145,7 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                      endpoint: str | None, offline: bool | None,
                      limits: DownloadLimits | None = None,
                      disk_usage: Callable[[str], Any] = shutil.disk_usage,
-                     make_room: Callable[[int, int], Awaitable[None]] | None = None) -> Path:
+                     make_room: MakeRoom | None = None) -> Path:
     repo_id, revision = parse_hf_uri(uri)
     is_offline = _hub_offline(offline)
     cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None

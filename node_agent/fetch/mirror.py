@@ -46,7 +46,7 @@ import re
 import shutil
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -54,9 +54,9 @@ from urllib.parse import quote
 import aiohttp
 
 from ..model_dir import SourceError, check_config, check_model_dir
-from .bounds import DownloadLimits, manifest_digest, room_refusal
-from .cache import (_complete_download, _dir_lock, _hash_file, _load_state, _write_json_atomic,
-                    cache_bytes, touch_state)
+from .bounds import DownloadLimits, manifest_digest
+from .cache import (MakeRoom, _complete_download, _dir_lock, _hash_file, _load_state,
+                    _write_json_atomic, ensure_room, touch_state)
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_manifest)
 from .progress import ProgressCallback, _Progress
@@ -84,11 +84,6 @@ async def _uncancelled(fn: Callable[[], Any]) -> Any:
 
 def _fmt_bytes(n: int | None) -> str:
     return "unknown" if n is None else f"{n} bytes"
-
-
-#: ``make_room(need, shortfall)``: free space before a download of ``need`` more bytes for
-#: which the disk lacks ``shortfall`` bytes (the agent's cache garbage collector).
-MakeRoom = Callable[[int, int], Awaitable[None]]
 
 
 class _Mirror:
@@ -145,20 +140,9 @@ class _Mirror:
         missing. Raises ``InsufficientDisk``."""
         need = sum(max(e.size - self.progress.local.get(e.path, 0), 0) for e in entries
                    if e.path not in self.progress.done)
-
-        def measure() -> tuple[SourceError | None, int]:
-            usage = self.disk_usage(str(self.target))
-            held = cache_bytes(self.dest_root) if self.limits.cache_max_bytes else 0
-            refusal = room_refusal(need, free=usage.free, fs_total=usage.total,
-                                   cache_bytes=held, limits=self.limits, what=self.base)
-            return refusal, max(need - (usage.free - self.limits.reserve(usage.total)), 0)
-
-        refusal, shortfall = await asyncio.to_thread(measure)
-        if refusal is not None and self.make_room is not None:
-            await self.make_room(need, shortfall)
-            refusal, _ = await asyncio.to_thread(measure)
-        if refusal is not None:
-            raise refusal
+        await ensure_room(need, where=self.target, limits=self.limits,
+                          disk_usage=self.disk_usage, make_room=self.make_room, what=self.base,
+                          model_cache=self.dest_root)
 
     async def _adopted(self) -> Path:
         await asyncio.to_thread(check_model_dir, self.target)
