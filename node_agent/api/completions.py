@@ -2,7 +2,11 @@
 (the canary split, a standby reload, or a forward to another node), generate on the
 :class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
 
-Statuses beyond :mod:`.parse`'s 400s: 400 ``context_length_exceeded`` / ``prompt_too_large`` /
+Statuses beyond :mod:`.parse`'s 400s: 400 ``unsupported_parameter`` / ``unsupported_value``
+when the revision that would serve the request lacks a capability it needs (tools, structured
+outputs, logprobs, ``n``: :func:`mlx_fleet.capabilities.satisfies` over the revision's
+:func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's answer, word for
+word, ``param`` naming the field), 400 ``context_length_exceeded`` / ``prompt_too_large`` /
 ``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
@@ -17,6 +21,7 @@ from typing import Any, Callable, Literal
 
 from aiohttp import web
 
+from mlx_fleet.capabilities import REQUEST_FIELDS, required_capabilities, satisfies
 from mlx_fleet.http_errors import error_response as _error
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
@@ -26,6 +31,7 @@ from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatComp
 from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                        ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
                        StreamBufferOverflow)
+from ..serving.capabilities import model_capabilities
 from ..sse import DONE, StreamEncoder, data_event
 from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
 from .forward import Forwarder
@@ -161,6 +167,11 @@ class Completions:
         request[MODEL] = req.model
         request[REVISION] = info.revision
         headers = {REVISION_HEADER: info.revision}  # on every response from here on
+        missing = satisfies(model_capabilities(info), required_capabilities(
+            request.path, req.model_dump(include=set(REQUEST_FIELDS))))
+        if missing is not None:
+            return _error(400, missing.message(req.model), param=missing.param,
+                          code=missing.code, headers=headers)
         outcome = _Outcome(tm, routed)
         prompt_param = "messages" if kind == "chat" else "prompt"
         try:

@@ -2,7 +2,10 @@
 
 400 ``invalid_request_error``: malformed JSON (``code`` ``invalid_json``), an invalid field
 (``param`` names it, ``code`` ``invalid_value``), ``stream_options`` without ``stream: true``,
-and options this server does not implement (``code`` ``unsupported_parameter``, :func:`unsupported`).
+and the legacy ``functions`` / ``function_call``, which no model here serves (``code``
+``unsupported_parameter``, :func:`unsupported`). What depends on the model (tools, structured
+outputs, logprobs, ``n``) is decided once the serving revision is known, by its capabilities
+(:mod:`.completions`).
 """
 
 from __future__ import annotations
@@ -32,24 +35,21 @@ def validation_error(e: ValidationError) -> web.Response:
 
 
 def unsupported(req: SamplingRequest) -> web.Response | None:
-    """400 for options this server cannot honour, naming the first such parameter."""
+    """400 for options this server honours for no model, naming the first such parameter:
+    ``stream_options`` without ``stream``, the legacy ``functions`` / ``function_call`` (use
+    ``tools`` / ``tool_choice``). The model-dependent ones are the revision's capabilities'
+    (:func:`mlx_fleet.capabilities.satisfies`)."""
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
                       param="stream_options", code="invalid_value")
     off = {
-        "n": req.n == 1,
-        "tools": not req.tools,
-        "tool_choice": req.tool_choice in (None, "none"),
         "functions": not req.functions,
         "function_call": req.function_call in (None, "none"),
-        "response_format": req.response_format in (None, {"type": "text"}),
-        "logprobs": req.logprobs in (None, False, 0),
-        "top_logprobs": req.top_logprobs in (None, 0),
     }
     for param, ok in off.items():
         if not ok:
-            what = "n > 1" if param == "n" else param
-            return _error(400, f"{param}: {what} is not supported by this server",
+            return _error(400, f"{param}: {param} is not supported by this server (use "
+                          f"{'tools' if param == 'functions' else 'tool_choice'})",
                           param=param, code="unsupported_parameter")
     return None
 
