@@ -9,5 +9,8 @@ them into one aiohttp app.
 * :mod:`.routing` — which revision serves a request (split, pin, standby reload, forward),
   shared by every model route,
 * :mod:`.completions` — ``/v1/chat/completions`` and ``/v1/completions``,
+* :mod:`.structured` — what ``tools`` / ``tool_choice`` / ``response_format`` ask of the core
+  (pure),
+* :mod:`.tool_calls` — tool calls read out of an answer, whole or streamed (pure),
 * :mod:`.embeddings` — ``/v1/embeddings``.
 """

@@ -221,9 +221,10 @@ class _Revisions:
         job.served_tokenizer = job.tokenizer
         job.tokenizer_seconds = time.perf_counter() - t0
         per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
-        features = await asyncio.to_thread(tokenizer_features, job.tokenizer)
-        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token,
-                                       features=features)
+        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
+        if job.info.task == TASK_TEXT_GENERATION:   # tool parser, grammar: generation only
+            features = await asyncio.to_thread(tokenizer_features, job.tokenizer)
+            job.info = dataclasses.replace(job.info, features=features)
         if job.info.task == TASK_TEXT_EMBEDDING:
             try:
                 profile = await asyncio.to_thread(read_profile, job.info.path)
