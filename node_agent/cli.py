@@ -17,10 +17,10 @@ from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, che
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN,
                                 exposure_check, is_loopback)
+from mlx_fleet.http_hygiene import HttpLimits, add_http_arguments, http_limits_from_args
 from mlx_fleet.store import check_endpoint, parse_endpoint
 
 from .capacity import parse_quantity
-from .http_hygiene import HttpLimits, allowed_hosts
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL
 from .serving.admission import POLICIES
@@ -212,41 +212,6 @@ def positive_quantity(text: str) -> int:
     return n
 
 
-def add_http_arguments(p: argparse.ArgumentParser) -> None:
-    """The HTTP server's hygiene flags (:class:`~node_agent.http_hygiene.HttpLimits`)."""
-    d = HttpLimits()
-    g = p.add_argument_group("HTTP server limits (docs/security.md, 'HTTP hygiene')")
-    g.add_argument("--header-timeout-seconds", type=_argtype(positive_seconds),
-                   default=d.header_timeout_seconds, metavar="SECONDS",
-                   help="a connection that has not sent a whole request head this long after "
-                        "it opened (or after its last response) is closed: slow-loris clients "
-                        "and idle keep-alive connections (default: %(default)s)")
-    g.add_argument("--body-timeout-seconds", type=_argtype(positive_seconds),
-                   default=d.body_timeout_seconds, metavar="SECONDS",
-                   help="a POST body that has not arrived this long after its head is answered "
-                        "408 and the connection closed (default: %(default)s)")
-    g.add_argument("--max-connections", type=_argtype(positive_int),
-                   default=d.max_connections, metavar="N",
-                   help="open connections at once; one more is answered 503 and closed "
-                        "(default: %(default)s)")
-    g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="an origin (scheme://host[:port]) browsers may call the API from "
-                        "(repeatable; default: none, no CORS headers are sent)")
-    g.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
-                   help="a Host header name accepted when the API has no keys, besides "
-                        "loopback names, the --listen host and the --advertise-url host "
-                        "(repeatable; other names are answered 421: DNS rebinding)")
-
-
-def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
-    """The :class:`~node_agent.http_hygiene.HttpLimits` of :func:`add_http_arguments`."""
-    return HttpLimits(header_timeout_seconds=args.header_timeout_seconds,
-                      body_timeout_seconds=args.body_timeout_seconds,
-                      max_connections=args.max_connections,
-                      cors_origins=frozenset(args.cors_origin),
-                      allowed_hosts=frozenset(h.lower() for h in args.allowed_host))
-
-
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
     """The :class:`~node_agent.serving.options.ServingOptions` of :func:`add_serving_arguments`'
     parsed flags."""
@@ -347,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest prompt (UTF-8 bytes of the prompt, or of the messages' roles "
                         "and contents) the agent tokenizes, a Kubernetes quantity; a larger one "
                         "is answered 400 prompt_too_large before any tokenizing (default: 1Mi)")
-    add_http_arguments(p)
+    add_http_arguments(p, own_hosts="the --listen and --advertise-url hosts")
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
                    help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "

@@ -27,12 +27,12 @@ from aiohttp import web
 
 from mlx_fleet.contract import Keys, NodeHealth, check_watermark
 from mlx_fleet.exposure import INSECURE_FORWARD, exposure_check, is_loopback
+from mlx_fleet.http_hygiene import allowed_hosts, start_server
 from mlx_fleet.routing.api_keys import KeyFile, KeyFileError
 from mlx_fleet.store import EtcdStore, StoreError
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes
 from .cli import AgentConfig, StartupError, agent_version, build_parser, config_from_args
-from .http_hygiene import allowed_hosts, start_server
 from .registration import Registration
 
 log = logging.getLogger("node_agent")
