@@ -137,12 +137,32 @@ name or ""), username (or ""). The files are mounted by "mlx-fleet.etcdMounts". 
 {{- if gt (len .root.Values.etcd.endpoints) 1 }}
 {{- fail "etcd.endpoints: the operator accepts exactly one etcd endpoint for now" }}
 {{- end }}
-{{- if and .tls (not (hasPrefix "https://" (first .root.Values.etcd.endpoints))) }}
+{{- $endpoint := first .root.Values.etcd.endpoints }}
+{{- $https := hasPrefix "https://" $endpoint }}
+{{- if and .tls (not $https) }}
 {{- fail (printf "%s.tls.secretName needs an https:// etcd endpoint (etcd.endpoints)" .what) }}
+{{- end }}
+{{- if and $https (not .tls) }}
+{{- fail (printf "etcd.endpoints %s is https: %s.tls.secretName must name the Secret whose ca.crt verifies etcd" $endpoint .what) }}
 {{- end }}
 {{- if and .username (not .passwordSecret.name) }}
 {{- fail (printf "%s.auth.username needs %s.auth.passwordSecret.name (a Secret with the password)" .what .what) }}
 {{- end }}
+{{- /* The agents' rule (mlx_fleet/exposure.py): plain http only to loopback, never a password. */}}
+{{- if and (not $https) (not .root.Values.insecure.etcdHttp) }}
+{{- if not (include "mlx-fleet.isLoopbackURL" $endpoint) }}
+{{- fail (printf "etcd.endpoints %s is plain http to a host that is not loopback: use https:// with etcd.tls.secretName, or accept the risk with insecure.etcdHttp (--insecure-etcd-http)" $endpoint) }}
+{{- end }}
+{{- if .username }}
+{{- fail (printf "%s.auth.username: the etcd password would travel in cleartext to %s: use https:// with etcd.tls.secretName, or accept the risk with insecure.etcdHttp (--insecure-etcd-http)" .what $endpoint) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the URL's host is loopback (localhost, 127.0.0.0/8, [::1]), else "" — the
+rule of mlx_fleet.exposure.is_loopback. */}}
+{{- define "mlx-fleet.isLoopbackURL" -}}
+{{- if regexMatch "^[a-z]+://(localhost|127\\.[0-9]+\\.[0-9]+\\.[0-9]+|\\[::1\\])(:[0-9]+)?/?$" (lower .) }}true{{ end }}
 {{- end }}
 
 {{- define "mlx-fleet.serviceAccountName" -}}
