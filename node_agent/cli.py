@@ -288,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "name for 0.0.0.0/::)")
     p.add_argument("--label", action="append", default=[], type=_argtype(parse_label),
                    metavar="KEY=VALUE",
-                   help="node label matched by deployments' node selectors (repeatable)")
+                   help="node label matched by deployments' node selectors (repeatable); "
+                        "placement believes only keys under agent.mlx-fleet.io/ from an agent "
+                        "(e.g. agent.mlx-fleet.io/rack=a): label the MacNode for others "
+                        "(kubectl label macnode NODE KEY=VALUE)")
     p.add_argument("--lease-ttl", type=_argtype(positive_int), default=DEFAULT_LEASE_TTL,
                    metavar="SECONDS",
                    help="etcd lease TTL: a node that stops heart-beating disappears after this "
