@@ -180,6 +180,62 @@ def test_rbac_is_exactly_what_a_kopf_operator_needs(default_docs: list[dict[str,
     assert not any(r == "secrets" for _, r in grants)
 
 
+NAMESPACED_GRANTS = {
+    ("mlx-fleet.io", "modeldeployments"): {"get", "list", "watch", "patch", "update"},
+    ("mlx-fleet.io", "modeldeployments/status"): {"get", "patch", "update"},
+    ("mlx-fleet.io", "modeldeployments/finalizers"): {"get", "patch", "update"},
+    ("mlx-fleet.io", "canaries"): {"get", "list", "watch", "patch", "update"},
+    ("mlx-fleet.io", "canaries/status"): {"get", "patch", "update"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+CLUSTER_GRANTS = {
+    ("mlx-fleet.io", "macnodes"): {"get", "list", "watch", "create", "patch", "update"},
+    ("mlx-fleet.io", "macnodes/status"): {"get", "patch", "update"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("", "namespaces"): {"list", "watch"},  # kopf lists them even for namespaces given by name
+}
+
+
+def _grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    return {(g, r): set(rule["verbs"]) for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"]}
+
+
+def test_rbac_per_watched_namespace(helm: Path, default_docs: list[dict[str, Any]]) -> None:
+    """Watched namespaces by name: the namespaced grants are a Role + RoleBinding in each, the
+    ClusterRole keeps only the cluster-scoped ones (MacNodes, CRDs read) — nothing lets the
+    operator read a ModelDeployment elsewhere. Cluster-wide it is all one ClusterRole, as
+    before."""
+    assert _grants(one(default_docs, "ClusterRole")) == {**NAMESPACED_GRANTS, **CLUSTER_GRANTS}
+    assert not by_kind(default_docs, "Role") and not by_kind(default_docs, "RoleBinding")
+
+    docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
+    assert _grants(one(docs, "ClusterRole")) == CLUSTER_GRANTS
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role")}
+    assert set(roles) == {"team-a", "team-b"}
+    for ns, role in roles.items():
+        assert role["metadata"]["name"] == FULLNAME and _grants(role) == NAMESPACED_GRANTS
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(docs, "RoleBinding")}
+    assert set(bindings) == {"team-a", "team-b"}
+    for b in bindings.values():
+        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                "name": FULLNAME}
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME,
+                                  "namespace": NAMESPACE}]
+    one(docs, "ClusterRoleBinding")  # the cluster-scoped grants stay bound
+    # peering: a KopfPeering per watched namespace, no ClusterKopfPeering
+    peering = render(helm, "--set", "operator.watchNamespaces={team-a}", "--set", "operator.peering=true")
+    assert _grants(one(peering, "Role"))[("kopf.dev", "kopfpeerings")] == {"get", "list", "watch", "patch"}
+    assert _grants(one(peering, "ClusterRole")) == CLUSTER_GRANTS
+    # a pattern can't be enumerated: one ClusterRole, as cluster-wide
+    pattern = render(helm, "--set", "operator.watchNamespaces={team-a,team-*}")
+    assert not by_kind(pattern, "Role")
+    assert _grants(one(pattern, "ClusterRole")) == _grants(one(default_docs, "ClusterRole"))
+    assert not by_kind(render(helm, "--set", "rbac.create=false",
+                              "--set", "operator.watchNamespaces={team-a}"), "Role")
+
+
 def test_peering_adds_exactly_the_kopf_peering_rbac(helm: Path, default_docs: list[dict[str, Any]]) -> None:
     def grants(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
         return {(g, r): set(rule["verbs"]) for rule in one(docs, "ClusterRole")["rules"]

@@ -84,7 +84,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         # Running Canaries' candidates, before any ModelDeployment resumes: a restart
         # mid-canary must never unload a warm candidate.
         try:
-            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api))
+            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api, cfg.namespaces))
         except Exception as e:  # e.g. the Canary CRD is not installed: no canaries to keep
             logger.warning("cannot list Canaries at start-up (%s: %s); none resumed",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")

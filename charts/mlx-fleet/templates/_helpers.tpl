@@ -177,3 +177,43 @@ rule of mlx_fleet.exposure.is_loopback. */}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
+
+{{/* "true" when the operator's namespaced grants go into a Role per watched namespace:
+operator.watchNamespaces lists names only (a pattern can't be enumerated: then, and with no
+namespaces, they stay in the ClusterRole). */}}
+{{- define "mlx-fleet.rbacPerNamespace" -}}
+{{- $patterns := false }}
+{{- range .Values.operator.watchNamespaces }}{{ if regexMatch "[*?\\[\\]!,]" . }}{{ $patterns = true }}{{ end }}{{ end }}
+{{- if and .Values.operator.watchNamespaces (not $patterns) }}true{{ end }}
+{{- end }}
+
+{{/* The operator's grants on namespaced resources (a ClusterRole's or a Role's rules). */}}
+{{- define "mlx-fleet.namespacedRules" -}}
+# The operator's own resources: watch them, add/remove its finalizer and kopf annotations.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["modeldeployments"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+# Status written through the status subresource.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["modeldeployments/status"]
+  verbs: ["get", "patch", "update"]
+# Needed to set ownerReferences with blockOwnerDeletion when OwnerReferencesPermissionEnforcement is on.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["modeldeployments/finalizers"]
+  verbs: ["get", "patch", "update"]
+# Canaries: watch them, read their manual-action annotations, add/remove kopf's finalizer and
+# annotations (the operator never creates or deletes them), and write their status.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["canaries"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["canaries/status"]
+  verbs: ["get", "patch", "update"]
+# kopf posts Kubernetes events about handler progress and errors.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
