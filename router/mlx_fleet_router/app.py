@@ -76,7 +76,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mlx_fleet.exposure import may_send_key
-from mlx_fleet.http_errors import error_response, unauthorized
+from mlx_fleet.http_errors import error_response, errors_middleware, unauthorized
 from mlx_fleet.http_hygiene import HttpLimits, hygiene_middlewares
 from mlx_fleet.routing.api_keys import DEFAULT_TENANT, KeyFile, bearer_token
 from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES, max_body_bytes
@@ -185,45 +185,16 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
             sessions["s"] = client_session(upstream_ssl)
         return sessions["s"]
 
-    @web.middleware
-    async def errors(request: web.Request,
-                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                     ) -> web.StreamResponse:
-        t0 = clock()
-        status = 500
-        try:
-            resp = await handler(request)
-            status = resp.status
-            return resp
-        except web.HTTPException as e:
-            status = e.status
-            if e.status < 400:
-                raise
-            code = {404: "not_found", 405: "method_not_allowed",
-                    413: "request_too_large"}.get(e.status)
-            return error_response(e.status, e.reason or "error",
-                                  type_="invalid_request_error" if e.status < 500
-                                  else "server_error", code=code,
-                                  headers={k: v for k, v in e.headers.items()
-                                           if k.lower() == "allow"})
-        except (ConnectionResetError, asyncio.CancelledError) as e:
-            # the client left (499), or the Mac's answer broke off mid-way (502): no traceback
-            status = 502 if request.get(_CUT) else 499
-            log.info("%s during %s %s", "upstream answer cut" if status == 502
-                     else "client disconnected", request.method, request.path)
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return web.Response(status=499)
-        except Exception:  # noqa: BLE001 - never let a request take the router down
-            log.exception("unexpected error serving %s %s", request.method, request.path)
-            return error_response(500, "internal server error", type_="server_error",
-                                  code="internal_error")
-        finally:
-            if request.path.startswith("/v1/") and request.method == "POST":
-                model = request.get(_MODEL, UNKNOWN_MODEL)
-                metrics.requests.labels(model, str(status),
-                                        request.get(_TENANT, DEFAULT_TENANT)).inc()
-                metrics.duration.labels(model).observe(clock() - t0)
+    def count(request: web.Request, status: int, seconds: float) -> None:
+        if request.path.startswith("/v1/") and request.method == "POST":
+            model = request.get(_MODEL, UNKNOWN_MODEL)
+            metrics.requests.labels(model, str(status),
+                                    request.get(_TENANT, DEFAULT_TENANT)).inc()
+            metrics.duration.labels(model).observe(seconds)
+
+    # the Mac's answer broke off mid-way (502), not the client's doing (499)
+    errors = errors_middleware(log=log, count=count, cut=lambda r: bool(r.get(_CUT)),
+                               clock=clock)
 
     @web.middleware
     async def authenticate(request: web.Request,
