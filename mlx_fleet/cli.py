@@ -400,6 +400,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description=etcdcli.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     etcdcli.add_arguments(e)
+
+    from mlx_fleet import certcli
+
+    cs = sub.add_parser("certs", help="certificates and keys for a closed fleet (CA, per-Mac, "
+                                      "API keys, etcd JWT keys)",
+                        description=certcli.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    certcli.add_arguments(cs)
     return p
 
 
