@@ -130,3 +130,74 @@ def test_rogue_agent_is_flagged_on_its_macnode() -> None:
     [cond] = [c for c in honest["conditions"] if c["type"] == "ClaimsAccepted"]
     assert (cond["status"], cond["reason"]) == ("True", "AsReported")
     assert cond["lastTransitionTime"] == "2026-01-01T00:02:00Z"
+
+
+# -- through the operator, on a real API server --------------------------------------------------
+
+
+@pytest.mark.integration
+async def test_rogue_agent_through_the_operator(control_plane, keys, namespace, tmp_path) -> None:
+    """Two records in etcd: ``sec`` (honest, no labels) and ``rogue`` (an agent credential's
+    claims: ``tier=secure`` and a terabyte). The cluster admin labels ``sec``'s MacNode
+    ``tier=secure``; a two-replica deployment selecting it lands on ``sec`` alone (the rogue
+    does not match), and the rogue's MacNode says why in ``ClaimsAccepted``."""
+    import asyncio
+    import json
+    import uuid
+
+    from fleet_helpers import node_record, stub_manifest, until_assignments
+    from mlx_fleet.store import EtcdStore
+    from test_macnodes import kwait
+    from test_operator_kopf import running_operator
+
+    sec, rogue = f"sec-{uuid.uuid4().hex[:6]}", f"rogue-{uuid.uuid4().hex[:6]}"
+    honest = node_record(sec)
+    liar = node_record(rogue).model_copy(update={
+        "labels": {"tier": "secure"},
+        "capacity": node_record(rogue).capacity.model_copy(
+            update={"memory_total_bytes": 1024 * GiB})})
+    with running_operator(control_plane, keys, namespace, tmp_path / "operator.log"):
+        async with EtcdStore(control_plane.etcd_url) as store:
+            lease = await store.grant_lease(60)
+            try:
+                await store.put(keys.node(sec), honest.to_json(), lease=lease)
+                await store.put(keys.node(rogue), liar.to_json(), lease=lease)
+                for mac in (sec, rogue):
+                    await kwait(control_plane, f"macnode/{mac}", "create")
+                await kwait(control_plane, f"macnode/{rogue}",
+                            'jsonpath={.status.conditions[?(@.type=="ClaimsAccepted")].reason}'
+                            "=ClaimsIgnored")
+                obj = json.loads((await asyncio.to_thread(
+                    control_plane.kubectl, "get", "macnode", rogue, "-o", "json")).stdout)
+                [cond] = [c for c in obj["status"]["conditions"]
+                          if c["type"] == "ClaimsAccepted"]
+                assert "label(s) tier ignored for placement" in cond["message"]
+                assert "placement counts 128.0GiB" in cond["message"]
+                assert obj["status"]["memoryBudgetBytes"] == int(128 * GiB * 0.8)
+                await kwait(control_plane, f"macnode/{sec}",
+                            'jsonpath={.status.conditions[?(@.type=="ClaimsAccepted")].reason}'
+                            "=AsReported")
+
+                await asyncio.to_thread(control_plane.kubectl, "label", "macnode", sec,
+                                        "tier=secure")
+                name = f"llm-{uuid.uuid4().hex[:6]}"
+                await asyncio.to_thread(
+                    control_plane.kubectl, "apply", "-f", "-", input=stub_manifest(
+                        name, namespace, replicas=2,
+                        placement={"nodeSelector": {"tier": "secure"}}))
+                placed = await until_assignments(store, keys, lambda v: sec in v)
+                assert placed[sec].name == name and rogue not in placed
+                # the status of that placement (the one that saw the label) names the rogue out
+                await kwait(control_plane, f"modeldeployment/{name}",
+                            f"jsonpath={{.status.nodes[*].name}}={sec}", namespace)
+                md = json.loads((await asyncio.to_thread(
+                    control_plane.kubectl, "get", "modeldeployment", name, "-n", namespace,
+                    "-o", "json")).stdout)
+                [deg] = [c for c in md["status"]["conditions"] if c["type"] == "Degraded"]
+                assert "1 not matching node selector tier=secure" in deg["message"], deg
+                assert [n["name"] for n in md["status"]["nodes"]] == [sec]
+            finally:
+                await store.revoke_lease(lease)
+                for mac in (sec, rogue):
+                    await asyncio.to_thread(control_plane.kubectl, "delete", "macnode", mac,
+                                            "--wait=false", check=False)
