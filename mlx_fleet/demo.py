@@ -101,9 +101,9 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
             step = "starting the agents"
             agents = {
                 "mac-a": start_agent(cp, "mac-a", chip="Apple M3 Max", memory="64Gi",
-                                     labels={"rack": "a"}),
+                                     labels={"agent.mlx-fleet.io/rack": "a"}),
                 "mac-b": start_agent(cp, "mac-b", chip="Apple M4 Pro", memory="24Gi",
-                                     labels={"rack": "b"})}
+                                     labels={"agent.mlx-fleet.io/rack": "b"})}
             step = "starting the fleet router"
             router = start_router(cp).url
         console.print(f"[green]✓[/] operator, agents mac-a, mac-b and the fleet router running; "

@@ -568,6 +568,21 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
     seeded = seed_candidates(Api())
     assert seeded == {T: CandidateIntent("llm-v2", "v2", None, None)}
 
+    # An operator watching named namespaces lists each of them (its Roles grant no more: the
+    # chart's RBAC per namespace); one with a pattern lists cluster-wide and filters later.
+    class NamespacedApi(RecordingApi):
+        listed: list[str] = []
+
+        def list_namespaced_custom_object(self, group, version, namespace, plural, **_):
+            assert (group, version, plural) == (GROUP, VERSION, "canaries")
+            self.listed.append(namespace)
+            return listing if namespace == NS else {"items": []}
+
+    namespaced = NamespacedApi()
+    assert seed_candidates(namespaced, (NS, "elsewhere")) == seeded
+    assert namespaced.listed == [NS, "elsewhere"]
+    assert seed_candidates(Api(), ("team-*",)) == seeded
+
     # The restarted operator: the same store and fleet, a fresh process memory.
     rt2 = runtime(store, keys)
     rt2.seed_candidates(seeded)

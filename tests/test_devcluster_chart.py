@@ -42,10 +42,11 @@ def test_local_values_use_the_local_image_host_network_and_dev_etcd() -> None:
     assert values == {
         "image.repository": "localhost/mlx-fleet/mlx-fleet-operator", "image.tag": "dev",
         "image.pullPolicy": "Never", "hostNetwork": "true",
-        "etcd.endpoints": "{http://127.0.0.1:2379}", "etcd.prefix": "/p",
+        "etcd.endpoints": "{http://127.0.0.1:2379}", "etcd.tls.secretName": "", "etcd.prefix": "/p",
         "metrics.port": "1", "health.port": "2", "operator.watchNamespaces": "{ns}",
         "router.hostNetwork": "true", "router.port": "3", "router.replicaCount": "1",
-        "router.url": "http://127.0.0.1:3"}
+        "router.url": "http://127.0.0.1:3",
+        "router.apiKeys.secretName": "", "insecure.listenWithoutKeys": "true"}
 
 
 def test_local_values_reach_the_api_server_directly_without_kube_proxy() -> None:

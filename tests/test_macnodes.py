@@ -226,7 +226,7 @@ def test_a_new_macnode_is_patched_once_with_its_generation():
 
     api, cache = _FakeMacNodeAPI(), {}
     nodes = {"mac-a": node_record("mac-a")}
-    assert _macnode_round(api, nodes, {}, cache, {}) == (frozenset(), frozenset())
+    assert _macnode_round(api, nodes, {}, cache, {}) == (frozenset(), frozenset(), {})
     assert api.creates == ["mac-a"]
     [(name, status)] = api.patches
     assert name == "mac-a" and status["conditions"][0]["observedGeneration"] == 1

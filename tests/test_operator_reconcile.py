@@ -32,7 +32,7 @@ def node(name: str, mem_gib: int = 16) -> NodeRecord:
     return NodeRecord(name=name, address=f"http://{name}:8000",
                       capacity=NodeCapacity(memory_total_bytes=mem_gib * GiB,
                                             memory_available_bytes=mem_gib * GiB,
-                                            chip="Apple M3", chip_generation=3))
+                                            chip="Apple M3 Max", chip_generation=3))
 
 
 def request(name: str = "llm", replicas: int = 1, mem_gib: int = 2,

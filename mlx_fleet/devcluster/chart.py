@@ -52,9 +52,10 @@ def local_values(cp: ControlPlane, node: Node, *, namespace: str, etcd_prefix: s
                  metrics_port: int, health_port: int, router_port: int) -> list[str]:
     """``helm --set`` arguments for the chart on the local node: the locally built image
     (never pulled), host networking (the agents and etcd listen on the host's loopback), the
-    dev etcd under ``etcd_prefix``, host ports ``metrics_port``/``health_port`` (free ones: the
+    dev etcd under ``etcd_prefix`` (plain http on loopback: no TLS Secret), host ports ``metrics_port``/``health_port`` (free ones: the
     Pod shares the host's ports), one watched ``namespace``, the chart's fleet router on the
-    host's network too (one Pod: its port ``router_port`` is the node's), and — where kube-proxy does not run
+    host's network too (one Pod: its port ``router_port`` is the node's; no API keys, with the
+    chart's explicit ``insecure.listenWithoutKeys``), and — where kube-proxy does not run
     on the node (``node.kube_proxy is None``) — the chart's documented direct API server
     address."""
     from mlx_fleet.devcluster.images import OPERATOR_REF
@@ -62,11 +63,17 @@ def local_values(cp: ControlPlane, node: Node, *, namespace: str, etcd_prefix: s
     repository, tag = OPERATOR_REF.rsplit(":", 1)
     values = ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
               "--set", "image.pullPolicy=Never", "--set", "hostNetwork=true",
-              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", f"etcd.prefix={etcd_prefix}",
+              # the dev etcd: plain http on the host's loopback (no TLS Secret; the chart
+              # accepts plain http to loopback without insecure.etcdHttp)
+              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", "etcd.tls.secretName=",
+              "--set", f"etcd.prefix={etcd_prefix}",
               "--set", f"metrics.port={metrics_port}", "--set", f"health.port={health_port}",
               "--set", f"operator.watchNamespaces={{{namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
               "--set", "router.replicaCount=1",
+              # no API keys on this development node: the explicit opt-out (the router then
+              # answers only loopback Host names and its Service's)
+              "--set", "router.apiKeys.secretName=", "--set", "insecure.listenWithoutKeys=true",
               # the URL clients on this host use (the operator shows it in status.router): the
               # chart's default, the router Service's cluster DNS name, has no DNS here
               "--set", f"router.url=http://127.0.0.1:{router_port}"]

@@ -44,6 +44,7 @@ from . import metrics
 from .analysis import AnalysisResult, analyze, window_from_reports
 from .canary import TERMINAL, CanaryState, Observation, Phase, step
 from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
+from .config import listed_namespaces
 from .kube import CANARY_PLURAL, GROUP, PLURAL, VERSION, patch_object
 from .runtime import Runtime, runtime
 from .records import AnalysisWindow, CandidateIntent, DeploymentKey
@@ -364,13 +365,21 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.
     metrics.forget_canary(namespace, name)
 
 
-def seed_candidates(api: CustomObjectsApi) -> dict[DeploymentKey, CandidateIntent]:
+def seed_candidates(api: CustomObjectsApi, namespaces: tuple[str, ...] = ()
+                    ) -> dict[DeploymentKey, CandidateIntent]:
     """At start-up, before any ModelDeployment is re-synced: the candidates of running Canaries
     (from their stored ``status``), so an operator restart mid-canary never unloads a warm
-    candidate. Blocking (run in a thread)."""
+    candidate. ``namespaces``: the operator's ``--namespace`` values — exact names are listed
+    one by one (its Roles grant no more, :func:`.config.listed_namespaces`), else the listing is
+    cluster-wide. Blocking (run in a thread)."""
     out: dict[DeploymentKey, CandidateIntent] = {}
-    items = api.list_cluster_custom_object(GROUP, VERSION, CANARY_PLURAL,
-                                           _request_timeout=30)["items"]
+    listed = listed_namespaces(namespaces)
+    if listed is None:
+        items = api.list_cluster_custom_object(GROUP, VERSION, CANARY_PLURAL,
+                                               _request_timeout=30)["items"]
+    else:
+        items = [o for ns in listed for o in api.list_namespaced_custom_object(
+            GROUP, VERSION, ns, CANARY_PLURAL, _request_timeout=30)["items"]]
     for o in items:
         st = CanaryState.from_status(o.get("status"))
         if st.phase in TERMINAL or not st.candidate_revision:

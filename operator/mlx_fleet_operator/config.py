@@ -13,6 +13,15 @@ from mlx_fleet.etcd_credentials import EtcdCredentials
 
 from .reconcile import DEFAULT_WRITER
 
+def listed_namespaces(namespaces: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The namespaces to list one by one (``--namespace`` values that are all exact names), or
+    None: list cluster-wide (no ``--namespace``, or a glob pattern among them; the caller
+    filters by scope). With exact names the chart grants the namespaced resources only there
+    (a Role per namespace), so a cluster-wide listing would be refused."""
+    exact = bool(namespaces) and not any(set(p) & set("*?[]!,") for p in namespaces)
+    return namespaces if exact else None
+
+
 #: Default seconds between garbage collections of orphaned assignments (``--gc-interval``;
 #: see :func:`.orphan_gc.collect_orphans`).
 GC_SECONDS = 60.0

@@ -84,7 +84,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         # Running Canaries' candidates, before any ModelDeployment resumes: a restart
         # mid-canary must never unload a warm candidate.
         try:
-            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api))
+            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api, cfg.namespaces))
         except Exception as e:  # e.g. the Canary CRD is not installed: no canaries to keep
             logger.warning("cannot list Canaries at start-up (%s: %s); none resumed",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -142,12 +142,15 @@ async def probe_followers(memo: kopf.Memo, **_: Any) -> dict[str, int]:
 
 
 @kopf.on.event(GROUP, VERSION, MACNODE_PLURAL)
-async def macnode_event(name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
-    """A MacNode changed: when its cordon or drain is not what the operator applies, wake the
-    mirror at once (``mlx-fleet drain`` should not wait for the next round). A silent watch:
-    kopf stores nothing on the object for event handlers."""
+async def macnode_event(name: str, spec: Mapping[str, Any], labels: Mapping[str, str],
+                       memo: kopf.Memo, **_: Any) -> None:
+    """A MacNode changed: when its cordon, drain or labels are not what the operator applies,
+    wake the mirror at once (``mlx-fleet drain`` or ``kubectl label macnode`` should not wait
+    for the next round). A silent watch: kopf stores nothing on the object for event
+    handlers."""
     rt = memo.get("runtime")
-    if isinstance(rt, Runtime) and macnode_mirror.spec_differs(rt, name, spec):
+    if isinstance(rt, Runtime) and (macnode_mirror.spec_differs(rt, name, spec)
+                                    or dict(labels or {}) != rt.node_labels.get(name)):
         rt.macnodes_changed()
 
 

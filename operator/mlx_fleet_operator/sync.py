@@ -113,7 +113,7 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         rec.observe_spec(SyncedSpec(spec, generation, meta.get("uid", "")))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
                                    candidate=rt.candidate(key), cordoned=rt.cordoned,
-                                   draining=rt.draining,
+                                   draining=rt.draining, node_labels=rt.node_labels,
                                    estimates=revision_estimates(rt.reports.get(key, {})))
         released = rec.released(time.monotonic(), ENDPOINT_GRACE_SECONDS)
         try:
@@ -172,12 +172,14 @@ def deployment_intent(spec: DeploymentSpec, key: DeploymentKey, *, uid: str, gen
                       candidate: CandidateIntent | None,
                       cordoned: frozenset[str] = frozenset(),
                       draining: frozenset[str] = frozenset(),
+                      node_labels: Mapping[str, Mapping[str, str]] | None = None,
                       estimates: Mapping[str, int] | None = None) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
     revision itself — the moment of a promotion). ``estimates``: revision → the agents'
     largest memory estimate (:func:`~.placement.revision_estimates`), used where
-    ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`)."""
+    ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`). ``node_labels``:
+    node name → its MacNode's labels (:attr:`.runtime.Runtime.node_labels`)."""
     estimates = estimates or {}
     served = spec.served_name(key[1])
     memory = resolve_memory(spec.resources.memory_bytes,
@@ -188,7 +190,7 @@ def deployment_intent(spec: DeploymentSpec, key: DeploymentKey, *, uid: str, gen
         node_selector=spec.placement.node_selector,
         min_chip_generation=spec.placement.min_chip_generation,
         strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned),
-        draining=frozenset(draining))
+        draining=frozenset(draining), node_labels=node_labels or {})
     stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
                                                    generation=generation, memory_bytes=memory))
     cand = None
