@@ -18,9 +18,10 @@ A test *needs etcd* when one of these holds:
 
 Two modes, same rule:
 
-- **run** (default): exact. An autouse fixture reads the test's active fixture names after it
-  ran (``request.fixturenames`` includes fixtures requested at run time), and
-  ``ManagedProcess`` is wrapped to see what the test launched. Works under pytest-xdist (the
+- **run** (default): exact. ``ManagedProcess`` is wrapped to see what a test, or the setup of a
+  fixture, launched; an autouse fixture reads the test's active fixture names after it ran
+  (``request.fixturenames`` includes fixtures requested at run time), so a test served by a
+  module- or session-scoped fixture that started etcd for an earlier test counts too. Works under pytest-xdist (the
   workers send their records to the controller).
 - **collect** (``--collect-only``): runs nothing. The fixture closure of each collected test,
   with the ``any_store`` / ``memory_or_etcd_store`` parameter read from its id, plus a scan of
@@ -74,6 +75,11 @@ class EtcdUsage:
         self.mode = "collect" if config.option.collectonly else "run"
         self.tests: dict[str, set[str]] = {}
         self.current: pytest.Item | None = None
+        #: Fixtures being set up now, innermost last (run mode).
+        self.setting_up: list[pytest.FixtureDef] = []
+        #: (name, node id it is visible under) of each fixture whose setup launched an etcd (run mode): a module- or
+        #: session-scoped one starts it for the first test only, and serves the later ones too.
+        self.etcd_fixtures: set[tuple[str, str]] = set()
         self._unwrap = None
 
     # -- run mode ---------------------------------------------------------------------------
@@ -87,12 +93,30 @@ class EtcdUsage:
 
         def __init__(proc, name, argv, *args, **kwargs):  # noqa: N807 (a wrapped __init__)
             item = usage.current
-            if item is not None and _launches_etcd([str(a) for a in argv]):
-                item.stash.setdefault(_USED, set()).add(f"launched {name}")
+            if _launches_etcd([str(a) for a in argv]):
+                usage.etcd_fixtures.update((d.argname, _visible_under(d)) for d in usage.setting_up)
+                if item is not None:
+                    item.stash.setdefault(_USED, set()).add(f"launched {name}")
             original(proc, name, argv, *args, **kwargs)
 
         ManagedProcess.__init__ = __init__
         self._unwrap = lambda: setattr(ManagedProcess, "__init__", original)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+        self.setting_up.append(fixturedef)
+        try:
+            return (yield)
+        finally:
+            self.setting_up.pop()
+
+    def used_fixtures(self, item: pytest.Item, names: list[str]) -> set[str]:
+        """Of the fixtures ``names`` a test had, those that start etcd: the session fixtures
+        known to, and any fixture visible to the test whose setup launched one."""
+        used = set(ETCD_FIXTURES.intersection(names))
+        used.update(n for n, under in self.etcd_fixtures
+                    if n in names and item.nodeid.startswith(under))
+        return used
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
@@ -149,6 +173,12 @@ class EtcdUsage:
             self.tests[nodeid] = set(reasons)
 
 
+def _visible_under(fixturedef: pytest.FixtureDef) -> str:
+    """The node id prefix of the tests that can see ``fixturedef`` ("" for a plugin's)."""
+    node = getattr(fixturedef, "node", None)  # pytest >= 8.4; before, the node id as baseid
+    return node.nodeid if node is not None else getattr(fixturedef, "baseid", "")
+
+
 def _static_reasons(item: pytest.Item) -> set[str]:
     """Collect mode: why ``item`` would need etcd, from its closure, parameters and sources."""
     names = set(getattr(item, "fixturenames", ()))
@@ -177,7 +207,7 @@ def _static_reasons(item: pytest.Item) -> set[str]:
 def _etcd_usage_fixtures(request: pytest.FixtureRequest):
     """Run mode: after the test, the fixtures it had (also those requested at run time)."""
     yield
-    used = ETCD_FIXTURES.intersection(request.fixturenames)
+    used = request.config.stash[_RECORDER].used_fixtures(request.node, request.fixturenames)
     if used:
         request.node.stash.setdefault(_USED, set()).update(f"fixture {n}" for n in used)
 
