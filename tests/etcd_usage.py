@@ -94,7 +94,9 @@ class EtcdUsage:
         def __init__(proc, name, argv, *args, **kwargs):  # noqa: N807 (a wrapped __init__)
             item = usage.current
             if _launches_etcd([str(a) for a in argv]):
-                usage.etcd_fixtures.update((d.argname, _visible_under(d)) for d in usage.setting_up)
+                if usage.setting_up:  # the fixture whose own code launched it, not those that
+                    d = usage.setting_up[-1]  # requested it (any_store[memory] does not need etcd)
+                    usage.etcd_fixtures.add((d.argname, _visible_under(d)))
                 if item is not None:
                     item.stash.setdefault(_USED, set()).add(f"launched {name}")
             original(proc, name, argv, *args, **kwargs)
