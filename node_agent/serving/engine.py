@@ -27,6 +27,7 @@ from ..memory_estimate import kv_cache_bytes
 from ..metrics import AgentMetrics, RevisionSeries
 from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
+from .constrain import compile_grammar
 from .detokenize import feed, next_text
 from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
                      ModelNotLoaded, Overloaded)
@@ -302,7 +303,9 @@ class Engine:
         # tokenized in the core's pool before submission (node_agent.serving.tokenize); here
         # only for a caller that hands in a raw request
         ids = (req.prompt_ids if req.prompt_ids is not None
-               else tokenize(tok, req.prompt, req.messages))
+               else tokenize(tok, req.prompt, req.messages, req.tools))
+        if req.grammar is not None and req.constraint is None:
+            req.constraint = compile_grammar(tok, req.grammar, req.grammar_param)
         limit = res.info.max_context_tokens
         if req.max_tokens is None:
             req.max_tokens = limit - len(ids)
@@ -371,7 +374,11 @@ class Engine:
             self.metrics.prompt_cache_misses.labels(*req.key).inc()
         sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
         to_feed, max_tokens = prompt[cached:], req.max_tokens
-        if fastpath.applies(self.options.fast_first_token, len(res.active), len(to_feed)):
+        # a constrained sequence's every token is masked (node_agent.serving.constrain): its
+        # first one too, so it joins the batch without the fast path
+        processors = None if req.constraint is None else [[req.constraint.processor()]]
+        if processors is None and fastpath.applies(self.options.fast_first_token,
+                                                   len(res.active), len(to_feed)):
             if cache is None:
                 from mlx_lm.models.cache import make_prompt_cache
                 cache = make_prompt_cache(res.model)
@@ -401,6 +408,7 @@ class Engine:
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[sampler],
+            logits_processors=processors,
         )
         req.uid = uid
         res.active[uid] = req
@@ -499,6 +507,10 @@ class Engine:
         else:
             series.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
+        if req.constraint is not None and req.constraint.error() is not None:
+            # the grammar could not be followed (a parser limit): end the request as failed
+            # rather than answer output that may not match it
+            raise RuntimeError(f"constrained decoding failed: {req.constraint.error()}")
         segment = feed(req.detok, r.token, r.finish_reason)
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
         if reason is not None:
