@@ -13,7 +13,13 @@ object, no custom code). One module per job:
 * :mod:`.cache` — the download cache on disk: default directory, state file, lock;
 * :mod:`.progress` — the :class:`~mlx_fleet.contract.DownloadProgress` reports.
 
-Failures raise :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository
+Every source is first checked against the fleet's source policy (``policy``,
+:mod:`mlx_fleet.source_policy`), before any connection or cache look-up; ``https://`` requests
+check every resolved address and every redirect hop (:mod:`.hops`); ``hf://`` sends the Mac's
+``HF_TOKEN`` only for the policy's ``hfTokenOrganizations``.
+
+Failures raise :class:`~node_agent.model_dir.SourceError`: ``SourceRefused`` (the source
+policy refuses the source, an address it resolves to, or a redirect), ``ModelNotFound`` (no such repository
 or revision, not cached while offline, no manifest at the mirror), ``InvalidSource`` (malformed
 URI or manifest, unsafe path, bad model directory), ``DownloadFailed`` (an HTTP error status,
 the connection lost too often, TLS failure, hub unreachable), ``DownloadStalled`` (no byte for
@@ -30,8 +36,11 @@ import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy, hf_token_allowed
+
 from ..model_dir import SourceError
 from .cache import _CHUNK_BYTES, default_model_cache
+from .hops import refuse_source
 from .hub import HUB_ALLOW_PATTERNS, _fetch_hub
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_hf_uri, parse_manifest)
@@ -56,7 +65,8 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
                 ssl_context: ssl.SSLContext | None = None,
                 hf_cache_dir: str | os.PathLike | None = None,
                 hf_endpoint: str | None = None,
-                offline: bool | None = None) -> Path:
+                offline: bool | None = None,
+                policy: SourcePolicy = DEFAULT_POLICY) -> Path:
     """Download ``uri`` (``hf://`` or ``https://``) unless it is already complete on disk, and
     return the checked local model directory.
 
@@ -69,19 +79,25 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
     checks (default: the system trust store, honouring ``SSL_CERT_FILE``/``SSL_CERT_DIR``).
     ``hf_cache_dir``/``hf_endpoint``/``offline``: the Hugging Face cache, Hub URL (a Hub
     mirror) and offline mode (defaults: ``$HF_HUB_CACHE``, ``$HF_ENDPOINT``, ``$HF_HUB_OFFLINE``
-    read at call time, else huggingface_hub's own).
+    read at call time, else huggingface_hub's own). ``policy``: the fleet's source policy
+    (default the secure :data:`~mlx_fleet.source_policy.DEFAULT_POLICY`: public addresses
+    only, no token).
 
     Raises :class:`~node_agent.model_dir.SourceError` (reasons in the module docstring);
     ``UnsupportedSource`` for another scheme."""
     callback = progress or _ignore
     scheme = urlsplit(uri.strip()).scheme.lower()
+    if scheme in ("hf", "https"):
+        parse_hf_uri(uri) if scheme == "hf" else mirror_base_url(uri)  # InvalidSource first
+        refuse_source(policy, uri)
     if scheme == "hf":
         return await _fetch_hub(uri, callback=callback, interval=progress_interval_s,
                                 stall_timeout_s=stall_timeout_s, cache_dir=hf_cache_dir,
-                                endpoint=hf_endpoint, offline=offline)
+                                endpoint=hf_endpoint, offline=offline,
+                                use_token=hf_token_allowed(policy, uri))
     if scheme == "https":
         return await _Mirror(uri, Path(dest_root), callback=callback,
                              interval=progress_interval_s, stall_timeout_s=stall_timeout_s,
                              max_attempts=max(1, max_attempts), chunk_bytes=max(1, chunk_bytes),
-                             ssl_context=ssl_context).run()
+                             ssl_context=ssl_context, policy=policy).run()
     raise SourceError("UnsupportedSource", f"cannot fetch {scheme or 'a local'}:// source {uri!r}")

@@ -5,7 +5,10 @@
 else ``$HF_HUB_CACHE``, else huggingface_hub's default ``~/.cache/huggingface/hub``), so
 models already cached by ``mlx_lm`` or ``hf download`` are reused. ``revision``: a branch,
 tag or commit hash (default ``main``); the assignment's ``source.revision`` is a label and is
-not used. Offline mode (``HF_HUB_OFFLINE=1`` at call time, or ``offline=True``) reads the
+not used. The Mac's token (``HF_TOKEN`` or huggingface_hub's stored login) is sent only when
+``use_token`` (the source policy's ``hfTokenOrganizations``); otherwise the request is
+anonymous (``token=False``), so nobody who may create a ModelDeployment reads the Mac's
+private or gated repositories. Offline mode (``HF_HUB_OFFLINE=1`` at call time, or ``offline=True``) reads the
 cache only (``local_files_only``). Only the files mlx-lm loads are fetched
 (:data:`HUB_ALLOW_PATTERNS`; no ``*.py``). Timeouts, retries and resumption are
 huggingface_hub's; progress comes from its progress bars (best effort).
@@ -105,7 +108,8 @@ def _tree_numbers(snapshot: Path) -> tuple[int, int]:
 
 async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                      stall_timeout_s: float, cache_dir: str | os.PathLike | None,
-                     endpoint: str | None, offline: bool | None) -> Path:
+                     endpoint: str | None, offline: bool | None,
+                     use_token: bool = False) -> Path:
     repo_id, revision = parse_hf_uri(uri)
     is_offline = _hub_offline(offline)
     cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None
@@ -119,7 +123,7 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
 
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                  local_files_only=is_offline, etag_timeout=stall_timeout_s,
-                                 endpoint=endpoint,
+                                 endpoint=endpoint, token=None if use_token else False,
                                  allow_patterns=list(HUB_ALLOW_PATTERNS),
                                  tqdm_class=_hub_bar_class(bars))
 
