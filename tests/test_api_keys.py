@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from etcd_tls import make_pki
+from mlx_fleet.source_policy import DEV_POLICY
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource, NodeCapacity, Role, TrafficSplit)
 from mlx_fleet.memstore import MemoryStore
@@ -521,7 +522,8 @@ async def test_agent_over_https_serves_a_completion_with_a_key(
         node_name="https", etcd_endpoint=etcd_server.client_url, etcd_prefix=keys.root,
         listen_port=0, lease_ttl=5, simulated_memory_bytes=64 * 2**30,
         api_key_file=str(key_file), metrics_auth="api-key",
-        tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key)))
+        tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key),
+        source_policy=DEV_POLICY))  # the model lies in a temporary directory
     try:
         await node.start()
         assert node.url and node.url.startswith("https://127.0.0.1:")
