@@ -71,11 +71,14 @@ class RouterStatus(Status):
 class ModelDeploymentCondition(Condition):
     """One aspect of the ModelDeployment's state (like metav1.Condition)."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict"] = Field(
+    type: Literal["Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict",
+                  "SourceAllowed"] = Field(
         description=(
             "Condition type. ServedNameConflict is True while another ModelDeployment in the "
             "operator's scope claims the same served model name: the fleet router refuses the "
-            "name for both until one changes spec.model.servedModelName or is deleted."))
+            "name for both until one changes spec.model.servedModelName or is deleted. "
+            "SourceAllowed is False (reason SourceRefused) while the fleet's source policy "
+            "refuses spec.model.source: nothing is placed for that spec."))
 
 
 class ModelDeploymentStatus(Status):
