@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+from mlx_fleet.source_policy import DEV_POLICY
 from mlx_fleet.contract import Assignment, Keys, ModelSource
 from mlx_fleet.store import EtcdStore
 from node_agent.main import EXIT_CORE_FAILED
@@ -49,7 +50,8 @@ async def test_failed_core_revokes_the_lease_and_exits_non_zero(
         sys.executable, str(SCRIPT), "--node-name", NODE,
         "--etcd-endpoint", etcd_server.client_url, "--etcd-prefix", keys.root,
         "--listen", f"127.0.0.1:{_free_port()}", "--simulated-memory", "8Gi",
-        "--lease-ttl", "30", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        "--lease-ttl", "30", "--source-policy", DEV_POLICY.to_json(),  # a temporary directory
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         node_key = keys.node(NODE)
         registered = await asyncio.wait_for(_until_present(store, node_key), TIMEOUT)
