@@ -158,7 +158,9 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
         raise SourceError("DownloadFailed", f"{shown}: the Hub could not be reached and the "
                                             f"model is not cached: {e}") from e
     except HfHubHTTPError as e:
-        raise SourceError("DownloadFailed", f"{shown}: {e}") from e
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        raise SourceError("DownloadFailed", f"{shown}: {e}",
+                          http_status=status if isinstance(status, int) else None) from e
     except ValueError as e:
         raise SourceError("InvalidSource", f"{uri}: {e}") from e
     except OSError as e:
