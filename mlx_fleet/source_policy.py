@@ -62,6 +62,7 @@ import ipaddress
 import json
 import posixpath
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -82,6 +83,7 @@ _METADATA = (ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+_HOST_CHARS = re.compile(r"^[a-z0-9_.-]+$")
 _HOST_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 _NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}$")
 _CAMEL = {"schemes": "schemes", "httpsHosts": "https_hosts", "fileRoots": "file_roots",
@@ -241,9 +243,9 @@ def _check_https(policy: SourcePolicy, url: str) -> Refusal | None:
         port = parts.port or 443
     except ValueError:
         return _refuse("source", "the port is not a number in 1..65535")
-    host = (parts.hostname or "").rstrip(".")
-    if not host:
-        return _refuse("source", "the URL has no host")
+    host = _canonical_host(parts.hostname or "")
+    if isinstance(host, Refusal):
+        return host
     addr = _address_literal(host)
     if isinstance(addr, Refusal):
         return addr
@@ -258,6 +260,34 @@ def _check_https(policy: SourcePolicy, url: str) -> Refusal | None:
                                                    "private and link-local addresses are "
                                                    "refused (allowPrivateNetworks)")
     return None
+
+
+def _canonical_host(raw: str) -> str | Refusal:
+    """The host as a resolver sees it: NFKC-normalised and IDNA-encoded when not ASCII (so
+    ``①②⑦.0.0.1`` is ``127.0.0.1``), lower-case, without trailing dots; only letters, digits,
+    ``-``, ``_``, ``.`` (or an IPv6 literal) — a percent sign, a backslash or a space is
+    refused, whatever a parser would make of it."""
+    host = raw.strip().lower()
+    if not host.isascii():
+        host = unicodedata.normalize("NFKC", host)
+        if not host.isascii():
+            try:
+                host = host.encode("idna").decode("ascii")
+            except UnicodeError:
+                return _refuse("source", "the host is not a valid host name")
+    host = host.rstrip(".")
+    if not host:
+        return _refuse("source", "the URL has no host")
+    if ":" in host:  # an IPv6 literal (urlsplit dropped the brackets)
+        try:
+            ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return _refuse("source", "the host is not a valid IPv6 address")
+        return host
+    if not _HOST_CHARS.match(host):
+        return _refuse("source", "the host is not a valid host name (letters, digits, '-', "
+                                 "'_' and '.')")
+    return host
 
 
 def _address_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Refusal | None:

@@ -58,6 +58,14 @@ ORGS = SourcePolicy(hf_organizations=("mlx-community",), hf_token_organizations=
     (DEFAULT_POLICY, "https://0x7f.0.0.1/m/", "source"),
     (DEFAULT_POLICY, "https://127.1/m/", "source"),
     (PRIVATE_OK, "https://2130706433/m/", "source"),
+    (DEFAULT_POLICY, "https://0x7f000001/m/", "source"),
+    (DEFAULT_POLICY, "https://127.0.0.1./m/", "allowPrivateNetworks"),
+    # what another parser or a resolver would read differently
+    (DEFAULT_POLICY, "https://①②⑦.0.0.1/m/", "allowPrivateNetworks"),  # NFKC: 127.0.0.1
+    (DEFAULT_POLICY, "https://%31%32%37.0.0.1/m/", "source"),
+    (DEFAULT_POLICY, "https://models.example.com\\.evil.example/m/", "source"),
+    (DEFAULT_POLICY, "https://bücher.example/m/", None),  # IDNA: xn--bcher-kva.example
+    (HOSTS, "https://ⓜodels.example.com/m/", None),  # NFKC: models.example.com
     # loopback names, trailing dots, user info
     (DEFAULT_POLICY, "https://localhost:8443/m/", "allowPrivateNetworks"),
     (DEFAULT_POLICY, "https://LOCALHOST./m/", "allowPrivateNetworks"),

@@ -24,6 +24,7 @@ rule and no network detail).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import socket
 import ssl
@@ -51,6 +52,21 @@ def refuse_source(policy: SourcePolicy, uri: str) -> None:
     """Raise ``SourceError(SourceRefused)`` when ``policy`` refuses ``uri``
     (:func:`~mlx_fleet.source_policy.check_source`)."""
     refusal = check_source(policy, uri)
+    if refusal is not None:
+        raise SourceError(SOURCE_REFUSED, refusal.message)
+
+
+def _refuse_literal(policy: SourcePolicy, url: URL) -> None:
+    """The host aiohttp will connect to, as aiohttp reads it from ``url``: when it is an
+    address literal aiohttp uses it without a resolver, so it is checked here (a second check
+    of the one :func:`refuse_source` made on the text, against any difference between the two
+    URL parsers)."""
+    host = (url.raw_host or "").strip("[]")
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return  # a name: the resolver checks its addresses
+    refusal = check_address(policy, addr)
     if refusal is not None:
         raise SourceError(SOURCE_REFUSED, refusal.message)
 
@@ -103,6 +119,7 @@ async def get(session: aiohttp.ClientSession, policy: SourcePolicy, url: str, *,
     current = URL(url, encoded=True)
     hop = 0
     while True:
+        _refuse_literal(policy, current)
         resp = await session.get(current, headers=dict(headers or {}), allow_redirects=False)
         location = resp.headers.get("Location") if resp.status in REDIRECT_STATUSES else None
         if location is None:
