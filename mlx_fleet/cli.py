@@ -191,6 +191,8 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
     proxy = ("kube-proxy running" if node.kube_proxy is not None else
              f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
              f"--set kubernetesAPI.port={api_port}")
+    from mlx_fleet.source_policy import DEV_POLICY
+
     repo, tag = OPERATOR_REF.rsplit(":", 1)
     console.print(f"[green]node {cp.node_name} Ready[/] ({proxy}). Install the chart:\n"
                   f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
@@ -199,7 +201,9 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
                   # The router reaches etcd and the agents on loopback too; its port is then the
                   # node's, so this one node holds one router Pod (docs/development.md).
                   f"--set router.hostNetwork=true --set router.port={free_port()} "
-                  f"--set router.replicaCount=1", highlight=False)
+                  f"--set router.replicaCount=1 "
+                  # the dev agents' policy, said explicitly (docs/security.md, Source policy)
+                  f"--set-json 'sourcePolicy={DEV_POLICY.to_json()}'", highlight=False)
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:
