@@ -366,3 +366,40 @@ async def test_reports_say_refused_or_download_failed_without_network_details(
         assert r.reason in ("ModelNotFound", "InvalidSource"), r
         shown = r.message.replace(uri, "")
         assert str(tmp_path) not in shown and "/etc" not in shown, r.message
+
+
+# ---------------------------------------------------------------------------------------------
+# the flag: one record for agent and operator, a bad one stops either at start
+# ---------------------------------------------------------------------------------------------
+
+
+def test_agent_and_operator_read_the_same_record_and_refuse_a_bad_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_fleet_operator.main import _source_policy
+    from mlx_fleet_operator.main import main as operator_main
+    from node_agent.cli import build_parser, config_from_args
+    from node_agent.main import main as agent_main
+
+    record = tmp_path / "policy.yaml"
+    record.write_text("fileRoots: [/srv/models]\nallowPrivateNetworks: true\n")
+    agent = config_from_args(build_parser().parse_args(["--node-name", "n", "--source-policy",
+                                                        str(record)]))
+    assert agent.source_policy == _source_policy(str(record)) == SourcePolicy(
+        file_roots=("/srv/models",), allow_private_networks=True)
+    monkeypatch.setenv("MLX_FLEET_SOURCE_POLICY", '{"hfOrganizations": ["mlx-community"]}')
+    from_env = config_from_args(build_parser().parse_args(["--node-name", "n"]))
+    assert from_env.source_policy.hf_organizations == ("mlx-community",)
+    monkeypatch.delenv("MLX_FLEET_SOURCE_POLICY")
+    assert config_from_args(build_parser().parse_args(["--node-name", "n"])).source_policy \
+        == DEFAULT_POLICY
+
+    bad = '{"schemes": ["http"]}'
+    assert agent_main(["--node-name", "n", "--source-policy", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlx-fleet-agent: error: schemes: 'http'"), err
+    assert operator_main(["--source-policy", str(tmp_path / "missing.yaml"),
+                          "--metrics-port", "0", "--liveness-port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlx-fleet-operator: error: --source-policy: "
+                                               "cannot read the source policy file"), err
