@@ -248,20 +248,29 @@ def test_the_model_dir_check_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 class TokenHub(FakeHub):
+    """The fake hub, recording every request's ``Authorization`` header."""
+
     def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
         super().__init__(*a, **k)
         self.auth: list[str | None] = []
 
-    async def revision(self, request: web.Request) -> web.Response:
-        self.auth.append(request.headers.get("Authorization"))
-        return await super().revision(request)
+    def app(self) -> web.Application:
+        app = super().app()
+
+        @web.middleware
+        async def record(request: web.Request, handler):  # noqa: ANN001, ANN202
+            self.auth.append(request.headers.get("Authorization"))
+            return await handler(request)
+
+        app.middlewares.append(record)
+        return app
 
 
 async def test_hf_organisations_and_the_token(tmp_path: Path, model_files: dict[str, bytes],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     only = SourcePolicy(hf_organizations=("hub-org",))
     with pytest.raises(SourceError) as e:
-        await fetch("hf://someone/tiny", tmp_path, policy=only, offline=False,
+        await fetch(f"hf://someone/tiny@{COMMIT_MAIN}", tmp_path, policy=only, offline=False,
                     hf_endpoint="http://127.0.0.1:9", hf_cache_dir=tmp_path / "hf")
     refused(e, "hfOrganizations")
 
@@ -276,7 +285,8 @@ async def test_hf_organisations_and_the_token(tmp_path: Path, model_files: dict[
         for i, (policy, sent) in enumerate([(only, False), (SourcePolicy(
                 hf_organizations=("hub-org",), hf_token_organizations=("hub-org",)), True)]):
             hub.auth.clear()
-            await fetch("hf://hub-org/tiny", tmp_path, policy=policy, offline=False,
+            await fetch(f"hf://hub-org/tiny@{COMMIT_MAIN}", tmp_path, policy=policy,
+                        offline=False,
                         hf_endpoint=endpoint, hf_cache_dir=tmp_path / f"hf{i}")
             assert hub.auth, "the fake hub was asked"
             assert all((a == "Bearer hf_secret_of_this_mac") is sent for a in hub.auth), hub.auth

@@ -9,8 +9,13 @@ from mlx_fleet_operator.admission import CANDIDATE_SOURCE_FIELD, source_refusal
 from mlx_fleet_operator.status import StatusInput, compute_status
 
 
+TYPES = ("Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict", "SourceAllowed")
+
+
 def conditions(status: dict) -> dict[str, tuple[str, str]]:
-    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    """The conditions this test is about (others, about other things, may follow)."""
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]
+            if c["type"] in TYPES}
 
 
 def test_source_refusal_names_the_field_and_the_rule() -> None:
