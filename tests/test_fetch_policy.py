@@ -413,3 +413,33 @@ def test_agent_and_operator_read_the_same_record_and_refuse_a_bad_one(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlx-fleet-operator: error: --source-policy: "
                                                "cannot read the source policy file"), err
+
+
+@pytest.mark.parametrize("reason, detail, status, uri, says", [
+    ("DownloadFailed", "GET https://10.0.0.7:8443/m/manifest.json: ClientConnectorError: "
+     "Cannot connect to host 10.0.0.7:8443 ssl:default [Connect call failed]", None,
+     "https://m.example/m/", "download failed; details in the agent's log"),
+    ("DownloadFailed", "GET https://m.example/m/x: HTTP 503 Service Unavailable", 503,
+     "https://m.example/m/", "download failed (HTTP 5xx); details in the agent's log"),
+    ("ModelNotFound", "no manifest.json at https://m.example/m/manifest.json (HTTP 404)", 404,
+     "https://m.example/m/", "download failed (HTTP 4xx): no model mirror at the source"),
+    ("ModelNotFound", "/srv/models/x holds no config.json", None, "file:///srv/models/x",
+     "no usable model directory at the source"),
+    ("InvalidSource", "tokenizer.json in /srv/m is a symlink to /etc/passwd", None,
+     "/srv/m", "the source is not a usable model"),
+    ("DownloadStalled", "no data from https://m.example/m/x for 60s", None,
+     "https://m.example/m/", "download stalled"),
+    ("DownloadCorrupt", "x: sha256 ab.. does not match", None, "https://m.example/m/",
+     "download failed verification"),
+    ("SourceRefused", "refused by the source policy: the host a.example is not in httpsHosts",
+     None, "https://a.example/m/", "refused by the source policy: the host a.example"),
+])
+def test_status_messages_say_the_kind_of_failure_only(reason: str, detail: str,
+                                                      status: int | None, uri: str,
+                                                      says: str) -> None:
+    from node_agent.model_dir import status_message
+
+    shown = status_message(SourceError(reason, detail, http_status=status), uri)
+    assert shown.startswith(says), shown
+    for leak in ("10.0.0.7", "Connect call", "/etc/passwd", "/srv", "503 Service", "ab.."):
+        assert leak not in shown, shown
