@@ -51,6 +51,9 @@ class SourceError(Exception):
     human-readable detail.
 
     ``http_status``: the HTTP status that caused it, when one did (a status shows its class).
+    ``public``: what a status may say instead of the generic text of its reason, set where the
+    detail names only things inside the model (``config.json is not valid JSON``), never an
+    absolute path, a symlink's target or a network detail (:func:`status_message`).
 
     Reasons: ``SourceRefused`` (the fleet's source policy refuses the source, an address it
     resolves to, a redirect or a resolved path), ``ModelNotFound`` (no such directory,
@@ -60,11 +63,13 @@ class SourceError(Exception):
     connection lost too often, hub unreachable), ``DownloadStalled`` (no bytes for the stall
     timeout), ``DownloadCorrupt`` (size or sha256 mismatch)."""
 
-    def __init__(self, reason: str, message: str, *, http_status: int | None = None) -> None:
+    def __init__(self, reason: str, message: str, *, http_status: int | None = None,
+                 public: str | None = None) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
         self.http_status = http_status
+        self.public = public
 
 
 def status_message(err: SourceError, uri: str) -> str:
@@ -72,11 +77,14 @@ def status_message(err: SourceError, uri: str) -> str:
     source ``uri``: the kind of failure without network or file-system detail (no address,
     TLS or certificate error, path, symlink target or server text). A policy refusal and an
     unsupported scheme say the rule (they judge the URI, which the resource's author wrote);
-    an HTTP failure its status class. The detail is in the agent's log."""
+    an HTTP failure its status class; a model directory refused by its checks what is wrong
+    inside it (``err.public``). The detail is in the agent's log."""
     scheme = (uri or "").strip().partition("://")[0].lower() if "://" in (uri or "") else "file"
     status = f" (HTTP {err.http_status // 100}xx)" if err.http_status else ""
     if err.reason in (SOURCE_REFUSED, "UnsupportedSource"):
         return err.message
+    if err.public is not None:
+        return err.public
     if err.reason == "DownloadStalled":
         return ("download stalled (no data within the stall timeout); partial files are kept "
                 "and the download resumes on the next attempt")
@@ -112,13 +120,15 @@ def check_config(model_dir: Path) -> dict[str, Any]:
                           f"{model_dir} holds no config.json (not an mlx-lm model)")
     try:
         if config.stat().st_size > MAX_CONFIG_BYTES:
-            raise SourceError("InvalidSource", f"{config} is larger than {MAX_CONFIG_BYTES} bytes")
+            raise SourceError("InvalidSource", f"{config} is larger than {MAX_CONFIG_BYTES} bytes",
+                              public=f"config.json is larger than {MAX_CONFIG_BYTES} bytes")
         data = json.loads(config.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError("InvalidSource", f"{config} is not valid JSON: {e}") from e
+        raise SourceError("InvalidSource", f"{config} is not valid JSON: {e}",
+                          public="config.json is not valid JSON") from e
     if not isinstance(data, dict):
-        raise SourceError("InvalidSource",
-                          f"{config} is not a JSON object (got {type(data).__name__})")
+        what = f"config.json is not a JSON object (got {type(data).__name__})"
+        raise SourceError("InvalidSource", f"{config}: {what}", public=what)
     _refuse_code_keys(config, data)
     tok = model_dir / "tokenizer_config.json"
     if tok.is_file() and tok.stat().st_size <= MAX_CONFIG_BYTES:
@@ -134,9 +144,9 @@ def check_config(model_dir: Path) -> dict[str, Any]:
 def _refuse_code_keys(path: Path, data: dict[str, Any]) -> None:
     for key in CODE_KEYS:
         if data.get(key) is not None:
-            raise SourceError("InvalidSource",
-                              f"{path.name} asks for custom code ({key}); trust_remote_code "
-                              "is never enabled, so the model can't be loaded")
+            what = (f"{path.name} asks for custom code ({key}); trust_remote_code is never "
+                    "enabled, so the model can't be loaded")
+            raise SourceError("InvalidSource", what, public=what)
 
 
 def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
@@ -157,7 +167,8 @@ def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
     real_root = os.path.realpath(root) if root is not None else real_dir
     if not _within(real_dir, real_root):
         raise SourceError("InvalidSource",
-                          f"{model_dir} resolves to {real_dir}, outside {real_root}")
+                          f"{model_dir} resolves to {real_dir}, outside {real_root}",
+                          public="the model directory resolves outside its root")
     if not os.path.lexists(os.path.join(real_dir, "config.json")):  # before any walk
         raise SourceError("ModelNotFound",
                           f"{model_dir} holds no config.json (not an mlx-lm model)")
@@ -165,9 +176,9 @@ def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
     for dirpath, dirnames, filenames in os.walk(real_dir):
         seen += len(dirnames) + len(filenames)
         if seen > MAX_MODEL_DIR_ENTRIES:
-            raise SourceError("InvalidSource",
-                              f"{model_dir} holds more than {MAX_MODEL_DIR_ENTRIES} entries; "
-                              "not a model directory")
+            what = (f"the model directory holds more than {MAX_MODEL_DIR_ENTRIES} entries; "
+                    "not a model directory")
+            raise SourceError("InvalidSource", f"{model_dir}: {what}", public=what)
         for name in [*dirnames, *filenames]:
             entry = os.path.join(dirpath, name)
             rel = os.path.relpath(entry, real_dir)
@@ -175,7 +186,9 @@ def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
                 st = os.lstat(entry)
             except OSError as e:
                 raise SourceError("InvalidSource",
-                                  f"cannot inspect {rel} in {model_dir}: {e}") from e
+                                  f"cannot inspect {rel} in {model_dir}: {e}",
+                                  public=f"{rel} in the model directory can't be "
+                                         "inspected") from e
             if stat.S_ISLNK(st.st_mode):
                 target = os.path.realpath(entry)
                 inside = _within(target, real_root)
@@ -185,15 +198,19 @@ def check_model_dir(model_dir: Path, *, root: Path | None = None) -> None:
                     raise SourceError(
                         "InvalidSource",
                         f"{rel} in {model_dir} is a symlink to {target}, outside the model "
-                        f"root {real_root}; refusing to load it")
+                        f"root {real_root}; refusing to load it",
+                        public=f"{rel} is a symlink leading out of the model directory")
                 if not os.path.exists(target):
                     raise SourceError("InvalidSource",
-                                      f"{rel} in {model_dir} is a dangling symlink")
+                                      f"{rel} in {model_dir} is a dangling symlink",
+                                      public=f"{rel} is a dangling symlink")
             elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 raise SourceError("InvalidSource",
-                                  f"{rel} in {model_dir} is not a regular file or directory")
+                                  f"{rel} in {model_dir} is not a regular file or directory",
+                                  public=f"{rel} is not a regular file or directory")
             if name.endswith(CODE_SUFFIXES) and not stat.S_ISDIR(st.st_mode):
-                raise SourceError("InvalidSource",
-                                  f"{rel} in {model_dir} is Python code; a model directory may "
-                                  "hold no code (trust_remote_code is never enabled)")
+                what = (f"{rel} is Python code; a model directory may hold no code "
+                        "(trust_remote_code is never enabled)")
+                raise SourceError("InvalidSource", f"{rel} in {model_dir}: {what}",
+                                  public=what)
     check_config(Path(model_dir))

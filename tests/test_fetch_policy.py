@@ -427,6 +427,8 @@ def test_agent_and_operator_read_the_same_record_and_refuse_a_bad_one(
      "no usable model directory at the source"),
     ("InvalidSource", "tokenizer.json in /srv/m is a symlink to /etc/passwd", None,
      "/srv/m", "the source is not a usable model"),
+    ("InvalidSource", "/srv/m/config.json is not valid JSON: Expecting value", None,
+     "/srv/m", "config.json is not valid JSON"),  # what is wrong inside the model: said
     ("DownloadStalled", "no data from https://m.example/m/x for 60s", None,
      "https://m.example/m/", "download stalled"),
     ("DownloadCorrupt", "x: sha256 ab.. does not match", None, "https://m.example/m/",
@@ -439,7 +441,8 @@ def test_status_messages_say_the_kind_of_failure_only(reason: str, detail: str,
                                                       says: str) -> None:
     from node_agent.model_dir import status_message
 
-    shown = status_message(SourceError(reason, detail, http_status=status), uri)
+    public = "config.json is not valid JSON" if "Expecting" in detail else None
+    shown = status_message(SourceError(reason, detail, http_status=status, public=public), uri)
     assert shown.startswith(says), shown
     for leak in ("10.0.0.7", "Connect call", "/etc/passwd", "/srv", "503 Service", "ab.."):
         assert leak not in shown, shown
