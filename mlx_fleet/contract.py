@@ -37,6 +37,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, ModelCapabilities, Task
 from mlx_fleet.quantity import format_bytes
 
 ROOT = "/mlx-fleet/v2"
@@ -337,7 +338,10 @@ class Assignment(_Record):
     ModelDeployment's ``metadata.generation`` the assignment was computed from; ``uid`` its
     ``metadata.uid``. ``served_model_name`` is the OpenAI ``model`` id clients send (the same for
     every revision of a deployment); ``source.revision`` is the revision (also the key's last
-    segment); ``role`` says which traffic it takes (:class:`Role`)."""
+    segment); ``role`` says which traffic it takes (:class:`Role`). ``task``: what the model is
+    served for (:data:`mlx_fleet.capabilities.TASKS`, the CRD's ``spec.model.task``):
+    ``TextGeneration`` (chat and completions) or ``TextEmbedding``
+    (``POST /v1/embeddings``); records older than the field read as ``TextGeneration``."""
 
     namespace: str
     name: str
@@ -349,6 +353,7 @@ class Assignment(_Record):
     serving: ServingParams = Field(default_factory=ServingParams)
     lifecycle: LifecyclePolicy = Field(default_factory=LifecyclePolicy)
     role: Role = Role.STABLE
+    task: Task = TASK_TEXT_GENERATION
 
     @property
     def revision(self) -> str:
@@ -452,6 +457,18 @@ class AssignmentReport(_Record):
     after it (0 when it did not fall); the ``message`` gives both measurements and the process
     RSS before and after (an eviction's also names the load it made room for). A standby
     replica stays assigned: a request reloads it (:func:`is_standby`).
+    ``digest``: the content address of the files this replica loaded (set from ``Loading``
+    after a download, on ``Ready`` and standby reports): ``sha256:<64 hex>`` for an
+    ``https://`` mirror (sha256 over its sorted ``(path, sha256)`` list), ``hf-commit:<40
+    hex>`` for an ``hf://`` source (the commit downloaded), ``""`` for a local directory or
+    when not known yet. Replicas of one revision reporting different digests hold different
+    bytes (the operator's ``ReplicasConsistent`` condition). Records written before it parse
+    with ``""``.
+    ``capabilities``: what the revision serves (tools, structured outputs, logprobs, ``n``,
+    embeddings, context; :class:`mlx_fleet.capabilities.ModelCapabilities`), computed from the
+    loaded model; on Ready reports and on standby reports of a revision loaded here before.
+    None when unknown: not loaded yet, or an agent older than the field (the fleet router then
+    still sends it requests, and that agent refuses what it cannot serve).
     """
 
     node: str
@@ -467,6 +484,8 @@ class AssignmentReport(_Record):
     progress: DownloadProgress | None = None
     estimated_bytes: Annotated[int, Field(ge=0)] = 0
     freed_bytes: Annotated[int, Field(ge=0)] = 0
+    capabilities: ModelCapabilities | None = None
+    digest: Annotated[str, Field(max_length=128)] = ""
     updated_unix: float = Field(default_factory=time.time)
 
 

@@ -5,10 +5,11 @@ the request models and builds its JSON responses through the response models, an
 :mod:`node_agent.openapi` turns both into the ``GET /openapi.json`` document
 (``model_json_schema``), so the published schema cannot drift from what the server does.
 
-Request models follow OpenAI's Chat Completions and (legacy) Completions APIs; unknown fields
-are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
-(``chat.completion``, ``text_completion``, ``list`` of ``model``) plus this server's additions
-to a model card (``revision``, ``max_context_tokens``, ``status``, ``standby_reason``). Errors
+Request models follow OpenAI's Chat Completions, (legacy) Completions and Embeddings APIs;
+unknown fields are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
+(``chat.completion``, ``text_completion``, ``list`` of ``model`` or of ``embedding``) plus this
+server's additions to a model card (``revision``, ``max_context_tokens``, ``status``,
+``standby_reason``, ``capabilities``). Errors
 have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`).
 """
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      WithJsonSchema, field_validator, model_validator)
 
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
 from mlx_fleet.routing.headers import SESSION_HEADER
 
@@ -26,7 +29,10 @@ __all__ = ["StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
            "PromptTokensDetails", "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
            "TextCompletion", "ChunkDelta", "ChatChunkChoice", "ChatCompletionChunk",
            "TextChunkChoice", "TextCompletionChunk", "ModelCard", "ModelList", "FinishReason", "REQUEST_MODELS",
-           "RESPONSE_MODELS"]
+           "RESPONSE_MODELS", "Tool", "FunctionDefinition", "NamedToolChoice", "ResponseFormat",
+           "JsonSchemaFormat", "ToolCallIn", "FunctionCallIn", "ToolCall", "FunctionCall",
+           "ToolCallDelta", "FUNCTION_NAME_PATTERN", "MAX_TOOLS", "EmbeddingRequest", "Embedding",
+           "EmbeddingUsage", "EmbeddingList", "MAX_EMBEDDING_INPUTS", "MAX_TOKEN_ID"]
 
 #: Largest whole number a JSON float represents exactly (2**53): ``4180.0`` is read as 4180
 #: up to it (JSON Schema counts a number with a zero fraction as an integer), ``1e300`` is not.
@@ -46,8 +52,9 @@ StrictInt = Annotated[int, Field(strict=True), BeforeValidator(_whole_number)]
 #: :data:`StrictInt`, at least 1.
 PositiveInt = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_whole_number)]
 #: Why a generation ended: ``stop`` (end-of-sequence token or a stop sequence), ``length``
-#: (``max_tokens`` or the context reached).
-FinishReason = Literal["stop", "length"]
+#: (``max_tokens`` or the context reached), ``tool_calls`` (a chat answer that ended with tool
+#: calls).
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,9 +75,38 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+#: A function's name, as OpenAI allows it (letters, digits, ``_`` and ``-``, at most 64).
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+#: Most tools one request may define (OpenAI's limit).
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+
+
+class FunctionCallIn(_Request):
+    """A function call of an earlier assistant message: ``arguments`` as a JSON string (or an
+    object, as some clients send it)."""
+
+    name: FunctionName
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Request):
+    """One ``tool_calls`` entry of an earlier assistant message in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
+    """One message of the history. ``tool_calls``: an assistant message's calls;
+    ``tool_call_id``: a ``tool`` message's answer to one of them (its ``content`` the result)."""
+
     role: Annotated[str, Field(min_length=1)]
     content: str | list[ContentPart] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         """The message's text: its string content, or its ``text`` parts joined."""
@@ -81,9 +117,10 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
-_OFF = ("Not supported: accepted only switched off (null, empty, false, 0, \"none\", or "
-        "{\"type\": \"text\"} for response_format); anything else is a 400 "
-        "unsupported_parameter naming it.")
+_OFF = ("Served only by a model whose capabilities (GET /v1/models `capabilities`) say so; "
+        "the switched-off spellings (null, empty, false, 0, \"none\", or {\"type\": "
+        "\"text\"} for response_format) are always accepted; otherwise a 400 "
+        "unsupported_parameter (unsupported_value for a bound) naming it.")
 
 
 class SamplingRequest(_Request):
@@ -104,13 +141,15 @@ class SamplingRequest(_Request):
         "Only with stream: true (else 400)."))
     seed: StrictInt | None = Field(None, description="Honoured best-effort.")
     # the schema says what is served (n = 1); a larger n is refused with 400
-    # unsupported_parameter (node_agent.api.parse.unsupported), not as an invalid value
+    # unsupported_parameter by the model's capabilities (mlx_fleet.capabilities.satisfies, in
+    # node_agent.api.completions), not as an invalid value
     n: Annotated[PositiveInt, Field(json_schema_extra={"maximum": 1}, description=(
         "Only 1 is supported."))] = 1
     user: str | None = Field(None, description=(
         f"Session key of a canary split when there is no {SESSION_HEADER} header."))
-    # Accepted only in their "off" spelling (node_agent.api.parse.unsupported): rejecting them is more
-    # honest than silently ignoring what the client asked for.
+    # Accepted in their "off" spelling, otherwise only by a model whose capabilities serve them
+    # (mlx_fleet.capabilities; functions/function_call: never, node_agent.api.parse.unsupported):
+    # rejecting them is more honest than silently ignoring what the client asked for.
     tools: Any = Field(None, description=_OFF)
     tool_choice: Any = Field(None, description=_OFF)
     functions: Any = Field(None, description=_OFF)
@@ -127,17 +166,169 @@ class SamplingRequest(_Request):
         return v
 
 
+class FunctionDefinition(_Request):
+    """A function the model may call: ``parameters`` is the JSON Schema of its arguments
+    (absent: any JSON object); enforced by constrained decoding under ``tool_choice``
+    ``required`` or a named function (then an unsupported keyword is a 400 naming ``tools``)."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Annotated[bool, Field(strict=True)] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming one function: the answer is one call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: ``schema`` (a JSON Schema object) is enforced by
+    constrained decoding whatever ``strict`` says (a schema keyword the decoder cannot enforce
+    is a 400 naming ``response_format.json_schema.schema``, never ignored)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: str | None = None
+    json_schema: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: Annotated[bool, Field(strict=True)] | None = None
+
+
+class ResponseFormat(_Request):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON valid against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+
+_TOOL_CHOICE = ("none: no tool call (the tools are not shown to the model); auto (the default "
+                "with tools): the model decides, its calls are parsed by mlx-lm's tool parser "
+                "for its chat template (a model without one: 400 naming tools); required: one "
+                "or more calls, enforced by constrained decoding; {type: function, function: "
+                "{name}}: one call of that function, enforced likewise.")
+
+
+def _tool_choice_kind(v: Any) -> str:
+    """Which form of ``tool_choice`` ``v`` is meant to be (an object: a named function), so that
+    a bad value's error is the one of that form (the tags have a ``-``: no part of ``param``)."""
+    return "named-function" if isinstance(v, (dict, NamedToolChoice)) else "tool-choice-mode"
+
+
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``."""
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``.
+
+    ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format`` are served
+    (issue 20); their semantics are in ``docs/node-agent.md`` (*Structured outputs and tool
+    calls*)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, description=(
+        "Function tools, rendered into the prompt by the model's chat template."))] | None = None
+    tool_choice: Annotated[
+        Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
+        | Annotated[NamedToolChoice, Tag("named-function")],
+        Discriminator(_tool_choice_kind)] | None = Field(None, description=_TOOL_CHOICE)
+    parallel_tool_calls: Annotated[bool, Field(strict=True, description=(
+        "With tool_choice required: up to 8 calls (else exactly one)."))] = True
+    response_format: ResponseFormat | None = Field(None, description=(
+        "text, json_object or json_schema, enforced by constrained decoding; an answer cut by "
+        "max_tokens (finish_reason length) may be incomplete JSON."))
 
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions`` body; ``prompt`` is one string."""
 
     prompt: str
+
+
+#: Most inputs one ``POST /v1/embeddings`` request may hold (OpenAI's limit: 2048).
+MAX_EMBEDDING_INPUTS = 2048
+#: Largest token id a request may send (int32; the model's vocabulary bounds it further).
+MAX_TOKEN_ID = 2**31 - 1
+
+_EMBEDDING_INPUT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1, "description": "One text."},
+    {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
+     "items": {"type": "string", "minLength": 1}, "description": "Texts."},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                "maximum": MAX_TOKEN_ID},
+     "description": "One input as token ids."},
+    {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS, "items": {
+        "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                  "maximum": MAX_TOKEN_ID}},
+     "description": "Inputs as token ids."}],
+    "description": (f"What to embed (OpenAI's shapes): at most {MAX_EMBEDDING_INPUTS} inputs, "
+                    "none empty; each within the model's context (else 400 "
+                    "context_length_exceeded); token ids within its vocabulary.")}
+
+
+def _token_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKEN_ID
+
+
+def _embedding_input(v: Any) -> list[str] | list[list[int]]:
+    """OpenAI's ``input`` shapes normalised to a list of texts or a list of token lists."""
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise ValueError("must be a non-empty string, a non-empty array of strings, an array "
+                         "of token ids or an array of arrays of token ids")
+    if all(isinstance(x, str) for x in v):
+        shape: list = v
+    elif all(_token_id(x) for x in v):
+        shape = [v]
+    elif all(isinstance(x, list) and x and all(_token_id(t) for t in x) for x in v):
+        shape = v
+    else:
+        raise ValueError("must be a string, an array of strings, an array of token ids (integers "
+                         f"from 0 to {MAX_TOKEN_ID}) or an array of non-empty arrays of token "
+                         "ids, not a mix")
+    if len(shape) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(shape)}")
+    empty = next((i for i, x in enumerate(shape) if isinstance(x, str) and not x), None)
+    if empty is not None:
+        raise ValueError(f"input {empty} is an empty string")
+    return shape
+
+
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings`` body (OpenAI's Embeddings API). ``input`` is normalised to a list
+    of texts or a list of token-id lists, in input order."""
+
+    model: Annotated[str, Field(min_length=1, description=(
+        "A served model name with spec.model.task TextEmbedding, loaded (or on standby) on this "
+        "node; else 404 model_not_found, or 400 wrong_model_task for a generation model."))]
+    input: Annotated[list[str] | list[list[int]], BeforeValidator(_embedding_input),
+                     WithJsonSchema(_EMBEDDING_INPUT_SCHEMA)]
+    encoding_format: Literal["float", "base64"] = Field("float", description=(
+        "float: arrays of numbers; base64: each vector's little-endian float32 bytes in "
+        "base64 (OpenAI's)."))
+    dimensions: PositiveInt | None = Field(None, description=(
+        "Truncate each vector to this many dimensions and renormalise (Matryoshka); only for a "
+        "model trained for it (config.json is_matryoshka or matryoshka_dimensions), else 400 "
+        "naming dimensions."))
+    user: str | None = Field(None, description=(
+        f"Session key of a canary split when there is no {SESSION_HEADER} header."))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,9 +355,28 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCall(_Response):
+    """A call's function: ``arguments`` is a JSON string (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    """One tool call of an answer: ``id`` ``call_…``."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
+    """The answer: ``content`` (null when the answer is only tool calls) and ``tool_calls``
+    (present only when there are some)."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -205,11 +415,23 @@ class TextCompletion(_Response):
     usage: Usage
 
 
+class ToolCallDelta(_Response):
+    """A tool call in a stream: each call comes whole in one event (``index``: its position
+    among the answer's calls; ``id``, ``type``, the function's name and complete arguments)."""
+
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChunkDelta(_Response):
-    """The new text of one chat stream event; ``role`` on the first event only."""
+    """The new text of one chat stream event (``role`` on the first event only), or the
+    answer's tool calls (``tool_calls``, then without ``content``)."""
 
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):
@@ -254,7 +476,11 @@ class ModelCard(_Response):
     """One revision in ``GET /v1/models``: ``status`` ``loaded`` (resident) or ``standby``
     (assigned here but not resident; ``standby_reason`` ``IdleUnloaded``, ``Evicted`` or
     ``AwaitingRequest``; a request for it loads it first). ``created``: load time, Unix
-    seconds; ``max_context_tokens``: prompt plus completion tokens a request may use."""
+    seconds; ``max_context_tokens``: prompt plus completion tokens a request may use.
+    ``capabilities``: what the revision serves (:class:`mlx_fleet.capabilities.
+    ModelCapabilities`: task, tool calling and its parser, structured outputs, logprobs, ``n``,
+    embeddings); on every loaded card, on a standby card when the revision was loaded here
+    before (absent when unknown)."""
 
     id: str
     object: Literal["model"]
@@ -264,6 +490,7 @@ class ModelCard(_Response):
     max_context_tokens: int
     status: Literal["loaded", "standby"]
     standby_reason: str | None = None
+    capabilities: ModelCapabilities | None = None
 
 
 class ModelList(_Response):
@@ -273,9 +500,35 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class Embedding(_Response):
+    """One input's vector: ``index`` its position in the request's ``input``; ``embedding`` the
+    numbers (``encoding_format`` float) or their little-endian float32 bytes in base64."""
+
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(_Response):
+    """Tokens of the inputs (``total_tokens`` equals ``prompt_tokens``: nothing is generated)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Response):
+    """A ``POST /v1/embeddings`` answer (``object``: ``list``), vectors in input order."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 #: Models whose JSON schema the OpenAPI document holds, validation side (requests) and
 #: serialization side (responses).
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest,
+                                               EmbeddingRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (ErrorResponse, ChatCompletion, TextCompletion,
                                                 ChatCompletionChunk, TextCompletionChunk,
-                                                ModelList)
+                                                ModelList, EmbeddingList)

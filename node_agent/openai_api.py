@@ -4,7 +4,10 @@ completion handlers).
 
 Routes:
 
-* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming),
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming) for a
+  ``TextGeneration`` model; ``POST /v1/embeddings`` (:mod:`node_agent.api.embeddings`) for a
+  ``TextEmbedding`` one (``spec.model.task``; the other task's route answers 400
+  ``wrong_model_task`` naming ``model``),
 * ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus),
 * ``GET /openapi.json``: the API's OpenAPI 3.1 document (:mod:`node_agent.openapi`, built from
   the request and response models of :mod:`node_agent.api_models` that this module validates
@@ -23,10 +26,12 @@ routed as if the header were absent (the canary split, the stable revision).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
-``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; options this
-server does not implement, with ``code`` ``unsupported_parameter``: ``n`` > 1, non-empty
-``tools``/``functions``, ``tool_choice``/``function_call`` other than ``"none"``,
-``response_format`` other than ``{"type": "text"}``, ``logprobs``/``top_logprobs``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
+``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; the legacy
+``functions``/``function_call``, ``code`` ``unsupported_parameter``; what the serving revision's
+capabilities lack — ``tools``/``tool_choice``, ``response_format`` other than ``{"type":
+"text"}``, ``logprobs``/``top_logprobs``, ``n`` > 1 —, ``code`` ``unsupported_parameter`` or
+``unsupported_value`` (:mod:`mlx_fleet.capabilities`, the fleet router's answer too)), 404
+``model_not_found``, 405, 429 with ``Retry-After``
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
 mid-request or the serving core has failed (``ServingCore.failure``).
 
@@ -86,12 +91,14 @@ from mlx_fleet.routing.api_keys import KeyFile
 
 from .api.completions import Completions
 from .api.context import OPEN_PATHS, UNKNOWN_LABEL
+from .api.embeddings import EmbeddingsRoute
 from .api.forward import Forwarder
 from .api.middleware import authentication, keyed, request_errors
 from .api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .http_hygiene import HttpLimits, hygiene_middlewares
 from .openapi import OPENAPI_PATH, openapi_document
 from .serving import ServingCore
+from .serving.capabilities import model_capabilities
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
            "UNKNOWN_LABEL"]
@@ -157,24 +164,33 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
                           insecure_forward=insecure_forward, router=router)
     app.on_cleanup.append(forwarder.close)
     completions = Completions(core, router=router, forward=forwarder)
+    embeddings = EmbeddingsRoute(core, router=router, forward=forwarder)
 
     async def list_models(request: web.Request) -> web.Response:
         """OpenAI's model list: every resident revision (``status: loaded``) and every standby
         one (``status: standby``, ``standby_reason``: ``IdleUnloaded``, ``Evicted`` or
-        ``AwaitingRequest``) — a request for a standby model loads it first."""
+        ``AwaitingRequest``) — a request for a standby model loads it first. Each card has the
+        revision's ``capabilities`` (:func:`~node_agent.serving.capabilities.
+        model_capabilities`; a standby card those of its last load here, absent if none)."""
         data = [ModelCard(id=m.model_id, object="model", created=m.created_unix,
                           owned_by="mlx-fleet", revision=m.revision,
-                          max_context_tokens=m.max_context_tokens, status="loaded")
+                          max_context_tokens=m.max_context_tokens, status="loaded",
+                          capabilities=model_capabilities(m))
                 for m in core.models()]
         resident = {(m.id, m.revision) for m in data}
         data += [ModelCard(id=m.model_id, object="model", created=m.created_unix,
                            owned_by="mlx-fleet", revision=m.revision,
                            max_context_tokens=m.max_context_tokens, status="standby",
-                           standby_reason=m.reason)
+                           standby_reason=m.reason, capabilities=m.capabilities)
                  for m in standby() if (m.model_id, m.revision) not in resident]
-        # standby_reason only on standby cards (exclude_none: no other field can be None)
-        return web.json_response(ModelList(object="list", data=data).model_dump(
-            exclude_none=True))
+        # standby_reason and unknown capabilities left out (a card's only optional fields);
+        # inside capabilities a null (tool_parser) is a value
+        body = ModelList(object="list", data=data).model_dump()
+        for card in body["data"]:
+            for field in ("standby_reason", "capabilities"):
+                if card[field] is None:
+                    del card[field]
+        return web.json_response(body)
 
     async def health_handler(request: web.Request) -> web.Response:
         ok, details = health()
@@ -199,6 +215,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     app.router.add_post("/v1/chat/completions", completions.chat)
     app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/embeddings", embeddings.create)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)

@@ -99,6 +99,15 @@ class StreamEncoder:
         return b"".join(head + choice_part(kind, usage, c.text, c.finish_reason)
                         for c in chunks if c.text or c.finish_reason is not None)
 
+    def tool_calls(self, calls: list[dict[str, Any]], first_index: int) -> bytes:
+        """One chat event whose ``delta`` is ``{"tool_calls": [...]}``: each of ``calls``
+        (OpenAI ``tool_calls`` entries, complete) with its ``index`` among the answer's calls,
+        counted from ``first_index``."""
+        delta = {"tool_calls": [{"index": first_index + i, **c} for i, c in enumerate(calls)]}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
+        return self._head + b'"choices":[' + _dumps(choice) + b"]" + tail
+
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage event (only with ``include_usage``): ``choices`` ``[]`` and
         ``usage`` (OpenAI's ``usage`` object as a dict)."""

@@ -264,6 +264,7 @@ def exposition(component: str) -> bytes:
         m.requests.labels(*mr, "/v1/chat/completions", "200").inc()
         for h in (m.ttft, m.inter_token, m.model_load_seconds):
             h.labels(*mr).observe(0.2)
+        m.embedding_batch_inputs.labels(*mr).observe(8)
         for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits,
                   m.prompt_cache_misses, m.prompt_cache_tokens, m.stream_buffer_overflows,
                   m.coalesced_requests):
@@ -279,6 +280,8 @@ def exposition(component: str) -> bytes:
         m.unload_freed_bytes.labels("IdleUnloaded").inc(4096)
         for kind in ("weights", "kv_cache", "mlx_cache", "free"):
             m.memory_bytes.labels(kind).set(4096)
+        m.model_cache_bytes.set(2**30)
+        m.model_cache_deleted_bytes.labels("Unassigned").inc(4096)
         return generate_latest(registry)
     if component == "router":
         from mlx_fleet_router.breaker import Phase

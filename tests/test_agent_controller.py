@@ -282,6 +282,34 @@ async def test_assignment_loads_serves_and_unloads(store: MemoryStore, keys: Key
     await wait_for(lambda: core.models() == [], TIMEOUT)  # drained (nothing ran), unloaded
 
 
+async def test_an_embedding_assignment_loads_as_an_embedding_model(
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: Controller,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``task: TextEmbedding`` (spec.model.task) is carried to the load: the revision serves
+    embeddings, not generations; a change of task reloads it (it is part of what is loaded)."""
+    from mlx_fleet.testmodel import make_test_model
+    from node_agent.serving import WrongTask
+
+    emb = make_test_model(tmp_path_factory.mktemp("models") / "emb", embedding=True)
+    rkey = keys.report(NODE, "default", "emb", "r1")
+    a = assignment("emb", emb).model_copy(update={"task": "TextEmbedding"})
+    await put(store, keys, a)
+    r = await wait_report(store, rkey, settled)
+    assert r is not None and r.state == AssignmentState.READY, r
+    [info] = core.models()
+    assert info.task == "TextEmbedding" and info.embedding is not None
+    out = await core.embed("emb", texts=["hello", "world"])
+    assert out.vectors.shape == (2, info.embedding.dimensions)
+    with pytest.raises(WrongTask):
+        await complete(core, "emb")
+    # the same revision as a generation model: reloaded for that task
+    await put(store, keys, a.model_copy(update={"task": "TextGeneration", "generation": 2}))
+    await wait_for(lambda: [m.task for m in core.models()] == ["TextGeneration"], TIMEOUT)
+    assert isinstance(await complete(core, "emb"), str)
+    await store.delete(keys.assignment(NODE, "default", "emb", "r1"))
+    await wait_for(lambda: core.models() == [], TIMEOUT)
+
+
 async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
         store: MemoryStore, keys: Keys, core: ServingCore, controller: Controller,
         test_model_dir: Path, other_model_path: Path) -> None:  # noqa: F811

@@ -171,6 +171,10 @@ async def test_idle_revision_is_unloaded_and_its_memory_returned(
     assert r.resident_bytes == 0 and r.endpoint == ADVERTISED and r.generation == 1
     assert r.freed_bytes > 0
     assert "MLX active+cache" in r.message and "process RSS" in r.message
+    # the standby report keeps the capabilities of the revision's load (the router reads them)
+    loaded_report = next(x for x in seen if x and x.state == AssignmentState.READY)
+    assert loaded_report.capabilities is not None
+    assert r.capabilities == loaded_report.capabilities
 
     # the numbers the agent measured: MLX memory fell, by about the weights it dropped
     unload = ctl.idle_unloaded[(MODEL, "r1")]
@@ -226,6 +230,31 @@ async def test_request_after_idle_unload_reloads_and_is_served(
 
     # and it idles out again
     await wait_report(store, rkey, standby)
+
+
+async def test_an_embedding_model_idles_out_and_reloads_on_an_embeddings_request(
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        http: HttpFactory, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """spec.model.task TextEmbedding: unloaded for idleness and reloaded on demand like any
+    other model, by a POST /v1/embeddings (which also counts as its use)."""
+    from mlx_fleet.testmodel import make_test_model
+
+    emb = make_test_model(tmp_path_factory.mktemp("models") / "emb", embedding=True)
+    ctl = await controller()
+    h = await http(ctl)
+    a = idle_assignment(emb, idle=1).model_copy(update={"task": "TextEmbedding"})
+    rkey = await assign_and_wait_ready(store, keys, a)
+    body = {"model": MODEL, "input": ["hello", "world"]}
+    resp = await h.client.post("/v1/embeddings", json=body)
+    assert resp.status == 200
+    want = (await resp.json())["data"]
+    await wait_report(store, rkey, standby)
+    assert not core.is_loaded(MODEL)
+    resp = await h.client.post("/v1/embeddings", json=body)
+    assert resp.status == 200 and resp.headers[REVISION_HEADER] == "r1"
+    assert (await resp.json())["data"] == want              # the same model, reloaded
+    assert ctl.reloads == 1 and core.model_info(MODEL).task == "TextEmbedding"
+    await wait_report(store, rkey, standby)                 # and it idles out again
 
 
 async def test_concurrent_requests_share_one_reload(

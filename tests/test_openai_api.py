@@ -246,9 +246,13 @@ async def test_invalid_field_is_400_naming_it(agent: Agent, body: dict, param: s
      "stream_options"),
     (CHAT, {"n": 2}, "n"),
     (COMPLETIONS, {"n": 3}, "n"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    # chat's tools, tool_choice and response_format are served (tests/test_structured_outputs.py);
+    # the legacy endpoint has none of them, nor does chat serve the deprecated functions
+    (COMPLETIONS, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (COMPLETIONS, {"tool_choice": "auto"}, "tool_choice"),
+    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": "auto"}, "function_call"),
     (CHAT, {"logprobs": True}, "logprobs"),
     (COMPLETIONS, {"logprobs": 2}, "logprobs"),
 ])

@@ -2,8 +2,18 @@
 (the canary split, a standby reload, or a forward to another node), generate on the
 :class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
 
-Statuses beyond :mod:`.parse`'s 400s: 400 ``context_length_exceeded`` / ``prompt_too_large`` /
-``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
+The revision is chosen by :func:`.routing.serve_on` (shared with the embeddings route).
+Statuses beyond :mod:`.parse`'s 400s and :mod:`.routing`'s: 400 ``unsupported_parameter`` /
+``unsupported_value`` when the revision that would serve the request lacks a capability it needs
+(tools, structured outputs, logprobs, ``n``), or ``wrong_model_task`` (``param`` ``model``) for a
+``TextEmbedding`` model (:func:`.routing.refusal`: :func:`mlx_fleet.capabilities.satisfies` over
+the revision's :func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's
+answer, word for word, ``param`` naming the field), 400 ``context_length_exceeded`` /
+``prompt_too_large`` / ``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 400 for
+``tools`` / ``tool_choice`` / ``response_format`` that cannot be served as asked
+(:mod:`.structured`) or whose schema the constrained decoder cannot enforce (``code``
+``invalid_schema``, ``param`` ``response_format.json_schema.schema`` or ``tools``, the message
+naming the keyword), 404 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
 Every answer from the point the revision is known carries ``X-Model-Revision``.
@@ -17,19 +27,22 @@ from typing import Any, Callable, Literal
 
 from aiohttp import web
 
+from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
-from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                           CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
-                          SamplingRequest, TextChoice, TextCompletion, Usage)
-from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                       ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
-                       StreamBufferOverflow)
+                          SamplingRequest, TextChoice, TextCompletion, ToolCall, Usage)
+from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
+                       InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
+                       StreamBufferOverflow, WrongTask)
 from ..sse import DONE, StreamEncoder, data_event
-from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
+from .context import HUNG_UP
 from .forward import Forwarder
 from .parse import parse
+from .routing import Outcome, Served, refusal, serve_on, wrong_task
+from .structured import OutputPlan, PlanError, plan_output, template_messages
+from .tool_calls import ToolCallReader, finish_reason
 
 __all__ = ["Completions", "usage_of"]
 
@@ -47,40 +60,6 @@ def usage_of(gen: Any) -> Usage:
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-class _Outcome:
-    """Times one request for the per-revision statistics (only when it is under a split):
-    end-to-end latency, time to first token, decode time of its tokens; :meth:`done` reports it
-    once. A request that never reaches :meth:`done` (the client hung up) is not counted."""
-
-    __slots__ = ("tm", "routed", "t0", "first", "last", "tokens", "reported")
-
-    def __init__(self, tm: Any, routed: Any) -> None:
-        self.tm, self.routed = tm, routed
-        self.t0 = time.perf_counter()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.tokens = 0
-        self.reported = False
-
-    def token(self, completion_tokens: int) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.tokens = completion_tokens
-
-    def done(self, *, failed: bool) -> None:
-        if self.reported or self.tm is None or self.routed is None:
-            return
-        self.reported = True
-        now = time.perf_counter()
-        self.tm.record(self.routed, latency_s=now - self.t0,
-                       ttft_s=None if self.first is None else self.first - self.t0,
-                       completion_tokens=self.tokens,
-                       decode_seconds=None if self.first is None or self.last is None
-                       else self.last - self.first, failed=failed)
 
 
 class Completions:
@@ -104,7 +83,7 @@ class Completions:
         if isinstance(req, web.Response):
             return req
         assert isinstance(req, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req.messages)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await self._complete(request, req, "chat", max_tokens, messages=messages)
 
@@ -119,58 +98,34 @@ class Completions:
                         max_tokens: int | None, *, messages: list[dict] | None = None,
                         prompt: str | None = None) -> web.StreamResponse:
         core = self.core
-        if core.failure is not None:
-            return _error(503, "this node cannot serve: its serving core failed",
-                          type_="server_error", code="unavailable")
-        not_found = _error(404, f"The model '{req.model}' does not exist or is not loaded on "
-                           "this node", param="model", code="model_not_found")
-        tm = self.router()
-        routed = None
-        revision: str | None = None
-        if tm is not None:
-            pinned = request.headers.get(PIN_HEADER, "") if request.get(FLEET_INTERNAL) else ""
-            routed = tm.route(req.model, session_header=request.headers.get(SESSION_HEADER),
-                              user=req.user, pinned=pinned)
-            if routed is None:
-                return not_found
-            if routed.route.forward:
-                return await self.forward(request, routed, await request.read())
-            revision = routed.route.revision
-            if routed.standby:  # unloaded while idle: reload it (once), then serve
-                try:
-                    await tm.ensure_loaded(req.model, revision)
-                except Overloaded as e:
-                    return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
-                                  code="overloaded",
-                                  headers={"Retry-After": str(e.retry_after_seconds),
-                                           REVISION_HEADER: revision})
-                except ModelNotLoaded:
-                    return not_found
-                except ModelLoadError as e:
-                    return _error(503, f"revision {revision} of model '{req.model}' was "
-                                  f"unloaded while idle and could not be reloaded ({e.reason})",
-                                  type_="server_error",
-                                  code="model_reload_failed",
-                                  headers={REVISION_HEADER: revision})
-            tm.touch(req.model, revision)
-        try:
-            info = core.model_info(req.model, revision)
-        except ModelNotLoaded:
-            return not_found
-        # labelled only now that the model is known to be loaded (bounded label values)
-        request[MODEL] = req.model
-        request[REVISION] = info.revision
-        headers = {REVISION_HEADER: info.revision}  # on every response from here on
-        outcome = _Outcome(tm, routed)
+        served = await serve_on(request, core, self.router, self.forward, req.model, req.user)
+        if not isinstance(served, Served):
+            return served
+        info, headers = served.info, served.headers
+        refused = refusal(info, request.path, req.model_dump(include=set(REQUEST_FIELDS)),
+                          req.model, headers)
+        if refused is not None:
+            return refused
+        outcome = Outcome(served.tm, served.routed)
         prompt_param = "messages" if kind == "chat" else "prompt"
+        plan = OutputPlan()
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                plan = plan_output(req, core.tool_format(req.model, info.revision))
+            except PlanError as e:
+                return _error(400, str(e), param=e.param, code=e.code, headers=headers)
         try:
             gen = await core.generate(req.model, revision=info.revision, prompt=prompt,
                                       messages=messages,
                                       max_tokens=max_tokens, temperature=req.temperature,
-                                      top_p=req.top_p, stop=req.stop, seed=req.seed)
+                                      top_p=req.top_p, stop=req.stop, seed=req.seed,
+                                      tools=plan.tools, grammar=plan.grammar,
+                                      grammar_param=plan.grammar_param)
         except ModelNotLoaded:
             return _error(404, f"The model '{req.model}' is not loaded on this node",
                           param="model", code="model_not_found")
+        except WrongTask as e:
+            return wrong_task(e, headers)
         except Overloaded as e:
             return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
                           code="overloaded",
@@ -184,6 +139,8 @@ class Completions:
         except InvalidPrompt as e:
             return _error(400, str(e), param=prompt_param,
                           code="invalid_prompt", headers=headers)
+        except InvalidConstraint as e:
+            return _error(400, str(e), param=e.param, code="invalid_schema", headers=headers)
         except GenerationAborted as e:
             outcome.done(failed=True)
             return _error(503, self._aborted(e), type_="server_error", code="unavailable",
@@ -194,7 +151,7 @@ class Completions:
         async with gen:
             if req.stream:
                 return await self._stream(request, req, kind, gen, rid, created, headers,
-                                          outcome)
+                                          outcome, plan)
             parts: list[str] = []
             try:
                 while batch := await gen.next_batch():
@@ -212,12 +169,28 @@ class Completions:
         usage = usage_of(gen)
         body: ChatCompletion | TextCompletion
         if kind == "chat":
+            calls: list[dict] = []
+            content: str | None = text
+            if plan.tool_format is not None:
+                reader = ToolCallReader(plan.tool_format, plan.tools)
+                pieces = reader.feed(text) + reader.finish()
+                content = "".join(p for k, p in pieces if k == "content")
+                calls = reader.calls
+                content = content if content or not calls else None
+            message = AssistantMessage(role="assistant", content=content,
+                                       tool_calls=[ToolCall.model_validate(c) for c in calls]
+                                       if calls else None)
             body = ChatCompletion(
                 id=rid, object="chat.completion", created=created, model=req.model,
-                choices=[ChatChoice(index=0, message=AssistantMessage(role="assistant",
-                                                                      content=text),
-                                    logprobs=None, finish_reason=gen.finish_reason)],
+                choices=[ChatChoice(index=0, message=message, logprobs=None,
+                                    finish_reason=finish_reason(gen.finish_reason,
+                                                                bool(calls)))],
                 usage=usage)
+            payload = body.model_dump()
+            if not calls:   # tool_calls only when there are some (as OpenAI answers)
+                for choice in payload["choices"]:
+                    choice["message"].pop("tool_calls", None)
+            return web.json_response(payload, headers=headers)
         else:
             body = TextCompletion(
                 id=rid, object="text_completion", created=created, model=req.model,
@@ -228,7 +201,8 @@ class Completions:
 
     async def _stream(self, request: web.Request, req: SamplingRequest, kind: Kind,
                       gen: Any, rid: str, created: int, headers: dict[str, str],
-                      outcome: _Outcome) -> web.StreamResponse:
+                      outcome: Outcome, plan: OutputPlan = OutputPlan()
+                      ) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
@@ -240,9 +214,12 @@ class Completions:
             try:
                 # every chunk already waiting goes out in one write (a stream that fell behind
                 # catches up in one wake-up); the events are those of one chunk each
+                reader = (None if plan.tool_format is None
+                          else ToolCallReader(plan.tool_format, plan.tools))
                 while batch := await gen.next_batch():
                     outcome.token(batch[-1].completion_tokens)
-                    data = events.chunks(batch)
+                    data = (events.chunks(batch) if reader is None
+                            else _tool_events(events, reader, batch))
                     if data:
                         await resp.write(data)
             except GenerationAborted as e:
@@ -267,3 +244,24 @@ class Completions:
             gen.cancel()
             request[HUNG_UP] = True
         return resp
+
+
+def _tool_events(events: StreamEncoder, reader: ToolCallReader, batch: list[Any]) -> bytes:
+    """The events of ``batch`` when tool calls are parsed: content as it is safe to send (a
+    possible call start held back), each call whole in one ``delta.tool_calls`` event, the
+    final chunk's finish reason ``tool_calls`` after calls."""
+    out: list[bytes] = []
+    for chunk in batch:
+        pieces = reader.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            pieces += reader.finish()
+        for kind, value in pieces:
+            if kind == "content":
+                out.append(events.chunk(value, None))
+            else:
+                first, calls = value
+                out.append(events.tool_calls(calls, first))
+        if chunk.finish_reason is not None:
+            out.append(events.chunk("", finish_reason(chunk.finish_reason,
+                                                      bool(reader.calls))))
+    return b"".join(out)

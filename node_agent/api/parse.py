@@ -2,7 +2,10 @@
 
 400 ``invalid_request_error``: malformed JSON (``code`` ``invalid_json``), an invalid field
 (``param`` names it, ``code`` ``invalid_value``), ``stream_options`` without ``stream: true``,
-and options this server does not implement (``code`` ``unsupported_parameter``, :func:`unsupported`).
+and the legacy ``functions`` / ``function_call``, which no model here serves (``code``
+``unsupported_parameter``, :func:`unsupported`). What depends on the model (tools, structured
+outputs, logprobs, ``n``) is decided once the serving revision is known, by its capabilities
+(:mod:`.completions`).
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from pydantic import ValidationError
 
 from mlx_fleet.http_errors import error_response as _error
 
-from ..api_models import SamplingRequest
+from ..api_models import ChatCompletionRequest, SamplingRequest
 
-__all__ = ["parse", "unsupported", "validation_error"]
+__all__ = ["parse", "unsupported", "validation_error", "LEGACY_REFUSED"]
+
+#: Options served on chat completions (typed and checked by ``ChatCompletionRequest`` and
+#: :mod:`.structured`) that OpenAI's legacy completions do not have: refused there, not ignored.
+LEGACY_REFUSED = ("tools", "tool_choice", "response_format")
 
 
 def validation_error(e: ValidationError) -> web.Response:
@@ -32,24 +39,27 @@ def validation_error(e: ValidationError) -> web.Response:
 
 
 def unsupported(req: SamplingRequest) -> web.Response | None:
-    """400 for options this server cannot honour, naming the first such parameter."""
+    """400 for options this server honours for no model, naming the first such parameter:
+    ``stream_options`` without ``stream``, the legacy ``functions`` / ``function_call`` (use
+    ``tools`` / ``tool_choice``), and :data:`LEGACY_REFUSED` on ``/v1/completions``. The model-dependent ones are the revision's capabilities'
+    (:func:`mlx_fleet.capabilities.satisfies`)."""
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
                       param="stream_options", code="invalid_value")
     off = {
-        "n": req.n == 1,
-        "tools": not req.tools,
-        "tool_choice": req.tool_choice in (None, "none"),
         "functions": not req.functions,
         "function_call": req.function_call in (None, "none"),
-        "response_format": req.response_format in (None, {"type": "text"}),
-        "logprobs": req.logprobs in (None, False, 0),
-        "top_logprobs": req.top_logprobs in (None, 0),
     }
+    if not isinstance(req, ChatCompletionRequest):
+        for param in LEGACY_REFUSED:
+            if getattr(req, param) is not None:
+                return _error(400, f"{param}: {param} is not supported on /v1/completions "
+                              "(OpenAI's legacy endpoint has none: use /v1/chat/completions)",
+                              param=param, code="unsupported_parameter")
     for param, ok in off.items():
         if not ok:
-            what = "n > 1" if param == "n" else param
-            return _error(400, f"{param}: {what} is not supported by this server",
+            return _error(400, f"{param}: {param} is not supported by this server (use "
+                          f"{'tools' if param == 'functions' else 'tool_choice'})",
                           param=param, code="unsupported_parameter")
     return None
 

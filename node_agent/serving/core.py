@@ -28,6 +28,12 @@ confirmed once due, :class:`~node_agent.serving.loading.LoadPacing`), so the oth
 keep emitting tokens at their rate during a load. Loads queue (one materialises at a time); commands (unload, cancel, new
 requests) are served between chunks. A revision becomes visible only once fully read.
 
+A revision loaded with ``task="TextEmbedding"`` has no BatchGenerator and no prompt cache: it
+serves :meth:`ServingCore.embed` (whole forward passes over batches of inputs, see
+:mod:`node_agent.serving.embeddings`), and :meth:`ServingCore.generate` refuses it
+(:class:`~node_agent.serving.errors.WrongTask`), as :meth:`ServingCore.embed` refuses a
+generation revision.
+
 Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per loaded
 revision): a request admitted while others decode is inserted into the running generator and
 joins the batch at its next step. Prompt prefixes are reused through mlx-lm's
@@ -84,12 +90,16 @@ from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Capability
+
 from ..metrics import AgentMetrics
 from .admission import DrainRate, admit, retry_after_seconds
 from .channel import _STOP, _CommandChannel
 from .coalesce import Coalescer, SharedGeneration, coalesce_key
+from .constrain import compile_grammar
+from .embeddings import _Embeddings
 from .engine import Engine, Events
-from .errors import GenerationAborted, Overloaded, StreamBufferOverflow
+from .errors import GenerationAborted, Overloaded, StreamBufferOverflow, WrongTask
 from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing
@@ -98,7 +108,7 @@ from .revisions import _Drain, _Load, _Revisions
 from .step_loop import _StepLoop
 from .tokenize import (DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, default_tokenizer_threads,
                        limit_tokenizer_parallelism, prompt_bytes, tokenize)
-from .types import MemoryUsage, ModelInfo, ModelKey
+from .types import MemoryUsage, ModelInfo, ModelKey, ToolFormat
 from .worker import run_on_worker
 
 __all__ = ["ServingCore"]
@@ -116,7 +126,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-class ServingCore(_Revisions, _CommandChannel, _StepLoop):
+class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
     """Loads MLX models and generates with continuous batching on one MLX-owning thread.
 
     All coroutine methods must be awaited on the event loop that called :meth:`start`.
@@ -155,6 +165,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
             thread_name_prefix="mlxfleet-tokenize")
         self._tokenizers: dict[ModelKey, Any] = {}   # loop side: each served revision's
         self._coalescer = Coalescer()
+        self._embed_queues: dict[ModelKey, Any] = {}   # loop side: _Embeddings' batch queues
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
         self._started = False
@@ -266,6 +277,18 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         s = self._engine.registry.stats.get((model_id, revision))
         return s.crashes if s is not None else 0
 
+    def tool_format(self, model_id: str, revision: str) -> ToolFormat | None:
+        """How the served revision's model writes tool calls (:class:`ToolFormat`: mlx-lm's
+        tool parser for its chat template), or ``None`` when mlx-lm knows no tool parser for
+        it (or it is not served here). Reads the loop side's tokenizer: no MLX call."""
+        tokenizer = self._tokenizers.get((model_id, revision))
+        parse = getattr(tokenizer, "tool_parser", None)
+        if tokenizer is None or parse is None or not tokenizer.tool_call_start:
+            return None
+        return ToolFormat(parser=parse.__module__.rsplit(".", 1)[-1],
+                          start=tokenizer.tool_call_start, end=tokenizer.tool_call_end or "",
+                          parse=parse)
+
     def memory_bytes(self, model_id: str, revision: str) -> int:
         """An estimate of the revision's resident bytes: its parameters (summed once at load)
         plus its prompt cache's entries; 0 when it is not loaded. Reads plain ints: no MLX
@@ -288,7 +311,9 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
                        messages: list[dict] | None = None, max_tokens: int | None = None,
                        temperature: float = 1.0, top_p: float = 1.0,
                        stop: str | Sequence[str] | None = None,
-                       seed: int | None = None) -> Generation:
+                       seed: int | None = None, tools: list[dict] | None = None,
+                       grammar: str | None = None,
+                       grammar_param: str = "grammar") -> Generation:
         """Admit one generation and return it for iteration.
 
         ``revision``: the revision of ``model_id`` to use; ``None``: the only loaded one, or if
@@ -310,6 +335,13 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         *every* sequence of the batch separately (one call per row instead of one for the batch;
         see the module doc): it slows sampling for the whole batch, not only for itself.
 
+        ``tools`` (with ``messages`` only): OpenAI function tools, passed to the chat template
+        (``tools=``), which renders them into the prompt. ``grammar``: an llguidance grammar
+        (:mod:`~node_agent.serving.grammar`) the output must match, enforced on this sequence
+        alone by constrained decoding (:mod:`~node_agent.serving.constrain`; compiled on the
+        tokenizer pool, and the sequence skips the first-token fast path); a grammar that
+        cannot be compiled raises :class:`InvalidConstraint` naming ``grammar_param``.
+
         With ``options.request_coalescing``, a request identical to one in flight whose output is
         deterministic (greedy, or seeded; :func:`~node_agent.serving.coalesce.coalesce_key`)
         joins that generation instead of starting one: its handle (own :attr:`Generation.id`,
@@ -318,8 +350,10 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         for the others (the last one leaving cancels it). Counted in
         ``mlxfleet_agent_coalesced_requests_total``.
 
-        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`Overloaded`,
-        :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, ``ValueError`` for bad
+        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`WrongTask` (a
+        ``TextEmbedding`` model), :class:`Overloaded`,
+        :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, :class:`InvalidConstraint`,
+        ``ValueError`` for bad
         arguments, :class:`GenerationAborted` when the core is not running or has failed (see
         :attr:`failure`).
         """
@@ -333,13 +367,16 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
+        if info.task != TASK_TEXT_GENERATION:
+            raise WrongTask(model_id, info.task, Capability.GENERATE)
         size = prompt_bytes(prompt, messages)
         if size > self.max_prompt_bytes:
             raise PromptTooLarge(size, self.max_prompt_bytes)
         temperature, top_p = float(temperature), float(top_p)
         key = coalesce_key(info, prompt, messages, {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-            "stop": stops, "seed": seed}) if self.options.request_coalescing else None
+            "stop": stops, "seed": seed, "tools": tools, "grammar": grammar,
+        }) if self.options.request_coalescing else None
         shared = self._joinable(key)
         if shared is not None:
             self.metrics.coalesced_requests.labels(*info.key).inc()
@@ -347,7 +384,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         self._admit(info)
         loop = asyncio.get_running_loop()
         req = Request(info.key, prompt, messages, max_tokens, temperature, top_p,
-                      stops, seed, Inbox(), loop)
+                      stops, seed, Inbox(), loop, tools=tools, grammar=grammar,
+                      grammar_param=grammar_param)
         if key is not None:
             return await self._lead(key, req)
         try:
@@ -376,12 +414,18 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
 
     async def _tokenize(self, req: Request) -> None:
         """Render and tokenize ``req``'s prompt on the tokenizer pool — never on the MLX thread
-        nor the event loop — into ``req.prompt_ids``, when its revision's tokenizer is known
-        (else the engine does it on submission). Raises what the tokenizer raises."""
+        nor the event loop — into ``req.prompt_ids``, and compile its grammar into
+        ``req.constraint``, when its revision's tokenizer is known (else the engine does both
+        on submission). Raises what the tokenizer raises, :class:`InvalidConstraint`."""
         tokenizer = self._tokenizers.get(req.key)
         if tokenizer is not None:
-            req.prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages)
+            loop = asyncio.get_running_loop()
+            req.prompt_ids = await loop.run_in_executor(
+                self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages, req.tools)
+            if req.grammar is not None:
+                req.constraint = await loop.run_in_executor(
+                    self._tokenize_pool, compile_grammar, tokenizer, req.grammar,
+                    req.grammar_param)
 
     async def _lead(self, key: Any, req: Request) -> Generation:
         """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle.

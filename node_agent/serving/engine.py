@@ -27,7 +27,9 @@ from ..memory_estimate import kv_cache_bytes
 from ..metrics import AgentMetrics, RevisionSeries
 from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
+from .constrain import compile_grammar
 from .detokenize import feed, next_text
+from .embedder import embed_batch, has_body
 from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
                      ModelNotLoaded, Overloaded)
 from .generation import Request
@@ -109,6 +111,9 @@ class Engine:
                     model, _ = load_model(Path(info.path), lazy=True, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        if info.embedding is not None and not has_body(model):
+            raise ModelLoadError("UnsupportedEmbeddingModel", f"{type(model).__module__} has no "
+                                 "inner model (.model) to take hidden states from")
         return model
 
     def finish_load(self, info: ModelInfo, model: Any, tokenizer: Any,
@@ -117,11 +122,13 @@ class Engine:
         revision its BatchGenerator and prompt cache and make it resident. ``load_seconds``:
         the load's duration so far (observed in ``mlxfleet_agent_model_load_seconds``)."""
         weight_bytes = parameter_bytes(model)   # once: the weights never change
-        generator = self.new_generator(model, tokenizer, info)
+        # an embedding model runs whole forward passes (embed): no generator, no prompt cache
+        embedding = info.embedding is not None
+        generator = None if embedding else self.new_generator(model, tokenizer, info)
         self.metrics.model_load_seconds.labels(*info.key).observe(load_seconds)
         stats = self.registry.new_stats(info.key, weight_bytes)
         self.registry.add(Resident(info, model, tokenizer, generator,
-                                   self.new_prompt_cache(info), stats))
+                                   None if embedding else self.new_prompt_cache(info), stats))
 
     def cache_budget(self, info: ModelInfo) -> int | None:
         """The revision's byte budget for its prompt cache and live batch's KV cache together:
@@ -176,6 +183,9 @@ class Engine:
             budget = self.cache_budget(info)
             res.prompt_cache.max_bytes = budget if budget is not None else 1 << 63
             self.trim_prompt_cache(res)
+        if res.generator is None:   # an embedding model: its batches follow info's limits
+            self.update_gauges(res)
+            return
         # BatchGenerator reads these public attributes at every step (as set by its __init__);
         # the core's own cap in step() is what bounds the batch.
         n = info.max_concurrent_sequences
@@ -287,6 +297,21 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.exception("restoring the wired memory limit failed")
 
+    # -- embeddings ----------------------------------------------------------------------------
+    def embed(self, key: ModelKey, batch: list[list[int]]) -> Any:
+        """One forward pass of embedding revision ``key`` over ``batch`` (token lists): the
+        vectors as a float32 numpy array ``(len(batch), dimensions)``
+        (:func:`~node_agent.serving.embedder.embed_batch`). Counts the batch's tokens in
+        ``mlxfleet_agent_prompt_tokens_total``, its size in
+        ``mlxfleet_agent_embedding_batch_inputs``. Raises :class:`ModelNotLoaded`."""
+        res = self.registry.get(key)
+        if res is None or res.info.embedding is None:
+            raise ModelNotLoaded(*key)
+        vectors = embed_batch(res.model, batch, res.info.embedding)
+        self.metrics.prompt_tokens.labels(*key).inc(sum(len(ids) for ids in batch))
+        self.metrics.embedding_batch_inputs.labels(*key).observe(len(batch))
+        return vectors
+
     # -- requests ------------------------------------------------------------------------------
     def submit(self, req: Request) -> tuple[int, int]:
         """Take ``req``'s prompt ids (:attr:`Request.prompt_ids`, tokenized off this thread;
@@ -302,7 +327,9 @@ class Engine:
         # tokenized in the core's pool before submission (node_agent.serving.tokenize); here
         # only for a caller that hands in a raw request
         ids = (req.prompt_ids if req.prompt_ids is not None
-               else tokenize(tok, req.prompt, req.messages))
+               else tokenize(tok, req.prompt, req.messages, req.tools))
+        if req.grammar is not None and req.constraint is None:
+            req.constraint = compile_grammar(tok, req.grammar, req.grammar_param)
         limit = res.info.max_context_tokens
         if req.max_tokens is None:
             req.max_tokens = limit - len(ids)
@@ -371,7 +398,11 @@ class Engine:
             self.metrics.prompt_cache_misses.labels(*req.key).inc()
         sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
         to_feed, max_tokens = prompt[cached:], req.max_tokens
-        if fastpath.applies(self.options.fast_first_token, len(res.active), len(to_feed)):
+        # a constrained sequence's every token is masked (node_agent.serving.constrain): its
+        # first one too, so it joins the batch without the fast path
+        processors = None if req.constraint is None else [[req.constraint.processor()]]
+        if processors is None and fastpath.applies(self.options.fast_first_token,
+                                                   len(res.active), len(to_feed)):
             if cache is None:
                 from mlx_lm.models.cache import make_prompt_cache
                 cache = make_prompt_cache(res.model)
@@ -401,6 +432,7 @@ class Engine:
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[sampler],
+            logits_processors=processors,
         )
         req.uid = uid
         res.active[uid] = req
@@ -499,6 +531,10 @@ class Engine:
         else:
             series.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
+        if req.constraint is not None and req.constraint.error() is not None:
+            # the grammar could not be followed (a parser limit): end the request as failed
+            # rather than answer output that may not match it
+            raise RuntimeError(f"constrained decoding failed: {req.constraint.error()}")
         segment = feed(req.detok, r.token, r.finish_reason)
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
         if reason is not None:

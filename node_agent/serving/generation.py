@@ -25,7 +25,8 @@ class Request:
     def __init__(self, key: ModelKey, prompt: str | None, messages: list[dict] | None,
                  max_tokens: int | None, temperature: float, top_p: float,
                  stop: Sequence[str], seed: int | None, out: Any,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, *, tools: list[dict] | None = None,
+                 grammar: str | None = None, grammar_param: str = "grammar") -> None:
         self.rid = next(self._ids)
         self.key = key
         self.model_id, self.revision = key
@@ -36,12 +37,17 @@ class Request:
         self.top_p = top_p
         self.stop = [s for s in stop if s]
         self.seed = seed
+        self.tools = tools             # function tools for the chat template (None: none)
+        self.grammar = grammar         # output constraint (node_agent.serving.grammar) or None
+        self.grammar_param = grammar_param   # the request field the grammar came from
         self.out = out
         self.loop = loop
         self.submitted = time.perf_counter()
         self.finished = False          # loop side: final event delivered or cancelled
         # loop side, before submission: the prompt's ids (tokenized in the core's pool)
         self.prompt_ids: list[int] | None = None
+        # loop side, before submission: the compiled grammar (node_agent.serving.constrain)
+        self.constraint: Any = None
         # thread
         self.tokens: list[int] = []
         self.uid: int | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import InvalidPrompt
 
-__all__ = ["prompt_bytes", "tokenize", "DEFAULT_MAX_PROMPT_BYTES", "PromptTooLarge",
+__all__ = ["prompt_bytes", "tokenize", "tokenize_inputs", "DEFAULT_MAX_PROMPT_BYTES", "PromptTooLarge",
            "default_tokenizer_threads", "limit_tokenizer_parallelism"]
 
 log = logging.getLogger(__name__)
@@ -68,17 +68,20 @@ def prompt_bytes(prompt: str | None, messages: list[dict] | None) -> int:
     return total
 
 
-def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None) -> list[int]:
+def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None,
+             tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``prompt`` (raw text, no special tokens added) or of ``messages`` rendered
-    with the tokenizer's chat template plus a generation prompt; a prompt that tokenizes to
-    nothing becomes the BOS token when there is one.
+    with the tokenizer's chat template plus a generation prompt (and ``tools``, OpenAI function
+    tools, passed to the template as ``tools=`` when given: the template renders them); a
+    prompt that tokenizes to nothing becomes the BOS token when there is one.
 
     Raises :class:`InvalidPrompt`: the message names the problem without internal detail — a
     template's own error text (``raise_exception``, e.g. "roles must alternate") is kept, any
     other exception is named by its type only (the log has the rest)."""
     try:
         if messages is not None:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
             if not isinstance(ids, list):  # some transformers versions return an encoding
                 ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:
@@ -91,6 +94,26 @@ def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None) ->
             raise InvalidPrompt("the prompt is empty")
         ids = [int(tokenizer.bos_token_id)]
     return ids
+
+
+def tokenize_inputs(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each of ``texts`` (embedding inputs) with the tokenizer's own special tokens
+    (``add_special_tokens=True``): an embedding model's tokenizer adds what it was trained with
+    — Qwen3-Embedding's post-processor appends ``<|endoftext|>``, the token its last-token
+    pooling reads. An input that tokenizes to nothing becomes the BOS token when there is one.
+    Raises :class:`InvalidPrompt` (naming the input's index)."""
+    out = []
+    for i, text in enumerate(texts):
+        try:
+            ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many kinds
+            raise InvalidPrompt(f"input {i}: {_public_reason(e)}") from e
+        if not ids:
+            if tokenizer.bos_token_id is None:
+                raise InvalidPrompt(f"input {i} is empty")
+            ids = [int(tokenizer.bos_token_id)]
+        out.append(ids)
+    return out
 
 
 def _public_reason(e: Exception) -> str:

@@ -5,11 +5,28 @@ generation's :class:`Chunk`, a :class:`MemoryUsage` measurement and a load's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
-__all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage", "LoadProgress"]
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Task
+
+from .embed_profile import EmbeddingProfile
+
+__all__ = ["ModelKey", "TokenizerFeatures", "ModelInfo", "Chunk", "MemoryUsage",
+           "LoadProgress", "ToolFormat"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
 ModelKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class TokenizerFeatures:
+    """What a revision's tokenizer brings for the capabilities
+    (:func:`node_agent.serving.capabilities.tokenizer_features`): ``tool_parser``, mlx-lm's
+    tool parser for it (``mlx_lm.tool_parsers.<name>``; None: none); ``grammar``: llguidance
+    builds a tokenizer from it (constrained decoding; False also when not checked)."""
+
+    tool_parser: str | None = None
+    grammar: bool = False
 
 
 @dataclass(frozen=True)
@@ -18,7 +35,12 @@ class ModelInfo:
     ``max_context_tokens``: prompt + completion limit in tokens; ``kv_cache_bytes_per_token``:
     KV-cache bytes one token of one sequence holds
     (:func:`node_agent.memory_estimate.kv_cache_bytes_per_token` of its ``config.json``; 0 when
-    that cannot be read: then no KV bound applies to it)."""
+    that cannot be read: then no KV bound applies to it); ``features``: what its tokenizer
+    brings for its capabilities
+    (:func:`node_agent.serving.capabilities.model_capabilities`); ``task``: what it serves
+    (:data:`mlx_fleet.capabilities.TASKS`: ``TextGeneration`` or ``TextEmbedding``);
+    ``embedding``: how an embedding model pools (read from its directory at load), None for a
+    generation model."""
 
     model_id: str
     revision: str
@@ -27,6 +49,9 @@ class ModelInfo:
     max_concurrent_sequences: int
     max_context_tokens: int
     kv_cache_bytes_per_token: int = 0
+    features: TokenizerFeatures = TokenizerFeatures()
+    task: Task = TASK_TEXT_GENERATION
+    embedding: EmbeddingProfile | None = None
 
     @property
     def key(self) -> ModelKey:
@@ -76,3 +101,19 @@ class LoadProgress:
     done_bytes: int
     total_bytes: int
     chunks: int
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a revision's model writes tool calls (:meth:`ServingCore.tool_format`), as mlx-lm's
+    tokenizer loader inferred it from the chat template (``mlx_lm.tokenizer_utils.load``:
+    ``tool_parser_type``, or its ``_infer_tool_parser``). ``parser``: the mlx-lm tool parser's
+    name (``mlx_lm.tool_parsers.<parser>``); ``start`` / ``end``: the strings around one call in
+    the output; ``parse(text, tools)``: that parser's ``parse_tool_call`` (a call's text between
+    ``start`` and ``end`` → ``{"name", "arguments"}`` or a list of them; raises ``ValueError``
+    for text it cannot read)."""
+
+    parser: str
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]
