@@ -192,6 +192,8 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
     proxy = ("kube-proxy running" if node.kube_proxy is not None else
              f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
              f"--set kubernetesAPI.port={api_port}")
+    from mlx_fleet.source_policy import DEV_POLICY
+
     repo, tag = OPERATOR_REF.rsplit(":", 1)
     console.print(f"[green]node {cp.node_name} Ready[/] ({proxy}). Install the chart:\n"
                   f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
@@ -203,8 +205,9 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
                   f"--set router.hostNetwork=true --set router.port={free_port()} "
                   f"--set router.replicaCount=1 "
                   # a development node: the router without keys, explicitly (docs/security.md)
-                  f"--set router.apiKeys.secretName= --set insecure.listenWithoutKeys=true",
-                  highlight=False)
+                  f"--set router.apiKeys.secretName= --set insecure.listenWithoutKeys=true "
+                  # the dev agents' policy, said explicitly (docs/security.md, Source policy)
+                  f"--set-json 'sourcePolicy={DEV_POLICY.to_json()}'", highlight=False)
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:

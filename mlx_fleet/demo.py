@@ -42,6 +42,7 @@ from rich.panel import Panel
 from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
 from mlx_fleet.devcluster.controlplane import REPO_ROOT, start_control_plane
 from mlx_fleet.devcluster.fleet import start_agent, start_operator, start_router
+from mlx_fleet.source_policy import DEV_POLICY
 
 EXAMPLE = REPO_ROOT / "examples" / "modeldeployment.yaml"
 
@@ -108,6 +109,10 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
             router = start_router(cp).url
         console.print(f"[green]✓[/] operator, agents mac-a, mac-b and the fleet router running; "
                       f"every request below goes to the router: {router}/v1")
+        console.print(f"  source policy (--source-policy of the operator and the agents): "
+                      f"{DEV_POLICY.to_json()} — the demo's models are local directories; a "
+                      "production fleet keeps the secure default or lists its own "
+                      "(docs/security.md, 'Source policy')", highlight=False)
 
         step = "applying examples/modeldeployment.yaml"
         manifest = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))

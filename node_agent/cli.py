@@ -18,6 +18,8 @@ from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, cred
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN,
                                 exposure_check, is_loopback)
 from mlx_fleet.http_hygiene import HttpLimits, add_http_arguments, http_limits_from_args
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
+from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 from mlx_fleet.store import check_endpoint, parse_endpoint
 
 from .capacity import parse_quantity
@@ -316,6 +318,8 @@ class AgentConfig:
     serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
     # disk reserve, cache cap, pinned hf:// commits, the cache's garbage collection
     downloads: DownloadLimits = dataclasses.field(default_factory=DownloadLimits)
+    #: which model sources this Mac loads (--source-policy; default: the secure policy)
+    source_policy: SourcePolicy = DEFAULT_POLICY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -428,6 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM CA bundle that verifies other agents' HTTPS certificates when "
                         "forwarding to them (agents with --tls-cert-file from a private CA); "
                         "default: the system's trusted CAs")
+    p.add_argument("--source-policy", default=os.environ.get(ENV_SOURCE_POLICY),
+                   metavar="FILE|JSON",
+                   help="the fleet's model source policy, the operator's record (a JSON/YAML "
+                        "file, or inline JSON starting with '{'): allowed schemes, https hosts, "
+                        "file:// roots, hf:// organisations, private networks (docs/security.md, "
+                        "'Source policy'). Default: env " + ENV_SOURCE_POLICY + ", else the "
+                        "secure policy: https:// to public addresses, hf:// without HF_TOKEN, "
+                        "no local directories")
     g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
     g.add_argument(INSECURE_LISTEN, action="store_true",
                    help="accept a --listen address that is not loopback without "
@@ -457,7 +469,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise ValueError("--tls-cert-file and --tls-key-file go together")
     check_endpoint(args.etcd_endpoint, credentials)
-    return AgentConfig(node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
+    policy = load_policy(args.source_policy)  # PolicyError (a ValueError): one line
+    return AgentConfig(source_policy=policy, node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
                        etcd_prefix=args.etcd_prefix, etcd_credentials=credentials,
                        listen_host=host, listen_port=port,
                        advertise_url=args.advertise_url, labels=dict(args.label),

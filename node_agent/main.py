@@ -279,7 +279,8 @@ class Agent:
                                      prefetch_window_seconds=self.config.prefetch_window_seconds,
                                      max_prefetches=self.config.max_prefetches,
                                      max_loaded_models=self.config.max_loaded_models,
-                                     download_limits=self.config.downloads)
+                                     download_limits=self.config.downloads,
+                                     source_policy=self.config.source_policy)
         await self.controller.start()
         self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
                                       registration=self.registration,
@@ -378,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.lease_ttl < 1:
             raise ValueError("--lease-ttl must be at least 1 second")
         check_exposure(config)  # before anything heavy; the Agent logs the accepted risks
+        logging.getLogger("node_agent").info("source policy: %s",
+                                             config.source_policy.to_json())
     except (ValueError, StartupError) as e:
         print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
         return 2

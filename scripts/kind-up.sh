@@ -194,12 +194,18 @@ fi
 log "installing the chart charts/mlx-fleet (etcd: $etcd_endpoint)"
 # This development etcd is plain http without auth: the chart's explicit opt-out
 # (insecure.etcdHttp), and no client certificate (etcd.tls.secretName empty).
+
+# the example's model directory is on the Macs: the fleet's source policy lists it explicitly
+# (docs/security.md, "Source policy"); the agents need the same --source-policy
+policy=()
+[ -z "$model_dir" ] || policy=(--set-json "sourcePolicy={\"fileRoots\": [\"$model_dir\"]}")
 helm upgrade --install mlx-fleet "$repo/charts/mlx-fleet" \
   --namespace "$namespace" \
   --set "image.repository=${image%:*}" --set "image.tag=${image##*:}" \
   --set "image.pullPolicy=IfNotPresent" \
   --set "etcd.endpoints={${etcd_endpoint}}" \
   --set "etcd.tls.secretName=" --set "insecure.etcdHttp=true" \
+  ${policy[@]+"${policy[@]}"} \
   --wait --timeout 5m
 # Helm installs crds/ on first install only; the kubectl apply above keeps them current.
 
@@ -216,6 +222,8 @@ if [ "$etcd_mode" = in-cluster ]; then
 else
   agent_etcd=$etcd_endpoint
 fi
+agent_policy=""
+[ -z "$model_dir" ] || agent_policy=" --source-policy '{\"fileRoots\": [\"$model_dir\"]}'"
 cat >&2 <<EOF
 
 mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
@@ -226,7 +234,7 @@ mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
 
 On every Mac, run the node agent pointed at the same etcd:
   mlx-fleet-agent --etcd-endpoint $agent_etcd --insecure-etcd-http --api-key-file <keys> \
-    --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>
+    --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>$agent_policy
 (see docs/kind.md and mlx-fleet-agent --help).
 Tear down: scripts/kind-up.sh --name $cluster --down
 EOF

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
                                 NodeCapacity, Role)
 from mlx_fleet.memstore import MemoryStore
@@ -197,7 +198,8 @@ async def flaky(store: MemoryStore) -> FlakyStore:
 async def controller(flaky: FlakyStore, keys: Keys, core: ServingCore,
                      registration: Registration) -> AsyncIterator[Controller]:
     ctl = Controller(flaky, keys, node_name=NODE, core=core,  # type: ignore[arg-type]
-                     registration=registration, advertise_url=ADVERTISED)
+                     registration=registration, advertise_url=ADVERTISED,
+                     source_policy=DEV_POLICY)
     await ctl.start()
     yield ctl
     await ctl.stop()
@@ -214,9 +216,9 @@ def test_resolve_source(tmp_path: Path) -> None:
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    assert resolve_source(str(model)) == model
-    assert resolve_source(f"file://{model}") == model
-    assert resolve_source(f"file://localhost{model}") == model
+    assert resolve_source(str(model), policy=DEV_POLICY) == model
+    assert resolve_source(f"file://{model}", policy=DEV_POLICY) == model
+    assert resolve_source(f"file://localhost{model}", policy=DEV_POLICY) == model
     cases = {
         "http://example.com/m/": "UnsupportedSource",
         "s3://bucket/m": "UnsupportedSource",
@@ -228,7 +230,7 @@ def test_resolve_source(tmp_path: Path) -> None:
     }
     for uri, reason in cases.items():
         with pytest.raises(SourceError) as e:
-            resolve_source(uri)
+            resolve_source(uri, policy=DEV_POLICY)
         assert e.value.reason == reason, uri
         assert e.value.message
 
@@ -456,7 +458,8 @@ async def test_failed_load_is_retried_until_the_model_appears(
         test_model_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "disk" / "model"  # not there yet: a disk that isn't mounted
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                     advertise_url=ADVERTISED, retry_backoff=(0.05, 0.2))
+                     advertise_url=ADVERTISED, retry_backoff=(0.05, 0.2),
+                     source_policy=DEV_POLICY)
     rkey = keys.report(NODE, "default", "late", "r1")
     await ctl.start()
     try:
@@ -493,7 +496,7 @@ async def test_retry_timing_follows_the_injected_clock(
     model_dir = tmp_path / "model"  # not there yet
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED, retry_backoff=(60.0, 60.0),
-                     clock=lambda: now[0])
+                     clock=lambda: now[0], source_policy=DEV_POLICY)
     rkey = keys.report(NODE, "default", "timed", "r1")
     await ctl.start()
     try:
@@ -555,7 +558,7 @@ async def test_callback_bug_restarts_the_follower_which_converges(
         store: MemoryStore, keys: Keys, core: ServingCore, registration: Registration,
         test_model_dir: Path) -> None:
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                     advertise_url=ADVERTISED)
+                     advertise_url=ADVERTISED, source_policy=DEV_POLICY)
     listed = asyncio.Event()
     real_apply = ctl.follower.apply
     bugs = 0
@@ -595,7 +598,7 @@ async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converge
     /health shows it and the supervisor restarts it); the restarted worker starts that
     assignment's task again, which loads it."""
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                     advertise_url=ADVERTISED)
+                     advertise_url=ADVERTISED, source_policy=DEV_POLICY)
     real = ctl._keys_tasks.converge_one
     bugs = 0
 

@@ -730,6 +730,33 @@ def test_values_schema_rejects_bad_values_with_a_message(helm: Path, flags: tupl
     assert message in proc.stderr, proc.stderr
 
 
+def test_source_policy_reaches_the_operator_as_the_same_record(helm: Path) -> None:
+    """Issue 19: ``sourcePolicy`` renders as one --source-policy flag holding the record (the
+    one the agents are given), which the operator's own CLI parses into the same policy;
+    empty (the default) renders no flag: the operator's secure default."""
+    from mlx_fleet.source_policy import DEFAULT_POLICY, parse_policy
+    from mlx_fleet_operator.main import _source_policy, build_parser
+
+    record = {"fileRoots": ["/Volumes/models"], "httpsHosts": ["models.example.com",
+                                                               "*.cdn.example.net:8443"],
+              "hfOrganizations": ["mlx-community"], "allowPrivateNetworks": True,
+              "maxRedirects": 2}
+    c = _container(render(helm, "--set-json", f"sourcePolicy={json.dumps(record)}"))
+    [flag] = [a for a in c["args"] if a.startswith("--source-policy")]
+    args = build_parser().parse_args(c["args"])
+    assert _source_policy(args.source_policy) == parse_policy(record)
+    default = _container(render(helm))
+    assert not [a for a in default["args"] if a.startswith("--source-policy")]
+    assert _source_policy(build_parser().parse_args(default["args"]).source_policy) \
+        == DEFAULT_POLICY
+    for bad, where in [('{"schemes": ["http"]}', "/sourcePolicy/schemes/0"),
+                       ('{"fileRoots": ["relative"]}', "/sourcePolicy/fileRoots/0"),
+                       ('{"allowPrivate": true}', "'allowPrivate' not allowed")]:
+        proc = run_helm(helm, "template", RELEASE, str(CHART), "--set-json",
+                        f"sourcePolicy={bad}")
+        assert proc.returncode != 0 and where in proc.stderr, proc.stderr
+
+
 def test_host_network_and_dns_policy(helm: Path, default_docs: list[dict[str, Any]]) -> None:
     pod = operator_deployment(default_docs)["spec"]["template"]["spec"]
     assert "hostNetwork" not in pod and "dnsPolicy" not in pod  # the cluster's defaults

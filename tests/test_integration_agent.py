@@ -31,6 +31,7 @@ from fleet_helpers import watch_until
 from mlx_fleet import supervise as supervise_module
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
                                 NodeHealth, NodeRecord, Role)
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.store import EtcdStore
 from node_agent.cli import AgentConfig
 from node_agent.main import EXIT_CORE_FAILED, Agent
@@ -62,7 +63,7 @@ async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
     agent = Agent(AgentConfig(node_name="e2e", etcd_endpoint=etcd_server.client_url,
                               etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
                               lease_ttl=5, simulated_memory_bytes=64 * 2**30,
-                              memory_watermark=0.75))
+                              memory_watermark=0.75, source_policy=DEV_POLICY))
     try:
         with caplog.at_level(logging.WARNING, logger="node_agent"):
             await agent.start()
@@ -198,7 +199,8 @@ async def test_failed_core_revokes_the_lease_and_exits_non_zero(
         sys.executable, str(CORE_FAILURE_SCRIPT), "--node-name", CORE_FAILURE_NODE,
         "--etcd-endpoint", etcd_server.client_url, "--etcd-prefix", keys.root,
         "--listen", f"127.0.0.1:{_free_port()}", "--simulated-memory", "8Gi",
-        "--lease-ttl", "30", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        "--lease-ttl", "30", "--source-policy", DEV_POLICY.to_json(),  # a temporary directory
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         node_key = keys.node(CORE_FAILURE_NODE)
         registered = await asyncio.wait_for(_until_present(store, node_key), CORE_FAILURE_TIMEOUT)
@@ -238,7 +240,8 @@ async def test_agent_over_https_serves_a_completion_with_a_key(
         node_name="https", etcd_endpoint=etcd_server.client_url, etcd_prefix=keys.root,
         listen_port=0, lease_ttl=5, simulated_memory_bytes=64 * 2**30,
         api_key_file=str(key_file), metrics_auth="api-key",
-        tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key)))
+        tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key),
+        source_policy=DEV_POLICY))  # the model lies in a temporary directory
     try:
         await node.start()
         assert node.url and node.url.startswith("https://127.0.0.1:")

@@ -10,6 +10,8 @@ import os
 
 from mlx_fleet.contract import ROOT
 from mlx_fleet.etcd_credentials import EtcdCredentials
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
+from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 
 from .reconcile import DEFAULT_WRITER
 
@@ -57,6 +59,9 @@ class OperatorConfig:
     #: Whether ``/metrics`` is already served on ``metrics_port`` (main()'s pre-flight check
     #: binds it); else the start-up handler serves it.
     metrics_served: bool = False
+    #: Which model sources ModelDeployments and Canaries may name (``--source-policy``;
+    #: :mod:`.admission`); the same record as every agent's. Default: the secure policy.
+    source_policy: SourcePolicy = DEFAULT_POLICY
 
     def in_scope(self, namespace: str) -> bool:
         """Whether this operator watches ``namespace`` (garbage collection stays inside)."""
@@ -68,5 +73,6 @@ class OperatorConfig:
         return cls(etcd_endpoint=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", cls.etcd_endpoint),
                    etcd_prefix=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
                    metrics_port=int(os.environ.get("MLX_FLEET_METRICS_PORT", "8080")),
-                   router_url=os.environ.get("MLX_FLEET_ROUTER_URL", "").rstrip("/") or None)
+                   router_url=os.environ.get("MLX_FLEET_ROUTER_URL", "").rstrip("/") or None,
+                   source_policy=load_policy(os.environ.get(ENV_SOURCE_POLICY)))
 

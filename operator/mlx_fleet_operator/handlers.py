@@ -80,6 +80,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         api = await asyncio.to_thread(kubernetes_api)
         rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope,
                      gc_interval=cfg.gc_interval, custom_api=api, router_url=cfg.router_url,
+                     source_policy=cfg.source_policy,
                      list_live=lambda: orphan_gc.list_live_deployments(api, cfg.namespaces))
         # Running Canaries' candidates, before any ModelDeployment resumes: a restart
         # mid-canary must never unload a warm candidate.
@@ -111,8 +112,9 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
             raise
         raise kopf.PermanentError(f"start-up failed: {type(e).__name__}: {e}") from e
     memo.runtime = rt
-    logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s",
-                cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off")
+    logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s, source "
+                "policy %s", cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off",
+                cfg.source_policy.to_json())
 
 
 @kopf.on.cleanup()

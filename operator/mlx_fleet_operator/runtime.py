@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import kopf
 
 from mlx_fleet.contract import Assignment, AssignmentReport, Keys, NodeRecord, StatsReport
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 from mlx_fleet.store import CLOSE_TIMEOUT_SECONDS, Snapshot, Store, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, supervise
 
@@ -74,8 +75,11 @@ class Runtime:
                  custom_api: CustomObjectsApi | None = None, list_live: ListLive | None = None,
                  patch_status: status_writer.PatchStatus | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 router_url: str | None = None) -> None:
+                 router_url: str | None = None,
+                 source_policy: SourcePolicy = DEFAULT_POLICY) -> None:
         self.store = store
+        #: the fleet's source policy, judging each spec's model source (:mod:`.admission`)
+        self.source_policy = source_policy
         self.keys = keys
         self.writer = writer
         self.in_scope = in_scope
