@@ -49,7 +49,9 @@ Memory per replica (:func:`resolve_memory`)
 needs the **largest estimate any agent reported** for the revision (``AssignmentReport.
 estimated_bytes``: weights from the safetensors headers plus the KV cache at the assignment's
 serving limits, :mod:`node_agent.memory_estimate`; the largest, so a node that computed a
-bigger KV cache is believed). Before any estimate exists (``estimate_pending``), one replica is
+bigger KV cache is believed; only agents whose node holds an assignment of the revision are
+asked — :func:`.holders.held_reports` — so another Mac's agent credential cannot inflate it).
+Before any estimate exists (``estimate_pending``), one replica is
 placed — on the node with the most free budget, whatever the strategy — and the others wait
 (``PlacementDecision.waiting``) for its agent's estimate; replicas already placed stay. An agent
 report that carries an estimate counts whatever its state, so a load refused or failed for lack
