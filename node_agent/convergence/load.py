@@ -31,7 +31,7 @@ from ..fetch.cache import SourceHolds, touch_state
 from ..fetch.gc import Deletion
 from ..serving import ModelLoadError
 from ..serving.capabilities import model_capabilities
-from ..serving.errors import LOAD_CANCELLED
+from ..serving.errors import LOAD_CANCELLED, LOAD_FAILURE_TEXT
 from ..model_dir import SourceError, status_message
 from ..sources import is_remote
 from . import step
@@ -230,6 +230,7 @@ class Loader:
                              estimated_bytes=est.total_bytes if est is not None else known)
             return True
 
+        path: Path | str = spec.uri  # the local directory, once resolved (for the log)
         try:
             shown = False
             if remote:
@@ -250,7 +251,7 @@ class Loader:
                 max_concurrent_sequences=spec.max_concurrent_sequences)
             if shown:
                 await self._reports.put(key, AssignmentState.LOADING, reason="LoadingModel",
-                                        message=f"loading {spec.model_id} from {path}",
+                                        message=f"loading {spec.model_id} from {spec.uri}",
                                         estimated_bytes=est.total_bytes, digest=digest,
                                         **common)
             await self._make_room(key, spec, est.total_bytes,
@@ -274,14 +275,18 @@ class Loader:
             finally:
                 rec.loading = None
             resident = est.weights_bytes
-        except memory_estimate.ModelFileError as e:
+        except memory_estimate.ModelFileError as e:  # the message names files, not the path
+            log.warning("model files of %s revision %s at %s refused: %s: %s", spec.model_id,
+                        spec.revision, path, e.reason, e.message)
             return await fail(e.reason, e.message)
         except ModelLoadError as e:
             if e.reason == LOAD_CANCELLED:  # an unload (the assignment changed or went) called
                 log.info("loading %s revision %s called off: %s", spec.model_id,  # it off
                          spec.revision, e.message)
                 return False                # not a failure: the key's next task takes over
-            return await fail(e.reason, e.message)
+            log.warning("loading %s revision %s from %s failed: %s: %s", spec.model_id,
+                        spec.revision, path, e.reason, e.message)
+            return await fail(e.reason, e.public)  # no path or exception text in a status
         except SourceError as e:
             log.warning("source %s of %s revision %s (assignment %s): %s: %s", spec.uri,
                         spec.model_id, spec.revision, key, e.reason, e.message)
@@ -289,8 +294,8 @@ class Loader:
         except ValueError as e:
             return await fail("InvalidAssignment", str(e))
         except Exception as e:  # MLX or anything else: the assignment fails, the agent lives
-            log.exception("loading %s failed", spec.model_id)
-            return await fail("LoadFailed", f"{type(e).__name__}: {e}")
+            log.exception("loading %s failed", spec.model_id)  # the detail: the log only
+            return await fail("LoadFailed", LOAD_FAILURE_TEXT["LoadFailed"])
         rec.failure = None
         now = rt.clock()
         rec.loaded = loaded = Loaded(spec, resident, last_used=now, load_seconds=now - t0,
