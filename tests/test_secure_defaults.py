@@ -303,3 +303,22 @@ def test_bootstrap_auth_on_loopback_without_passwords_needs_no_flag(capsys, monk
     monkeypatch.setattr(etcdcli, "_apply", applied)
     assert _bootstrap(["--etcd-endpoint", LOOPBACK_ETCD, "--node", "mac-1"]) == 0
     assert "INSECURE" not in capsys.readouterr().err
+
+
+def test_kind_up_is_closed_by_default() -> None:
+    """scripts/kind-up.sh (issue 19 review): its unauthenticated development etcd is published
+    on 127.0.0.1 unless --etcd-listen says otherwise, and an external plain-http etcd needs
+    --insecure-etcd-http (refused before kind, docker or anything else is touched)."""
+    import re
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kind-up.sh"
+    usage = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True,
+                           timeout=30)
+    assert usage.returncode == 0
+    assert re.search(r"--etcd-listen ADDR\s+host address it is published on \(default: "
+                     r"127\.0\.0\.1", usage.stdout), usage.stdout
+    refused = subprocess.run(["bash", str(script), "--etcd-endpoint", "http://etcd.example:2379"],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and INSECURE_ETCD in refused.stderr, refused.stderr
+    assert "is required on PATH" not in refused.stderr  # refused before looking for kind
