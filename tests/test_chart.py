@@ -675,6 +675,7 @@ def test_local_node_values_set_their_opt_outs_explicitly(helm: Path) -> None:
     exposure = _router_exposure(docs)
     assert exposure.refusals == ()
     assert [w.split(")")[0] for w in exposure.warnings] == ["INSECURE (--insecure-listen-without-keys"]
+    assert _operator_etcd_exposure(docs) == ()  # loopback etcd: the operator needs no opt-out
 
 
 def test_router_inherits_the_operators_etcd_credentials(helm: Path) -> None:
