@@ -107,10 +107,12 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             estimates: dict[str, int] = {}
             if not spec.resources.memory_bytes:  # else the override wins: no estimate needed
                 # only the estimates of nodes holding a slot of this deployment (.holders):
-                # its stored assignments, from the followed view when current (no listing)
-                held = (await read_fleet(rt.store, rt.keys, rt.fleet_memo,
-                                         nodes=rt.placement_nodes(),
-                                         assignments=rt.assignments)).of(*key)
+                # its stored assignments, from the followed view when current (no listing;
+                # under the placement lock, like every reader that may reset that view)
+                async with rt.placement_lock:
+                    held = (await read_fleet(rt.store, rt.keys, rt.fleet_memo,
+                                             nodes=rt.placement_nodes(),
+                                             assignments=rt.assignments)).of(*key)
                 estimates = revision_estimates(held_reports(rt.reports.get(key, {}), held))
             intent = deployment_intent(
                 spec, key, uid=meta.get("uid", ""), generation=generation,
