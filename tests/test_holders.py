@@ -74,7 +74,7 @@ def test_a_forged_report_no_longer_moves_per_replica_memory() -> None:
     forged = {**honest, ("rogue", "r1"): report("rogue", est=2**40,
                                                 state=AssignmentState.FAILED)}
     placed = {("studio-1", "r1"): assignment()}
+    assert resolve_memory(None, revision_estimates(forged, placed).values()) == 8 * GiB
+    # the rogue's report counts only if its node held the slot
     assert resolve_memory(None, revision_estimates(
-        held_reports(forged, placed)).values()) == 8 * GiB
-    # what today's unfiltered estimate would take
-    assert resolve_memory(None, revision_estimates(forged).values()) == 2**40
+        forged, {**placed, ("rogue", "r1"): assignment()}).values()) == 2**40

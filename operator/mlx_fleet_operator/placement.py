@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentReport, NodeHealth,
@@ -72,6 +72,7 @@ from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentRepor
 from mlx_fleet.contract import node_budget_bytes as contract_budget
 from mlx_fleet.quantity import format_bytes
 
+from .holders import held_reports
 from .node_claims import node_label, trusted_generation, trusted_memory_bytes
 
 
@@ -149,11 +150,15 @@ def resolve_memory(override: int | None, estimates: Iterable[int]) -> int | None
     return max((e for e in estimates if e > 0), default=None)
 
 
-def revision_estimates(reports: Mapping[tuple[str, str], AssignmentReport]) -> dict[str, int]:
+def revision_estimates(reports: Mapping[tuple[str, str], AssignmentReport],
+                       placed: Collection[tuple[str, str]]) -> dict[str, int]:
     """Revision → the largest ``estimated_bytes`` in one deployment's reports ((node, revision)
-    → report, any state; revisions with no estimate are absent)."""
+    → report, any state; revisions with no estimate are absent), counting only the reports of
+    slots in ``placed`` — the deployment's stored (node, revision) slots
+    (:func:`.holders.held_reports`: another node's agent credential may write a report for
+    it)."""
     out: dict[str, int] = {}
-    for (_node, revision), r in reports.items():
+    for (_node, revision), r in held_reports(reports, placed).items():
         if r.estimated_bytes > 0:
             out[revision] = max(out.get(revision, 0), r.estimated_bytes)
     return out

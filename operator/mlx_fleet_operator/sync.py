@@ -113,7 +113,7 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
                     held = (await read_fleet(rt.store, rt.keys, rt.fleet_memo,
                                              nodes=rt.placement_nodes(),
                                              assignments=rt.assignments)).of(*key)
-                estimates = revision_estimates(held_reports(rt.reports.get(key, {}), held))
+                estimates = revision_estimates(rt.reports.get(key, {}), held)
             intent = deployment_intent(
                 spec, key, uid=meta.get("uid", ""), generation=generation,
                 candidate=rt.candidate(key), cordoned=rt.cordoned, draining=rt.draining,
