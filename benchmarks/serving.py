@@ -20,7 +20,10 @@ OpenAI features of issue 20:
 
 * ``json`` — chat with ``response_format: json_schema`` of :data:`served.JSON_SCHEMA`, and in the
   same rounds the same prompts without it (``json-plain``), so each server's constrained ÷
-  unconstrained tokens/s (``constrained_over_plain``) is measured side by side;
+  unconstrained tokens/s (``constrained_over_plain``) is measured side by side. A JSON answer
+  ends when its object closes, so ``json-plain``'s ``max_tokens`` is, per server and cell, the
+  mean completion tokens of that server's constrained answers in the warm-up round (recorded
+  as the round's ``max_tokens``): both sides decode about as many tokens per request;
 * ``tools`` — chat with ``tools`` (:data:`served.TOOL`) and ``tool_choice: required``;
 * ``embeddings`` — ``POST /v1/embeddings`` of a generated embedding model
   (``make_test_model(embedding=True)``) in two cells: ``1x32`` (requests of 1 input, 32 at a
@@ -291,6 +294,7 @@ def round_result(workload: str, outcomes: list[dict], wall: float) -> dict:
     tokens = sum(r.get("tokens", 0) for r in ok)
     out = {"wall_seconds": wall, "requests": len(outcomes), **verdict,
            "output_tokens": tokens, "output_tokens_per_second": tokens / wall,
+           "tokens_per_request": tokens / len(ok) if ok else None,
            "requests_per_second": len(ok) / wall,
            "ttft_p50_seconds": percentile(ttfts, 0.5),
            "ttft_p95_seconds": percentile(ttfts, 0.95),
@@ -541,7 +545,7 @@ def versions() -> dict[str, str]:
 COMPARED = {"reference": "", "vllm-mlx": "vllm_mlx_", "baseline": "baseline_"}
 _MEDIANS = ("output_tokens_per_second", "requests_per_second", "ttft_p50_seconds",
             "ttft_p95_seconds", "itl_p50_seconds", "itl_p95_seconds", "inputs_per_second",
-            "latency_p50_seconds", "latency_p95_seconds")
+            "latency_p50_seconds", "latency_p95_seconds", "tokens_per_request")
 
 
 def rate_key(workload: str) -> str:
@@ -700,9 +704,13 @@ def cells_of(workload: str, args: argparse.Namespace) -> list:
 
 
 def round_bodies(workload: str, cell, args: argparse.Namespace, round_no: int,
-                 warm_up: bool = False) -> list[dict]:
+                 warm_up: bool = False, max_tokens: int | None = None) -> list[dict]:
     """The bodies of one round of ``workload`` at ``cell`` (a warm-up round: one per stream,
-    8 tokens — but a feature workload's full tokens, so its answers can complete)."""
+    8 tokens — but a feature workload's full tokens, so its answers can complete);
+    ``max_tokens``: every body's, instead of the workload's."""
+    if max_tokens is not None:
+        return [b | {"max_tokens": max_tokens}
+                for b in round_bodies(workload, cell, args, round_no, warm_up)]
     if workload == "embeddings":
         n = 32 if warm_up else EMBEDDING_INPUTS * args.requests_per_stream
         return embedding_requests(cell, n, round_no)
@@ -767,9 +775,16 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
             variants = [wl, PLAIN_TWIN[wl]] if wl in PLAIN_TWIN else [wl]
             for c in cells_of(wl, args):
                 conc = cell_concurrency(c)
-                for s in servers.values():  # warm-up: kernels compiled, caches primed
+                # a plain twin's answers as long as the constrained ones were in the warm-up
+                # (per server; the workload's max_tokens where they were not served)
+                twin_tokens: dict[str, int | None] = {}
+                for name, s in servers.items():  # warm-up: kernels compiled, caches primed
                     for v in variants:
-                        client_round(s, round_bodies(v, c, args, -1, warm_up=True), conc, v)
+                        w = client_round(s, round_bodies(v, c, args, -1, warm_up=True), conc, v)
+                        if v != wl or len(variants) == 1:
+                            continue
+                        per = None if w.get("not_served") else w.get("tokens_per_request")
+                        twin_tokens[name] = max(1, round(per)) if per else None
                 names = list(servers)
                 for i in range(args.rounds):
                     # A B (C) / B C A / C A B: each server goes first in turn (evenly when the
@@ -778,9 +793,13 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
                     order = names[i % len(names):] + names[:i % len(names)]
                     for name in order:
                         for v in (variants if i % 2 == 0 else variants[::-1]):
-                            r = client_round(servers[name], round_bodies(v, c, args, i), conc, v)
+                            limit = twin_tokens.get(name) if v != wl else None
+                            r = client_round(servers[name],
+                                             round_bodies(v, c, args, i, max_tokens=limit),
+                                             conc, v)
                             rounds.append({"workload": v, "concurrency": c, "server": name,
-                                           "round": i, **r})
+                                           "round": i, **r,
+                                           **({"max_tokens": limit} if limit else {})})
                             if partial is not None:  # what a killed run leaves behind
                                 partial.write_text(json.dumps({"rounds": rounds}) + "\n")
                             print(_progress(v, c, name, i, r), file=sys.stderr)
