@@ -626,6 +626,36 @@ def summarise(rounds: list[dict]) -> dict:
     return out
 
 
+def plot_bars(summary: dict) -> list[tuple[str, list[str], dict[str, list]]]:
+    """What :func:`plot` draws, one panel per workload: ``(title, cells, {series: values})``,
+    a value being a ratio or a reason it is missing (``"not served"``, ``"errors"``). Series:
+    ours ÷ each compared server that ran; for ``json`` a further panel of each server's
+    constrained ÷ plain."""
+    panels = []
+    for wl, by_c in summary.items():
+        cs = sorted(by_c, key=cell_order)
+        series: dict[str, list] = {}
+        for other, prefix in COMPARED.items():
+            if not any(other in by_c[c] for c in cs):
+                continue
+            vals = []
+            for c in cs:
+                cell = by_c[c]
+                ratio = cell.get(f"{prefix}tokens_per_second_ratio")
+                vals.append(ratio if ratio else "not served" if cell.get(f"{prefix}not_served")
+                            else "errors")
+            series[f"ours ÷ {other}"] = vals
+        panels.append((wl + (" (inputs/s)" if wl == "embeddings" else ""), cs, series))
+        if any("constrained_over_plain" in by_c[c] for c in cs):
+            servers = [x for x in (*SERVERS, "baseline")
+                       if any(x in by_c[c]["constrained_over_plain"] for c in cs)]
+            panels.append((f"{wl}: constrained ÷ plain", cs, {
+                x: [by_c[c]["constrained_over_plain"].get(x)
+                    or ("not served" if "not_served" in (by_c[c].get(x) or {}) else "errors")
+                    for c in cs] for x in servers}))
+    return panels
+
+
 def plot(summary: dict, path: Path, title: str) -> Path | None:
     try:
         import matplotlib
@@ -635,22 +665,30 @@ def plot(summary: dict, path: Path, title: str) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return None
-    wls = list(summary)
-    fig, axes = plt.subplots(1, len(wls), figsize=(3.2 * len(wls), 3.4), squeeze=False)
-    for ax, wl in zip(axes[0], wls):
-        cs = sorted(summary[wl], key=cell_order)
-        ratios = [summary[wl][c].get("tokens_per_second_ratio") for c in cs]
-        ax.bar(cs, [r or 0 for r in ratios], color="#3b7dd8")
+    panels = plot_bars(summary)
+    colours = ("#3b7dd8", "#e08a2c", "#5aa05a", "#9a6fc0")
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.6), squeeze=False)
+    for ax, (name, cs, series) in zip(axes[0], panels):
+        width = 0.8 / max(1, len(series))
+        top = 1.2
+        for k, (label, vals) in enumerate(series.items()):
+            xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(cs))]
+            ys = [v if isinstance(v, float) else 0 for v in vals]
+            ax.bar(xs, ys, width, color=colours[k % len(colours)], label=label)
+            top = max(top, *ys)
+            for x, v in zip(xs, vals):
+                ok = isinstance(v, float)
+                ax.annotate(f"{v:.2f}×" if ok else v.replace(" ", "\n"), (x, v if ok else 0),
+                            ha="center", va="bottom", fontsize=7,
+                            color="black" if ok else "#b03030")
         ax.axhline(1.0, color="grey", lw=1, ls="--")
-        ax.set_title(wl + (" (inputs/s)" if wl == "embeddings" else ""), fontsize=9)
-        ax.set_xlabel("inputs × requests" if wl == "embeddings" else "concurrent streams")
-        ax.set_ylim(0, max([1.2, *(r for r in ratios if r)]) * 1.15)
-        for x, y in zip(cs, ratios):
-            why = ("not served:\nno ratio" if summary[wl][x].get("not_served")
-                   else "errors:\nno ratio")
-            ax.annotate(f"{y:.2f}×" if y else why, (x, y or 0), ha="center",
-                        va="bottom", fontsize=8, color="black" if y else "#b03030")
-    axes[0][0].set_ylabel("output tokens/s, ours ÷ mlx_lm.server")
+        ax.set_xticks(range(len(cs)), cs)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("inputs × requests" if "embeddings" in name else "concurrent streams")
+        ax.set_ylim(0, top * 1.2)
+        if series:
+            ax.legend(fontsize=7, loc="upper right")
+    axes[0][0].set_ylabel("output tokens/s ratio")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

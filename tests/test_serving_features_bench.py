@@ -186,3 +186,17 @@ def test_a_built_site_is_reused(tmp_path: Path) -> None:
     site.mkdir()
     (site / ".mlx-fleet-requirements.json").write_text(json.dumps(list(vm.REQUIREMENTS)))
     assert vm.site(root=tmp_path) == site          # no pip: a run would fail offline here
+
+
+def test_plot_panels_show_why_a_ratio_is_missing() -> None:
+    from serving import plot_bars
+
+    rounds = [rnd("json", "ours", 60), rnd("json-plain", "ours", 100),
+              rnd("json", "reference", 0, not_served="ignored: content is not JSON"),
+              rnd("json-plain", "reference", 80),
+              rnd("json", "vllm-mlx", 0, errors=8), rnd("json-plain", "vllm-mlx", 50)]
+    panels = {name: series for name, _, series in plot_bars(summarise(rounds))}
+    assert panels["json"] == {"ours ÷ reference": ["not served"], "ours ÷ vllm-mlx": ["errors"]}
+    assert panels["json: constrained ÷ plain"] == {
+        "ours": [pytest.approx(0.6)], "reference": ["not served"], "vllm-mlx": ["errors"]}
+    assert panels["json-plain"]["ours ÷ vllm-mlx"] == [pytest.approx(2.0)]
