@@ -40,8 +40,9 @@ Reported per workload × concurrency × server (median over rounds): TTFT p50/p9
 gap p50/p95 (between streamed content chunks), aggregate output tokens/s (completion tokens of
 all requests ÷ the round's wall time; ``embeddings``: inputs/s), requests/s, errors (with
 samples) or ``not_served``; and the ratios ours ÷ reference (``tokens_per_second_ratio``,
-``ttft_p50_ratio``) and ours ÷ vllm-mlx (``vllm_mlx_…``) of tokens/s and of TTFT p50. On a GPU with ``--bandwidth-gbs``, the fraction of the
-memory-bandwidth limit reached at concurrency 1 (tokens/s × weight bytes ÷ bandwidth).
+``ttft_p50_ratio``) and ours ÷ vllm-mlx (``vllm_mlx_…``) of tokens/s and of TTFT p50. On a GPU
+with ``--bandwidth-gbs``, the fraction of the memory-bandwidth limit reached at concurrency 1
+(tokens/s × weight bytes ÷ bandwidth).
 
     python benchmarks/serving.py --help
     python benchmarks/serving.py                       # CPU defaults: a small model, short runs
@@ -533,7 +534,8 @@ def client_round(server: Server, bodies: list[dict], concurrency: int,
 
 def versions() -> dict[str, str]:
     out = {}
-    for dist in ("mlx", "mlx-cuda-13", "mlx-metal", "mlx-lm", "aiohttp"):
+    for dist in ("mlx", "mlx-cuda-13", "mlx-metal", "mlx-lm", "aiohttp", "llguidance",
+                 "jsonschema"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
