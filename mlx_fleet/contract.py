@@ -255,8 +255,17 @@ class NodeCapacity(_Record):
                                  self.memory_watermark)
 
 
+#: The label prefix a node agent may set on its own record (``--label``): placement matches
+#: a node selector key under it against the agent's labels, every other key against the
+#: MacNode's, which the cluster admin owns (issue 19; the operator's ``node_claims``).
+AGENT_LABEL_PREFIX = "agent.mlx-fleet.io/"
+
+
 class NodeRecord(_Record):
     """``<root>/nodes/<node>``, written by the node's agent under its lease.
+
+    ``labels``: the agent's own labels; placement believes only those under
+    :data:`AGENT_LABEL_PREFIX`.
 
     ``address``: base URL of the agent's OpenAI-compatible API (``http://host:port``).
     ``heartbeat_unix``: seconds since the epoch of the last report (wall clock, informational;

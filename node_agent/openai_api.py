@@ -87,7 +87,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mlx_fleet.http_errors import error_response as _error
+from mlx_fleet.http_hygiene import HttpLimits, hygiene_middlewares
 from mlx_fleet.routing.api_keys import KeyFile
+from mlx_fleet.routing.body_size import max_body_bytes
 
 from .api.completions import Completions
 from .api.context import OPEN_PATHS, UNKNOWN_LABEL
@@ -95,7 +97,6 @@ from .api.embeddings import EmbeddingsRoute
 from .api.forward import Forwarder
 from .api.middleware import authentication, keyed, request_errors
 from .api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .http_hygiene import HttpLimits, hygiene_middlewares
 from .openapi import OPENAPI_PATH, openapi_document
 from .serving import ServingCore
 from .serving.capabilities import model_capabilities
@@ -141,7 +142,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     a request forwarded to a plain-http node on another host carries no key (logged once per
     node).
 
-    ``limits``: the server's HTTP hygiene (:mod:`node_agent.http_hygiene`: body timeout,
+    ``limits``: the server's HTTP hygiene (:mod:`mlx_fleet.http_hygiene`: body timeout,
     ``application/json`` POST bodies, CORS origins); without ``api_keys`` a request's ``Host``
     must be loopback or one of ``hosts`` (421 otherwise). ``GET /health`` answers its
     ``details`` only to a request with a valid key, or with no keys configured when
@@ -154,11 +155,11 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     # (under its timeout) after it
     before_auth, after_auth = hygiene_middlewares(limits, check_host=api_keys is None,
                                                   hosts=hosts, error=_error)
-    # a body may hold a prompt of max_prompt_bytes plus its JSON (aiohttp's default: 1 MiB)
+    # a body may hold a prompt of max_prompt_bytes plus its JSON (the router's rule too)
     app = web.Application(middlewares=[request_errors(core.metrics.requests), before_auth,
                                        authentication(api_keys, forward_keys, open_paths),
                                        after_auth],
-                          client_max_size=max(2**20, 2 * core.max_prompt_bytes))
+                          client_max_size=max_body_bytes(core.max_prompt_bytes))
     app[CORE_KEY] = core
     forwarder = Forwarder(forward_keys=forward_keys, forward_ssl=forward_ssl,
                           insecure_forward=insecure_forward, router=router)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import AssignmentState, Keys, Role
 from mlx_fleet.memstore import MemoryStore
 from node_agent.controller import Controller, ServedModel
@@ -107,7 +108,7 @@ async def controller(store: MemoryStore, keys: Keys, fake: FakeCore,
                      registration: Registration) -> AsyncIterator[Controller]:
     ctl = Controller(store, keys, node_name=NODE, core=fake,  # type: ignore[arg-type]
                      registration=registration, advertise_url=ADVERTISED,
-                     lifecycle_interval=3600.0)
+                     lifecycle_interval=3600.0, source_policy=DEV_POLICY)
     await ctl.start()
     yield ctl
     fake.release()

@@ -469,7 +469,8 @@ def test_conditions_schema() -> None:
     # A list-map key must be required.
     assert "type" in item["required"] and "status" in item["required"]
     assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled",
-                                                  "ServedNameConflict", "ReplicasConsistent"]
+                                                  "ServedNameConflict", "SourceAllowed",
+                                                  "ReplicasConsistent"]
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert item["properties"]["observedGeneration"]["type"] == "integer"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment, AssignmentReport,
                                 AssignmentState, Keys, LifecyclePolicy, Role)
 from mlx_fleet.memstore import MemoryStore
@@ -67,7 +68,7 @@ async def controller(store: MemoryStore, keys: Keys, core: ServingCore,
     async def start(**kw) -> Controller:
         kw.setdefault("lifecycle_interval", 0.05)
         ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                         advertise_url=ADVERTISED, **kw)
+                         advertise_url=ADVERTISED, **{"source_policy": DEV_POLICY, **kw})
         ctls.append(ctl)
         await ctl.start()
         return ctl

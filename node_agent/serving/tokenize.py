@@ -15,6 +15,8 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES
+
 from .errors import InvalidPrompt
 
 __all__ = ["prompt_bytes", "tokenize", "tokenize_inputs", "DEFAULT_MAX_PROMPT_BYTES", "PromptTooLarge",
@@ -22,9 +24,6 @@ __all__ = ["prompt_bytes", "tokenize", "tokenize_inputs", "DEFAULT_MAX_PROMPT_BY
 
 log = logging.getLogger(__name__)
 
-#: Default bound of :func:`prompt_bytes` (1 MiB: aiohttp's default request body limit,
-#: ``client_max_size``, so nothing the API accepted before is refused by default).
-DEFAULT_MAX_PROMPT_BYTES = 2**20
 #: Longest template error message passed on to the client (a template's own
 #: ``raise_exception("...")`` is meant for it; anything longer is cut).
 _MAX_TEMPLATE_MESSAGE = 200
