@@ -23,7 +23,8 @@ OpenAI features of issue 20:
   unconstrained tokens/s (``constrained_over_plain``) is measured side by side. A JSON answer
   ends when its object closes, so ``json-plain``'s ``max_tokens`` is, per server and cell, the
   mean completion tokens of that server's constrained answers in the warm-up round (recorded
-  as the round's ``max_tokens``): both sides decode about as many tokens per request;
+  as the round's ``max_tokens``; ours' for a server without valid constrained answers): both
+  sides decode about as many tokens per request;
 * ``tools`` — chat with ``tools`` (:data:`served.TOOL`) and ``tool_choice: required``;
 * ``embeddings`` — ``POST /v1/embeddings`` of a generated embedding model
   (``make_test_model(embedding=True)``) in two cells: ``1x32`` (requests of 1 input, 32 at a
@@ -825,6 +826,11 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
                             continue
                         per = None if w.get("not_served") else w.get("tokens_per_request")
                         twin_tokens[name] = max(1, round(per)) if per else None
+                # a server without usable constrained answers decodes ours' length (or the
+                # first server's that had one): its plain twin stays comparable across servers
+                fallback = twin_tokens.get("ours") or next(
+                    (t for t in twin_tokens.values() if t), None)
+                twin_tokens = {k: t or fallback for k, t in twin_tokens.items()}
                 names = list(servers)
                 for i in range(args.rounds):
                     # A B (C) / B C A / C A B: each server goes first in turn (evenly when the
