@@ -764,6 +764,19 @@ def round_bodies(workload: str, cell, args: argparse.Namespace, round_no: int,
     return requests_for(workload, n, args.max_tokens, round_no)
 
 
+def twin_max_tokens(warm_up: dict[str, dict]) -> dict[str, int | None]:
+    """Per server, the ``max_tokens`` of a plain twin's requests from its constrained warm-up
+    round (``{server: round result}``): the mean completion tokens of its valid answers,
+    rounded; for a server with none (not served, errors only), ours' (else the first
+    server's that has one), so the plain twin stays comparable across servers; ``None`` (the
+    workload's own ``max_tokens``) where no server has one."""
+    own = {name: (max(1, round(w["tokens_per_request"]))
+                  if not w.get("not_served") and w.get("tokens_per_request") else None)
+           for name, w in warm_up.items()}
+    fallback = own.get("ours") or next((t for t in own.values() if t), None)
+    return {name: t or fallback for name, t in own.items()}
+
+
 def start_servers(args: argparse.Namespace, model: Path, embedding_model: Path | None,
                   logs: Path) -> dict[str, Server]:
     """The servers of ``--servers`` (and the baseline of ``--baseline-args``), started."""
@@ -816,21 +829,13 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
             variants = [wl, PLAIN_TWIN[wl]] if wl in PLAIN_TWIN else [wl]
             for c in cells_of(wl, args):
                 conc = cell_concurrency(c)
-                # a plain twin's answers as long as the constrained ones were in the warm-up
-                # (per server; the workload's max_tokens where they were not served)
-                twin_tokens: dict[str, int | None] = {}
+                warm: dict[str, dict] = {}
                 for name, s in servers.items():  # warm-up: kernels compiled, caches primed
                     for v in variants:
                         w = client_round(s, round_bodies(v, c, args, -1, warm_up=True), conc, v)
-                        if v != wl or len(variants) == 1:
-                            continue
-                        per = None if w.get("not_served") else w.get("tokens_per_request")
-                        twin_tokens[name] = max(1, round(per)) if per else None
-                # a server without usable constrained answers decodes ours' length (or the
-                # first server's that had one): its plain twin stays comparable across servers
-                fallback = twin_tokens.get("ours") or next(
-                    (t for t in twin_tokens.values() if t), None)
-                twin_tokens = {k: t or fallback for k, t in twin_tokens.items()}
+                        if v == wl:
+                            warm[name] = w
+                twin_tokens = twin_max_tokens(warm) if len(variants) > 1 else {}
                 names = list(servers)
                 for i in range(args.rounds):
                     # A B (C) / B C A / C A B: each server goes first in turn (evenly when the

@@ -200,3 +200,17 @@ def test_plot_panels_show_why_a_ratio_is_missing() -> None:
     assert panels["json: constrained ÷ plain"] == {
         "ours": [pytest.approx(0.6)], "reference": ["not served"], "vllm-mlx": ["errors"]}
     assert panels["json-plain"]["ours ÷ vllm-mlx"] == [pytest.approx(2.0)]
+
+
+def test_plain_twin_decodes_as_many_tokens_as_the_constrained_answers() -> None:
+    from serving import twin_max_tokens
+
+    warm = {"ours": {"tokens_per_request": 52.4, "not_served": None},
+            "reference": {"tokens_per_request": 256.0, "not_served": "ignored: not JSON"},
+            "vllm-mlx": {"tokens_per_request": None, "not_served": None},   # 500s only
+            "baseline": {"tokens_per_request": 60.6, "not_served": None}}
+    assert twin_max_tokens(warm) == {"ours": 52, "reference": 52, "vllm-mlx": 52,
+                                     "baseline": 61}
+    warm["ours"] = {"tokens_per_request": None, "not_served": "refused: HTTP 400"}
+    assert twin_max_tokens(warm)["ours"] == 61
+    assert twin_max_tokens({"reference": warm["reference"]}) == {"reference": None}
