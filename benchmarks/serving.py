@@ -778,8 +778,9 @@ def twin_max_tokens(warm_up: dict[str, dict]) -> dict[str, int | None]:
 
 
 def start_servers(args: argparse.Namespace, model: Path, embedding_model: Path | None,
-                  logs: Path) -> dict[str, Server]:
-    """The servers of ``--servers`` (and the baseline of ``--baseline-args``), started."""
+                  logs: Path, not_started: dict[str, dict]) -> dict[str, Server]:
+    """The servers of ``--servers`` (and the baseline of ``--baseline-args``), started; a
+    reference server that cannot be installed goes into ``not_started`` with why."""
     max_seq = max(args.concurrency + args.feature_concurrency + [DUPLICATES])
     servers: dict[str, Server] = {}
     if "ours" in args.servers:
@@ -790,9 +791,13 @@ def start_servers(args: argparse.Namespace, model: Path, embedding_model: Path |
         servers["reference"] = reference_server(model, max_seq, args.cache_limit_gb,
                                                 logs / "reference.log")
     if "vllm-mlx" in args.servers:
-        servers["vllm-mlx"] = vllm_mlx_server(model, max_seq, args.cache_limit_gb,
-                                              logs / "vllm-mlx.log", embedding_model,
-                                              args.vllm_mlx_wheels)
+        try:
+            servers["vllm-mlx"] = vllm_mlx_server(model, max_seq, args.cache_limit_gb,
+                                                  logs / "vllm-mlx.log", embedding_model,
+                                                  args.vllm_mlx_wheels)
+        except RuntimeError as e:  # its install failed: pip's words
+            not_started["vllm-mlx"] = {"reason": str(e)[-1000:], "log_errors": []}
+            print(f"vllm-mlx not installed: {e}", file=sys.stderr)
     if args.baseline_args is not None:
         # ours again with some optimisations off: what they buy, measured in the same rounds
         servers["baseline"] = ours_server("baseline", model, max_seq, args.cache_limit_gb,
@@ -820,11 +825,23 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
     weight_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    servers = start_servers(args, model, embedding_model, logs)
+    not_started: dict[str, dict] = {}
+    servers = start_servers(args, model, embedding_model, logs, not_started)
     rounds: list[dict] = []
     try:
-        for s in servers.values():
-            s.wait_ready()
+        for name, s in list(servers.items()):
+            try:
+                s.wait_ready()
+            except SystemExit as e:
+                if name in ("ours", "baseline"):
+                    raise
+                # a reference server that does not start (vllm-mlx on a platform it does not
+                # support, say) is reported with why, and the others are measured
+                s.stop()
+                not_started[name] = {"reason": str(e), "log_errors": s.log_errors()}
+                del servers[name]
+                print(f"{name} did not start: {e} {not_started[name]['log_errors']}",
+                      file=sys.stderr)
         for wl in args.workloads:
             variants = [wl, PLAIN_TWIN[wl]] if wl in PLAIN_TWIN else [wl]
             for c in cells_of(wl, args):
@@ -865,6 +882,8 @@ def run(args: argparse.Namespace, partial: Path | None = None) -> dict:
               "summary": summary, "rounds": rounds}
     if log_errors:  # why a server failed requests, from its own log
         result["server_log_errors"] = log_errors
+    if not_started:
+        result["servers_not_started"] = not_started
     if embedding_model is not None:
         result["embedding_model"] = {"path": str(embedding_model)}
     if "vllm-mlx" in servers:
@@ -991,6 +1010,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for name, errs in result.get("server_log_errors", {}).items():
         print(f"{name}'s log: " + " | ".join(errs))
+    for name, why in result.get("servers_not_started", {}).items():
+        print(f"{name} did not start: {why['reason']} " + " | ".join(why["log_errors"]))
     print(f"→ {out}" + (f" and {png}" if png else ""))
     return 0
 
