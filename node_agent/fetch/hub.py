@@ -13,15 +13,21 @@ cache only (``local_files_only``). Only the files mlx-lm loads are fetched
 (:data:`HUB_ALLOW_PATTERNS`; no ``*.py``). Timeouts, retries and resumption are
 huggingface_hub's; progress comes from its progress bars (best effort). Before the first byte
 (online), a dry run of ``snapshot_download`` (``dry_run=True``: the files it would fetch, with
-their sizes) gives the bytes still to fetch, checked against the Hugging Face cache's disk
-minus the reserve (:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` first, then
-``InsufficientDisk``); the model cache's cap does not apply to the Hugging Face cache.
+their sizes) gives the bytes still to fetch (:func:`~node_agent.fetch.bounds.hub_need`),
+checked against the Hugging Face cache's disk minus the reserve and — when the Hugging Face
+cache is the agent's own (``model_cache/hf``, :func:`~node_agent.fetch.cache.hub_cache_dir`)
+— against the model cache's cap, which then counts it too
+(:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` first, then
+``InsufficientDisk``). It fails closed: a file to fetch without a size is ``InvalidSource``;
+a dry run that fails (the hub unreachable or not listing the files) is ``DownloadFailed``
+with nothing fetched — unless the revision is already in the cache, which is then used as
+it is (``local_files_only``: nothing is downloaded).
 
 :func:`_fetch_hub` returns the checked ``snapshots/<commit>/`` directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository or
 revision, a gated one without access, not cached while offline), ``DownloadFailed`` (the Hub
-unreachable, an HTTP error, an OS error), ``InvalidSource`` (a malformed URI or a bad model
-directory), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve).
+unreachable, an HTTP error, an OS error), ``InvalidSource`` (a malformed URI, a bad model
+directory, a file the hub gives no size for), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve).
 Cancelling the awaiting task leaves the download running in its thread until huggingface_hub
 finishes it.
 """
@@ -38,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model_dir import SourceError, check_model_dir
-from .bounds import DownloadLimits
+from .bounds import DownloadLimits, hub_need
 from .cache import MakeRoom, ensure_room
 from .manifest import parse_hf_uri
 from .progress import ProgressCallback, _Progress
@@ -127,20 +133,39 @@ def _existing(path: Path) -> Path:
 
 async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, what: str,
                           limits: DownloadLimits, disk_usage: Callable[[str], Any],
-                          make_room: MakeRoom | None) -> None:
-    """The dry run's bytes to fetch against the Hugging Face cache's disk minus the reserve;
-    ``make_room`` is asked once. Raises ``InsufficientDisk``."""
+                          make_room: MakeRoom | None,
+                          model_cache: Path | None = None) -> Path | None:
+    """The dry run's bytes to fetch (:func:`~node_agent.fetch.bounds.hub_need`) against the
+    Hugging Face cache's disk minus the reserve, and against the cap over ``model_cache``
+    when given (the Hugging Face cache is the agent's own); ``make_room`` is asked once.
+    Returns None (go on and download), or the cached snapshot to use as it is when the dry
+    run failed but the revision is in the cache. Raises ``InsufficientDisk``,
+    ``InvalidSource`` (a file without a size), ``DownloadFailed`` (the dry run failed and
+    nothing is cached), or huggingface_hub's not-found errors (mapped by the caller)."""
     from huggingface_hub import constants
+    from huggingface_hub.utils import (GatedRepoError, RepositoryNotFoundError,
+                                       RevisionNotFoundError)
 
     try:
         infos = await asyncio.to_thread(download, dry_run=True)
-    except Exception as e:  # noqa: BLE001 - the download itself reports (or falls back)
-        log.warning("%s: could not list the files to fetch (%s: %s); the download is not "
-                    "checked against the disk's reserve", what, type(e).__name__, e)
-        return
-    need = sum(i.file_size or 0 for i in infos if i.will_download)
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 - fail closed: no size, no download
+        log.warning("%s: the hub did not list the files to fetch and their sizes (%s: %s)",
+                    what, type(e).__name__, e)
+        try:
+            return Path(await asyncio.to_thread(download, local_only=True))
+        except Exception:  # noqa: BLE001 - not cached: refused below
+            pass
+        raise SourceError("DownloadFailed",
+                          f"{what}: the hub did not list the files to fetch and their sizes, "
+                          "so the download can't be checked against the disk's reserve and "
+                          "the cache's cap; nothing was downloaded") from e
+    need = hub_need(((i.filename, i.file_size, i.will_download) for i in infos), what=what)
     await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
-                      limits=limits, disk_usage=disk_usage, make_room=make_room, what=what)
+                      limits=limits, disk_usage=disk_usage, make_room=make_room, what=what,
+                      model_cache=model_cache)
+    return None
 
 
 async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
@@ -149,7 +174,9 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                      limits: DownloadLimits | None = None,
                      disk_usage: Callable[[str], Any] = shutil.disk_usage,
                      make_room: MakeRoom | None = None,
-                     use_token: bool = False) -> Path:
+                     use_token: bool = False, model_cache: Path | None = None) -> Path:
+    """Fetch ``uri`` (module docstring); ``model_cache``: given when ``cache_dir`` is the
+    agent's own Hugging Face cache, whose bytes count under ``limits``' cap."""
     repo_id, revision = parse_hf_uri(uri)
     is_offline = _hub_offline(offline)
     cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None
@@ -158,11 +185,11 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     bars: list[Any] = []
     tracker = _Progress(callback, interval)
 
-    def download(dry_run: bool = False) -> Any:
+    def download(dry_run: bool = False, local_only: bool = False) -> Any:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                 local_files_only=is_offline, etag_timeout=stall_timeout_s,
+                                 local_files_only=is_offline or local_only, etag_timeout=stall_timeout_s,
                                  endpoint=endpoint, token=None if use_token else False,
                                  allow_patterns=list(HUB_ALLOW_PATTERNS),
                                  tqdm_class=_hub_bar_class([] if dry_run else bars),
@@ -173,11 +200,14 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
 
     task: asyncio.Future | None = None
     try:
+        cached = None
         if not is_offline:  # offline, nothing is fetched
-            await _check_hub_room(download, cache=cache, what=f"hf://{shown}",
-                                  limits=limits or DownloadLimits(), disk_usage=disk_usage,
-                                  make_room=make_room)
-        task = asyncio.ensure_future(asyncio.to_thread(download))
+            cached = await _check_hub_room(download, cache=cache, what=f"hf://{shown}",
+                                           limits=limits or DownloadLimits(),
+                                           disk_usage=disk_usage, make_room=make_room,
+                                           model_cache=model_cache)
+        task = asyncio.ensure_future(asyncio.sleep(0, cached) if cached is not None
+                                     else asyncio.to_thread(download))
         while True:
             done, _ = await asyncio.wait({task}, timeout=interval)
             if done:
@@ -216,6 +246,8 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
             task.cancel()  # the thread finishes on its own; huggingface_hub locks its blobs
     # snapshots/<commit>/ links into the repository folder's blobs/
     await asyncio.to_thread(check_model_dir, folder, root=folder.parent.parent)
+    with contextlib.suppress(OSError):  # its last use, for the garbage collector
+        os.utime(folder)
     size, count = await asyncio.to_thread(_tree_numbers, folder)
     tracker.override = (size, size, count, count)
     tracker.maybe_emit(force=True)
