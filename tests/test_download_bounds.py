@@ -540,6 +540,8 @@ class ListingHub:
         app.router.add_get("/api/models/{org}/{name}/revision/{rev}", self.hub.revision)
         app.router.add_get("/api/models/{org}/{name}/tree/{rev}", self.tree)
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", self.resolve)
+        app.router.add_get("/api/models/{org}/{name}/refs", self.hub.refs)
+        app.router.add_get("/api/models/{org}/{name}/commits/{rev:.+}", self.hub.commits)
         return app
 
     async def resolve(self, request):
@@ -722,3 +724,25 @@ async def test_the_cap_covers_the_agents_hf_cache_and_collection_makes_room(
         assert e.value.reason == "InsufficientDisk" and "--model-cache-max-bytes" in (
             e.value.message)
     assert_same_files(second, model_files)
+
+
+async def test_an_hf_commit_on_no_branch_or_tag_is_refused(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """The Hub serves a public repository's every commit by its hash, a pull request's too:
+    a commit on no branch or tag (here only refs/pr/1's) is refused before any file body;
+    one in main's history (not its head) is fetched."""
+    from test_sources import COMMIT_MAIN, COMMIT_V1
+
+    hub = ListingHub(model_files, COMMIT_V1)
+    hub.hub.main, hub.hub.history = COMMIT_MAIN, [COMMIT_MAIN]  # V1 is only refs/pr/1's
+    async with serve_hub(hub) as endpoint:
+        with pytest.raises(SourceError) as e:
+            await fetch(f"hf://hub-org/tiny@{COMMIT_V1}", tmp_path,
+                        hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
+        assert e.value.reason == "SourceRefused"
+        assert f"commit {COMMIT_V1} is on no branch or tag" in e.value.message
+        assert hub.bodies() == []
+        hub.hub.history = [COMMIT_MAIN, COMMIT_V1]  # now merged: in main's history
+        path = await fetch(f"hf://hub-org/tiny@{COMMIT_V1}", tmp_path,
+                           hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
+    assert_same_files(path, model_files)

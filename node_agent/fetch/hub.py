@@ -21,13 +21,20 @@ cache is the agent's own (``model_cache/hf``, :func:`~node_agent.fetch.cache.hub
 ``InsufficientDisk``). It fails closed: a file to fetch without a size is ``InvalidSource``;
 a dry run that fails (the hub unreachable or not listing the files) is ``DownloadFailed``
 with nothing fetched — unless the revision is already in the cache, which is then used as
-it is (``local_files_only``: nothing is downloaded).
+it is (``local_files_only``: nothing is downloaded). The commit to fetch (pinned, or the one
+a branch resolved to) must be on a branch or tag of the repository — a branch's or tag's
+head, or in its history (``HfApi.list_repo_refs``, then ``list_repo_commits`` per branch and
+tag) — else ``SourceRefused``: the Hub serves any commit of a public repository by its hash,
+a pull request's (``refs/pr/N``) too, which the organisation named in the URI did not
+necessarily write.
 
 :func:`_fetch_hub` returns the checked ``snapshots/<commit>/`` directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository or
 revision, a gated one without access, not cached while offline), ``DownloadFailed`` (the Hub
 unreachable, an HTTP error, an OS error), ``InvalidSource`` (a malformed URI, a bad model
-directory, a file the hub gives no size for), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve).
+directory, a file the hub gives no size for), ``SourceRefused`` (a commit on no branch or
+tag), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve or the
+cap).
 Cancelling the awaiting task leaves the download running in its thread until huggingface_hub
 finishes it.
 """
@@ -43,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..model_dir import SourceError, check_model_dir
+from ..model_dir import SOURCE_REFUSED, SourceError, check_model_dir
 from .bounds import DownloadLimits, hub_need
 from .cache import MakeRoom, ensure_room
 from .manifest import parse_hf_uri
@@ -131,16 +138,20 @@ def _existing(path: Path) -> Path:
     return path
 
 
-async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, what: str,
+async def _check_hub_room(download: Callable[..., Any], reachable: Callable[[str], bool], *,
+                          cache: str | None, what: str,
                           limits: DownloadLimits, disk_usage: Callable[[str], Any],
                           make_room: MakeRoom | None,
                           model_cache: Path | None = None) -> Path | None:
-    """The dry run's bytes to fetch (:func:`~node_agent.fetch.bounds.hub_need`) against the
+    """Whether the dry run's commit is ``reachable`` from a branch or tag (else
+    ``SourceRefused``), then the dry run's bytes to fetch
+    (:func:`~node_agent.fetch.bounds.hub_need`) against the
     Hugging Face cache's disk minus the reserve, and against the cap over ``model_cache``
     when given (the Hugging Face cache is the agent's own); ``make_room`` is asked once.
     Returns None (go on and download), or the cached snapshot to use as it is when the dry
     run failed but the revision is in the cache. Raises ``InsufficientDisk``,
-    ``InvalidSource`` (a file without a size), ``DownloadFailed`` (the dry run failed and
+    ``InvalidSource`` (a file without a size), ``SourceRefused`` (a commit on no branch or tag),
+    ``DownloadFailed`` (the dry run or the refs' listing failed and
     nothing is cached), or huggingface_hub's not-found errors (mapped by the caller)."""
     from huggingface_hub import constants
     from huggingface_hub.utils import (GatedRepoError, RepositoryNotFoundError,
@@ -148,19 +159,26 @@ async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, wh
 
     try:
         infos = await asyncio.to_thread(download, dry_run=True)
+        commit = next((i.commit_hash for i in infos), None)
+        on_ref = True if commit is None else await asyncio.to_thread(reachable, commit)
     except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 - fail closed: no size, no download
-        log.warning("%s: the hub did not list the files to fetch and their sizes (%s: %s)",
-                    what, type(e).__name__, e)
+        log.warning("%s: the hub did not list the files to fetch and their sizes, or the "
+                    "repository's branches and tags (%s: %s)", what, type(e).__name__, e)
         try:
             return Path(await asyncio.to_thread(download, local_only=True))
         except Exception:  # noqa: BLE001 - not cached: refused below
             pass
         raise SourceError("DownloadFailed",
-                          f"{what}: the hub did not list the files to fetch and their sizes, "
-                          "so the download can't be checked against the disk's reserve and "
-                          "the cache's cap; nothing was downloaded") from e
+                          f"{what}: the hub did not list the files to fetch and their sizes "
+                          "(or the repository's branches and tags), so the download can't be "
+                          "checked; nothing was downloaded") from e
+    if not on_ref:
+        raise SourceError(SOURCE_REFUSED,
+                          f"{what}: refused by the source policy: commit {commit} is on no branch "
+                          "or tag of the repository (a pull request's commit, say), so the "
+                          "organisation may not have written it")
     need = hub_need(((i.filename, i.file_size, i.will_download) for i in infos), what=what)
     await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
                       limits=limits, disk_usage=disk_usage, make_room=make_room, what=what,
@@ -195,6 +213,19 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                                  tqdm_class=_hub_bar_class([] if dry_run else bars),
                                  dry_run=dry_run)
 
+    def reachable(commit: str) -> bool:
+        """True when ``commit`` is a branch's or tag's, or in one's history (huggingface_hub's
+        ``list_repo_refs``, then ``list_repo_commits`` of each branch and tag)."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=endpoint, token=None if use_token else False)
+        refs = api.list_repo_refs(repo_id)
+        heads = [*refs.branches, *refs.tags]
+        if any(r.target_commit == commit for r in heads):
+            return True
+        return any(c.commit_id == commit for r in heads
+                   for c in api.list_repo_commits(repo_id, revision=r.name))
+
     from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                        RepositoryNotFoundError, RevisionNotFoundError)
 
@@ -202,7 +233,8 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     try:
         cached = None
         if not is_offline:  # offline, nothing is fetched
-            cached = await _check_hub_room(download, cache=cache, what=f"hf://{shown}",
+            cached = await _check_hub_room(download, reachable, cache=cache,
+                                           what=f"hf://{shown}",
                                            limits=limits or DownloadLimits(),
                                            disk_usage=disk_usage, make_room=make_room,
                                            model_cache=model_cache)
