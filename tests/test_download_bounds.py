@@ -740,6 +740,7 @@ async def test_an_hf_commit_on_no_branch_or_tag_is_refused(
             await fetch(f"hf://hub-org/tiny@{COMMIT_V1}", tmp_path,
                         hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
         assert e.value.reason == "SourceRefused"
+        assert e.value.message.startswith("refused by the source policy: ")
         assert f"commit {COMMIT_V1} is on no branch or tag" in e.value.message
         assert hub.bodies() == []
         hub.hub.history = [COMMIT_MAIN, COMMIT_V1]  # now merged: in main's history

@@ -50,6 +50,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlx_fleet.source_policy import REFUSED
+
 from ..model_dir import SOURCE_REFUSED, SourceError, check_model_dir
 from .bounds import DownloadLimits, hub_need
 from .cache import MakeRoom, ensure_room
@@ -176,9 +178,9 @@ async def _check_hub_room(download: Callable[..., Any], reachable: Callable[[str
                           "checked; nothing was downloaded") from e
     if not on_ref:
         raise SourceError(SOURCE_REFUSED,
-                          f"{what}: refused by the source policy: commit {commit} is on no branch "
-                          "or tag of the repository (a pull request's commit, say), so the "
-                          "organisation may not have written it")
+                          f"{REFUSED}: {what}: commit {commit} is on no branch or tag of the "
+                          "repository (a pull request's commit, say), so the organisation may "
+                          "not have written it")
     need = hub_need(((i.filename, i.file_size, i.will_download) for i in infos), what=what)
     await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
                       limits=limits, disk_usage=disk_usage, make_room=make_room, what=what,
