@@ -588,7 +588,8 @@ class serve_hub:  # noqa: N801 - an async context manager, used like a function
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}"
 
     async def __aexit__(self, *exc) -> None:
         await self.runner.cleanup()
@@ -747,3 +748,58 @@ async def test_an_hf_commit_on_no_branch_or_tag_is_refused(
         path = await fetch(f"hf://hub-org/tiny@{COMMIT_V1}", tmp_path,
                            hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
     assert_same_files(path, model_files)
+
+
+async def test_an_agent_collects_an_unassigned_hf_revision_from_its_own_hf_cache(
+        store, keys, core, tmp_path: Path, model_files: dict[str, bytes],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the agent: an hf:// assignment is downloaded into <model cache>/hf (the
+    agent's own Hugging Face cache), reported with its commit, and collected once
+    unassigned."""
+    from mlx_fleet.contract import AssignmentState
+    from node_agent.controller import Controller
+    from node_agent.registration import Registration
+    from test_agent_controller import ADVERTISED, NODE, Capacity
+    from test_sources import COMMIT_MAIN, https_assignment, report_events, settled
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub = ListingHub(model_files, COMMIT_MAIN)
+    async with serve_hub(hub) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        reg = Registration(store, keys, node_name=NODE, address=ADVERTISED,
+                           capacity=Capacity(), ttl=5)
+        await reg.start()
+        cache = tmp_path / "cache"
+        ctl = Controller(store, keys, node_name=NODE, core=core, registration=reg,
+                         advertise_url=ADVERTISED, model_cache=cache,
+                         download_limits=DownloadLimits(unused_max_age_s=0),
+                         source_policy=DEV_POLICY)
+        await ctl.start()
+        try:
+            await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # on start
+            start = (await store.list(keys.root + "/")).revision + 1
+            akey = keys.assignment(NODE, "default", "hub", "r1")
+            await store.put(akey, https_assignment(
+                "hub", f"hf://hub-org/tiny@{COMMIT_MAIN}").to_json())
+            rkey = keys.report(NODE, "default", "hub", "r1")
+            seen = await report_events(store, rkey, start, settled)
+            assert seen[-1] is not None and seen[-1].state == AssignmentState.READY, seen[-1]
+            assert seen[-1].digest == f"hf-commit:{COMMIT_MAIN}"
+            snapshot = cache / "hf" / "models--hub-org--tiny" / "snapshots" / COMMIT_MAIN
+            assert_same_files(snapshot, model_files)
+            ctl.cache_collected.clear()
+            await store.delete(akey)
+            await report_events(store, rkey, start, lambda r: r is None)
+            await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # after the unassignment
+            assert not snapshot.exists()
+            assert not (cache / "hf" / "models--hub-org--tiny").exists()
+            registry = core.metrics.registry
+            assert registry.get_sample_value("mlxfleet_agent_model_cache_deleted_bytes_total",
+                                             {"reason": "Unassigned"}) >= sum(
+                map(len, model_files.values()))
+        finally:
+            await ctl.stop()
+            for m in core.models():
+                await core.unload_model(m.model_id, m.revision)
+            await reg.stop()

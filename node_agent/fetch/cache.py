@@ -281,10 +281,11 @@ IN_USE_SUFFIX = ".inuse"
 
 class SourceHolds:
     """Shared locks (``flock(LOCK_SH)``) on ``root/https/<name>.inuse`` (``root/hf-inuse/`` for
-    a Hugging Face entry or group) for the downloads this agent has assigned or loaded, so that another agent's :func:`collect_garbage` on the same
-    cache leaves them alone. :meth:`hold` makes the held set ``names`` (a name whose lock a
-    collector holds right now is tried again on the next call); :meth:`close` drops them all.
-    Not thread-safe: call it from one thread (the event loop)."""
+    a Hugging Face entry or group) for the downloads this agent has assigned or loaded, so
+    that another agent's :func:`collect_garbage` on the same cache leaves them alone.
+    :meth:`hold` makes the held set ``names`` (a name whose lock a collector holds right now is
+    tried again on the next call); :meth:`close` drops them all. Not thread-safe: call it from
+    one thread (the event loop)."""
 
     def __init__(self, root: Path) -> None:
         self._root = Path(root)

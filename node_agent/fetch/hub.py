@@ -209,7 +209,8 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
         from huggingface_hub import snapshot_download
 
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                 local_files_only=is_offline or local_only, etag_timeout=stall_timeout_s,
+                                 local_files_only=is_offline or local_only,
+                                 etag_timeout=stall_timeout_s,
                                  endpoint=endpoint, token=None if use_token else False,
                                  allow_patterns=list(HUB_ALLOW_PATTERNS),
                                  tqdm_class=_hub_bar_class([] if dry_run else bars),
