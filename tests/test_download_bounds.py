@@ -803,3 +803,39 @@ async def test_an_agent_collects_an_unassigned_hf_revision_from_its_own_hf_cache
             for m in core.models():
                 await core.unload_model(m.model_id, m.revision)
             await reg.stop()
+
+
+async def test_an_unpinned_hf_download_fetches_the_commit_it_checked(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """A branch that moves between the dry run (what was checked) and the download: the
+    commit checked is the one fetched, and refs/main records it as huggingface_hub would."""
+    from aiohttp import web
+
+    from test_sources import COMMIT_MAIN, COMMIT_V1, UNPINNED
+
+    hub = ListingHub(model_files, COMMIT_MAIN)
+    answered = hub.hub.revision
+    asked = []
+
+    async def revision(request):  # main moves to V1 after the dry run resolved it
+        rev = request.match_info["rev"]
+        if len(rev) == 40:
+            return web.json_response({"id": "hub-org/tiny", "sha": rev, "siblings": [
+                {"rfilename": f} for f in model_files]})
+        asked.append(rev)
+        if len(asked) > 1:
+            hub.hub.commit = COMMIT_V1
+        return await answered(request)
+
+    hub.hub.revision = revision
+    async with serve_hub(hub) as endpoint:
+        path = await fetch("hf://hub-org/tiny", tmp_path, hf_cache_dir=tmp_path / "hf",
+                           hf_endpoint=endpoint, offline=False, limits=UNPINNED)
+    assert path.name == COMMIT_MAIN
+    assert_same_files(path, model_files)
+    repo = tmp_path / "hf" / "models--hub-org--tiny"
+    assert (repo / "refs" / "main").read_text() == COMMIT_MAIN
+    assert [p.name for p in (repo / "snapshots").iterdir()] == [COMMIT_MAIN]
+    again = await fetch("hf://hub-org/tiny@main", tmp_path, hf_cache_dir=tmp_path / "hf",
+                        offline=True, limits=UNPINNED)
+    assert again == path

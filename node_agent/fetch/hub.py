@@ -26,7 +26,9 @@ a branch resolved to) must be on a branch or tag of the repository — a branch'
 head, or in its history (``HfApi.list_repo_refs``, then ``list_repo_commits`` per branch and
 tag) — else ``SourceRefused``: the Hub serves any commit of a public repository by its hash,
 a pull request's (``refs/pr/N``) too, which the organisation named in the URI did not
-necessarily write.
+necessarily write. The download then fetches the commit the dry run checked, not the branch
+or tag again (it may have moved meanwhile), and records ``refs/<branch or tag>`` as
+huggingface_hub would.
 
 :func:`_fetch_hub` returns the checked ``snapshots/<commit>/`` directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository or
@@ -53,7 +55,7 @@ from typing import Any
 from mlx_fleet.source_policy import REFUSED
 
 from ..model_dir import SOURCE_REFUSED, SourceError, check_model_dir
-from .bounds import DownloadLimits, hub_need
+from .bounds import DownloadLimits, hub_need, is_commit
 from .cache import MakeRoom, ensure_room
 from .manifest import parse_hf_uri
 from .progress import ProgressCallback, _Progress
@@ -140,18 +142,33 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def _record_ref(repo_folder: Path, revision: str, commit: str) -> None:
+    """Write ``repo_folder/refs/<revision>`` holding ``commit`` (huggingface_hub's cache
+    layout: the commit a branch or tag resolved to, read offline), atomically. Errors are
+    logged: the download itself is complete."""
+    ref = repo_folder / "refs" / revision
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(ref.name + ".tmp")
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    except OSError as e:
+        log.warning("cannot record %s → %s in the Hugging Face cache: %s", revision, commit, e)
+
+
 async def _check_hub_room(download: Callable[..., Any], reachable: Callable[[str], bool], *,
                           cache: str | None, what: str,
                           limits: DownloadLimits, disk_usage: Callable[[str], Any],
                           make_room: MakeRoom | None,
-                          model_cache: Path | None = None) -> Path | None:
+                          model_cache: Path | None = None) -> tuple[Path | None, str | None]:
     """Whether the dry run's commit is ``reachable`` from a branch or tag (else
     ``SourceRefused``), then the dry run's bytes to fetch
     (:func:`~node_agent.fetch.bounds.hub_need`) against the
     Hugging Face cache's disk minus the reserve, and against the cap over ``model_cache``
     when given (the Hugging Face cache is the agent's own); ``make_room`` is asked once.
-    Returns None (go on and download), or the cached snapshot to use as it is when the dry
-    run failed but the revision is in the cache. Raises ``InsufficientDisk``,
+    Returns ``(None, the commit checked)`` (go on and download that commit), or ``(the cached
+    snapshot to use as it is, None)`` when the dry run failed but the revision is in the
+    cache. Raises ``InsufficientDisk``,
     ``InvalidSource`` (a file without a size), ``SourceRefused`` (a commit on no branch or tag),
     ``DownloadFailed`` (the dry run or the refs' listing failed and
     nothing is cached), or huggingface_hub's not-found errors (mapped by the caller)."""
@@ -169,7 +186,7 @@ async def _check_hub_room(download: Callable[..., Any], reachable: Callable[[str
         log.warning("%s: the hub did not list the files to fetch and their sizes, or the "
                     "repository's branches and tags (%s: %s)", what, type(e).__name__, e)
         try:
-            return Path(await asyncio.to_thread(download, local_only=True))
+            return Path(await asyncio.to_thread(download, local_only=True)), None
         except Exception:  # noqa: BLE001 - not cached: refused below
             pass
         raise SourceError("DownloadFailed",
@@ -185,7 +202,7 @@ async def _check_hub_room(download: Callable[..., Any], reachable: Callable[[str
     await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
                       limits=limits, disk_usage=disk_usage, make_room=make_room, what=what,
                       model_cache=model_cache)
-    return None
+    return None, commit
 
 
 async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
@@ -205,10 +222,11 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     bars: list[Any] = []
     tracker = _Progress(callback, interval)
 
-    def download(dry_run: bool = False, local_only: bool = False) -> Any:
+    def download(dry_run: bool = False, local_only: bool = False,
+                 commit: str | None = None) -> Any:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache,
+        return snapshot_download(repo_id, revision=commit or revision, cache_dir=cache,
                                  local_files_only=is_offline or local_only,
                                  etag_timeout=stall_timeout_s,
                                  endpoint=endpoint, token=None if use_token else False,
@@ -234,15 +252,16 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
 
     task: asyncio.Future | None = None
     try:
-        cached = None
+        cached = checked = None
         if not is_offline:  # offline, nothing is fetched
-            cached = await _check_hub_room(download, reachable, cache=cache,
-                                           what=f"hf://{shown}",
-                                           limits=limits or DownloadLimits(),
-                                           disk_usage=disk_usage, make_room=make_room,
-                                           model_cache=model_cache)
+            cached, checked = await _check_hub_room(download, reachable, cache=cache,
+                                                    what=f"hf://{shown}",
+                                                    limits=limits or DownloadLimits(),
+                                                    disk_usage=disk_usage, make_room=make_room,
+                                                    model_cache=model_cache)
+        # the commit checked, not the branch again: it may have moved since the dry run
         task = asyncio.ensure_future(asyncio.sleep(0, cached) if cached is not None
-                                     else asyncio.to_thread(download))
+                                     else asyncio.to_thread(download, commit=checked))
         while True:
             done, _ = await asyncio.wait({task}, timeout=interval)
             if done:
@@ -279,6 +298,9 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     finally:
         if task is not None and not task.done():
             task.cancel()  # the thread finishes on its own; huggingface_hub locks its blobs
+    if checked is not None and cached is None and not is_commit(revision):
+        # as huggingface_hub records a branch or tag it resolved: refs/<revision> → commit
+        await asyncio.to_thread(_record_ref, folder.parent.parent, revision or "main", checked)
     # snapshots/<commit>/ links into the repository folder's blobs/
     await asyncio.to_thread(check_model_dir, folder, root=folder.parent.parent)
     with contextlib.suppress(OSError):  # its last use, for the garbage collector
