@@ -411,8 +411,11 @@ def collect_garbage(root: Path, *, assigned: Iterable[str], loaded: Iterable[str
                 used = d.stat().st_mtime
             entries.append(CacheEntry(d.name, size, used, active, tuple(parts)))
         if hub.is_dir() and not hub.is_symlink():
-            found, targets = _hub_entries(hub, assigned | loaded, in_use_fds)
-            entries += found
+            try:
+                found, targets = _hub_entries(hub, assigned | loaded, in_use_fds)
+                entries += found
+            except Exception as e:  # noqa: BLE001 - the https:// downloads are still collected
+                log.warning("model cache: cannot scan the Hugging Face cache %s: %s", hub, e)
         plan = gc_plan(entries, assigned, loaded, now, limits.cache_max_bytes, need=need,
                        shortfall=shortfall, unused_max_age_s=limits.unused_max_age_s,
                        part_max_age_s=limits.part_max_age_s)
