@@ -242,9 +242,11 @@ def add_download_arguments(p: argparse.ArgumentParser) -> None:
                         "nodefs.available<10%% hard-eviction threshold)")
     g.add_argument("--model-cache-max-bytes", type=_argtype(non_negative_quantity), default=0,
                    metavar="QUANTITY",
-                   help="most bytes the agent's downloads ($MLX_FLEET_CACHE/models/https/) may "
-                        "hold (e.g. 200Gi); a download beyond it is refused InsufficientDisk "
-                        "once sources no longer assigned are deleted (default: 0, no cap)")
+                   help="most bytes the agent's downloads ($MLX_FLEET_CACHE/models/https/ and "
+                        "its own Hugging Face cache $MLX_FLEET_CACHE/models/hf/, unless "
+                        "HF_HUB_CACHE names another) may hold (e.g. 200Gi); a download beyond it "
+                        "is refused InsufficientDisk once sources no longer assigned are deleted "
+                        "(default: 0, no cap)")
     g.add_argument("--model-cache-unused-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_UNUSED_MAX_AGE_S, metavar="SECONDS",
                    help="how long a downloaded source no longer assigned to this Mac stays in "
