@@ -16,9 +16,9 @@ draining of revisions), :mod:`.channel` (its command channel to the MLX thread),
 :mod:`.step_loop` (the MLX thread's step loop).
 """
 
-from .core import ServingCore
+from .core import DEFAULT_MAX_CHOICES, ServingCore
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                     ModelNotLoaded, Overloaded, StreamBufferOverflow)
+                     ModelNotLoaded, Overloaded, StreamBufferOverflow, TooManyChoices)
 from .generation import Generation
 from .loading import LoadPacing
 from .options import ServingOptions
@@ -29,5 +29,5 @@ __all__ = [
     "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
     "GenerationAborted", "StreamBufferOverflow", "MemoryUsage", "ModelInfo", "Chunk",
     "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
-    "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES",
+    "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES", "TooManyChoices", "DEFAULT_MAX_CHOICES",
 ]

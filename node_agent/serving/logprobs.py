@@ -1,0 +1,150 @@
+"""Per-token log-probabilities of the sampled token and of the most likely ones (OpenAI's
+``logprobs`` / ``top_logprobs``), gathered on the MLX thread for the requests that asked.
+
+Which distribution: mlx-lm (0.32) hands every sequence's sampler the log-softmax of the model's
+logits *after* the sequence's logits processors (``GenerationBatch._step``:
+``logprobs = logits - logsumexp(logits)``); the sampler then applies ``temperature`` and
+``top_p`` to it (``make_sampler`` / :func:`~node_agent.serving.sampling.seeded_sampler`). That
+vector is what is reported: the model's own distribution — before temperature and top_p, after
+any logits processor (a constrained-decoding mask puts disallowed tokens at ``-inf``) — which is
+what OpenAI reports (its logprobs do not change with ``temperature``), and the one the sampled
+token was drawn from before it was reshaped by the sampling parameters. So at ``temperature`` 0
+the sampled token is always the first of the top list. ``-inf`` (a masked token) is reported as
+:data:`MIN_LOGPROB`, OpenAI's own floor (JSON has no infinity).
+
+Cost: nothing for a step none of whose sequences asked (no MLX op is added). For a step where
+some did: one ``stack`` of their rows (already evaluated by mlx-lm), an ``argpartition`` for the
+largest ``k`` asked (``O(vocab)`` per row, no full sort), two gathers and one ``eval``; then
+``k + 1`` floats and ids per row cross into Python, never the vocabulary-wide vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["MAX_TOP_LOGPROBS", "MAX_LEGACY_LOGPROBS", "MIN_LOGPROB", "TokenLogprob",
+           "TopLogprob", "gather", "TokenTexts", "raw_bytes"]
+
+#: Most ``top_logprobs`` a chat request may ask for (OpenAI's bound).
+MAX_TOP_LOGPROBS = 20
+#: Most ``logprobs`` a legacy ``/v1/completions`` request may ask for (OpenAI's bound).
+MAX_LEGACY_LOGPROBS = 5
+#: What a log-probability of ``-inf`` (a token a logits processor masked) is reported as:
+#: OpenAI's ``-9999.0``.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: its ``text`` (the token decoded alone),
+    ``bytes`` (that text's UTF-8 bytes) and natural-log ``logprob``."""
+
+    text: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token at one position and the ``top`` most likely tokens there (most likely
+    first; ``()`` when ``top_logprobs`` is 0). ``token_id``: the sampled token's id."""
+
+    token_id: int
+    text: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[TopLogprob, ...]
+
+
+def _finite(x: float) -> float:
+    return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
+def gather(rows: Sequence[tuple[Any, int, int]]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each ``(logprobs, token, k)`` — ``logprobs``: one sequence's log-probability vector
+    over the vocabulary (an ``mx.array`` of shape ``(vocab,)``, as in mlx-lm's generation
+    responses), ``token``: the sampled id, ``k``: top entries wanted (0..vocab) — returns
+    ``(logprob of token, [(id, logprob)] of the k most likely, most likely first, ties by
+    lower id)``. Log-probabilities below :data:`MIN_LOGPROB` (``-inf``) are reported as it.
+    One MLX evaluation for all rows (see the module docstring); MLX thread only."""
+    import mlx.core as mx
+
+    if not rows:
+        return []
+    m = mx.stack([r for r, _, _ in rows]).astype(mx.float32)
+    vocab = m.shape[-1]
+    tokens = mx.array([t for _, t, _ in rows], dtype=mx.uint32)[:, None]
+    chosen = mx.take_along_axis(m, tokens, axis=-1)[:, 0]
+    kmax = min(max(k for _, _, k in rows), vocab)
+    if kmax > 0:
+        idx = (mx.argpartition(-m, kth=kmax - 1, axis=-1)[:, :kmax] if kmax < vocab
+               else mx.broadcast_to(mx.arange(vocab), m.shape))
+        vals = mx.take_along_axis(m, idx, axis=-1)
+        mx.eval(chosen, idx, vals)
+        idx_l, vals_l = idx.tolist(), vals.tolist()
+    else:
+        mx.eval(chosen)
+        idx_l = vals_l = [[] for _ in rows]
+    out = []
+    for (_, _, k), c, ids, vs in zip(rows, chosen.tolist(), idx_l, vals_l):
+        top = sorted(zip(ids, vs), key=lambda p: (-p[1], p[0]))[:k]
+        out.append((_finite(c), [(i, _finite(v)) for i, v in top]))
+    return out
+
+
+class TokenTexts:
+    """Token id → ``(text, bytes)`` of one tokenizer, memoised (at most one entry per
+    vocabulary id). The text is the token decoded alone (``decode([id])``; a token that is
+    only part of a multi-byte character decodes to U+FFFD). The bytes are the token's own bytes
+    when ``raw(id)`` gives them (:func:`raw_bytes` of a byte-level BPE tokenizer: a partial
+    character's real bytes, so that concatenated ``bytes`` rebuild the text, which is what
+    OpenAI's ``bytes`` field is for), else the text's UTF-8 bytes (what vLLM gives)."""
+
+    def __init__(self, decode: Callable[[list[int]], str],
+                 raw: Callable[[int], bytes | None] | None = None) -> None:
+        self._decode = decode
+        self._raw = raw
+        self._memo: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        hit = self._memo.get(token_id)
+        if hit is None:
+            text = self._decode([token_id])
+            raw = self._raw(token_id) if self._raw is not None else None
+            hit = self._memo[token_id] = (
+                text, tuple(raw if raw is not None else text.encode("utf-8", "replace")))
+        return hit
+
+    def entry(self, token_id: int, logprob: float,
+              top: Sequence[tuple[int, float]]) -> TokenLogprob:
+        """A :class:`TokenLogprob` from :func:`gather`'s ids and values."""
+        text, raw = self(token_id)
+        return TokenLogprob(token_id, text, raw, logprob,
+                            tuple(TopLogprob(*self(i), v) for i, v in top))
+
+
+def raw_bytes(tokenizer: Any) -> Callable[[int], bytes | None] | None:
+    """Token id → the token's bytes, for an mlx-lm tokenizer whose streaming detokenizer is
+    the byte-level BPE one (GPT-2's byte-to-unicode map, ``mlx_lm.tokenizer_utils``); ``None``
+    for other tokenizers (then :class:`TokenTexts` encodes the decoded text). A symbol outside
+    the byte map (an added token) is taken as its UTF-8 text, as mlx-lm's detokenizer does."""
+    try:
+        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+    except ImportError:  # another mlx-lm: fall back to the text's bytes
+        return None
+    detok = getattr(tokenizer, "_detokenizer", None)
+    if not isinstance(detok, BPEStreamingDetokenizer):
+        return None
+    tokenmap, table = detok.tokenmap, _byte_decoder()
+
+    def raw(token_id: int) -> bytes | None:
+        if not 0 <= token_id < len(tokenmap) or tokenmap[token_id] is None:
+            return None
+        out = bytearray()
+        for c in tokenmap[token_id]:
+            b = table.get(c)
+            out.extend(bytes([b]) if b is not None else c.encode("utf-8"))
+        return bytes(out)
+
+    return raw
