@@ -104,12 +104,12 @@ class SamplingRequest(_Request):
         "Only with stream: true (else 400)."))
     seed: StrictInt | None = Field(None, description="Honoured best-effort.")
     # the schema says what is served (n = 1); a larger n is refused with 400
-    # unsupported_parameter (openai_api._unsupported), not as an invalid value
+    # unsupported_parameter (node_agent.api.parse.unsupported), not as an invalid value
     n: Annotated[PositiveInt, Field(json_schema_extra={"maximum": 1}, description=(
         "Only 1 is supported."))] = 1
     user: str | None = Field(None, description=(
         f"Session key of a canary split when there is no {SESSION_HEADER} header."))
-    # Accepted only in their "off" spelling (openai_api._unsupported): rejecting them is more
+    # Accepted only in their "off" spelling (node_agent.api.parse.unsupported): rejecting them is more
     # honest than silently ignoring what the client asked for.
     tools: Any = Field(None, description=_OFF)
     tool_choice: Any = Field(None, description=_OFF)

@@ -24,6 +24,7 @@ from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.route import Route
 from node_agent import openai_api
+from node_agent.api import forward
 from node_agent.main import Agent, main
 from node_agent.cli import build_parser, config_from_args
 from node_agent.serving import ServingCore
@@ -181,7 +182,7 @@ async def test_forward_key_is_not_sent_over_plain_http_to_another_host(
     def session(ssl_context: Any = None) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=_StaticResolver()))
 
-    monkeypatch.setattr(openai_api, "client_session", session)
+    monkeypatch.setattr(forward, "client_session", session)
     keys = tmp_path / "fleet"
     keys.write_text(KEY_FLEET + "\n")
     core = ServingCore(registry=CollectorRegistry())

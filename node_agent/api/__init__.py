@@ -1,0 +1,10 @@
+"""The parts of the node agent's OpenAI-compatible HTTP API; :mod:`node_agent.openai_api` wires
+them into one aiohttp app.
+
+* :mod:`.context` — per-request keys and the constant metric label,
+* :mod:`.middleware` — authentication and the errors middleware (OpenAI error shape, request
+  counts),
+* :mod:`.parse` — request bodies validated into :mod:`node_agent.api_models` or a 400,
+* :mod:`.forward` — relaying a request to the node that serves its revision,
+* :mod:`.completions` — ``/v1/chat/completions`` and ``/v1/completions``.
+"""

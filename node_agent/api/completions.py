@@ -1,0 +1,269 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: route a request to a revision
+(the canary split, a standby reload, or a forward to another node), generate on the
+:class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
+
+Statuses beyond :mod:`.parse`'s 400s: 400 ``context_length_exceeded`` / ``prompt_too_large`` /
+``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
+``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
+(``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
+Every answer from the point the revision is known carries ``X-Model-Revision``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+from aiohttp import web
+
+from mlx_fleet.http_errors import error_response as _error
+from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
+
+from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
+                          CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
+                          SamplingRequest, TextChoice, TextCompletion, Usage)
+from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
+                       ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
+                       StreamBufferOverflow)
+from ..sse import DONE, StreamEncoder, data_event
+from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
+from .forward import Forwarder
+from .parse import parse
+
+__all__ = ["Completions", "usage_of"]
+
+Kind = Literal["chat", "text"]
+
+
+def usage_of(gen: Any) -> Usage:
+    """OpenAI's ``usage`` of a finished generation, with
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prompt cache)."""
+    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                 total_tokens=gen.prompt_tokens + gen.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+class _Outcome:
+    """Times one request for the per-revision statistics (only when it is under a split):
+    end-to-end latency, time to first token, decode time of its tokens; :meth:`done` reports it
+    once. A request that never reaches :meth:`done` (the client hung up) is not counted."""
+
+    __slots__ = ("tm", "routed", "t0", "first", "last", "tokens", "reported")
+
+    def __init__(self, tm: Any, routed: Any) -> None:
+        self.tm, self.routed = tm, routed
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.reported = False
+
+    def token(self, completion_tokens: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.tokens = completion_tokens
+
+    def done(self, *, failed: bool) -> None:
+        if self.reported or self.tm is None or self.routed is None:
+            return
+        self.reported = True
+        now = time.perf_counter()
+        self.tm.record(self.routed, latency_s=now - self.t0,
+                       ttft_s=None if self.first is None else self.first - self.t0,
+                       completion_tokens=self.tokens,
+                       decode_seconds=None if self.first is None or self.last is None
+                       else self.last - self.first, failed=failed)
+
+
+class Completions:
+    """The two completion routes over ``core``; ``router()`` returns the agent's
+    :class:`~node_agent.traffic.TrafficManager` or None (then the model's only, or most
+    recently loaded, revision serves); ``forward`` relays a request routed to another node."""
+
+    def __init__(self, core: ServingCore, *, router: Callable[[], Any],
+                 forward: Forwarder) -> None:
+        self.core = core
+        self.router = router
+        self.forward = forward
+
+    def _aborted(self, e: GenerationAborted) -> str:
+        """A client's message for ``e``: never the serving core's failure text (it is in
+        the log and in /health for a keyed request)."""
+        return "this node's serving core failed" if self.core.failure is not None else e.public
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = await parse(request, ChatCompletionRequest)
+        if isinstance(req, web.Response):
+            return req
+        assert isinstance(req, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await self._complete(request, req, "chat", max_tokens, messages=messages)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await parse(request, CompletionRequest)
+        if isinstance(req, web.Response):
+            return req
+        assert isinstance(req, CompletionRequest)
+        return await self._complete(request, req, "text", req.max_tokens, prompt=req.prompt)
+
+    async def _complete(self, request: web.Request, req: SamplingRequest, kind: Kind,
+                        max_tokens: int | None, *, messages: list[dict] | None = None,
+                        prompt: str | None = None) -> web.StreamResponse:
+        core = self.core
+        if core.failure is not None:
+            return _error(503, "this node cannot serve: its serving core failed",
+                          type_="server_error", code="unavailable")
+        not_found = _error(404, f"The model '{req.model}' does not exist or is not loaded on "
+                           "this node", param="model", code="model_not_found")
+        tm = self.router()
+        routed = None
+        revision: str | None = None
+        if tm is not None:
+            pinned = request.headers.get(PIN_HEADER, "") if request.get(FLEET_INTERNAL) else ""
+            routed = tm.route(req.model, session_header=request.headers.get(SESSION_HEADER),
+                              user=req.user, pinned=pinned)
+            if routed is None:
+                return not_found
+            if routed.route.forward:
+                return await self.forward(request, routed, await request.read())
+            revision = routed.route.revision
+            if routed.standby:  # unloaded while idle: reload it (once), then serve
+                try:
+                    await tm.ensure_loaded(req.model, revision)
+                except Overloaded as e:
+                    return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
+                                  code="overloaded",
+                                  headers={"Retry-After": str(e.retry_after_seconds),
+                                           REVISION_HEADER: revision})
+                except ModelNotLoaded:
+                    return not_found
+                except ModelLoadError as e:
+                    return _error(503, f"revision {revision} of model '{req.model}' was "
+                                  f"unloaded while idle and could not be reloaded ({e.reason})",
+                                  type_="server_error",
+                                  code="model_reload_failed",
+                                  headers={REVISION_HEADER: revision})
+            tm.touch(req.model, revision)
+        try:
+            info = core.model_info(req.model, revision)
+        except ModelNotLoaded:
+            return not_found
+        # labelled only now that the model is known to be loaded (bounded label values)
+        request[MODEL] = req.model
+        request[REVISION] = info.revision
+        headers = {REVISION_HEADER: info.revision}  # on every response from here on
+        outcome = _Outcome(tm, routed)
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        try:
+            gen = await core.generate(req.model, revision=info.revision, prompt=prompt,
+                                      messages=messages,
+                                      max_tokens=max_tokens, temperature=req.temperature,
+                                      top_p=req.top_p, stop=req.stop, seed=req.seed)
+        except ModelNotLoaded:
+            return _error(404, f"The model '{req.model}' is not loaded on this node",
+                          param="model", code="model_not_found")
+        except Overloaded as e:
+            return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
+                          code="overloaded",
+                          headers={"Retry-After": str(e.retry_after_seconds), **headers})
+        except ContextLengthExceeded as e:
+            return _error(400, str(e), param=prompt_param,
+                          code="context_length_exceeded", headers=headers)
+        except PromptTooLarge as e:
+            return _error(400, str(e), param=prompt_param,
+                          code="prompt_too_large", headers=headers)
+        except InvalidPrompt as e:
+            return _error(400, str(e), param=prompt_param,
+                          code="invalid_prompt", headers=headers)
+        except GenerationAborted as e:
+            outcome.done(failed=True)
+            return _error(503, self._aborted(e), type_="server_error", code="unavailable",
+                          headers=headers)
+
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        async with gen:
+            if req.stream:
+                return await self._stream(request, req, kind, gen, rid, created, headers,
+                                          outcome)
+            parts: list[str] = []
+            try:
+                while batch := await gen.next_batch():
+                    outcome.token(batch[-1].completion_tokens)
+                    parts.extend(chunk.text for chunk in batch)
+                    if _client_gone(request):
+                        gen.cancel()
+                        raise ConnectionResetError("client disconnected")
+            except GenerationAborted as e:
+                outcome.done(failed=True)
+                return _error(503, self._aborted(e), type_="server_error",
+                              code="unavailable", headers=headers)
+        outcome.done(failed=False)
+        text = "".join(parts)
+        usage = usage_of(gen)
+        body: ChatCompletion | TextCompletion
+        if kind == "chat":
+            body = ChatCompletion(
+                id=rid, object="chat.completion", created=created, model=req.model,
+                choices=[ChatChoice(index=0, message=AssistantMessage(role="assistant",
+                                                                      content=text),
+                                    logprobs=None, finish_reason=gen.finish_reason)],
+                usage=usage)
+        else:
+            body = TextCompletion(
+                id=rid, object="text_completion", created=created, model=req.model,
+                choices=[TextChoice(index=0, text=text, logprobs=None,
+                                    finish_reason=gen.finish_reason)],
+                usage=usage)
+        return web.json_response(body.model_dump(), headers=headers)
+
+    async def _stream(self, request: web.Request, req: SamplingRequest, kind: Kind,
+                      gen: Any, rid: str, created: int, headers: dict[str, str],
+                      outcome: _Outcome) -> web.StreamResponse:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", **headers})
+        await resp.prepare(request)
+        events = StreamEncoder(kind, rid, created, req.model, include_usage)
+        try:
+            if kind == "chat":
+                await resp.write(events.first())
+            try:
+                # every chunk already waiting goes out in one write (a stream that fell behind
+                # catches up in one wake-up); the events are those of one chunk each
+                while batch := await gen.next_batch():
+                    outcome.token(batch[-1].completion_tokens)
+                    data = events.chunks(batch)
+                    if data:
+                        await resp.write(data)
+            except GenerationAborted as e:
+                slow = isinstance(e, StreamBufferOverflow)
+                if not slow:  # a slow client is not a failure of the revision
+                    outcome.done(failed=True)
+                err = ErrorResponse(error=ErrorDetail(
+                    message=self._aborted(e), type="server_error", param=None,
+                    code="stream_buffer_overflow" if slow else "unavailable"))
+                await resp.write(data_event(err.model_dump_json().encode()))
+                await resp.write_eof()
+                return resp
+            outcome.done(failed=False)
+            if include_usage:
+                await resp.write(events.usage(usage_of(gen).model_dump()))
+            await resp.write(DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away mid-stream: stop generating (the caller's `async with`
+            # cancels too) and end quietly; the middleware counts it as 499 (not the 200
+            # already sent) and logs it.
+            gen.cancel()
+            request[HUNG_UP] = True
+        return resp

@@ -1,0 +1,73 @@
+"""Request bodies validated into :mod:`node_agent.api_models`, or OpenAI's 400.
+
+400 ``invalid_request_error``: malformed JSON (``code`` ``invalid_json``), an invalid field
+(``param`` names it, ``code`` ``invalid_value``), ``stream_options`` without ``stream: true``,
+and options this server does not implement (``code`` ``unsupported_parameter``, :func:`unsupported`).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from mlx_fleet.http_errors import error_response as _error
+
+from ..api_models import SamplingRequest
+
+__all__ = ["parse", "unsupported", "validation_error"]
+
+
+def validation_error(e: ValidationError) -> web.Response:
+    """The 400 for pydantic's first error, naming the field (``param``: its dotted path)."""
+    err = e.errors(include_url=False)[0]
+    if err.get("type") == "json_invalid":
+        return _error(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
+    loc = [str(p) for p in err.get("loc", ()) if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if param is None and err.get("type") == "model_type":
+        msg = "the request body must be a JSON object"
+    return _error(400, f"{param + ': ' if param else ''}{msg}", param=param,
+                  code="invalid_value")
+
+
+def unsupported(req: SamplingRequest) -> web.Response | None:
+    """400 for options this server cannot honour, naming the first such parameter."""
+    if req.stream_options is not None and not req.stream:
+        return _error(400, "stream_options: only allowed when stream is true",
+                      param="stream_options", code="invalid_value")
+    off = {
+        "n": req.n == 1,
+        "tools": not req.tools,
+        "tool_choice": req.tool_choice in (None, "none"),
+        "functions": not req.functions,
+        "function_call": req.function_call in (None, "none"),
+        "response_format": req.response_format in (None, {"type": "text"}),
+        "logprobs": req.logprobs in (None, False, 0),
+        "top_logprobs": req.top_logprobs in (None, 0),
+    }
+    for param, ok in off.items():
+        if not ok:
+            what = "n > 1" if param == "n" else param
+            return _error(400, f"{param}: {what} is not supported by this server",
+                          param=param, code="unsupported_parameter")
+    return None
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic puts union-member names (``str``, ``list[str]`` ...) into error locations."""
+    if isinstance(part, int):
+        return False
+    p = str(part)
+    return ("[" in p or "-" in p or p in {"str", "int", "float", "bool", "none",
+                                          "ContentPart", "ChatMessage"})
+
+
+async def parse(request: web.Request, cls: type[SamplingRequest]) -> SamplingRequest | web.Response:
+    """The request's body as ``cls``, or the 400 that says what is wrong with it."""
+    body = await request.read()
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as e:
+        return validation_error(e)
+    return unsupported(req) or req
