@@ -192,7 +192,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     document = openapi_document(api_keys=api_keys is not None,
                                 metrics_auth=api_keys is not None and metrics_auth,
-                                version=_version())
+                                version=_version(), max_choices=core.max_choices)
 
     async def openapi_handler(request: web.Request) -> web.Response:
         return web.json_response(document)

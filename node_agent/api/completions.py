@@ -2,8 +2,16 @@
 (the canary split, a standby reload, or a forward to another node), generate on the
 :class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
 
+``n`` choices answer ``choices`` with ``index`` 0 .. n-1 (streamed: each event carries its
+choice's ``index``) and a ``usage`` counting the prompt once and every choice's tokens. With
+``logprobs`` each choice carries OpenAI's ``logprobs`` object (chat: ``content`` entries; legacy:
+``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), streamed per event for its
+tokens (:mod:`node_agent.sse`).
+
 Statuses beyond :mod:`.parse`'s 400s: 400 ``context_length_exceeded`` / ``prompt_too_large`` /
-``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
+``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 400 ``invalid_value`` naming ``n`` for
+more choices than the agent's ``--max-choices`` or the model's batch allows, 404
+``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
 Every answer from the point the revision is known carries ``X-Model-Revision``.
@@ -21,11 +29,12 @@ from mlx_fleet.http_errors import error_response as _error
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
-                          CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
-                          SamplingRequest, TextChoice, TextCompletion, Usage)
+                          ChoiceLogprobs, CompletionLogprobs, CompletionRequest, ErrorDetail,
+                          ErrorResponse, PromptTokensDetails, SamplingRequest, TextChoice,
+                          TextCompletion, Usage, chat_logprobs, completion_logprobs)
 from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                        ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
-                       StreamBufferOverflow)
+                       StreamBufferOverflow, TooManyChoices)
 from ..sse import DONE, StreamEncoder, data_event
 from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
 from .forward import Forwarder
@@ -42,6 +51,16 @@ def usage_of(gen: Any) -> Usage:
     return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
                  total_tokens=gen.prompt_tokens + gen.completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
+
+
+def logprobs_wanted(req: SamplingRequest) -> int | None:
+    """How many top log-probabilities per token the request asks for: chat ``top_logprobs``
+    (0 when absent) when ``logprobs`` is true, legacy ``logprobs``; ``None``: none asked."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return None
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -167,7 +186,10 @@ class Completions:
             gen = await core.generate(req.model, revision=info.revision, prompt=prompt,
                                       messages=messages,
                                       max_tokens=max_tokens, temperature=req.temperature,
-                                      top_p=req.top_p, stop=req.stop, seed=req.seed)
+                                      top_p=req.top_p, stop=req.stop, seed=req.seed,
+                                      n=req.n, logprobs=logprobs_wanted(req))
+        except TooManyChoices as e:
+            return _error(400, str(e), param="n", code="invalid_value", headers=headers)
         except ModelNotLoaded:
             return _error(404, f"The model '{req.model}' is not loaded on this node",
                           param="model", code="model_not_found")
@@ -195,11 +217,15 @@ class Completions:
             if req.stream:
                 return await self._stream(request, req, kind, gen, rid, created, headers,
                                           outcome)
-            parts: list[str] = []
+            parts: list[list[str]] = [[] for _ in range(gen.n)]
+            entries: list[list[Any]] = [[] for _ in range(gen.n)]
             try:
                 while batch := await gen.next_batch():
-                    outcome.token(batch[-1].completion_tokens)
-                    parts.extend(chunk.text for chunk in batch)
+                    outcome.token(gen.completion_tokens)
+                    for chunk in batch:
+                        parts[chunk.index].append(chunk.text)
+                        if chunk.logprobs is not None:
+                            entries[chunk.index].append(chunk.logprobs)
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
@@ -208,21 +234,27 @@ class Completions:
                 return _error(503, self._aborted(e), type_="server_error",
                               code="unavailable", headers=headers)
         outcome.done(failed=False)
-        text = "".join(parts)
+        texts = ["".join(p) for p in parts]
         usage = usage_of(gen)
+        want = logprobs_wanted(req) is not None
         body: ChatCompletion | TextCompletion
         if kind == "chat":
             body = ChatCompletion(
                 id=rid, object="chat.completion", created=created, model=req.model,
-                choices=[ChatChoice(index=0, message=AssistantMessage(role="assistant",
-                                                                      content=text),
-                                    logprobs=None, finish_reason=gen.finish_reason)],
+                choices=[ChatChoice(
+                    index=i, message=AssistantMessage(role="assistant", content=texts[i]),
+                    logprobs=(ChoiceLogprobs.model_validate(chat_logprobs(entries[i]))
+                              if want else None),
+                    finish_reason=gen.finish_reasons[i]) for i in range(gen.n)],
                 usage=usage)
         else:
             body = TextCompletion(
                 id=rid, object="text_completion", created=created, model=req.model,
-                choices=[TextChoice(index=0, text=text, logprobs=None,
-                                    finish_reason=gen.finish_reason)],
+                choices=[TextChoice(
+                    index=i, text=texts[i],
+                    logprobs=(CompletionLogprobs.model_validate(completion_logprobs(entries[i]))
+                              if want else None),
+                    finish_reason=gen.finish_reasons[i]) for i in range(gen.n)],
                 usage=usage)
         return web.json_response(body.model_dump(), headers=headers)
 
@@ -233,7 +265,8 @@ class Completions:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
-        events = StreamEncoder(kind, rid, created, req.model, include_usage)
+        events = StreamEncoder(kind, rid, created, req.model, include_usage,
+                               logprobs=logprobs_wanted(req) is not None, n=gen.n)
         try:
             if kind == "chat":
                 await resp.write(events.first())
@@ -241,7 +274,7 @@ class Completions:
                 # every chunk already waiting goes out in one write (a stream that fell behind
                 # catches up in one wake-up); the events are those of one chunk each
                 while batch := await gen.next_batch():
-                    outcome.token(batch[-1].completion_tokens)
+                    outcome.token(gen.completion_tokens)
                     data = events.chunks(batch)
                     if data:
                         await resp.write(data)

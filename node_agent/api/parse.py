@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from mlx_fleet.http_errors import error_response as _error
 
-from ..api_models import SamplingRequest
+from ..api_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 __all__ = ["parse", "unsupported", "validation_error"]
 
@@ -32,24 +32,28 @@ def validation_error(e: ValidationError) -> web.Response:
 
 
 def unsupported(req: SamplingRequest) -> web.Response | None:
-    """400 for options this server cannot honour, naming the first such parameter."""
+    """400 for options this server cannot honour, naming the first such parameter; and for
+    a chat request's ``top_logprobs`` without ``logprobs: true`` (``invalid_value``, as OpenAI
+    answers)."""
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
                       param="stream_options", code="invalid_value")
+    if (isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None
+            and req.logprobs is not True):
+        return _error(400, "top_logprobs: only allowed when logprobs is true",
+                      param="top_logprobs", code="invalid_value")
     off = {
-        "n": req.n == 1,
         "tools": not req.tools,
         "tool_choice": req.tool_choice in (None, "none"),
         "functions": not req.functions,
         "function_call": req.function_call in (None, "none"),
         "response_format": req.response_format in (None, {"type": "text"}),
-        "logprobs": req.logprobs in (None, False, 0),
-        "top_logprobs": req.top_logprobs in (None, 0),
     }
+    if isinstance(req, CompletionRequest):  # legacy: `logprobs` says how many
+        off["top_logprobs"] = req.top_logprobs in (None, 0)
     for param, ok in off.items():
         if not ok:
-            what = "n > 1" if param == "n" else param
-            return _error(400, f"{param}: {what} is not supported by this server",
+            return _error(400, f"{param}: {param} is not supported by this server",
                           param=param, code="unsupported_parameter")
     return None
 

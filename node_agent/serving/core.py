@@ -93,7 +93,6 @@ from .errors import GenerationAborted, Overloaded, StreamBufferOverflow, TooMany
 from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing
-from .logprobs import MAX_TOP_LOGPROBS
 from .options import ServingOptions
 from .revisions import _Drain, _Load, _Revisions
 from .sampling import choice_seed
@@ -330,7 +329,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         for the others (the last one leaving cancels it). Counted in
         ``mlxfleet_agent_coalesced_requests_total``.
 
-        ``logprobs`` (``None``: off; 0 .. :data:`~node_agent.serving.logprobs.MAX_TOP_LOGPROBS`):
+        ``logprobs`` (``None``: off; else >= 0, at most the vocabulary counts; the HTTP API
+        bounds it by OpenAI's 20 and 5):
         every chunk carries its token's log-probability and the ``logprobs`` most likely tokens
         at its position (:attr:`Chunk.logprobs`; the model's distribution after any logits
         processor, before temperature and top_p: see :mod:`node_agent.serving.logprobs`). Such
@@ -356,8 +356,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
             raise ValueError("max_tokens must be >= 1")
         if n < 1:
             raise ValueError("n must be >= 1")
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
         if n > self.max_choices:
             raise TooManyChoices(n, self.max_choices)
         stops = [stop] if isinstance(stop, str) else list(stop or [])

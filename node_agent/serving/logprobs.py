@@ -23,13 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["MAX_TOP_LOGPROBS", "MAX_LEGACY_LOGPROBS", "MIN_LOGPROB", "TokenLogprob",
+__all__ = ["MIN_LOGPROB", "TokenLogprob",
            "TopLogprob", "gather", "TokenTexts", "raw_bytes"]
 
-#: Most ``top_logprobs`` a chat request may ask for (OpenAI's bound).
-MAX_TOP_LOGPROBS = 20
-#: Most ``logprobs`` a legacy ``/v1/completions`` request may ask for (OpenAI's bound).
-MAX_LEGACY_LOGPROBS = 5
 #: What a log-probability of ``-inf`` (a token a logits processor masked) is reported as:
 #: OpenAI's ``-9999.0``.
 MIN_LOGPROB = -9999.0
