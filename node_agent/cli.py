@@ -24,6 +24,7 @@ from .http_hygiene import HttpLimits, allowed_hosts
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL
 from .serving.admission import POLICIES
+from .serving.core import DEFAULT_MAX_CHOICES
 from .serving.options import ServingOptions
 from .serving.tokenize import DEFAULT_MAX_PROMPT_BYTES
 
@@ -295,6 +296,7 @@ class AgentConfig:
     insecure: frozenset[str] = frozenset()
     http: HttpLimits = dataclasses.field(default_factory=HttpLimits)  # timeouts, cap, CORS, Host
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing (400)
+    max_choices: int = DEFAULT_MAX_CHOICES  # largest n per request (400 above)
     serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
 
 
@@ -347,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest prompt (UTF-8 bytes of the prompt, or of the messages' roles "
                         "and contents) the agent tokenizes, a Kubernetes quantity; a larger one "
                         "is answered 400 prompt_too_large before any tokenizing (default: 1Mi)")
+    p.add_argument("--max-choices", type=_argtype(positive_int), default=DEFAULT_MAX_CHOICES,
+                   metavar="N",
+                   help="largest n (choices) one completion request may ask for; each choice "
+                        "is a sequence of its own in the model's batch, so n is also bounded by "
+                        "the model's maxConcurrentSequences; above either: 400 naming n "
+                        "(default: %(default)s)")
     add_http_arguments(p)
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
@@ -453,4 +461,5 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                                           if getattr(args, flag[2:].replace("-", "_"))),
                        http=http_limits_from_args(args),
                        max_prompt_bytes=args.max_prompt_bytes,
+                       max_choices=args.max_choices,
                        serving=serving_options_from_args(args))
