@@ -227,7 +227,8 @@ class ChoiceLogprobs(_Response):
 class CompletionLogprobs(_Response):
     """A legacy completion choice's ``logprobs``, one element per generated token:
     ``tokens`` (texts), ``token_logprobs``, ``top_logprobs`` (``{token text: logprob}`` of the
-    ``logprobs`` most likely tokens and the chosen one) and ``text_offset`` (each token's
+    ``logprobs`` most likely tokens and the chosen one; tokens of the same text, such as parts
+    of multi-byte characters, share one key: the chosen token's value, else the likeliest's) and ``text_offset`` (each token's
     character offset in the concatenated token texts, from 0)."""
 
     tokens: list[str]
@@ -257,7 +258,11 @@ def completion_logprobs(entries: Any, offset: int = 0) -> dict[str, Any]:
         offset += len(e.text)
         tokens.append(e.text)
         values.append(e.logprob)
-        top = {t.text: t.logprob for t in e.top}
+        # keyed by text: of tokens with the same text (partial characters) the likeliest is
+        # kept, and the chosen token's own value for its text
+        top: dict[str, float] = {}
+        for t in e.top:
+            top.setdefault(t.text, e.logprob if t.text == e.text else t.logprob)
         top.setdefault(e.text, e.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

@@ -228,7 +228,8 @@ async def test_malformed_json_is_400(agent: Agent, path: str) -> None:  # noqa: 
     ({"messages": msgs(), "top_p": 0}, "top_p"),
     ({"messages": msgs(), "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": msgs(), "stream": "yes"}, "stream"),
-    ({"messages": msgs(), "n": 2}, "n"),
+    ({"messages": msgs(), "n": 0}, "n"),
+    ({"messages": msgs(), "n": 9}, "n"),      # above --max-choices (default 8)
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({}, "messages"),
@@ -244,13 +245,10 @@ async def test_invalid_field_is_400_naming_it(agent: Agent, body: dict, param: s
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
     (COMPLETIONS, {"stream": False, "stream_options": {"include_usage": False}},
      "stream_options"),
-    (CHAT, {"n": 2}, "n"),
-    (COMPLETIONS, {"n": 3}, "n"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"logprobs": True}, "logprobs"),
-    (COMPLETIONS, {"logprobs": 2}, "logprobs"),
+    (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs"),   # legacy: `logprobs` says how many
 ])
 async def test_unsupported_options_are_400_naming_them(agent: Agent, path: str, body: dict,  # noqa: F811
                                                        param: str) -> None:
