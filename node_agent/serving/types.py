@@ -5,10 +5,7 @@ generation's :class:`Chunk`, a :class:`MemoryUsage` measurement and a load's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .logprobs import TokenLogprob
+from typing import Any
 
 __all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage", "LoadProgress"]
 
@@ -44,14 +41,14 @@ class Chunk:
     request, and ``finish_reason`` (``None`` until the last chunk, then ``"stop"`` or
     ``"length"``). ``index``: the choice it belongs to (0 .. n-1 of a request for ``n``
     choices); ``logprobs``: its token's log-probabilities when the request asked for them
-    (:mod:`node_agent.serving.logprobs`; ``None`` otherwise, and for an end-of-sequence token,
+    (a :class:`node_agent.serving.logprobs.TokenLogprob`; ``None`` otherwise, and for an end-of-sequence token,
     which is no part of the text)."""
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
     index: int = 0
-    logprobs: "TokenLogprob | None" = None
+    logprobs: Any = None   # a logprobs.TokenLogprob (not imported: this module stays pure)
 
 
 @dataclass(frozen=True)
