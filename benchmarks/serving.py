@@ -14,7 +14,9 @@ concurrency.
 Workloads (``--workloads``): ``unique`` (distinct short prompts), ``shared_prefix`` (one long
 system prompt + distinct questions: the prompt cache), ``duplicate`` (identical greedy requests
 sent at once: coalescing), ``long_prompt`` (long prompt, short answer: prefill), ``long_answer``
-(short prompt, long answer: decode), ``mixed_sampling`` (temperatures and top_p vary).
+(short prompt, long answer: decode), ``mixed_sampling`` (temperatures and top_p vary),
+``logprobs`` (``unique``'s prompts with ``logprobs: true, top_logprobs: 5``: its tokens/s
+against ``unique``'s in the same run is what log-probabilities cost).
 
 Reported per workload × concurrency × server (median over rounds): TTFT p50/p95, inter-token
 gap p50/p95 (between streamed content chunks), aggregate output tokens/s (completion tokens of
@@ -61,7 +63,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MODEL_ID = "bench"
 WORKLOADS = ("unique", "shared_prefix", "duplicate", "long_prompt", "long_answer",
-             "mixed_sampling")
+             "mixed_sampling", "logprobs")
+#: ``top_logprobs`` of the ``logprobs`` workload.
+TOP_LOGPROBS = 5
 #: Concurrent identical requests in the ``duplicate`` workload (issue #9: 20).
 DUPLICATES = 20
 _WORDS = ("model weights memory token batch cache prefix stream agent fleet canary revision "
@@ -82,14 +86,17 @@ def requests_for(workload: str, n: int, max_tokens: int, round_no: int) -> list[
     """The ``n`` chat-completion bodies of one round (deterministic per round number; rounds
     differ so that a prompt cache can't serve a later round from an earlier one, except the
     shared system prompt, which is the point of ``shared_prefix``)."""
-    rng = random.Random(f"{workload}/{round_no}")
+    # `logprobs` sends `unique`'s very prompts: the two differ only by the log-probabilities
+    rng = random.Random(f"{'unique' if workload == 'logprobs' else workload}/{round_no}")
     system = "You are a careful assistant. " + _text(random.Random("system"), 600)
     bodies = []
     for i in range(n):
         body: dict = {"model": MODEL_ID, "stream": True, "max_tokens": max_tokens,
                       "temperature": 0.0, "stream_options": {"include_usage": True}}
-        if workload == "unique":
+        if workload in ("unique", "logprobs"):
             msgs = [{"role": "user", "content": f"{round_no}-{i}: {_text(rng, 12)}"}]
+            if workload == "logprobs":
+                body |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
         elif workload == "shared_prefix":
             msgs = [{"role": "system", "content": system},
                     {"role": "user", "content": f"{round_no}-{i}: {_text(rng, 8)}"}]

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from serving import summarise  # noqa: E402
+from serving import TOP_LOGPROBS, requests_for, summarise  # noqa: E402
 
 
 def round_(server: str, tps: float, ttft: float, errors: int = 0) -> dict:
@@ -39,3 +39,12 @@ def test_a_server_with_errors_gives_no_ratio() -> None:
     cell = summarise([round_("ours", 300, 0.1, errors=1),
                       round_("reference", 200, 0.4)])["unique"]["8"]
     assert cell["tokens_per_second_ratio"] is None and cell["invalid"]
+
+
+def test_the_logprobs_workload_is_unique_with_logprobs() -> None:
+    """Same prompts as ``unique`` in the same round, so tokens/s of the two in one run is the
+    cost of log-probabilities alone."""
+    unique, logprobs = (requests_for(w, 4, 16, round_no=3) for w in ("unique", "logprobs"))
+    assert [b["messages"] for b in logprobs] == [b["messages"] for b in unique]
+    for u, lp in zip(unique, logprobs):
+        assert lp == {**u, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
