@@ -24,9 +24,11 @@ routed as if the header were absent (the canary split, the stable revision).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
 ``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; options this
-server does not implement, with ``code`` ``unsupported_parameter``: ``n`` > 1, non-empty
+server does not implement, with ``code`` ``unsupported_parameter``: non-empty
 ``tools``/``functions``, ``tool_choice``/``function_call`` other than ``"none"``,
-``response_format`` other than ``{"type": "text"}``, ``logprobs``/``top_logprobs``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
+``response_format`` other than ``{"type": "text"}``, a legacy ``top_logprobs``; ``n`` above
+``--max-choices`` or the model's batch, ``top_logprobs`` without ``logprobs: true``: ``code``
+``invalid_value``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
 mid-request or the serving core has failed (``ServingCore.failure``).
 
