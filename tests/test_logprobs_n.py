@@ -402,3 +402,28 @@ async def test_requests_without_logprobs_add_no_gather(agent: Agent,  # noqa: F8
     monkeypatch.setattr(engine_module, "gather", boom)
     body = await post(agent, CHAT, {"messages": MSGS, "max_tokens": 4, "n": 2})
     assert body["usage"]["completion_tokens"] >= 2
+
+
+# -- admission counts a request's n sequences ------------------------------------------------
+
+A = ("a", "r1")
+
+
+@pytest.mark.parametrize(("inflight", "limit", "max_queued", "n", "refused_at"), [
+    (0, 4, 0, 4, None),        # all four fit the batch
+    (1, 4, 0, 4, 0),           # one of them would wait, none may
+    (1, 4, 1, 4, None),        # one may wait
+    (5, 4, 2, 2, 1),           # 1 waits already, 2 more would: 3 > 2
+    (5, 4, 3, 2, None),
+    (3, 4, 1, 1, None),        # n = 1: the old rule (a free slot)
+    (4, 4, 0, 1, 0),
+])
+def test_admission_counts_n_sequences(inflight: int, limit: int, max_queued: int, n: int,
+                                      refused_at: int | None) -> None:
+    from node_agent.serving.admission import admit
+
+    refused = admit(A, {A: inflight}, {A: limit}, max_queued, n)
+    if refused_at is None:
+        assert refused is None
+    else:
+        assert refused is not None and (refused.bound, refused.waiting) == ("count", refused_at)
