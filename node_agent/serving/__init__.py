@@ -5,7 +5,9 @@ Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Ch
 :mod:`.generation` (a request and its streaming handle), :mod:`.inbox` (a consumer's waiting
 events), :mod:`.admission` (queue limits and
 Retry-After, pure),
-:mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers),
+:mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers, and the seeds
+of a request's ``n`` choices), :mod:`.logprobs` (per-token log-probabilities, gathered for the
+requests that ask),
 :mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's
 work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, chunk planning),
 :mod:`.preload` (the loaders imported and frozen out of the collector's reach),
