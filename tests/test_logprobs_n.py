@@ -194,6 +194,26 @@ async def test_openai_client_n_with_logprobs(client: openai.AsyncOpenAI) -> None
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+async def test_openai_client_parses_streamed_n_with_logprobs(
+        client: openai.AsyncOpenAI) -> None:
+    kw = dict(model=MODEL_ID, messages=MSGS, max_tokens=5, temperature=0, logprobs=True,
+              top_logprobs=2, n=2)
+    whole = await client.chat.completions.create(**kw)
+    stream = await client.chat.completions.create(**kw, stream=True,
+                                                  stream_options={"include_usage": True})
+    text, tokens, usage = {0: "", 1: ""}, {0: [], 1: []}, None
+    async for ev in stream:
+        usage = ev.usage or usage
+        for c in ev.choices:
+            text[c.index] += c.delta.content or ""
+            if c.logprobs is not None:
+                tokens[c.index] += [t.token for t in c.logprobs.content or []]
+    for c in whole.choices:
+        assert text[c.index] == c.message.content
+        assert tokens[c.index] == [t.token for t in c.logprobs.content]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
 async def test_streamed_n_choices_carry_their_index(agent: Agent) -> None:  # noqa: F811
     req = {"messages": MSGS, "max_tokens": 6, "temperature": 0, "n": 3, "logprobs": True,
            "top_logprobs": 2, "stream_options": {"include_usage": True}}
