@@ -447,3 +447,29 @@ def test_admission_counts_n_sequences(inflight: int, limit: int, max_queued: int
         assert refused is None
     else:
         assert refused is not None and (refused.bound, refused.waiting) == ("count", refused_at)
+
+
+async def test_a_request_for_n_waits_for_n_slots_and_counts_n_in_the_queue(
+        tiny_model_path) -> None:  # noqa: F811
+    from node_agent.serving import Overloaded
+
+    c = ServingCore(registry=CollectorRegistry(), max_queued_requests=1)
+    await c.start()
+    try:
+        await c.load_model("m", tiny_model_path, revision="r1", max_concurrent_sequences=2,
+                           max_context_tokens=4096)
+        running = await c.generate("m", prompt="a", max_tokens=3000, temperature=0)
+        await running.__anext__()
+        # 1 running + 2: one of the two must wait, and one may
+        pair = await c.generate("m", prompt="b", max_tokens=2, temperature=0, n=2)
+        assert c.inflight_requests("m") == 3
+        with pytest.raises(Overloaded):                     # a second waiter: over the bound
+            await c.generate("m", prompt="c", max_tokens=2, temperature=0)
+        # a slot is free beside `running`, but the pair needs two: it waits whole
+        assert c.queued_requests("m") == 2 and c.active_sequences("m") == 1
+        running.cancel()
+        got = [ch async for ch in pair]
+        assert sorted({ch.index for ch in got}) == [0, 1] and pair.completion_tokens == 4
+        await wait_for(lambda: c.active_sequences() == 0 and c.inflight_requests() == 0)
+    finally:
+        await c.close()
