@@ -473,3 +473,30 @@ async def test_a_request_for_n_waits_for_n_slots_and_counts_n_in_the_queue(
         await wait_for(lambda: c.active_sequences() == 0 and c.inflight_requests() == 0)
     finally:
         await c.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 3000), k=st.integers(1, 25),
+       seed=st.integers(0, 2**31), masked=st.floats(0.0, 1.0), ties=st.booleans())
+def test_top_k_ids_picks_the_k_largest(rows: int, vocab: int, k: int, seed: int,
+                                       masked: float, ties: bool) -> None:
+    """The blocked two-stage top-k gives the same values as one argpartition (random rows,
+    vocabularies not a multiple of the block, masked -inf entries, many ties)."""
+    import mlx.core as mx
+
+    from node_agent.serving.logprobs import top_k_ids
+
+    k = min(k, vocab)
+    key = mx.random.key(seed)
+    m = mx.random.normal((rows, vocab), key=key)
+    if ties:
+        m = mx.round(m * 2) / 2
+    m = mx.where(mx.random.uniform(shape=(rows, vocab), key=mx.random.split(key)[0]) < masked,
+                 -mx.inf, m)
+    ids = top_k_ids(m, k, block=16)
+    assert ids.shape == (rows, k)
+    got = mx.sort(mx.take_along_axis(m, ids, axis=-1), axis=-1)
+    want = mx.sort(m, axis=-1)[:, vocab - k:]
+    assert mx.array_equal(got, want).item()
+    for r in ids.tolist():
+        assert len(set(r)) == k and all(0 <= i < vocab for i in r)
