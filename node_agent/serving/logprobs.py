@@ -95,17 +95,26 @@ def top_k_ids(m: Any, k: int, block: int = TOP_K_BLOCK) -> Any:
     return mx.take_along_axis(ids, pick, axis=-1)
 
 
-def gather(rows: Sequence[tuple[Any, int, int]]) -> list[tuple[float, list[tuple[int, float]]]]:
+def gather(rows: Sequence[tuple[Any, int, int]],
+           stream: Any = None) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each ``(logprobs, token, k)`` — ``logprobs``: one sequence's log-probability vector
     over the vocabulary (an ``mx.array`` of shape ``(vocab,)``, as in mlx-lm's generation
     responses), ``token``: the sampled id, ``k``: top entries wanted (0..vocab) — returns
     ``(logprob of token, [(id, logprob)] of the k most likely, most likely first, ties by
     lower id)``. Log-probabilities below :data:`MIN_LOGPROB` (``-inf``) are reported as it.
-    One MLX evaluation for all rows (see the module docstring); MLX thread only."""
+    One MLX evaluation for all rows (see the module docstring); MLX thread only.
+
+    ``stream``: the MLX stream to compute on (default: the current one). mlx-lm's
+    ``BatchGenerator`` returns a step's (evaluated) rows while the next step's forward pass
+    already runs asynchronously on the generation stream; evaluating there would wait for that
+    pass. On a stream of its own the gather waits only for its rows."""
     import mlx.core as mx
 
     if not rows:
         return []
+    if stream is not None:
+        with mx.stream(stream):
+            return gather(rows)
     m = mx.stack([r for r, _, _ in rows])
     if m.dtype != mx.float32:      # bf16/fp16 models: report float32 values
         m = m.astype(mx.float32)
