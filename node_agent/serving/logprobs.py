@@ -15,7 +15,8 @@ the sampled token is always the first of the top list. ``-inf`` (a masked token)
 Cost: nothing for a step none of whose sequences asked (no MLX op is added). For a step where
 some did: one ``stack`` of their rows (already evaluated by mlx-lm), the top ``k`` (the largest
 asked) by :func:`top_k_ids` (``O(vocab)`` per row, no sort), two gathers and one ``eval``; then
-``k + 1`` floats and ids per row cross into Python, never the vocabulary-wide vector.
+``k + 1`` floats and ids per row cross into Python, never the vocabulary-wide vector. Measured
+in ``docs/node-agent.md`` (*Log-probabilities and n*).
 """
 
 from __future__ import annotations
