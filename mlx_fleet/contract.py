@@ -37,6 +37,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.quantity import format_bytes
 
 ROOT = "/mlx-fleet/v2"
@@ -452,6 +453,11 @@ class AssignmentReport(_Record):
     after it (0 when it did not fall); the ``message`` gives both measurements and the process
     RSS before and after (an eviction's also names the load it made room for). A standby
     replica stays assigned: a request reloads it (:func:`is_standby`).
+    ``capabilities``: what the revision serves (tools, structured outputs, logprobs, ``n``,
+    embeddings, context; :class:`mlx_fleet.capabilities.ModelCapabilities`), computed from the
+    loaded model; on Ready reports and on standby reports of a revision loaded here before.
+    None when unknown: not loaded yet, or an agent older than the field (the fleet router then
+    still sends it requests, and that agent refuses what it cannot serve).
     """
 
     node: str
@@ -467,6 +473,7 @@ class AssignmentReport(_Record):
     progress: DownloadProgress | None = None
     estimated_bytes: Annotated[int, Field(ge=0)] = 0
     freed_bytes: Annotated[int, Field(ge=0)] = 0
+    capabilities: ModelCapabilities | None = None
     updated_unix: float = Field(default_factory=time.time)
 
 

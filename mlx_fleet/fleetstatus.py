@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
+from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, ModelCapabilities
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, DownloadProgress,
                                 Keys, NodeRecord)
 from mlx_fleet.quantity import format_bytes
@@ -70,9 +71,31 @@ def _download(rep: AssignmentReport | None) -> DownloadProgress | None:
     return rep.progress
 
 
+def capabilities_text(caps: ModelCapabilities | None) -> str:
+    """A revision's reported capabilities in a table cell: ``generate`` then what it adds —
+    ``tools (PARSER)``, ``json`` (structured outputs), ``logprobs ≤K``, ``n ≤N`` (N > 1) —
+    comma-separated; ``embeddings`` for an embedding model (``embed (not served)`` when it
+    does not serve them); ``-`` when unknown (None)."""
+    if caps is None:
+        return "-"
+    if caps.task == TASK_TEXT_EMBEDDING:
+        return "embeddings" if caps.embeddings else "embed (not served)"
+    parts = ["generate"]
+    if caps.tool_calling:
+        parts.append(f"tools ({caps.tool_parser})" if caps.tool_parser else "tools")
+    if caps.structured_outputs:
+        parts.append("json")
+    if caps.logprobs:
+        parts.append(f"logprobs ≤{caps.max_top_logprobs}")
+    if caps.max_n > 1:
+        parts.append(f"n ≤{caps.max_n}")
+    return ", ".join(parts)
+
+
 def summarize(view: FleetView, routing: FleetRouting | None = None) -> list[dict[str, str]]:
     """One row per node (and per assignment on it): node, chip, memory, health, deployment,
-    revision, state, endpoint, progress (:meth:`~mlx_fleet.contract.DownloadProgress.text` of a ``Prefetching`` report's
+    revision, state, capabilities (:func:`capabilities_text` of its report's), endpoint,
+    progress (:meth:`~mlx_fleet.contract.DownloadProgress.text` of a ``Prefetching`` report's
     download, else ``-``). Nodes without assignments get one row with ``-`` fields;
     assignments on nodes that vanished are listed with node health ``Gone``.
 
@@ -109,7 +132,8 @@ def _rows(view: FleetView, routing: FleetRouting | None = None
     macs = {m.node: m for m in routing.macs}
     listed = {row["node"] for row, _ in rows}
     rows += [({"node": node, "chip": "-", "memory": "-", "health": "-", "deployment": "-",
-               "revision": "-", "state": "-", "endpoint": "-", "progress": "-"}, None)
+               "revision": "-", "state": "-", "capabilities": "-", "endpoint": "-",
+               "progress": "-"}, None)
              for node in sorted(set(macs) - listed)]
     return [({**row, "breaker": breaker_text(macs.get(row["node"])),
               "in-flight": (str(macs[row["node"]].in_flight) if row["node"] in macs else "-")}, p)
@@ -133,7 +157,7 @@ def _etcd_rows(view: FleetView) -> list[tuple[dict[str, str], DownloadProgress |
         refs = sorted(ref for ref in view.assignments if ref[0] == node)
         if not refs:
             rows.append(({**base, "deployment": "-", "revision": "-", "state": "-",
-                          "endpoint": "-", "progress": "-"}, None))
+                          "capabilities": "-", "endpoint": "-", "progress": "-"}, None))
         for ref in refs:
             a = view.assignments[ref]
             rep = view.reports.get(ref)
@@ -141,13 +165,14 @@ def _etcd_rows(view: FleetView) -> list[tuple[dict[str, str], DownloadProgress |
             rows.append(({**base, "deployment": f"{a.namespace}/{a.name}", "revision": (a.source.revision if a.role.value == "Stable" else f"{a.source.revision} ({a.role.value.lower()})"),
                          "state": (rep.state.value + (f" ({rep.reason})" if rep.reason else "")) if rep
                          else "Pending",
+                         "capabilities": capabilities_text(rep.capabilities if rep else None),
                          "endpoint": rep.endpoint if rep and rep.endpoint else "-",
                          "progress": p.text() if p is not None else "-"}, p))
     return rows
 
 
-_COLUMNS = ("node", "chip", "memory", "health", "deployment", "revision", "state", "endpoint",
-            "breaker", "in-flight", "progress")
+_COLUMNS = ("node", "chip", "memory", "health", "deployment", "revision", "state",
+            "capabilities", "endpoint", "breaker", "in-flight", "progress")
 
 
 def _progress_cell(p: DownloadProgress, text: str):

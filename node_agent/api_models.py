@@ -8,7 +8,8 @@ the request models and builds its JSON responses through the response models, an
 Request models follow OpenAI's Chat Completions and (legacy) Completions APIs; unknown fields
 are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
 (``chat.completion``, ``text_completion``, ``list`` of ``model``) plus this server's additions
-to a model card (``revision``, ``max_context_tokens``, ``status``, ``standby_reason``). Errors
+to a model card (``revision``, ``max_context_tokens``, ``status``, ``standby_reason``,
+``capabilities``). Errors
 have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`).
 """
 
@@ -18,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
 from mlx_fleet.routing.headers import SESSION_HEADER
 
@@ -87,9 +89,10 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
-_OFF = ("Not supported: accepted only switched off (null, empty, false, 0, \"none\", or "
-        "{\"type\": \"text\"} for response_format); anything else is a 400 "
-        "unsupported_parameter naming it.")
+_OFF = ("Served only by a model whose capabilities (GET /v1/models `capabilities`) say so; "
+        "the switched-off spellings (null, empty, false, 0, \"none\", or {\"type\": "
+        "\"text\"} for response_format) are always accepted; otherwise a 400 "
+        "unsupported_parameter (unsupported_value for a bound) naming it.")
 
 
 class SamplingRequest(_Request):
@@ -114,12 +117,14 @@ class SamplingRequest(_Request):
     # the document's maximum is the app's --max-choices (openapi_document(max_choices=...))
     n: Annotated[PositiveInt, Field(description=(
         "Choices to generate: n sequences of the same prompt, prefilled once. At most the "
-        "agent's --max-choices (default 8) and the model's max_concurrent_sequences; above "
-        "that a 400 invalid_value naming n. usage counts every choice's tokens."))] = 1
+        "agent's --max-choices (default 8) and the model's max_concurrent_sequences (its "
+        "capabilities' max_n); above that a 400 unsupported_value naming n. usage counts "
+        "every choice's tokens."))] = 1
     user: str | None = Field(None, description=(
         f"Session key of a canary split when there is no {SESSION_HEADER} header."))
-    # Accepted only in their "off" spelling (node_agent.api.parse.unsupported): rejecting them is more
-    # honest than silently ignoring what the client asked for.
+    # Accepted in their "off" spelling, otherwise only by a model whose capabilities serve them
+    # (mlx_fleet.capabilities; functions/function_call: never, node_agent.api.parse.unsupported):
+    # rejecting them is more honest than silently ignoring what the client asked for.
     tools: Any = Field(None, description=_OFF)
     tool_choice: Any = Field(None, description=_OFF)
     functions: Any = Field(None, description=_OFF)
@@ -167,7 +172,9 @@ class CompletionRequest(SamplingRequest):
             "each position (choices[].logprobs: tokens, token_logprobs, top_logprobs, "
             "text_offset). " + _LOGPROBS))] = None
     # not a field of OpenAI's legacy API (its `logprobs` says how many): refused unless off
-    top_logprobs: Any = Field(None, description=_OFF)
+    top_logprobs: Any = Field(None, description=(
+        "Not a field of the legacy API (logprobs says how many): anything but null or 0 is a "
+        "400 unsupported_parameter."))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +361,11 @@ class ModelCard(_Response):
     """One revision in ``GET /v1/models``: ``status`` ``loaded`` (resident) or ``standby``
     (assigned here but not resident; ``standby_reason`` ``IdleUnloaded``, ``Evicted`` or
     ``AwaitingRequest``; a request for it loads it first). ``created``: load time, Unix
-    seconds; ``max_context_tokens``: prompt plus completion tokens a request may use."""
+    seconds; ``max_context_tokens``: prompt plus completion tokens a request may use.
+    ``capabilities``: what the revision serves (:class:`mlx_fleet.capabilities.
+    ModelCapabilities`: task, tool calling and its parser, structured outputs, logprobs, ``n``,
+    embeddings); on every loaded card, on a standby card when the revision was loaded here
+    before (absent when unknown)."""
 
     id: str
     object: Literal["model"]
@@ -364,6 +375,7 @@ class ModelCard(_Response):
     max_context_tokens: int
     status: Literal["loaded", "standby"]
     standby_reason: str | None = None
+    capabilities: ModelCapabilities | None = None
 
 
 class ModelList(_Response):

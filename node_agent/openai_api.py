@@ -23,12 +23,13 @@ routed as if the header were absent (the canary split, the stable revision).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
-``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; options this
-server does not implement, with ``code`` ``unsupported_parameter``: non-empty
-``tools``/``functions``, ``tool_choice``/``function_call`` other than ``"none"``,
-``response_format`` other than ``{"type": "text"}``, a legacy ``top_logprobs``; ``n`` above
-``--max-choices`` or the model's batch, ``top_logprobs`` without ``logprobs: true``: ``code``
-``invalid_value``), 404 ``model_not_found``, 405, 429 with ``Retry-After``
+``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``, a chat
+``top_logprobs`` without ``logprobs: true``, ``code`` ``invalid_value``; the legacy
+``functions``/``function_call``, ``code`` ``unsupported_parameter``; what the serving revision's
+capabilities lack — ``tools``/``tool_choice``, ``response_format`` other than ``{"type":
+"text"}``, ``logprobs``/``top_logprobs``, ``n`` > 1 —, ``code`` ``unsupported_parameter`` or
+``unsupported_value`` (:mod:`mlx_fleet.capabilities`, the fleet router's answer too)), 404
+``model_not_found``, 405, 429 with ``Retry-After``
 (seconds), 500 for anything unexpected (the server keeps running), 503 when the model goes away
 mid-request or the serving core has failed (``ServingCore.failure``).
 
@@ -94,6 +95,7 @@ from .api_models import ChatCompletionRequest, CompletionRequest, ModelCard, Mod
 from .http_hygiene import HttpLimits, hygiene_middlewares
 from .openapi import OPENAPI_PATH, openapi_document
 from .serving import ServingCore
+from .serving.capabilities import model_capabilities
 
 __all__ = ["build_app", "ChatCompletionRequest", "CompletionRequest", "CORE_KEY",
            "UNKNOWN_LABEL"]
@@ -163,20 +165,28 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     async def list_models(request: web.Request) -> web.Response:
         """OpenAI's model list: every resident revision (``status: loaded``) and every standby
         one (``status: standby``, ``standby_reason``: ``IdleUnloaded``, ``Evicted`` or
-        ``AwaitingRequest``) — a request for a standby model loads it first."""
+        ``AwaitingRequest``) — a request for a standby model loads it first. Each card has the
+        revision's ``capabilities`` (:func:`~node_agent.serving.capabilities.
+        model_capabilities`; a standby card those of its last load here, absent if none)."""
         data = [ModelCard(id=m.model_id, object="model", created=m.created_unix,
                           owned_by="mlx-fleet", revision=m.revision,
-                          max_context_tokens=m.max_context_tokens, status="loaded")
+                          max_context_tokens=m.max_context_tokens, status="loaded",
+                          capabilities=model_capabilities(m, max_choices=core.max_choices))
                 for m in core.models()]
         resident = {(m.id, m.revision) for m in data}
         data += [ModelCard(id=m.model_id, object="model", created=m.created_unix,
                            owned_by="mlx-fleet", revision=m.revision,
                            max_context_tokens=m.max_context_tokens, status="standby",
-                           standby_reason=m.reason)
+                           standby_reason=m.reason, capabilities=m.capabilities)
                  for m in standby() if (m.model_id, m.revision) not in resident]
-        # standby_reason only on standby cards (exclude_none: no other field can be None)
-        return web.json_response(ModelList(object="list", data=data).model_dump(
-            exclude_none=True))
+        # standby_reason and unknown capabilities left out (a card's only optional fields);
+        # inside capabilities a null (tool_parser) is a value
+        body = ModelList(object="list", data=data).model_dump()
+        for card in body["data"]:
+            for field in ("standby_reason", "capabilities"):
+                if card[field] is None:
+                    del card[field]
+        return web.json_response(body)
 
     async def health_handler(request: web.Request) -> web.Response:
         ok, details = health()

@@ -7,6 +7,10 @@ The paths, statuses and headers below mirror :func:`node_agent.openai_api.build_
 ``tests/test_openapi.py`` runs schemathesis against the live app with this document to keep
 them honest (every answer's status, content type and body are documented).
 
+``info.description`` holds the capability table
+(:func:`mlx_fleet.capabilities.rules_markdown`): which request fields need which capability of
+the serving model (``GET /v1/models`` ``capabilities``), refused with a 400 otherwise.
+
 It reflects the app's configuration: with API keys the ``/v1/*`` operations (and
 ``/metrics`` with ``metrics_auth``) declare bearer authentication and a 401; ``/health`` and
 ``/openapi.json`` are always open.
@@ -18,6 +22,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from mlx_fleet.capabilities import rules_markdown
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
 from .api_models import REQUEST_MODELS, RESPONSE_MODELS
@@ -57,6 +62,22 @@ _RETRY_AFTER = {"description": "Seconds to wait before retrying.",
                 "schema": {"type": "string"}}
 
 
+#: ``info.description``: what the API accepts beyond the schemas, with the capability table.
+_DESCRIPTION = (
+    "OpenAI-compatible API of one Mac's node agent. Every accepted field is in the request "
+    "schemas below; unknown fields are ignored, as OpenAI's server does.\n\n"
+    "**Capabilities.** Some fields need a capability of the model revision that serves the "
+    "request; `GET /v1/models` shows each revision's `capabilities`. A request that needs one "
+    "the revision lacks is answered 400 `invalid_request_error` with `param` naming the field "
+    "and `code` `unsupported_parameter` (`unsupported_value` when only the bound is too small; "
+    "`wrong_model_task`, `param` `model`, when the model is served for another task than the "
+    "endpoint's); the switched-off spellings (`tools: []`, "
+    "`tool_choice: \"none\"`, `response_format: {\"type\": \"text\"}`, `logprobs: false`, "
+    "`n: 1`) are always accepted. The fleet router answers the same when no Mac has it. The "
+    "legacy `functions` / `function_call` are refused by every model (use `tools` / "
+    "`tool_choice`).\n\n"
+    + rules_markdown())
+
 #: The end of a stream: ``data: [DONE]``.
 STREAM_DONE = "[DONE]"
 
@@ -94,9 +115,11 @@ def _completion(request: str, response: str, chunk: str, summary: str) -> dict[s
                     "headers": {REVISION_HEADER: _REVISION},
                     "content": {"application/json": {"schema": _ref(response)},
                                 "text/event-stream": {"schema": _event(chunk)}}},
-            "400": _error("Malformed JSON, an invalid field (`param` names it), an unsupported "
-                          "option, a prompt over the context, or over `--max-prompt-bytes` "
-                          "(`prompt_too_large`)."),
+            "400": _error("Malformed JSON, an invalid field (`param` names it), an option "
+                          "the serving model's capabilities lack (`unsupported_parameter`, or "
+                          "`unsupported_value` for a bound; `param` names the field: see the "
+                          "capability table above), a prompt over the context, or over "
+                          "`--max-prompt-bytes` (`prompt_too_large`)."),
             "404": _error("The model is not loaded on this node (`model_not_found`)."),
             "408": _error("The body did not arrive within `--body-timeout-seconds` "
                           "(`request_timeout`)."),
@@ -149,7 +172,7 @@ def openapi_document(*, api_keys: bool = False, metrics_auth: bool = False,
     }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": TITLE, "version": version},
+        "info": {"title": TITLE, "version": version, "description": _DESCRIPTION},
         "paths": paths,
         "components": {"schemas": _schemas()},
     }

@@ -20,7 +20,9 @@ from mlx_fleet.memstore import MemoryStore
 from node_agent.controller import Controller, ServedModel
 from node_agent.metrics import AgentMetrics
 from node_agent.registration import Registration
-from node_agent.serving import MemoryUsage
+from node_agent.serving import MemoryUsage, ModelInfo
+from node_agent.serving.capabilities import TOOL_CALLING_SERVED
+from node_agent.serving.types import TokenizerFeatures
 from serving_fixtures import wait_for
 from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, assignment, put,  # noqa: F401
                                    registration, settled, state_is, wait_report)
@@ -46,13 +48,16 @@ class FakeCore:
         self._released.set()
 
     async def load_model(self, model_id: str, path, *, revision: str,
-                         max_concurrent_sequences: int, max_context_tokens: int) -> None:
+                         max_concurrent_sequences: int, max_context_tokens: int) -> ModelInfo:
         ident = (model_id, revision)
         self.events.append(("load", ident))
         if self.hold_loads:
             await self._released.wait()
         self.resident[ident] = str(path)
         self.events.append(("loaded", ident))
+        # its tokenizer has a tool parser (reported only once the agent serves tool calls)
+        return ModelInfo(model_id, revision, str(path), 0, max_concurrent_sequences,
+                         max_context_tokens, features=TokenizerFeatures(tool_parser="json_tools"))
 
     async def unload_model(self, model_id: str, revision: str | None = None, *,
                            drain_seconds: float = 0.0) -> None:
@@ -112,7 +117,15 @@ async def test_a_renamed_assignment_drains_its_old_name_then_loads_the_new(
         test_model_dir: Path) -> None:
     rkey = keys.report(NODE, "default", "chat", "r1")
     await put(store, keys, assignment("chat", test_model_dir, model="old-name"))
-    assert (await wait_report(store, rkey, settled)).state == AssignmentState.READY  # type: ignore[union-attr]
+    first = await wait_report(store, rkey, settled)
+    assert first is not None and first.state == AssignmentState.READY
+    # the Ready report carries the loaded revision's capabilities: its limits, and its
+    # tokenizer's tool parser once this build serves tool calls
+    caps = first.capabilities
+    assert caps is not None and caps.task == "TextGeneration"
+    assert caps.max_context_tokens == assignment("chat", test_model_dir).serving.max_context_tokens
+    assert (caps.tool_calling, caps.tool_parser) == (
+        (True, "json_tools") if TOOL_CALLING_SERVED else (False, None))
     await put(store, keys, assignment("chat", test_model_dir, model="new-name", generation=2))
     r = await wait_report(store, rkey, lambda r: settled(r) and r.generation == 2)
     assert r is not None and r.state == AssignmentState.READY

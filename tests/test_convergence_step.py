@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, Assignment,
                                 AssignmentReport, AssignmentState, DownloadProgress,
                                 LifecyclePolicy, ModelSource, Role)
@@ -513,13 +514,17 @@ def test_holds_keeps_a_revision_assigned_again() -> None:
     assert step.holds(records, Spec.of(a1).ident) and not step.holds(records, ("x", "r1"))
 
 
+CAPS = ModelCapabilities(max_n=2, max_context_tokens=4096)
+
+
 def test_served_and_standby_views() -> None:
     unload = IdleUnload("a", "r1", 400, 300, None, None, 0, reason=EVICTED)
     r2 = assignment("a", uri="file:///m/a2", revision="r2", role=Role.CANDIDATE)
     a_r1 = assignment("a", uri="file:///m/a")
     lazy = assignment("lazy", prefetch="OnDemand")
     records = {
-        "a1": record(a_r1, loaded=loaded(a_r1, standby=True, unload=unload, created_unix=5)),
+        "a1": record(a_r1, loaded=loaded(a_r1, standby=True, unload=unload, created_unix=5,
+                                         capabilities=CAPS)),
         "a2": record(r2, loaded=loaded(r2)),
         "lazy": record(lazy, loaded=loaded(lazy, standby=True, estimate=0,
                                            standby_reason=AWAITING_REQUEST, created_unix=7)),
@@ -530,8 +535,8 @@ def test_served_and_standby_views() -> None:
                          frozenset({"r1"})),
         "lazy": ServedModel("default", "lazy", {"r1": Role.STABLE}, frozenset({"r1"}))}
     assert step.standby_models(records) == [
-        StandbyModel("a", "r1", 4096, EVICTED, 5), StandbyModel("lazy", "r1", 4096,
-                                                                AWAITING_REQUEST, 7)]
+        StandbyModel("a", "r1", 4096, EVICTED, 5, CAPS),    # its last load's capabilities
+        StandbyModel("lazy", "r1", 4096, AWAITING_REQUEST, 7)]   # never loaded: unknown
 
 
 def test_a_record_is_forgettable_once_nothing_is_left() -> None:

@@ -19,7 +19,8 @@ from mlx_fleet.contract import (
     NodeRecord,
     Role,
 )
-from mlx_fleet.fleetstatus import FleetView, breaker_text, render, summarize
+from mlx_fleet.capabilities import ModelCapabilities
+from mlx_fleet.fleetstatus import FleetView, breaker_text, capabilities_text, render, summarize
 from mlx_fleet.routing.fleet import FleetRouting, RoutedMac
 
 
@@ -93,6 +94,35 @@ def test_summarize_one_row_per_revision_with_its_role() -> None:
 ])
 def test_breaker_text(mac, text) -> None:
     assert breaker_text(mac) == text
+
+
+@pytest.mark.parametrize("caps, text", [
+    (None, "-"),
+    (ModelCapabilities(), "generate"),
+    (ModelCapabilities(tool_calling=True, tool_parser="json_tools", structured_outputs=True,
+                       logprobs=True, max_top_logprobs=20, max_n=4),
+     "generate, tools (json_tools), json, logprobs ≤20, n ≤4"),
+    (ModelCapabilities(task="TextEmbedding", embeddings=True), "embeddings"),
+    (ModelCapabilities(task="TextEmbedding"), "embed (not served)"),
+])
+def test_capabilities_text(caps, text) -> None:
+    assert capabilities_text(caps) == text
+
+
+def test_status_shows_each_revisions_reported_capabilities() -> None:
+    ref = ("mac-a", "default", "llama", "v2")
+    view = FleetView(
+        nodes={"mac-a": _node("mac-a")},
+        assignments={ref: _assignment("llama"),
+                     ("mac-a", "default", "coder", "v2"): _assignment("coder")},
+        reports={ref: AssignmentReport(node="mac-a", namespace="default", name="llama",
+                                       state=AssignmentState.READY,
+                                       capabilities=ModelCapabilities(max_n=2))})
+    rows = {r["deployment"]: r["capabilities"] for r in summarize(view)}
+    assert rows == {"default/llama": "generate, n ≤2", "default/coder": "-"}
+    out = io.StringIO()
+    render(view, Console(file=out, width=300))
+    assert "Capabilities" in out.getvalue() and "generate, n ≤2" in out.getvalue()
 
 
 def _two_macs() -> FleetView:

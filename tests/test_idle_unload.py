@@ -170,6 +170,10 @@ async def test_idle_revision_is_unloaded_and_its_memory_returned(
     assert r.resident_bytes == 0 and r.endpoint == ADVERTISED and r.generation == 1
     assert r.freed_bytes > 0
     assert "MLX active+cache" in r.message and "process RSS" in r.message
+    # the standby report keeps the capabilities of the revision's load (the router reads them)
+    loaded_report = next(x for x in seen if x and x.state == AssignmentState.READY)
+    assert loaded_report.capabilities is not None
+    assert r.capabilities == loaded_report.capabilities
 
     # the numbers the agent measured: MLX memory fell, by about the weights it dropped
     unload = ctl.idle_unloaded[(MODEL, "r1")]

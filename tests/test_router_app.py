@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource, NodeCapacity, NodeHealth, NodeRecord,
                                 ServingParams, TrafficSplit)
@@ -74,6 +75,7 @@ class Stub:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", gen)
         app.router.add_post("/v1/completions", gen)
+        app.router.add_post("/v1/embeddings", gen)
         app.router.add_get("/health", health)
         self.server = TestServer(app, host="127.0.0.1")
 
@@ -112,8 +114,10 @@ async def stubs() -> AsyncIterator[Callable[[Handler], Awaitable[Stub]]]:
 async def publish(store: MemoryStore, node: str, endpoint: str, revision: str = "r1", *,
                   ns: str = NS, name: str = DEP, served: str = MODEL, batch: int = 8,
                   state: AssignmentState = AssignmentState.READY,
-                  health: NodeHealth = NodeHealth.HEALTHY) -> None:
-    """A Mac serving ``ns/name`` at ``revision``: its node record, assignment and report."""
+                  health: NodeHealth = NodeHealth.HEALTHY,
+                  capabilities: ModelCapabilities | None = None) -> None:
+    """A Mac serving ``ns/name`` at ``revision``: its node record, assignment and report
+    (with ``capabilities``; None: unknown, as an agent older than them reports)."""
     await store.put(KEYS.node(node), NodeRecord(name=node, address=endpoint, capacity=CAP,
                                                 health=health).to_json())
     await store.put(KEYS.assignment(node, ns, name, revision), Assignment(
@@ -122,7 +126,7 @@ async def publish(store: MemoryStore, node: str, endpoint: str, revision: str = 
         serving=ServingParams(max_concurrent_sequences=batch)).to_json())
     await store.put(KEYS.report(node, ns, name, revision), AssignmentReport(
         node=node, namespace=ns, name=name, generation=1, revision=revision, state=state,
-        endpoint=endpoint).to_json())
+        endpoint=endpoint, capabilities=capabilities).to_json())
 
 
 class Rig:
@@ -638,3 +642,90 @@ async def test_fleet_view_breakers_and_in_flight_behind_the_api_key(memory_store
     assert (await task).status == 200
     after = await (await rig.client.get("/fleet", headers=auth)).json()
     assert [m["in_flight"] for m in after["macs"]] == [0, 0]
+
+
+TOOLS = ModelCapabilities(tool_calling=True, tool_parser="json_tools", max_n=2,
+                          max_context_tokens=4096)
+PLAIN = ModelCapabilities(max_context_tokens=4096)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+async def test_a_request_needing_a_capability_goes_only_to_macs_that_have_it(
+        memory_store, stubs, router) -> None:
+    a, b, c = await stubs(ok), await stubs(ok), await stubs(ok)
+    await publish(memory_store, "mac-a", a.url, capabilities=PLAIN)
+    await publish(memory_store, "mac-b", b.url, capabilities=TOOLS)
+    rig = await router(macs=2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}
+    for i in range(8):
+        resp = await rig.client.post("/v1/chat/completions", json=body,
+                                     headers={SESSION_HEADER: f"session-{i}"})
+        assert resp.status == 200
+    assert (len(a.seen), len(b.seen)) == (0, 8)
+    # without tools both serve (every session key spreads over both Macs)
+    for i in range(16):
+        assert (await rig.chat(f"session-{i}")).status == 200
+    assert len(a.seen) > 0 and len(b.seen) > 8
+    # a Mac whose capabilities are unknown (an older agent) is tried: it decides itself
+    await publish(memory_store, "mac-c", c.url)
+    await rig.follower.wait_until(lambda t: len(t.models[MODEL].replicas) == 3)
+    await publish(memory_store, "mac-b", b.url, capabilities=PLAIN)
+    await rig.follower.wait_until(
+        lambda t: all(r.capabilities != TOOLS for r in t.models[MODEL].replicas))
+    resp = await rig.client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200 and len(c.seen) == 1
+
+
+@pytest.mark.parametrize(("path", "extra", "param", "code", "words"), [
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools", "unsupported_parameter",
+     "tools: tool calling is not supported by the model 'chat'"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter", "structured outputs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs",
+     "unsupported_parameter", "logprobs is not supported"),
+    # the largest n any Mac of the model offers is named
+    ("/v1/completions", {"n": 3}, "n", "unsupported_value", "n = 3 is not supported by the "
+                                                             "model 'chat' (at most 2)"),
+    ("/v1/embeddings", {"input": "x"}, "model", "wrong_model_task",
+     "model: the model 'chat' is served for TextGeneration: use POST /v1/chat/completions"),
+])
+async def test_no_mac_with_the_capability_is_a_400_naming_the_field_without_trying_any(
+        memory_store, stubs, router, path, extra, param, code, words) -> None:
+    a, b = await stubs(ok), await stubs(ok)
+    await publish(memory_store, "mac-a", a.url, capabilities=PLAIN)
+    # a draining Mac still counts for what the model can do: its n bound is the one named
+    await publish(memory_store, "mac-b", b.url, capabilities=ModelCapabilities(max_n=2),
+                  health=NodeHealth.DRAINING)
+    rig = await router(macs=2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt": "x",
+            **extra}
+    resp = await rig.client.post(path, json=body)
+    assert resp.status == 400
+    err = await error_of(resp)
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+    assert words in err["message"]
+    assert a.seen == [] and b.seen == []
+    assert rig.metric("mlxfleet_router_requests_total", model=MODEL, code="400",
+                      tenant="default") == 1
+
+
+async def test_embeddings_are_routed_to_an_embedding_model(memory_store, stubs, router) -> None:
+    embedded = {"object": "list", "data": [], "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+
+    async def embed(request: web.Request) -> web.Response:
+        return web.json_response(embedded)
+
+    e = await stubs(embed)
+    await publish(memory_store, "mac-e", e.url, capabilities=ModelCapabilities(
+        task="TextEmbedding", embeddings=True, max_context_tokens=512))
+    rig = await router(macs=1)
+    resp = await rig.client.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert resp.status == 200 and await resp.json() == embedded
+    assert len(e.seen) == 1
+    # and a chat request to it is refused by the router, naming the model
+    resp = await rig.chat()
+    assert resp.status == 400
+    err = await error_of(resp)
+    assert (err["param"], err["code"]) == ("model", "wrong_model_task")
+    assert "served for TextEmbedding: use POST /v1/embeddings" in err["message"]
+    assert len(e.seen) == 1

@@ -14,6 +14,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from mlx_fleet.capabilities import (CHAT_PATH, ModelCapabilities, missing_everywhere,
+                                    required_capabilities, satisfies)
 from mlx_fleet.contract import SPLIT_BUCKETS, TrafficSplit
 from mlx_fleet.routing.split import bucket
 from mlx_fleet_router import breaker
@@ -235,6 +237,67 @@ def test_saturated_when_every_target_is_at_its_admission_limit() -> None:
     one_free = full[:2] + [Candidate(names[2], "r1", in_flight=3, max_in_flight=4)]
     p = pick(ring, DEP, "alice", one_free, now=0.0)
     assert not p.saturated and p.targets[0].name == names[2]
+
+
+TOOLS = ModelCapabilities(tool_calling=True, tool_parser="json_tools")
+PLAIN = ModelCapabilities()
+NEEDS_TOOLS = required_capabilities(CHAT_PATH, {"tools": [{"type": "function",
+                                                           "function": {"name": "f"}}]})
+
+
+@pytest.mark.parametrize(("caps", "needs", "eligible"), [
+    # nothing special needed: every Mac, whatever it serves
+    ({"mac-0": PLAIN, "mac-1": TOOLS, "mac-2": None}, required_capabilities(CHAT_PATH, {}),
+     {"mac-0", "mac-1", "mac-2"}),
+    # tools: the Macs that have tool calling, and the one whose capabilities are unknown
+    ({"mac-0": PLAIN, "mac-1": TOOLS, "mac-2": None}, NEEDS_TOOLS, {"mac-1", "mac-2"}),
+    ({"mac-0": PLAIN, "mac-1": PLAIN}, NEEDS_TOOLS, set()),
+    # a bound: n = 3 only where max_n >= 3
+    ({"mac-0": ModelCapabilities(max_n=2), "mac-1": ModelCapabilities(max_n=4)},
+     required_capabilities(CHAT_PATH, {"n": 3}), {"mac-1"}),
+])
+def test_macs_lacking_what_the_request_needs_are_left_out(caps, needs, eligible) -> None:
+    ring = ring_of(frozenset(caps))
+    cands = [Candidate(n, "r1", capabilities=c) for n, c in caps.items()]
+    for key in ("alice", "bob", "carol"):
+        p = pick(ring, DEP, key, cands, now=0.0, needs=needs)
+        assert {t.name for t in p.targets} == eligible
+
+
+_caps = st.none() | st.builds(ModelCapabilities, tool_calling=st.booleans(),
+                              structured_outputs=st.booleans(), logprobs=st.booleans(),
+                              max_top_logprobs=st.integers(0, 20), max_n=st.integers(1, 8))
+_bodies = st.fixed_dictionaries({}, optional={
+    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
+    "response_format": st.just({"type": "json_object"}),
+    "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20), "n": st.integers(1, 8)})
+
+
+@settings(max_examples=150, deadline=None)
+@given(caps=st.lists(_caps, min_size=1, max_size=6), body=_bodies, key=st.text(max_size=8))
+def test_targets_are_exactly_the_macs_that_may_serve_the_request(caps, body: dict,
+                                                                 key: str) -> None:
+    """Every target may serve what the request needs (its capabilities satisfy it, or they
+    are unknown); every such Mac is a target; none is only when the table's 400 applies."""
+    names = MACS[:len(caps)]
+    cands = [Candidate(n, "r1", capabilities=c) for n, c in zip(names, caps)]
+    needs = required_capabilities(CHAT_PATH, body)
+    p = pick(ring_of(frozenset(names)), DEP, key, cands, now=0.0, needs=needs)
+    able = {c.name for c in cands if c.capabilities is None
+            or satisfies(c.capabilities, needs) is None}
+    assert {t.name for t in p.targets} == able
+    assert (missing_everywhere(caps, needs) is None) == bool(able)
+
+
+def test_a_canary_revision_without_the_capability_falls_back_to_stable() -> None:
+    ring = ring_of(frozenset(MACS[:2]))
+    cands = [Candidate("mac-0", "r1", capabilities=TOOLS),
+             Candidate("mac-1", "r2", capabilities=PLAIN)]
+    key = _key_on("candidate", 100)
+    assert pick(ring, DEP, key, cands, _split(100), now=0.0).targets == (
+        Target("mac-1", "", "r2"),)
+    p = pick(ring, DEP, key, cands, _split(100), now=0.0, needs=NEEDS_TOOLS)
+    assert p.role == "stable" and p.targets == (Target("mac-0", "", "r1"),)
 
 
 def test_candidates_off_the_ring_are_an_error() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_fleet.capabilities import CHAT_PATH, ModelCapabilities, required_capabilities
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, ModelSource,
                                 NodeCapacity, NodeHealth, NodeRecord, ServingParams,
                                 StatsReport, TrafficSplit, IDLE_UNLOADED)
@@ -26,9 +27,10 @@ def asg(ns: str, name: str, rev: str, *, served: str = "chat", gen: int = 1,
 
 
 def rep(node_: str, ns: str, name: str, rev: str, state: AssignmentState = AssignmentState.READY,
-        *, gen: int = 1, reason: str = "", endpoint: str | None = None) -> AssignmentReport:
+        *, gen: int = 1, reason: str = "", endpoint: str | None = None,
+        capabilities: ModelCapabilities | None = None) -> AssignmentReport:
     return AssignmentReport(node=node_, namespace=ns, name=name, generation=gen, revision=rev,
-                            state=state, reason=reason,
+                            state=state, reason=reason, capabilities=capabilities,
                             endpoint=f"http://{node_}:8000/" if endpoint is None else endpoint)
 
 
@@ -128,3 +130,32 @@ def test_assigned_without_a_ready_replica_is_known_but_empty():
     table = build(nodes={}, assignments={K_A: asg("team", "chat", "r1")}, reports={})
     assert table.models["chat"].replicas == ()
     assert table.models["chat"].revisions == ()
+
+
+TOOLS = ModelCapabilities(tool_calling=True, tool_parser="json_tools", max_n=2)
+PLAIN = ModelCapabilities()
+TOOL_BODY = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+
+
+@pytest.mark.parametrize(("caps_a", "caps_b", "body", "missing"), [
+    (PLAIN, TOOLS, TOOL_BODY, None),                 # mac-b has it
+    (PLAIN, None, TOOL_BODY, None),                  # mac-b unknown: it may
+    (PLAIN, PLAIN, TOOL_BODY, ("tools", None)),
+    (PLAIN, TOOLS, {"n": 3}, ("n", 2)),              # the largest bound offered
+    (PLAIN, PLAIN, {}, None),
+])
+def test_replicas_carry_their_reported_capabilities(caps_a, caps_b, body, missing):
+    table = build(nodes={"mac-a": node("mac-a"), "mac-b": node("mac-b", NodeHealth.DRAINING)},
+                  assignments={K_A: asg("team", "chat", "r1"), K_B: asg("team", "chat", "r1")},
+                  reports={K_A: rep(*K_A, capabilities=caps_a),
+                           K_B: rep(*K_B, capabilities=caps_b)})
+    served = table.models["chat"]
+    assert [r.capabilities for r in served.replicas] == [caps_a, caps_b]
+    got = served.missing(required_capabilities(CHAT_PATH, body))
+    # a cordoned replica's capability still counts (availability is the picker's concern)
+    assert (None if got is None else (got.param, got.limit)) == missing
+
+
+def test_a_model_without_replicas_misses_nothing():
+    table = build(nodes={}, assignments={K_A: asg("team", "chat", "r1")}, reports={})
+    assert table.models["chat"].missing(required_capabilities(CHAT_PATH, TOOL_BODY)) is None

@@ -8,10 +8,14 @@ choice's ``index``) and a ``usage`` counting the prompt once and every choice's 
 ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), streamed per event for its
 tokens (:mod:`node_agent.sse`).
 
-Statuses beyond :mod:`.parse`'s 400s: 400 ``context_length_exceeded`` / ``prompt_too_large`` /
-``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 400 ``invalid_value`` naming ``n`` for
-more choices than the agent's ``--max-choices`` or the model's batch allows, 404
-``model_not_found``, 429 with
+Statuses beyond :mod:`.parse`'s 400s: 400 ``unsupported_parameter`` / ``unsupported_value``
+when the revision that would serve the request lacks a capability it needs (tools, structured
+outputs, logprobs, ``n``: :func:`mlx_fleet.capabilities.satisfies` over the revision's
+:func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's answer, word for
+word, ``param`` naming the field), 400 ``invalid_value`` naming ``n`` for more choices than
+the core takes (``ServingCore.generate``'s ``TooManyChoices``: ``--max-choices`` or the model's
+batch; the capabilities answer first), 400 ``context_length_exceeded`` / ``prompt_too_large`` /
+``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
 Every answer from the point the revision is known carries ``X-Model-Revision``.
@@ -25,6 +29,7 @@ from typing import Any, Callable, Literal
 
 from aiohttp import web
 
+from mlx_fleet.capabilities import REQUEST_FIELDS, required_capabilities, satisfies
 from mlx_fleet.http_errors import error_response as _error
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
@@ -35,6 +40,7 @@ from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatComp
 from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
                        ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
                        StreamBufferOverflow, TooManyChoices)
+from ..serving.capabilities import model_capabilities
 from ..sse import DONE, StreamEncoder, data_event
 from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
 from .forward import Forwarder
@@ -180,6 +186,12 @@ class Completions:
         request[MODEL] = req.model
         request[REVISION] = info.revision
         headers = {REVISION_HEADER: info.revision}  # on every response from here on
+        missing = satisfies(model_capabilities(info, max_choices=core.max_choices),
+                            required_capabilities(
+            request.path, req.model_dump(include=set(REQUEST_FIELDS))))
+        if missing is not None:
+            return _error(400, missing.message(req.model), param=missing.param,
+                          code=missing.code, headers=headers)
         outcome = _Outcome(tm, routed)
         prompt_param = "messages" if kind == "chat" else "prompt"
         try:

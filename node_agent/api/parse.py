@@ -2,7 +2,12 @@
 
 400 ``invalid_request_error``: malformed JSON (``code`` ``invalid_json``), an invalid field
 (``param`` names it, ``code`` ``invalid_value``), ``stream_options`` without ``stream: true``,
-and options this server does not implement (``code`` ``unsupported_parameter``, :func:`unsupported`).
+and the legacy ``functions`` / ``function_call``, which no model here serves (``code``
+``unsupported_parameter``, :func:`unsupported`). What depends on the model (tools, structured
+outputs, logprobs, ``n``) is decided once the serving revision is known, by its capabilities
+(:mod:`.completions`); a chat ``top_logprobs`` without ``logprobs: true`` is a 400 here
+(``invalid_value``, as OpenAI answers), and so is a legacy ``top_logprobs`` (not a field of
+OpenAI's legacy API, whose ``logprobs`` says how many: ``unsupported_parameter``).
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ def validation_error(e: ValidationError) -> web.Response:
 
 
 def unsupported(req: SamplingRequest) -> web.Response | None:
-    """400 for options this server cannot honour, naming the first such parameter; and for
-    a chat request's ``top_logprobs`` without ``logprobs: true`` (``invalid_value``, as OpenAI
-    answers)."""
+    """400 for options this server honours for no model, naming the first such parameter:
+    ``stream_options`` without ``stream``, the legacy ``functions`` / ``function_call`` (use
+    ``tools`` / ``tool_choice``). The model-dependent ones are the revision's capabilities'
+    (:func:`mlx_fleet.capabilities.satisfies`)."""
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
                       param="stream_options", code="invalid_value")
@@ -42,18 +48,18 @@ def unsupported(req: SamplingRequest) -> web.Response | None:
             and req.logprobs is not True):
         return _error(400, "top_logprobs: only allowed when logprobs is true",
                       param="top_logprobs", code="invalid_value")
+    if isinstance(req, CompletionRequest) and req.top_logprobs not in (None, 0):
+        return _error(400, "top_logprobs: top_logprobs is not supported on /v1/completions "
+                      "(its logprobs says how many)", param="top_logprobs",
+                      code="unsupported_parameter")
     off = {
-        "tools": not req.tools,
-        "tool_choice": req.tool_choice in (None, "none"),
         "functions": not req.functions,
         "function_call": req.function_call in (None, "none"),
-        "response_format": req.response_format in (None, {"type": "text"}),
     }
-    if isinstance(req, CompletionRequest):  # legacy: `logprobs` says how many
-        off["top_logprobs"] = req.top_logprobs in (None, 0)
     for param, ok in off.items():
         if not ok:
-            return _error(400, f"{param}: {param} is not supported by this server",
+            return _error(400, f"{param}: {param} is not supported by this server (use "
+                          f"{'tools' if param == 'functions' else 'tool_choice'})",
                           param=param, code="unsupported_parameter")
     return None
 

@@ -18,6 +18,7 @@ from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
 from .. import memory_estimate
 from ..fetch import fetch
 from ..serving import ModelLoadError
+from ..serving.capabilities import model_capabilities
 from ..serving.errors import LOAD_CANCELLED
 from ..model_dir import SourceError
 from ..sources import is_remote
@@ -131,7 +132,7 @@ class Loader:
             # reload on demand) counts it and cannot over-commit the budget
             rec.loading = (spec, est.total_bytes)
             try:
-                await rt.core.load_model(
+                info = await rt.core.load_model(
                     spec.model_id, path, revision=spec.revision,
                     max_concurrent_sequences=spec.max_concurrent_sequences,
                     max_context_tokens=spec.max_context_tokens)
@@ -164,7 +165,9 @@ class Loader:
         rec.failure = None
         now = rt.clock()
         rec.loaded = loaded = Loaded(spec, resident, last_used=now, load_seconds=now - t0,
-                                     estimated_bytes=est.total_bytes, created_unix=time.time())
+                                     estimated_bytes=est.total_bytes, created_unix=time.time(),
+                                     capabilities=model_capabilities(
+                                         info, max_choices=rt.core.max_choices))
         rt.metrics.model_loads.labels(reason if on_demand else LOAD_ASSIGNED).inc()
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._reports.ready(key, a, loaded)

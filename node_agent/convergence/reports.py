@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.contract import (AWAITING_REQUEST, Assignment, AssignmentReport, AssignmentState,
                                 DownloadProgress)
 
@@ -30,13 +31,14 @@ class Reports:
     async def put(self, key: str, state: AssignmentState, *, namespace: str, name: str,
                   generation: int, revision: str = "", reason: str = "", message: str = "",
                   endpoint: str = "", resident_bytes: int = 0, freed_bytes: int = 0,
-                  estimated_bytes: int = 0, progress: DownloadProgress | None = None) -> None:
+                  estimated_bytes: int = 0, progress: DownloadProgress | None = None,
+                  capabilities: ModelCapabilities | None = None) -> None:
         """Write ``key``'s report (kept as its record's ``report`` too)."""
         report = AssignmentReport(
             node=self._rt.node_name, namespace=namespace, name=name, generation=generation,
             revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
             resident_bytes=resident_bytes, freed_bytes=freed_bytes,
-            estimated_bytes=estimated_bytes, progress=progress)
+            estimated_bytes=estimated_bytes, progress=progress, capabilities=capabilities)
         self._rt.record(key).report = report
         await asyncio.shield(self._reg.put_report(self._rt.report_key(key), report))
 
@@ -51,12 +53,14 @@ class Reports:
                        reason="ModelLoaded", endpoint=self.advertise_url,
                        message=f"serving {loaded.spec.model_id} from {loaded.spec.uri}",
                        resident_bytes=loaded.resident_bytes,
-                       estimated_bytes=loaded.estimated_bytes)
+                       estimated_bytes=loaded.estimated_bytes,
+                       capabilities=loaded.capabilities)
 
     async def standby(self, key: str, a: Assignment, loaded: Loaded) -> None:
         """Report a standby revision: ``Unloaded`` with reason ``IdleUnloaded``, ``Evicted`` or
         ``AwaitingRequest`` (:func:`~mlx_fleet.contract.is_standby`), still at its endpoint (a
-        request loads it), nothing resident, the bytes its unload freed."""
+        request loads it), nothing resident, the bytes its unload freed, and the capabilities
+        of its last load here (None when it was never loaded here)."""
         unload = loaded.unload
         reason = loaded.reason
         if unload is not None:
@@ -70,7 +74,8 @@ class Reports:
                        generation=a.generation, revision=loaded.spec.revision, reason=reason,
                        endpoint=self.advertise_url, message=message, resident_bytes=0,
                        freed_bytes=unload.freed_bytes if unload is not None else 0,
-                       estimated_bytes=loaded.estimated_bytes)
+                       estimated_bytes=loaded.estimated_bytes,
+                       capabilities=loaded.capabilities)
 
     async def prefetching(self, key: str, spec: Spec, progress: DownloadProgress,
                           common: dict, estimated_bytes: int) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Union
 
 from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, Assignment, AssignmentReport,
                                 AssignmentState, Role)
+from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.quantity import format_bytes
 
 if TYPE_CHECKING:  # a type only: importing node_agent.serving would load MLX
@@ -121,13 +122,15 @@ class IdleUnload:
 class StandbyModel:
     """A revision assigned here but not resident (``GET /v1/models`` lists it): ``reason`` is
     its report's (``IdleUnloaded``, ``Evicted``, ``AwaitingRequest``); ``created_unix``: when it
-    was last loaded or assigned (seconds since the epoch)."""
+    was last loaded or assigned (seconds since the epoch); ``capabilities``: those of its last
+    load here (None: never loaded here)."""
 
     model_id: str
     revision: str
     max_context_tokens: int
     reason: str
     created_unix: int
+    capabilities: ModelCapabilities | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +185,9 @@ class Loaded:
     ``last_used``: clock time of its last request (or of its load); ``standby``: not resident
     — unloaded since (``unload`` says how) or never loaded (``OnDemand``: ``standby_reason``
     ``AwaitingRequest``) — still served on demand; ``load_seconds``: how long its last load
-    took (clock seconds); ``created_unix``: wall-clock time it was loaded or assigned."""
+    took (clock seconds); ``created_unix``: wall-clock time it was loaded or assigned;
+    ``capabilities``: what it serves, from its last load (None: never loaded here), reported
+    with it Ready and in standby."""
 
     spec: Spec
     resident_bytes: int
@@ -193,6 +198,7 @@ class Loaded:
     load_seconds: float = 0.0
     standby_reason: str = ""
     created_unix: float = 0.0
+    capabilities: ModelCapabilities | None = None
 
     @property
     def reason(self) -> str:

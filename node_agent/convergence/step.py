@@ -507,6 +507,6 @@ def standby_models(records: Mapping[str, Record]) -> list[StandbyModel]:
         if loaded is not None and loaded.standby and rec.assigned(loaded.spec) is not None:
             out.append(StandbyModel(loaded.spec.model_id, loaded.spec.revision,
                                     loaded.spec.max_context_tokens, loaded.reason,
-                                    int(loaded.created_unix)))
+                                    int(loaded.created_unix), loaded.capabilities))
     return sorted(out, key=lambda m: (m.model_id, m.revision))
 

@@ -15,7 +15,8 @@ work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, ch
 :mod:`.worker` (the parked MLX threads), :mod:`.core` (:class:`ServingCore`: its state,
 observability, generation and admission), :mod:`.revisions` (its loading, unloading and
 draining of revisions), :mod:`.channel` (its command channel to the MLX thread),
-:mod:`.step_loop` (the MLX thread's step loop).
+:mod:`.step_loop` (the MLX thread's step loop), :mod:`.capabilities` (what a loaded revision
+serves: tool parser, constrained decoding, logprobs, ``n``; the switches each feature flips).
 """
 
 from .core import DEFAULT_MAX_CHOICES, ServingCore

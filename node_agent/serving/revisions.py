@@ -27,6 +27,7 @@ from typing import Any
 
 from ..memory_estimate import ModelFileError, kv_cache_bytes_per_token, read_config
 from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded
+from .capabilities import tokenizer_features
 from .loading import Materialization, load_tokenizer
 from .types import LoadProgress, ModelInfo, ModelKey
 
@@ -197,8 +198,8 @@ class _Revisions:
         return job.info        # with its KV bytes per token (_hand_to_thread)
 
     async def _hand_to_thread(self, job: _Load) -> None:
-        """Load ``job``'s tokenizer and read its KV bytes per token (into ``job.info``) off the
-        MLX thread, then queue the job on it. Raises
+        """Load ``job``'s tokenizer, read its KV bytes per token and its tokenizer's features
+        (into ``job.info``) off the MLX thread, then queue the job on it. Raises
         :class:`ModelLoadError` (``LoadFailed``, ``Cancelled``, ``CoreFailed``, ``NotStarted``)."""
         t0 = time.perf_counter()
         try:
@@ -209,7 +210,9 @@ class _Revisions:
         job.served_tokenizer = job.tokenizer
         job.tokenizer_seconds = time.perf_counter() - t0
         per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
-        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
+        features = await asyncio.to_thread(tokenizer_features, job.tokenizer)
+        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token,
+                                       features=features)
         if job.cancelled:
             job.tokenizer = None
             raise ModelLoadError(LOAD_CANCELLED, _CANCELLED)

@@ -7,10 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelKey", "ModelInfo", "Chunk", "MemoryUsage", "LoadProgress"]
+__all__ = ["ModelKey", "TokenizerFeatures", "ModelInfo", "Chunk", "MemoryUsage",
+           "LoadProgress"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
 ModelKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class TokenizerFeatures:
+    """What a revision's tokenizer brings for the capabilities
+    (:func:`node_agent.serving.capabilities.tokenizer_features`): ``tool_parser``, mlx-lm's
+    tool parser for it (``mlx_lm.tool_parsers.<name>``; None: none); ``grammar``: llguidance
+    builds a tokenizer from it (constrained decoding; False also when not checked)."""
+
+    tool_parser: str | None = None
+    grammar: bool = False
 
 
 @dataclass(frozen=True)
@@ -19,7 +31,9 @@ class ModelInfo:
     ``max_context_tokens``: prompt + completion limit in tokens; ``kv_cache_bytes_per_token``:
     KV-cache bytes one token of one sequence holds
     (:func:`node_agent.memory_estimate.kv_cache_bytes_per_token` of its ``config.json``; 0 when
-    that cannot be read: then no KV bound applies to it)."""
+    that cannot be read: then no KV bound applies to it); ``features``: what its tokenizer
+    brings for its capabilities
+    (:func:`node_agent.serving.capabilities.model_capabilities`)."""
 
     model_id: str
     revision: str
@@ -28,6 +42,7 @@ class ModelInfo:
     max_concurrent_sequences: int
     max_context_tokens: int
     kv_cache_bytes_per_token: int = 0
+    features: TokenizerFeatures = TokenizerFeatures()
 
     @property
     def key(self) -> ModelKey:

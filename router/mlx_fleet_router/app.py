@@ -2,8 +2,9 @@
 
 Routes:
 
-* ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming): relayed to a
-  Mac that serves the requested model (below), the Mac's answer streamed back as it comes;
+* ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming),
+  ``POST /v1/embeddings``: relayed to a Mac that serves the requested model and what the request
+  needs (below), the Mac's answer streamed back as it comes;
 * ``GET /v1/models``: the served names in scope with a Ready replica, each with its
   ``deployment`` (``namespace/name``), ``revisions`` and ``ready_replicas`` (``created``: 0,
   unknown to the router);
@@ -25,12 +26,19 @@ outputs):
    otherwise, OpenAI's shape). A name the routing table does not know: 404
    ``model_not_found`` naming it; a name two deployments in scope claim: 409
    ``model_name_conflict`` naming both (:mod:`~mlx_fleet_router.table`).
+   **Capabilities**: what the body needs (:func:`mlx_fleet.capabilities.required_capabilities`
+   of the same parsed body: tools, structured outputs, logprobs, ``n``, the endpoint's task);
+   when no replica of the model serves it (:meth:`~mlx_fleet_router.table.Served.missing`, from
+   the capabilities the agents report), 400 ``invalid_request_error`` with ``param`` naming the
+   field and ``code`` ``unsupported_parameter`` / ``unsupported_value`` — the agents' own answer
+   (:class:`mlx_fleet.capabilities.Missing`) — without trying any Mac.
 3. **Tenant limits** (:func:`mlx_fleet_router.limits.admit`): 429 ``rate_limit_error`` /
    ``rate_limit_exceeded`` with ``Retry-After``; the request's usage (``total_tokens``, read
    from the end of the relayed answer) is charged when it ends.
 4. **Pick** (:func:`mlx_fleet_router.picker.pick`): the session key
    (:func:`mlx_fleet.routing.session.session_key`: ``X-Session-ID``, else ``user``, else the
-   prompt-prefix key) → the Macs to try, in order, each with the revision to pin. When every
+   prompt-prefix key) → the Macs to try, in order, each with the revision to pin; a Mac whose
+   model lacks what the request needs is not one of them. When every
    Mac is at its admission limit (``batch_limit × admission_batches`` requests in flight from
    this router), the request waits in the bounded queue (:func:`~mlx_fleet_router.limits.
    backpressure`), then 429 with ``Retry-After``. No usable Mac: 503 ``unavailable``.
@@ -68,6 +76,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from mlx_fleet.capabilities import Need, required_capabilities
 from mlx_fleet.exposure import may_send_key
 from mlx_fleet.http_errors import error_response, unauthorized
 from mlx_fleet.routing.api_keys import DEFAULT_TENANT, KeyFile, bearer_token
@@ -246,6 +255,11 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
             return error_response(404, f"The model '{model}' does not exist in this fleet",
                                   param="model", code="model_not_found")
         request[_MODEL] = model
+        needs = required_capabilities(request.path, doc)
+        missing = served.missing(needs)
+        if missing is not None:
+            return error_response(400, missing.message(model), param=missing.param,
+                                  code=missing.code)
         lim = settings.tenant_limits.get(tenant, settings.default_limits)
         verdict, st = limits.admit(lim, state.tenants.get(tenant, limits.TenantState()),
                                    clock())
@@ -258,13 +272,14 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
         state.tenants[tenant] = st
         relayed: list[_Relay] = []
         try:
-            return await route(request, served, body, doc, t0, relayed)
+            return await route(request, served, body, doc, needs, t0, relayed)
         finally:
             tokens = usage_tokens(relayed[-1].tail) if relayed else 0
             state.tenants[tenant] = limits.release(lim, state.tenants[tenant], tokens, clock())
 
     async def route(request: web.Request, served: Served, body: bytes, doc: dict,
-                    t0: float, relayed: list[_Relay]) -> web.StreamResponse:
+                    needs: frozenset[Need], t0: float,
+                    relayed: list[_Relay]) -> web.StreamResponse:
         model, dep = served.model, served.deployment
         messages = doc.get("messages")
         user = doc.get("user")
@@ -278,7 +293,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                 chosen = pick(state.ring(served), dep, key, state.candidates(served),
                               served.split, now=clock(), breaker_config=settings.breaker,
                               load_factor=settings.load_factor,
-                              guard_tripped=served.guard_tripped)
+                              guard_tripped=served.guard_tripped, needs=needs)
                 d = limits.backpressure(settings.queue, saturated=chosen.saturated,
                                         queued=state.queued.get(dep, 0),
                                         enqueued_at=enqueued_at, now=clock())
@@ -458,6 +473,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     app.cleanup_ctx.append(start_probes)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/embeddings", generate)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/fleet", fleet_handler)

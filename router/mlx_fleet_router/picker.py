@@ -31,8 +31,12 @@ its ordered :class:`Target` list. Two steps:
    unrounded ``load_factor × (total + 1) / n``; the ceiling is the paper's and keeps one Mac
    always within bounds.
 
-Eligible: not cordoned, and its breaker admits a request now (:func:`breaker.admits`: closed,
-or half-open with its one trial free). The targets are every eligible Mac of the chosen
+Eligible: not cordoned, its breaker admits a request now (:func:`breaker.admits`: closed,
+or half-open with its one trial free), and it may serve what the request needs (``needs``,
+:func:`mlx_fleet.capabilities.required_capabilities`: its capabilities
+:func:`~mlx_fleet.capabilities.satisfies` them, or they are unknown). A canary revision
+without the capability is thus skipped like one without an eligible Mac (the split falls back
+to the stable side). The targets are every eligible Mac of the chosen
 revision, ordered: within the bound and below its admission limit first, then above the bound,
 then at its admission limit (``in_flight ≥ max_in_flight``), each group in ring order from the
 key. The caller tries them in order (:mod:`~mlx_fleet_router.retry`), re-asking the breaker
@@ -43,8 +47,8 @@ candidates' order; the bound holds; a Mac that joins takes keys only for itself,
 moves only its own keys (on the ring owner, which the bound's spill may override); a session on
 the candidate at weight *w* stays there at any larger weight (the split's buckets are monotone).
 
-Pure: standard library, :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.routing.split` and
-:mod:`~mlx_fleet_router.breaker`.
+Pure: standard library, :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.capabilities`,
+:mod:`mlx_fleet.routing.split` and :mod:`~mlx_fleet_router.breaker`.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from mlx_fleet.capabilities import ModelCapabilities, Need, satisfies
 from mlx_fleet.contract import TrafficSplit
 from mlx_fleet.routing.split import choose, is_active
 
@@ -134,7 +139,8 @@ class Candidate:
     for this deployment now, not yet finished (KubeAI counts per model endpoint too).
     ``breaker``: its circuit breaker. ``cordoned``: its Mac is cordoned (drained: no new
     requests). ``max_in_flight``: the agent's admission limit (concurrent requests it
-    takes before answering 429), None when unknown or unlimited."""
+    takes before answering 429), None when unknown or unlimited. ``capabilities``: what its
+    revision serves (None: unknown)."""
 
     name: str
     revision: str
@@ -143,6 +149,11 @@ class Candidate:
     breaker: breaker.State = breaker.CLOSED
     cordoned: bool = False
     max_in_flight: int | None = None
+    capabilities: ModelCapabilities | None = None
+
+    def may_serve(self, needs: frozenset[Need]) -> bool:
+        """Its capabilities satisfy ``needs``, or they are unknown (its agent decides)."""
+        return self.capabilities is None or satisfies(self.capabilities, needs) is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,19 +225,23 @@ def _tiers(candidates: Sequence[Candidate], split: TrafficSplit | None, key: str
 def pick(ring: Ring, deployment: str, key: str, candidates: Sequence[Candidate],
          split: TrafficSplit | None = None, *, now: float,
          breaker_config: breaker.BreakerConfig = breaker.BreakerConfig(),
-         load_factor: float = LOAD_FACTOR, guard_tripped: bool = False) -> Pick:
+         load_factor: float = LOAD_FACTOR, guard_tripped: bool = False,
+         needs: frozenset[Need] = frozenset()) -> Pick:
     """The Macs to try for the request with session ``key``
     (:func:`mlx_fleet.routing.session.session_key`) to ``deployment`` (``"namespace/name"``),
     in order (module docstring). ``candidates``: the deployment's Ready replicas, in any order;
     every name must be on ``ring`` (ValueError otherwise: the caller's ring is stale).
     ``split``: the deployment's traffic split, None when no canary runs. ``now``: seconds of
     a monotonic clock (the breakers' clock). ``guard_tripped``: the agents reported the local
-    guard tripped (everything goes stable)."""
+    guard tripped (everything goes stable). ``needs``: what the request needs
+    (:func:`mlx_fleet.capabilities.required_capabilities`); a candidate that lacks one is not
+    eligible."""
     missing = {c.name for c in candidates} - ring.names
     if missing:
         raise ValueError(f"candidates not on the ring (rebuild it): {sorted(missing)}")
     eligible = sorted((c for c in candidates
-                       if not c.cordoned and breaker.admits(breaker_config, c.breaker, now)),
+                       if not c.cordoned and breaker.admits(breaker_config, c.breaker, now)
+                       and c.may_serve(needs)),
                       key=lambda c: (c.name, c.revision))
     for tier, role, pin, bucket in _tiers(eligible, split, key, guard_tripped):
         by_name: dict[str, Candidate] = {}

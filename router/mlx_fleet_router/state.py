@@ -80,7 +80,8 @@ class RouterState:
                           in_flight=self.in_flight.get((served.deployment, r.node), 0),
                           breaker=self.breakers.get(r.node, breaker.CLOSED),
                           cordoned=r.cordoned,
-                          max_in_flight=r.batch_limit * s.admission_batches)
+                          max_in_flight=r.batch_limit * s.admission_batches,
+                          capabilities=r.capabilities)
                 for r in served.replicas]
 
     def feed(self, node: str, event: breaker.Event) -> None:

@@ -15,7 +15,10 @@ operator's rule, ``mlx_fleet_operator.reconcile.report_slots``, one predicate:
 * its node record exists (the agent's lease is alive: a dead Mac's record goes with its lease).
 
 Its ``endpoint`` is the report's, else the node record's ``address``. A node whose record says
-``Draining`` marks its replicas ``cordoned``: the picker sends them no new request.
+``Draining`` marks its replicas ``cordoned``: the picker sends them no new request. Its
+``capabilities`` are the report's (:class:`mlx_fleet.capabilities.ModelCapabilities`; None when
+unknown): :meth:`Served.missing` tells when no replica can serve what a request needs (the
+router's 400), and the picker skips the replicas that lack it.
 
 **Scope** (``namespaces``; None: every namespace): deployments outside it are ignored.
 
@@ -27,15 +30,16 @@ soon as any of its assignments names it, Ready or not. The rule is
 :func:`mlx_fleet.routing.names.conflicts`, the one the operator's ``ServedNameConflict``
 condition uses.
 
-Pure: :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.routing.names` and
-:mod:`mlx_fleet.routing.replicas` only.
+Pure: :mod:`mlx_fleet.contract`, :mod:`mlx_fleet.capabilities`, :mod:`mlx_fleet.routing.names`
+and :mod:`mlx_fleet.routing.replicas` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from mlx_fleet.capabilities import Missing, ModelCapabilities, Need, missing_everywhere
 from mlx_fleet.contract import (Assignment, AssignmentReport, NodeHealth, NodeRecord,
                                 StatsReport, TrafficSplit)
 from mlx_fleet.routing import names
@@ -56,13 +60,16 @@ StatsKey = tuple[str, str, str]
 class Replica:
     """One Ready replica: the Mac (``node``, its identity on the hash ring), the ``revision``
     it serves, its ``endpoint`` (base URL), ``cordoned`` (its node is draining: no new
-    requests) and ``batch_limit`` (the assignment's ``serving.max_concurrent_sequences``)."""
+    requests), ``batch_limit`` (the assignment's ``serving.max_concurrent_sequences``) and
+    ``capabilities`` (its report's; None: unknown, an agent older than them or a revision not
+    loaded yet)."""
 
     node: str
     revision: str
     endpoint: str
     cordoned: bool = False
     batch_limit: int = 1
+    capabilities: ModelCapabilities | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,13 @@ class Served:
     def revisions(self) -> tuple[str, ...]:
         """The revisions with a Ready replica, sorted, each once."""
         return tuple(sorted({r.revision for r in self.replicas}))
+
+    def missing(self, needs: Iterable[Need]) -> Missing | None:
+        """What no replica of this model serves of ``needs``
+        (:func:`mlx_fleet.capabilities.missing_everywhere` over every replica, cordoned ones
+        too: a capability does not come back when a drain ends, availability is the picker's
+        concern), or None: some replica may serve the request (or there is none: 503)."""
+        return missing_everywhere((r.capabilities for r in self.replicas), needs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +137,7 @@ def build(*, nodes: Mapping[str, NodeRecord],
         ready[deployment].append(Replica(
             node=node, revision=revision, endpoint=endpoint,
             cordoned=rec.health == NodeHealth.DRAINING,
-            batch_limit=a.serving.max_concurrent_sequences))
+            batch_limit=a.serving.max_concurrent_sequences, capabilities=r.capabilities))
     tripped = {(ns, name, s.canary_uid) for (_, ns, name), s in stats.items()
                if s.guard_tripped}
     conflicts = names.conflicts(claims)

@@ -1,0 +1,128 @@
+"""What a loaded revision serves: its :class:`~mlx_fleet.capabilities.ModelCapabilities`,
+computed from the loaded model.
+
+Two steps: :func:`tokenizer_features` reads what the model itself brings, once per load, off
+the MLX thread (mlx-lm's tool parser for the model family, from its ``TokenizerWrapper``;
+whether llguidance can build a tokenizer for constrained decoding); :func:`model_capabilities`
+combines those with what this build of the agent serves and the revision's limits. The result
+goes into the revision's reports (``AssignmentReport.capabilities``, read by the fleet router),
+onto its ``GET /v1/models`` card, and decides the agent's own 400 for a request the revision
+cannot serve (:func:`mlx_fleet.capabilities.satisfies`).
+
+**The switches below are the one place each feature of issue 20 turns on.** At this branch's
+base the agent serves none of them, so each is off and the capabilities claim nothing but
+text generation with ``n`` = 1 — never a feature the agent would accept and not apply. When a
+feature's branch lands, its merge flips its switch here (and nothing else decides it):
+
+* ``TOOL_CALLING_SERVED`` → True with ``tools`` / ``tool_choice`` / the ``tool`` role
+  (wip/h20struct): then a revision whose tokenizer has an mlx-lm tool parser reports
+  ``tool_calling`` and ``tool_parser``;
+* ``STRUCTURED_OUTPUTS_SERVED`` → True with ``response_format`` by llguidance (wip/h20struct):
+  then a revision reports ``structured_outputs`` when llguidance builds its tokenizer
+  (:func:`grammar_tokenizer_ok`; that branch may hand its own built tokenizer's success in);
+* ``LOGPROBS_SERVED`` / ``MAX_TOP_LOGPROBS`` → True / 20 (OpenAI's bound) with
+  ``logprobs`` / ``top_logprobs`` (wip/h20logprobs);
+* ``n`` > 1 (wip/h20logprobs): the agent's bound (``--max-choices``, the core's
+  ``max_choices``) is passed as ``max_choices`` by the callers (the convergence's load, the
+  ``/v1/models`` route, the completion route); a revision offers ``min(max_choices,
+  max_concurrent_sequences)`` (its n sequences share one batch). :data:`MAX_N`, the default
+  while the agent has no such flag, is 1;
+* ``EMBEDDINGS_SERVED`` → True with ``/v1/embeddings`` (wip/h20embed); that branch's
+  ``ModelInfo.task`` (the assignment's ``task``) then replaces the ``task`` argument of
+  :func:`model_capabilities` (at this base every revision the core loads is a
+  ``TextGeneration`` model).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_fleet.capabilities import (TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities,
+                                    Task)
+
+from ..api_models import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS_OPENAI
+from .types import ModelInfo, TokenizerFeatures
+
+__all__ = ["TOOL_CALLING_SERVED", "STRUCTURED_OUTPUTS_SERVED", "LOGPROBS_SERVED",
+           "MAX_TOP_LOGPROBS", "MAX_N", "EMBEDDINGS_SERVED", "tool_parser_name",
+           "grammar_tokenizer_ok", "tokenizer_features", "model_capabilities"]
+
+log = logging.getLogger(__name__)
+
+#: Served by this build of the agent (module docstring: who flips each, and when). ``MAX_N``:
+#: the ``n`` bound when the caller passes none.
+TOOL_CALLING_SERVED = False
+STRUCTURED_OUTPUTS_SERVED = False
+LOGPROBS_SERVED = True
+MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS_OPENAI
+MAX_N = 1
+EMBEDDINGS_SERVED = False
+
+
+def tool_parser_name(tokenizer: Any) -> str | None:
+    """mlx-lm's tool parser of a loaded ``TokenizerWrapper`` (the module name under
+    ``mlx_lm.tool_parsers``, e.g. ``json_tools``), or None when it has none
+    (``has_tool_calling`` false). mlx-lm's ``load_tokenizer`` chose it from the checkpoint's
+    ``tokenizer_config.json`` (``tool_parser_type``) or inferred it from the chat template and
+    vocabulary; it records the name in the tokenizer's ``init_kwargs``, else it is the parser
+    function's module."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    inner = getattr(tokenizer, "_tokenizer", None)
+    name = (getattr(inner, "init_kwargs", None) or {}).get("tool_parser_type")
+    if isinstance(name, str) and name:
+        return name
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", "") or ""
+    prefix = "mlx_lm.tool_parsers."
+    return module[len(prefix):] if module.startswith(prefix) else None
+
+
+def grammar_tokenizer_ok(tokenizer: Any) -> bool:
+    """Whether llguidance builds its tokenizer from the model's Hugging Face tokenizer
+    (``llguidance.hf.from_tokenizer``: fast tokenizers only; about a second for a large
+    vocabulary, so it runs off the MLX thread, once per load). Never raises: a tokenizer it
+    cannot take (a slow one, a broken ``tokenizer.json``) is False, logged."""
+    try:
+        import llguidance.hf
+
+        llguidance.hf.from_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer))
+    except Exception as e:  # noqa: BLE001 - any failure means: no constrained decoding
+        log.info("llguidance cannot build a tokenizer for this model (%s: %s): no structured "
+                 "outputs", type(e).__name__, e)
+        return False
+    return True
+
+
+def tokenizer_features(tokenizer: Any) -> TokenizerFeatures:
+    """What the model's ``TokenizerWrapper`` brings: its tool parser, and whether llguidance
+    takes it — checked only while :data:`STRUCTURED_OUTPUTS_SERVED` (else False, unchecked:
+    the check costs up to a second per load for nothing). Pure Python; run it off the MLX
+    thread."""
+    return TokenizerFeatures(
+        tool_parser=tool_parser_name(tokenizer),
+        grammar=STRUCTURED_OUTPUTS_SERVED and grammar_tokenizer_ok(tokenizer))
+
+
+def model_capabilities(info: ModelInfo, task: Task = TASK_TEXT_GENERATION, *,
+                       max_choices: int | None = None) -> ModelCapabilities:
+    """The capabilities of the loaded revision ``info`` (its ``features`` from
+    :func:`tokenizer_features`, its limits) as this build serves them (module docstring).
+    ``task``: its deployment's task (``TextGeneration`` at this base); ``max_choices``: the
+    agent's bound on ``n`` (None: :data:`MAX_N`)."""
+    if task == TASK_TEXT_EMBEDDING:
+        return ModelCapabilities(task=TASK_TEXT_EMBEDDING, embeddings=EMBEDDINGS_SERVED,
+                                 max_context_tokens=info.max_context_tokens)
+    n = MAX_N if max_choices is None else max_choices
+    parser = info.features.tool_parser if TOOL_CALLING_SERVED else None
+    return ModelCapabilities(
+        task=TASK_TEXT_GENERATION,
+        tool_calling=parser is not None,
+        tool_parser=parser,
+        structured_outputs=STRUCTURED_OUTPUTS_SERVED and info.features.grammar,
+        logprobs=LOGPROBS_SERVED,
+        max_top_logprobs=MAX_TOP_LOGPROBS if LOGPROBS_SERVED else 0,
+        max_n=max(1, min(n, info.max_concurrent_sequences)),
+        embeddings=False,
+        max_context_tokens=info.max_context_tokens)

@@ -1,0 +1,109 @@
+"""Capabilities end to end with the official ``openai`` client: a real agent (ServingCore over
+the generated model, its real app) behind the real router app, the router's table followed from
+a MemoryStore holding the agent's report with the capabilities the agent computes for its loaded
+revision. A request the model can't serve gets the same 400 from the router (which tries no
+Mac) as from the agent directly; a Mac whose capabilities are unknown is tried and its agent
+gives that 400 itself; a plain request passes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from mlx_fleet.capabilities import ModelCapabilities
+from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
+                                ModelSource, NodeCapacity, NodeRecord)
+from mlx_fleet.memstore import MemoryStore
+from mlx_fleet_router.app import build_app
+from mlx_fleet_router.follow import Follower
+from mlx_fleet_router.state import RouterSettings
+from node_agent.serving.capabilities import model_capabilities
+from serving_fixtures import MODEL_ID, REVISION, Agent, agent, tiny_model_path  # noqa: F401
+
+KEYS = Keys()
+NS, DEP, NODE = "team", "tiny", "mac-a"
+CAP = NodeCapacity(memory_total_bytes=64 << 30, memory_available_bytes=60 << 30,
+                   chip="Apple M4 Max", chip_generation=4)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+async def publish(store: MemoryStore, endpoint: str, caps: ModelCapabilities | None) -> None:
+    await store.put(KEYS.node(NODE), NodeRecord(name=NODE, address=endpoint,
+                                                capacity=CAP).to_json())
+    await store.put(KEYS.assignment(NODE, NS, DEP, REVISION), Assignment(
+        namespace=NS, name=DEP, generation=1, served_model_name=MODEL_ID,
+        source=ModelSource(uri="file:///m", revision=REVISION), memory_bytes=1).to_json())
+    await store.put(KEYS.report(NODE, NS, DEP, REVISION), AssignmentReport(
+        node=NODE, namespace=NS, name=DEP, generation=1, revision=REVISION,
+        state=AssignmentState.READY, endpoint=endpoint, capabilities=caps).to_json())
+
+
+@pytest.fixture
+async def router_url(memory_store: MemoryStore) -> AsyncIterator[tuple[Follower, str]]:
+    follower = Follower(memory_store, KEYS, namespaces={NS})
+    task = asyncio.create_task(follower.run())
+    app = build_app(lambda: follower.table, registry=CollectorRegistry(),
+                    settings=RouterSettings(probe_interval_seconds=0))
+    client = TestClient(TestServer(app, host="127.0.0.1"))
+    await client.start_server()
+    yield follower, str(client.make_url("/v1"))
+    await client.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _error(client: openai.AsyncOpenAI, **extra) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL_ID, messages=MESSAGES,  # type: ignore
+                                             max_tokens=2, **extra)
+    assert e.value.status_code == 400
+    body = e.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["reported", "unknown"])
+async def test_the_router_and_the_agent_refuse_alike(agent: Agent,  # noqa: F811
+                                                     memory_store: MemoryStore,
+                                                     router_url, known: bool) -> None:
+    follower, url = router_url
+    endpoint = str(agent.client.make_url("")).rstrip("/")
+    caps = model_capabilities(agent.core.model_info(MODEL_ID)) if known else None
+    await publish(memory_store, endpoint, caps)
+    await follower.wait_until(lambda t: MODEL_ID in t.models and t.models[MODEL_ID].replicas
+                              and t.models[MODEL_ID].replicas[0].capabilities == caps)
+    def refused_by_agent() -> float:
+        return agent.registry.get_sample_value("mlxfleet_agent_requests_total", {
+            "model": MODEL_ID, "revision": REVISION, "endpoint": "/v1/chat/completions",
+            "code": "400"}) or 0.0
+
+    before = refused_by_agent()
+    direct = openai.AsyncOpenAI(base_url=agent.base_url, api_key="x", max_retries=0)
+    routed = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+    try:
+        for extra, param in (({"tools": TOOLS}, "tools"),
+                             ({"response_format": {"type": "json_object"}}, "response_format"),
+                             ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                             ({"n": 3}, "n")):
+            by_agent = await _error(direct, **extra)
+            by_router = await _error(routed, **extra)
+            assert by_router == by_agent
+            assert by_agent["param"] == param
+            assert by_agent["code"] in ("unsupported_parameter", "unsupported_value")
+        # reported: the router answered itself (the agent saw only the direct requests);
+        # unknown: the router tried the Mac and relayed its agent's answer
+        assert refused_by_agent() - before == (4 if known else 8)
+        # what the model serves passes through the router
+        done = await routed.chat.completions.create(model=MODEL_ID, messages=MESSAGES,  # type: ignore
+                                                    max_tokens=2, n=1, logprobs=False)
+        assert done.choices[0].message.content is not None
+    finally:
+        await direct.close()
+        await routed.close()
