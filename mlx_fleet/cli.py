@@ -7,6 +7,7 @@ Commands:
                     (--node: plus a real kubelet node running the chart's Pods; Linux, root)
   demo              the local demo fleet end to end (the README's first Quick start command)
   make-test-model   write a small real MLX model (random weights, real tokenizer) to a directory
+  make-manifest     write a model directory's manifest.json (sizes, sha256) for an https:// mirror
   status            print nodes, assignments and agent reports from etcd (--router: breakers)
   canary            status / promote / abort a Canary (like `kubectl argo rollouts promote`)
   cordon / uncordon NODE  stop / resume placing new replicas on a Mac (its MacNode)
@@ -346,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-test-model", help="write a small real MLX model to DIR")
     testmodel.add_arguments(m)
     m.set_defaults(func=testmodel.run)
+
+    from mlx_fleet import mirror_manifest
+
+    mm = sub.add_parser("make-manifest", help="write DIR/manifest.json (sizes and sha256) for "
+                                              "an https:// model mirror")
+    mirror_manifest.add_arguments(mm)
+    mm.set_defaults(func=mirror_manifest.run)
 
     st = sub.add_parser("status", help="print nodes, assignments and reports from etcd",
                         description="Read the node records, assignments and agent reports from "

@@ -453,6 +453,13 @@ class AssignmentReport(_Record):
     after it (0 when it did not fall); the ``message`` gives both measurements and the process
     RSS before and after (an eviction's also names the load it made room for). A standby
     replica stays assigned: a request reloads it (:func:`is_standby`).
+    ``digest``: the content address of the files this replica loaded (set from ``Loading``
+    after a download, on ``Ready`` and standby reports): ``sha256:<64 hex>`` for an
+    ``https://`` mirror (sha256 over its sorted ``(path, sha256)`` list), ``hf-commit:<40
+    hex>`` for an ``hf://`` source (the commit downloaded), ``""`` for a local directory or
+    when not known yet. Replicas of one revision reporting different digests hold different
+    bytes (the operator's ``ReplicasConsistent`` condition). Records written before it parse
+    with ``""``.
     ``capabilities``: what the revision serves (tools, structured outputs, logprobs, ``n``,
     embeddings, context; :class:`mlx_fleet.capabilities.ModelCapabilities`), computed from the
     loaded model; on Ready reports and on standby reports of a revision loaded here before.
@@ -474,6 +481,7 @@ class AssignmentReport(_Record):
     estimated_bytes: Annotated[int, Field(ge=0)] = 0
     freed_bytes: Annotated[int, Field(ge=0)] = 0
     capabilities: ModelCapabilities | None = None
+    digest: Annotated[str, Field(max_length=128)] = ""
     updated_unix: float = Field(default_factory=time.time)
 
 

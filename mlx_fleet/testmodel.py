@@ -55,7 +55,7 @@ __all__ = ["make_test_model", "Fault", "FAULT_KINDS", "MAX_FAULT_AFTER_TOKENS", 
 
 #: File written last into a finished model directory; holds the generation parameters.
 MARKER_FILE = "mlx-fleet-testmodel.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2   # 2: the chat template renders tools and tool calls (issue 20)
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -64,11 +64,24 @@ UNK_TOKEN = "<unk>"
 _SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, "<|user|>", "<|assistant|>",
                    "<|system|>"]
 
-#: A simple role-tagged chat template (Jinja, as Hugging Face tokenizers use it).
+#: A simple role-tagged chat template (Jinja, as Hugging Face tokenizers use it). With
+#: ``tools`` it lists them in a system turn and renders an assistant's ``tool_calls`` in the
+#: Qwen/Hermes form ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` (mlx-lm
+#: infers its ``json_tools`` tool parser from ``<tool_call>`` and ``tool_call.name`` here); tool
+#: results are ``<|tool|>`` turns. Without tools the rendering is the plain role-tagged one.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call a tool as <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n"
+    "</tool_call>{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for tool_call in message.tool_calls or [] %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

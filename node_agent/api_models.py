@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      field_validator, model_validator)
 
 from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
@@ -30,7 +31,9 @@ __all__ = ["MAX_TOP_LOGPROBS", "MAX_LEGACY_LOGPROBS", "TopLogprob", "ChatTokenLo
            "PromptTokensDetails", "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
            "TextCompletion", "ChunkDelta", "ChatChunkChoice", "ChatCompletionChunk",
            "TextChunkChoice", "TextCompletionChunk", "ModelCard", "ModelList", "FinishReason", "REQUEST_MODELS",
-           "RESPONSE_MODELS"]
+           "RESPONSE_MODELS", "Tool", "FunctionDefinition", "NamedToolChoice", "ResponseFormat",
+           "JsonSchemaFormat", "ToolCallIn", "FunctionCallIn", "ToolCall", "FunctionCall",
+           "ToolCallDelta", "FUNCTION_NAME_PATTERN", "MAX_TOOLS"]
 
 #: Largest whole number a JSON float represents exactly (2**53): ``4180.0`` is read as 4180
 #: up to it (JSON Schema counts a number with a zero fraction as an integer), ``1e300`` is not.
@@ -54,8 +57,9 @@ MAX_TOP_LOGPROBS = 20
 #: Most ``logprobs`` a legacy completion may ask for (OpenAI's bound).
 MAX_LEGACY_LOGPROBS = 5
 #: Why a generation ended: ``stop`` (end-of-sequence token or a stop sequence), ``length``
-#: (``max_tokens`` or the context reached).
-FinishReason = Literal["stop", "length"]
+#: (``max_tokens`` or the context reached), ``tool_calls`` (a chat answer that ended with tool
+#: calls).
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,9 +80,38 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+#: A function's name, as OpenAI allows it (letters, digits, ``_`` and ``-``, at most 64).
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+#: Most tools one request may define (OpenAI's limit).
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+
+
+class FunctionCallIn(_Request):
+    """A function call of an earlier assistant message: ``arguments`` as a JSON string (or an
+    object, as some clients send it)."""
+
+    name: FunctionName
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Request):
+    """One ``tool_calls`` entry of an earlier assistant message in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
+    """One message of the history. ``tool_calls``: an assistant message's calls;
+    ``tool_call_id``: a ``tool`` message's answer to one of them (its ``content`` the result)."""
+
     role: Annotated[str, Field(min_length=1)]
     content: str | list[ContentPart] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         """The message's text: its string content, or its ``text`` parts joined."""
@@ -142,14 +175,93 @@ class SamplingRequest(_Request):
 _LOGPROBS = ("Log-probabilities of the model's distribution at each position: after any "
              "logits processor, before temperature and top_p (so at temperature 0 the chosen "
              "token is the most likely).")
+class FunctionDefinition(_Request):
+    """A function the model may call: ``parameters`` is the JSON Schema of its arguments
+    (absent: any JSON object); enforced by constrained decoding under ``tool_choice``
+    ``required`` or a named function (then an unsupported keyword is a 400 naming ``tools``)."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Annotated[bool, Field(strict=True)] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming one function: the answer is one call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: ``schema`` (a JSON Schema object) is enforced by
+    constrained decoding whatever ``strict`` says (a schema keyword the decoder cannot enforce
+    is a 400 naming ``response_format.json_schema.schema``, never ignored)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: str | None = None
+    json_schema: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: Annotated[bool, Field(strict=True)] | None = None
+
+
+class ResponseFormat(_Request):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON valid against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+
+_TOOL_CHOICE = ("none: no tool call (the tools are not shown to the model); auto (the default "
+                "with tools): the model decides, its calls are parsed by mlx-lm's tool parser "
+                "for its chat template (a model without one: 400 naming tools); required: one "
+                "or more calls, enforced by constrained decoding; {type: function, function: "
+                "{name}}: one call of that function, enforced likewise.")
+
+
+def _tool_choice_kind(v: Any) -> str:
+    """Which form of ``tool_choice`` ``v`` is meant to be (an object: a named function), so that
+    a bad value's error is the one of that form (the tags have a ``-``: no part of ``param``)."""
+    return "named-function" if isinstance(v, (dict, NamedToolChoice)) else "tool-choice-mode"
 
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``.
-    ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers)."""
+
+    ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format`` are served
+    (issue 20); their semantics are in ``docs/node-agent.md`` (*Structured outputs and tool
+    calls*). ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, description=(
+        "Function tools, rendered into the prompt by the model's chat template."))] | None = None
+    tool_choice: Annotated[
+        Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
+        | Annotated[NamedToolChoice, Tag("named-function")],
+        Discriminator(_tool_choice_kind)] | None = Field(None, description=_TOOL_CHOICE)
+    parallel_tool_calls: Annotated[bool, Field(strict=True, description=(
+        "With tool_choice required: up to 8 calls (else exactly one)."))] = True
+    response_format: ResponseFormat | None = Field(None, description=(
+        "text, json_object or json_schema, enforced by constrained decoding; an answer cut by "
+        "max_tokens (finish_reason length) may be incomplete JSON."))
     logprobs: Annotated[bool | None, Field(strict=True, description=(
         "Return each token's log-probability in choices[].logprobs.content. " + _LOGPROBS))
     ] = None
@@ -201,9 +313,28 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCall(_Response):
+    """A call's function: ``arguments`` is a JSON string (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    """One tool call of an answer: ``id`` ``call_…``."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
+    """The answer: ``content`` (null when the answer is only tool calls) and ``tool_calls``
+    (present only when there are some)."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(_Response):
@@ -235,8 +366,9 @@ class CompletionLogprobs(_Response):
     """A legacy completion choice's ``logprobs``, one element per generated token:
     ``tokens`` (texts), ``token_logprobs``, ``top_logprobs`` (``{token text: logprob}`` of the
     ``logprobs`` most likely tokens and the chosen one; tokens of the same text, such as parts
-    of multi-byte characters, share one key: the chosen token's value, else the likeliest's) and ``text_offset`` (each token's
-    character offset in the concatenated token texts, from 0)."""
+    of multi-byte characters, share one key: the chosen token's value, else the likeliest's)
+    and ``text_offset`` (each token's character offset in the concatenated token texts, from
+    0)."""
 
     tokens: list[str]
     token_logprobs: list[float]
@@ -312,11 +444,23 @@ class TextCompletion(_Response):
     usage: Usage
 
 
+class ToolCallDelta(_Response):
+    """A tool call in a stream: each call comes whole in one event (``index``: its position
+    among the answer's calls; ``id``, ``type``, the function's name and complete arguments)."""
+
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChunkDelta(_Response):
-    """The new text of one chat stream event; ``role`` on the first event only."""
+    """The new text of one chat stream event (``role`` on the first event only), or the
+    answer's tool calls (``tool_calls``, then without ``content``)."""
 
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -20,6 +20,7 @@ from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN
 from mlx_fleet.store import check_endpoint, parse_endpoint
 
 from .capacity import parse_quantity
+from .fetch.bounds import DEFAULT_UNUSED_MAX_AGE_S, DownloadLimits, parse_reserve
 from .http_hygiene import HttpLimits, allowed_hosts
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL
@@ -213,6 +214,58 @@ def positive_quantity(text: str) -> int:
     return n
 
 
+def model_cache_reserve(text: str) -> tuple[int, float]:
+    """``--model-cache-reserve``: ``10%`` of the disk, or a Kubernetes quantity (``20Gi``);
+    raises ``ValueError``."""
+    return parse_reserve(text, parse_quantity)
+
+
+def non_negative_quantity(text: str) -> int:
+    """A Kubernetes quantity of at least 0 (``--model-cache-max-bytes``, 0 = no cap)."""
+    n = parse_quantity(text)
+    if n < 0:
+        raise ValueError(f"must be at least 0, got {text!r}")
+    return n
+
+
+def add_download_arguments(p: argparse.ArgumentParser) -> None:
+    """The model downloads' bounds and cache flags (:class:`~node_agent.fetch.DownloadLimits`)."""
+    g = p.add_argument_group("model downloads and their cache (docs/node-agent.md, 'Model "
+                             "sources and the download cache')")
+    g.add_argument("--model-cache-reserve", type=_argtype(model_cache_reserve), default="10%",
+                   metavar="PERCENT|QUANTITY",
+                   help="free space a download must leave on the model cache's disk: a "
+                        "percentage of the disk (10%%) or a quantity (20Gi); a download that "
+                        "would go below it is refused InsufficientDisk before its first byte, "
+                        "after the cache's garbage collection (default: 10%%, the kubelet's "
+                        "nodefs.available<10%% hard-eviction threshold)")
+    g.add_argument("--model-cache-max-bytes", type=_argtype(non_negative_quantity), default=0,
+                   metavar="QUANTITY",
+                   help="most bytes the agent's downloads ($MLX_FLEET_CACHE/models/https/) may "
+                        "hold (e.g. 200Gi); a download beyond it is refused InsufficientDisk "
+                        "once sources no longer assigned are deleted (default: 0, no cap)")
+    g.add_argument("--model-cache-unused-seconds", type=_argtype(non_negative_seconds),
+                   default=DEFAULT_UNUSED_MAX_AGE_S, metavar="SECONDS",
+                   help="how long a downloaded source no longer assigned to this Mac stays in "
+                        "the cache (a re-assignment or rollback reuses it) before it is "
+                        "deleted; sooner when a download needs the space (default: %(default)s)")
+    g.add_argument("--allow-unpinned-hub-revisions", action="store_true",
+                   help="accept hf:// sources without a 40-hex commit (hf://org/repo, "
+                        "hf://org/repo@main): huggingface_hub resolves the branch or tag to a "
+                        "commit once and downloads every file at it, and that commit is "
+                        "reported per replica; without this flag such sources fail "
+                        "InvalidSource, as two Macs could hold different weights")
+
+
+def download_limits_from_args(args: argparse.Namespace) -> DownloadLimits:
+    """The :class:`~node_agent.fetch.DownloadLimits` of :func:`add_download_arguments`."""
+    reserve_bytes, reserve_fraction = args.model_cache_reserve  # a string default is typed too
+    return DownloadLimits(reserve_bytes=reserve_bytes, reserve_fraction=reserve_fraction,
+                          cache_max_bytes=args.model_cache_max_bytes,
+                          allow_unpinned_hub=args.allow_unpinned_hub_revisions,
+                          unused_max_age_s=args.model_cache_unused_seconds)
+
+
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
     """The HTTP server's hygiene flags (:class:`~node_agent.http_hygiene.HttpLimits`)."""
     d = HttpLimits()
@@ -298,6 +351,8 @@ class AgentConfig:
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing (400)
     max_choices: int = DEFAULT_MAX_CHOICES  # largest n per request (400 above)
     serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
+    # disk reserve, cache cap, pinned hf:// commits, the cache's garbage collection
+    downloads: DownloadLimits = dataclasses.field(default_factory=DownloadLimits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model's maxConcurrentSequences; above either: 400 naming n "
                         "(default: %(default)s)")
     add_http_arguments(p)
+    add_download_arguments(p)
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
                    help="predictive prefetch: reload a standby (idle-unloaded or evicted) model "
@@ -460,6 +516,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                                                             INSECURE_FORWARD)
                                           if getattr(args, flag[2:].replace("-", "_"))),
                        http=http_limits_from_args(args),
+                       downloads=download_limits_from_args(args),
                        max_prompt_bytes=args.max_prompt_bytes,
                        max_choices=args.max_choices,
                        serving=serving_options_from_args(args))

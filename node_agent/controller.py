@@ -72,7 +72,7 @@ from .convergence.state import (DRAIN_SECONDS, INSUFFICIENT_MEMORY, LIFECYCLE_IN
                                 UNLOAD_UNASSIGNED, Ident, IdleUnload, Invalid, ServedModel,
                                 StandbyModel)
 from .convergence.unload import Unloader
-from .fetch import default_model_cache
+from .fetch import DownloadLimits, default_model_cache
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS, UsageHistory
 from .registration import Registration
 from .serving import ServingCore
@@ -108,7 +108,11 @@ class Controller:
     ``max_prefetches``: the predictive prefetch's window and the most reloads it runs at once
     (:mod:`.lifecycle`, seed 001: 30 s, 2). ``max_loaded_models``: the most revisions resident
     at once (seed 004: "Per-worker max loaded models: 2"; default 0 = no limit but memory);
-    raises ``ValueError`` when negative.
+    raises ``ValueError`` when negative. ``download_limits``: what a download may take and the
+    model cache's garbage collection (:class:`~node_agent.fetch.DownloadLimits`; default: 10 %
+    of the disk kept free, no cap, ``hf://`` commits only). The cache is collected once the
+    first list of assignments is applied, after each unassignment, and when a download needs
+    the space (:meth:`.convergence.load.Loader.collect_garbage`).
     """
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
@@ -123,7 +127,8 @@ class Controller:
                  budget_bytes: int | None = None,
                  prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS,
                  max_prefetches: int = DEFAULT_MAX_PREFETCHES,
-                 max_loaded_models: int = 0) -> None:
+                 max_loaded_models: int = 0,
+                 download_limits: DownloadLimits | None = None) -> None:
         if max_loaded_models < 0:
             raise ValueError(f"max_loaded_models must be >= 0 (0 = no limit), "
                              f"got {max_loaded_models}")
@@ -138,7 +143,8 @@ class Controller:
         self._loader = Loader(rt, self._reports, self._unloader, resolve=resolve,
                               model_cache=(model_cache if model_cache is not None
                                            else default_model_cache()),
-                              backoff=retry_backoff)
+                              backoff=retry_backoff, limits=download_limits)
+        self._gc_started = False  # the first collection waits for the assignments
         self._demand = Demand(rt, self._loader, self._unloader,
                               max_reload_waiters=max_reload_waiters,
                               prefetch_window=prefetch_window_seconds,
@@ -169,6 +175,12 @@ class Controller:
     @property
     def max_reload_waiters(self) -> int:
         return self._demand.max_reload_waiters
+
+    @property
+    def cache_collected(self) -> asyncio.Event:
+        """Set when the model cache's last scheduled garbage collection (at start, after an
+        unassignment) has ended."""
+        return self._loader.collected
 
     @property
     def history(self) -> UsageHistory:
@@ -227,6 +239,7 @@ class Controller:
         for t in self._rt.draining.values():
             t.cancel()
         self._demand.stop()
+        await self._loader.stop()
 
     async def converged(self) -> None:
         """Return once every assignment's task has ended and the converge worker has planned
@@ -315,6 +328,11 @@ class Controller:
         while True:
             self._changed.clear()
             wake_at = await self._converge()
+            self._loader.hold_sources()  # before the keys' tasks started just now run
+            if not self._gc_started and self.follower.snapshots:
+                # only now is it known what is assigned here: nothing assigned is collected
+                self._gc_started = True
+                self._loader.schedule_gc()
             if not self._changed.is_set() and not any(
                     r.busy for r in self._rt.records.values()):
                 self._quiet.set()

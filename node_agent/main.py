@@ -118,6 +118,11 @@ class Agent:
         self.config = config
         for warning in check_exposure(config):
             log.warning("%s", warning)
+        if config.downloads.allow_unpinned_hub:
+            log.warning("--allow-unpinned-hub-revisions: hf:// sources may follow a branch or "
+                        "tag, so replicas of one revision may hold different weights (each "
+                        "reports the commit it downloaded; the operator's ReplicasConsistent "
+                        "condition shows a mismatch)")
         self.keys = Keys(config.etcd_prefix)
         self.keys.node(config.node_name)  # validates the name early (ValueError)
         self.registry = CollectorRegistry()
@@ -269,7 +274,8 @@ class Agent:
                                      advertise_url=self.url, budget_bytes=budget,
                                      prefetch_window_seconds=self.config.prefetch_window_seconds,
                                      max_prefetches=self.config.max_prefetches,
-                                     max_loaded_models=self.config.max_loaded_models)
+                                     max_loaded_models=self.config.max_loaded_models,
+                                     download_limits=self.config.downloads)
         await self.controller.start()
         self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
                                       registration=self.registration,

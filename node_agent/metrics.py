@@ -80,7 +80,11 @@ class AgentMetrics:
     including the drain of its running requests) and
     ``mlxfleet_agent_model_unload_freed_bytes_total{reason}`` (MLX memory measured freed by the
     unloads to standby), ``mlxfleet_agent_memory_bytes{kind}`` (``weights``, ``kv_cache``,
-    ``mlx_cache``, ``free`` of the node's budget; set by the controller's lifecycle pass).
+    ``mlx_cache``, ``free`` of the node's budget; set by the controller's lifecycle pass),
+    ``mlxfleet_agent_model_cache_bytes`` (the downloads in the model cache, after each garbage
+    collection) and ``mlxfleet_agent_model_cache_deleted_bytes_total{reason}`` (what the
+    collector deleted: ``StalePart``, ``Unassigned``, ``SpaceNeeded``;
+    :mod:`node_agent.fetch.gc`).
 
     A revision's series exist while it is assigned to the node; :meth:`remove_revision` drops
     every one of them when it goes (none is left behind).
@@ -164,6 +168,13 @@ class AgentMetrics:
                                   "Node memory by kind: weights and kv_cache of the resident "
                                   "revisions, mlx_cache (MLX's buffer cache), free (of the "
                                   "node's budget)", ["kind"], registry=registry)
+        self.model_cache_bytes = Gauge("mlxfleet_agent_model_cache_bytes",
+                                       "Bytes of the downloads in the model cache, measured "
+                                       "after each garbage collection", registry=registry)
+        self.model_cache_deleted_bytes = Counter("mlxfleet_agent_model_cache_deleted_bytes",
+                                                 "Bytes the model cache's garbage collector "
+                                                 "deleted, by reason (StalePart, Unassigned, "
+                                                 "SpaceNeeded)", ["reason"], registry=registry)
         self._series: dict[tuple[str, str], RevisionSeries] = {}
 
     def series(self, model: str, revision: str) -> RevisionSeries:

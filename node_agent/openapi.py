@@ -119,7 +119,9 @@ def _completion(request: str, response: str, chunk: str, summary: str) -> dict[s
                           "the serving model's capabilities lack (`unsupported_parameter`, or "
                           "`unsupported_value` for a bound; `param` names the field: see the "
                           "capability table above), a prompt over the context, or over "
-                          "`--max-prompt-bytes` (`prompt_too_large`)."),
+                          "`--max-prompt-bytes` (`prompt_too_large`), tools or a response "
+                          "format that cannot be served as asked, a JSON schema using a keyword "
+                          "constrained decoding cannot enforce (`invalid_schema`)."),
             "404": _error("The model is not loaded on this node (`model_not_found`)."),
             "408": _error("The body did not arrive within `--body-timeout-seconds` "
                           "(`request_timeout`)."),

@@ -121,10 +121,22 @@ class StreamEncoder:
         return b"".join(self._head + choice_event(self.kind, self.include_usage, i, "", None,
                                                   None, True) for i in range(self.n))
 
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+    def chunk(self, text: str, finish_reason: str | None, index: int = 0) -> bytes:
         """One chunk's event: ``text`` (may be empty) and its ``finish_reason`` (``None`` but
-        for the last chunk)."""
-        return self._head + choice_part(self.kind, self.include_usage, text, finish_reason)
+        for the last chunk), of choice ``index``, with the token entries :meth:`note` d for
+        that choice since its last event (when the request asked for log-probabilities)."""
+        if index == 0 and not self.logprobs and self.n == 1:
+            return self._head + choice_part(self.kind, self.include_usage, text, finish_reason)
+        return self._head + choice_event(self.kind, self.include_usage, index, text,
+                                         finish_reason, self._logprobs(index))
+
+    def note(self, chunk: Any) -> None:
+        """Hold ``chunk``'s token entry (its ``logprobs``, when it has one) for the next event
+        of its choice (:meth:`chunk`): for callers that send other text than the chunks'
+        (tool-call parsing)."""
+        entry = getattr(chunk, "logprobs", None)
+        if entry is not None:
+            self._held.setdefault(getattr(chunk, "index", 0), []).append(entry)
 
     def chunks(self, chunks: Iterable[Any]) -> bytes:
         """The events of several chunks (objects with ``text`` and ``finish_reason``, e.g.
@@ -137,14 +149,10 @@ class StreamEncoder:
                             for c in chunks if c.text or c.finish_reason is not None)
         out = []
         for c in chunks:
-            index = getattr(c, "index", 0)
-            entry = getattr(c, "logprobs", None)
-            if entry is not None:
-                self._held.setdefault(index, []).append(entry)
+            self.note(c)
             if not c.text and c.finish_reason is None:
                 continue
-            out.append(head + choice_event(kind, usage, index, c.text, c.finish_reason,
-                                           self._logprobs(index)))
+            out.append(self.chunk(c.text, c.finish_reason, getattr(c, "index", 0)))
         return b"".join(out)
 
     def _logprobs(self, index: int) -> dict[str, Any] | None:
@@ -158,6 +166,18 @@ class StreamEncoder:
         start = self._offset.get(index, 0)
         self._offset[index] = start + sum(len(e.text) for e in entries)
         return completion_logprobs(entries, start)
+
+    def tool_calls(self, calls: list[dict[str, Any]], first_index: int,
+                   choice_index: int = 0) -> bytes:
+        """One chat event whose ``delta`` is ``{"tool_calls": [...]}``: each of ``calls``
+        (OpenAI ``tool_calls`` entries, complete) with its ``index`` among the answer's calls,
+        counted from ``first_index``, in choice ``choice_index`` (its token entries go with
+        the choice's next :meth:`chunk`)."""
+        delta = {"tool_calls": [{"index": first_index + i, **c} for i, c in enumerate(calls)]}
+        choice = {"index": choice_index, "delta": delta, "logprobs": None,
+                  "finish_reason": None}
+        tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
+        return self._head + b'"choices":[' + _dumps(choice) + b"]" + tail
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage event (only with ``include_usage``): ``choices`` ``[]`` and

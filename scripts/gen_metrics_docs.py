@@ -279,6 +279,8 @@ def exposition(component: str) -> bytes:
         m.unload_freed_bytes.labels("IdleUnloaded").inc(4096)
         for kind in ("weights", "kv_cache", "mlx_cache", "free"):
             m.memory_bytes.labels(kind).set(4096)
+        m.model_cache_bytes.set(2**30)
+        m.model_cache_deleted_bytes.labels("Unassigned").inc(4096)
         return generate_latest(registry)
     if component == "router":
         from mlx_fleet_router.breaker import Phase

@@ -439,7 +439,9 @@ def test_status_schema() -> None:
     assert set(router["properties"]) == {"url", "model"} and router["required"] == ["url", "model"]
     nodes = prop("status.nodes")
     assert set(nodes["items"]["properties"]) == {
-        "name", "revision", "role", "state", "reason", "message", "endpoint", "download"}
+        "name", "revision", "role", "state", "reason", "message", "endpoint", "download",
+        "digest"}
+    assert nodes["items"]["properties"]["digest"]["maxLength"] == 128
     assert nodes["items"]["properties"]["state"]["enum"] == [
         "Pending", "Prefetching", "Loading", "Ready", "Unloaded", "Failed"]
     assert nodes["items"]["properties"]["role"]["enum"] == ["Stable", "Candidate", "Previous"]
@@ -462,7 +464,7 @@ def test_conditions_schema() -> None:
     # A list-map key must be required.
     assert "type" in item["required"] and "status" in item["required"]
     assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled",
-                                                  "ServedNameConflict"]
+                                                  "ServedNameConflict", "ReplicasConsistent"]
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert item["properties"]["observedGeneration"]["type"] == "integer"

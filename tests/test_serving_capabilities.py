@@ -33,9 +33,21 @@ def tool_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFact
     return dest
 
 
-def test_tool_parser_from_mlx_lms_tokenizer_wrapper(tiny_model_path: Path,  # noqa: F811
+@pytest.fixture
+def plain_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    """The tiny model with a chat template that knows no tools (mlx-lm infers no parser)."""
+    dest = tmp_path_factory.mktemp("plain") / "tiny-plain"
+    shutil.copytree(tiny_model_path, dest)
+    config = json.loads((dest / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}"
+                               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_tool_parser_from_mlx_lms_tokenizer_wrapper(plain_model_path: Path,
                                                    tool_model_path: Path) -> None:
-    plain = load_tokenizer(tiny_model_path)
+    plain = load_tokenizer(plain_model_path)
     assert not plain.has_tool_calling and tool_parser_name(plain) is None
     tools = load_tokenizer(tool_model_path)
     assert tools.has_tool_calling and tool_parser_name(tools) == "json_tools"
@@ -113,7 +125,7 @@ async def test_the_agent_refuses_by_its_revisions_capabilities(
     monkeypatch.setattr(agent.core, "max_choices", 2)
     listed = await (await agent.client.get("/v1/models")).json()
     card = next(m for m in listed["data"] if m["id"] == MODEL_ID)
-    assert card["capabilities"]["max_n"] == 2 and card["capabilities"]["tool_parser"] is None
+    assert card["capabilities"]["max_n"] == 2 and card["capabilities"]["tool_parser"] == "json_tools"
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "n": 3}
     resp = await agent.client.post(CHAT_PATH, json=body)
     assert resp.status == 400

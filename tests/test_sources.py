@@ -25,7 +25,9 @@ from mlx_fleet.fleetstatus import FleetView, render, summarize
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.store import Store
 from node_agent.controller import Controller
-from node_agent.fetch import STATE_FILE, fetch, mirror_dir, parse_hf_uri, parse_manifest
+from node_agent.fetch import (STATE_FILE, DownloadLimits, digest_of, fetch, mirror_dir,
+                              parse_hf_uri, parse_manifest)
+from node_agent.fetch.bounds import manifest_digest
 from node_agent.model_dir import SourceError, check_model_dir
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
@@ -61,8 +63,9 @@ class Mirror:
     """Serves ``files`` and a ``manifest.json`` under ``/models/tiny/`` over HTTPS, with Range
     support. Records every request as ``(name, Range header)``; can drop a file's connection
     once after N bytes (``cut_once``), stop sending a file after N bytes until ``unstall`` is
-    set (``stall_at``), answer a file with a status (``status``), and pace every file
-    (``pace``: seconds per 16 KiB, a slow link)."""
+    set (``stall_at``), answer a file with a status (``status``), pace every file
+    (``pace``: seconds per 16 KiB, a slow link), send a file with chunked transfer encoding
+    (``chunked``: no Content-Length) and send N bytes more than the file (``extra``)."""
 
     CHUNK = 16 * 1024
 
@@ -76,6 +79,9 @@ class Mirror:
         self.stall_at: dict[str, int] = {}
         self.status: dict[str, int] = {}
         self.pace = 0.0
+        self.chunked: set[str] = set()
+        self.extra: dict[str, int] = {}
+        self.sent: dict[str, int] = {}  # bytes of each file written to a client
         self.unstall = asyncio.Event()
         self.stalled = asyncio.Event()
         self.port = 0
@@ -101,6 +107,7 @@ class Mirror:
                 else self.files.get(name))
         if body is None:
             return web.Response(status=404, text="not found")
+        body += bytes(self.extra.get(name, 0))
         start, status, headers = 0, 200, {}
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-", rng)
@@ -111,7 +118,10 @@ class Mirror:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
         resp = web.StreamResponse(status=status, headers=headers)
-        resp.content_length = len(body) - start
+        if name in self.chunked:
+            resp.enable_chunked_encoding()
+        else:
+            resp.content_length = len(body) - start
         await resp.prepare(request)
         end = len(body)
         cut = self.cut_once.pop(name, None)
@@ -123,6 +133,7 @@ class Mirror:
         pos = start
         while pos < end:
             await resp.write(body[pos:min(pos + self.CHUNK, end)])
+            self.sent[name] = self.sent.get(name, 0) + min(self.CHUNK, end - pos)
             pos = min(pos + self.CHUNK, end)
             if self.pace:
                 await asyncio.sleep(self.pace)  # a slow link
@@ -242,7 +253,6 @@ async def test_corrupt_file_fails_clearly_and_is_fetched_again(
 async def test_wrong_size_is_refused(mirror: Mirror, tmp_path: Path) -> None:
     entry = next(f for f in mirror.manifest["files"] if f["path"] == "tokenizer_config.json")
     entry["size"] += 10
-    entry.pop("sha256")
     with pytest.raises(SourceError) as e:
         await fetch(mirror.url, tmp_path)
     assert reason_of(e) == "DownloadCorrupt"
@@ -345,20 +355,24 @@ def test_manifest_format() -> None:
     digest = "ab" * 32
     entries = parse_manifest(json.dumps({"files": [
         {"path": "weights/model.safetensors", "size": 3, "sha256": digest.upper()},
-        {"path": "config.json"}]}))
+        {"path": "config.json", "size": 2, "sha256": digest}]}))
     assert [(e.path, e.size, e.sha256) for e in entries] == [
-        ("config.json", None, None), ("weights/model.safetensors", 3, digest)]
+        ("config.json", 2, digest), ("weights/model.safetensors", 3, digest)]
+    ok = {"size": 1, "sha256": digest}
     bad = [
-        [], {"files": []}, {"files": [{"path": "model.safetensors"}]},   # no config.json
-        {"files": [{"path": "config.json"}, {"path": "/etc/passwd"}]},
-        {"files": [{"path": "config.json"}, {"path": "a/../../b"}]},
-        {"files": [{"path": "config.json"}, {"path": "a\\b"}]},
-        {"files": [{"path": "config.json"}, {"path": "a//b"}]},
-        {"files": [{"path": "config.json"}, {"path": "config.json"}]},
-        {"files": [{"path": "config.json"}, {"path": "a"}, {"path": "a/b"}]},
-        {"files": [{"path": "config.json", "size": -1}]},
-        {"files": [{"path": "config.json", "size": True}]},
-        {"files": [{"path": "config.json", "sha256": "xyz"}]},
+        [], {"files": []}, {"files": [{"path": "model.safetensors", **ok}]},  # no config.json
+        {"files": [{"path": "config.json", **ok}, {"path": "/etc/passwd", **ok}]},
+        {"files": [{"path": "config.json", **ok}, {"path": "a/../../b", **ok}]},
+        {"files": [{"path": "config.json", **ok}, {"path": "a\\b", **ok}]},
+        {"files": [{"path": "config.json", **ok}, {"path": "a//b", **ok}]},
+        {"files": [{"path": "config.json", **ok}, {"path": "config.json", **ok}]},
+        {"files": [{"path": "config.json", **ok}, {"path": "a", **ok}, {"path": "a/b", **ok}]},
+        {"files": [{"path": "config.json", "size": -1, "sha256": digest}]},
+        {"files": [{"path": "config.json", "size": True, "sha256": digest}]},
+        {"files": [{"path": "config.json", "size": 1, "sha256": "xyz"}]},
+        {"files": [{"path": "config.json"}]},                                  # neither
+        {"files": [{"path": "config.json", "sha256": digest}]},                # no size
+        {"files": [{"path": "config.json", "size": 1}]},                       # no sha256
     ]
     for manifest in bad:
         with pytest.raises(SourceError) as e:
@@ -554,32 +568,52 @@ def hub_cache(tmp_path: Path, model_files: dict[str, bytes],
     return cache
 
 
+#: ``hf://`` sources that follow a branch or tag need the agent's opt-out.
+UNPINNED = DownloadLimits(allow_unpinned_hub=True)
+
+
 async def test_hf_source_resolves_from_the_offline_cache(
         hub_cache: Path, tmp_path: Path, model_files: dict[str, bytes]) -> None:
     seen: list[DownloadProgress] = []
     path = await fetch("hf://test-org/tiny", tmp_path, hf_cache_dir=hub_cache,
-                       progress=seen.append)
+                       progress=seen.append, limits=UNPINNED)
     assert path == hub_cache / "models--test-org--tiny" / "snapshots" / COMMIT_MAIN
+    assert digest_of(path) == f"hf-commit:{COMMIT_MAIN}"  # the commit main resolved to
     for name, data in model_files.items():
         assert (path / name).read_bytes() == data
     assert seen[-1].files_done == seen[-1].files_total == len(model_files)
     assert seen[-1].bytes_done == seen[-1].bytes_total == sum(map(len, model_files.values()))
 
     for revision in ("v1", COMMIT_V1):
-        path = await fetch(f"hf://test-org/tiny@{revision}", tmp_path, hf_cache_dir=hub_cache)
+        path = await fetch(f"hf://test-org/tiny@{revision}", tmp_path, hf_cache_dir=hub_cache,
+                           limits=UNPINNED)
         assert path.name == COMMIT_V1
         assert json.loads((path / "config.json").read_text())["mlx_fleet_test"] == "v1"
-    # the synchronous entry point, from a thread
-    path = await asyncio.to_thread(resolve_source, "hf://test-org/tiny@v1",
+    # the synchronous entry point, from a thread; a pinned commit needs no opt-out
+    path = await asyncio.to_thread(resolve_source, f"hf://test-org/tiny@{COMMIT_V1}",
                                    hf_cache_dir=hub_cache)
     assert path.name == COMMIT_V1
+
+
+async def test_hf_source_must_pin_a_commit(hub_cache: Path, tmp_path: Path) -> None:
+    """A branch or tag can move under the same URI (two Macs serving one revision would hold
+    different weights): refused before anything is read, unless the agent opts out."""
+    for uri in ("hf://test-org/tiny", "hf://test-org/tiny@main", "hf://test-org/tiny@v1",
+                f"hf://test-org/tiny@{COMMIT_V1[:12]}", f"hf://test-org/tiny@{COMMIT_V1.upper()}"):
+        with pytest.raises(SourceError) as e:
+            await fetch(uri, tmp_path, hf_cache_dir=hub_cache)
+        assert reason_of(e) == "InvalidSource", uri
+        assert "must pin a commit" in e.value.message
+        assert "--allow-unpinned-hub-revisions" in e.value.message
+    path = await fetch(f"hf://test-org/tiny@{COMMIT_V1}", tmp_path, hf_cache_dir=hub_cache)
+    assert digest_of(path) == f"hf-commit:{COMMIT_V1}"
 
 
 async def test_hf_missing_repo_or_revision_is_model_not_found(hub_cache: Path,
                                                               tmp_path: Path) -> None:
     for uri in ("hf://test-org/absent", "hf://test-org/tiny@v9", f"hf://test-org/tiny@{'c' * 40}"):
         with pytest.raises(SourceError) as e:
-            await fetch(uri, tmp_path, hf_cache_dir=hub_cache)
+            await fetch(uri, tmp_path, hf_cache_dir=hub_cache, limits=UNPINNED)
         assert reason_of(e) == "ModelNotFound", uri
         assert "test-org/" in e.value.message and "offline" in e.value.message
 
@@ -592,7 +626,7 @@ async def test_hf_snapshot_linking_out_of_the_repository_is_refused(
     (snapshot / "tokenizer.json").unlink()
     (snapshot / "tokenizer.json").symlink_to(outside)
     with pytest.raises(SourceError) as e:
-        await fetch("hf://test-org/tiny", tmp_path, hf_cache_dir=hub_cache)
+        await fetch(f"hf://test-org/tiny@{COMMIT_MAIN}", tmp_path, hf_cache_dir=hub_cache)
     assert reason_of(e) == "InvalidSource" and str(outside) in e.value.message
 
 
@@ -650,9 +684,9 @@ async def test_hf_download_through_huggingface_hub_then_offline(
     endpoint = f"http://127.0.0.1:{port}"
     try:
         seen: list[DownloadProgress] = []
-        path = await fetch("hf://hub-org/tiny", tmp_path, hf_cache_dir=tmp_path / "hf",
-                           hf_endpoint=endpoint, offline=False, progress=seen.append,
-                           progress_interval_s=0.05)
+        path = await fetch(f"hf://hub-org/tiny@{COMMIT_MAIN}", tmp_path,
+                           hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False,
+                           progress=seen.append, progress_interval_s=0.05)
     finally:
         await runner.cleanup()
     assert path == tmp_path / "hf" / "models--hub-org--tiny" / "snapshots" / COMMIT_MAIN
@@ -669,8 +703,8 @@ async def test_hf_download_through_huggingface_hub_then_offline(
     assert done == sorted(done)
 
     # the hub is gone: offline, the cached snapshot is used as it is
-    again = await fetch("hf://hub-org/tiny", tmp_path, hf_cache_dir=tmp_path / "hf",
-                        offline=True)
+    again = await fetch(f"hf://hub-org/tiny@{COMMIT_MAIN}", tmp_path,
+                        hf_cache_dir=tmp_path / "hf", offline=True)
     assert again == path
 
 
@@ -763,6 +797,10 @@ async def test_https_assignment_prefetches_with_progress_then_serves(
     ready = seen[-1]
     assert ready is not None and ready.endpoint == ADVERTISED and ready.resident_bytes > 0
     assert seen[n] is not None and seen[n].progress is None  # Loading carries no download
+    # what was loaded, content-addressed: the digest of the manifest's (path, sha256) list
+    digest = manifest_digest((f["path"], f["sha256"]) for f in mirror.manifest["files"])
+    assert seen[n].digest == ready.digest == digest  # type: ignore[union-attr]
+    assert all(r.digest == "" for r in seen[:n] if r)  # not known while downloading
 
     gen = await core.generate("remote", revision="r1", prompt="Hello, world!", max_tokens=4,
                               temperature=0.0)

@@ -3,19 +3,24 @@
 :class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
 
 ``n`` choices answer ``choices`` with ``index`` 0 .. n-1 (streamed: each event carries its
-choice's ``index``) and a ``usage`` counting the prompt once and every choice's tokens. With
-``logprobs`` each choice carries OpenAI's ``logprobs`` object (chat: ``content`` entries; legacy:
-``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), streamed per event for its
-tokens (:mod:`node_agent.sse`).
+choice's ``index``; with tools, each choice's calls are parsed on their own) and a ``usage``
+counting the prompt once and every choice's tokens. With ``logprobs`` each choice carries
+OpenAI's ``logprobs`` object (chat: ``content`` entries; legacy: ``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``), streamed per event for its tokens
+(:mod:`node_agent.sse`).
 
 Statuses beyond :mod:`.parse`'s 400s: 400 ``unsupported_parameter`` / ``unsupported_value``
 when the revision that would serve the request lacks a capability it needs (tools, structured
 outputs, logprobs, ``n``: :func:`mlx_fleet.capabilities.satisfies` over the revision's
 :func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's answer, word for
-word, ``param`` naming the field), 400 ``invalid_value`` naming ``n`` for more choices than
-the core takes (``ServingCore.generate``'s ``TooManyChoices``: ``--max-choices`` or the model's
-batch; the capabilities answer first), 400 ``context_length_exceeded`` / ``prompt_too_large`` /
-``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 404 ``model_not_found``, 429 with
+word, ``param`` naming the field), 400 ``context_length_exceeded`` / ``prompt_too_large`` /
+``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 400 for ``tools`` / ``tool_choice`` /
+``response_format`` that cannot be served as asked (:mod:`.structured`) or whose schema the
+constrained decoder cannot enforce (``code`` ``invalid_schema``, ``param``
+``response_format.json_schema.schema`` or ``tools``, the message naming the keyword), 400
+``invalid_value`` naming ``n`` for more choices than the core takes (``ServingCore.generate``'s
+``TooManyChoices``; the capabilities answer first), 404
+``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
 Every answer from the point the revision is known carries ``X-Model-Revision``.
@@ -36,15 +41,17 @@ from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADE
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                           ChoiceLogprobs, CompletionLogprobs, CompletionRequest, ErrorDetail,
                           ErrorResponse, PromptTokensDetails, SamplingRequest, TextChoice,
-                          TextCompletion, Usage, chat_logprobs, completion_logprobs)
-from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                       ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
-                       StreamBufferOverflow, TooManyChoices)
+                          TextCompletion, ToolCall, Usage, chat_logprobs, completion_logprobs)
+from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
+                       InvalidPrompt, ModelLoadError, ModelNotLoaded, Overloaded, PromptTooLarge,
+                       ServingCore, StreamBufferOverflow, TooManyChoices)
 from ..serving.capabilities import model_capabilities
 from ..sse import DONE, StreamEncoder, data_event
 from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
 from .forward import Forwarder
 from .parse import parse
+from .structured import OutputPlan, PlanError, plan_output, template_messages
+from .tool_calls import ToolCallReader, finish_reason
 
 __all__ = ["Completions", "usage_of"]
 
@@ -129,7 +136,7 @@ class Completions:
         if isinstance(req, web.Response):
             return req
         assert isinstance(req, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req.messages)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await self._complete(request, req, "chat", max_tokens, messages=messages)
 
@@ -188,17 +195,25 @@ class Completions:
         headers = {REVISION_HEADER: info.revision}  # on every response from here on
         missing = satisfies(model_capabilities(info, max_choices=core.max_choices),
                             required_capabilities(
-            request.path, req.model_dump(include=set(REQUEST_FIELDS))))
+                                request.path, req.model_dump(include=set(REQUEST_FIELDS))))
         if missing is not None:
             return _error(400, missing.message(req.model), param=missing.param,
                           code=missing.code, headers=headers)
         outcome = _Outcome(tm, routed)
         prompt_param = "messages" if kind == "chat" else "prompt"
+        plan = OutputPlan()
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                plan = plan_output(req, core.tool_format(req.model, info.revision))
+            except PlanError as e:
+                return _error(400, str(e), param=e.param, code=e.code, headers=headers)
         try:
             gen = await core.generate(req.model, revision=info.revision, prompt=prompt,
                                       messages=messages,
                                       max_tokens=max_tokens, temperature=req.temperature,
                                       top_p=req.top_p, stop=req.stop, seed=req.seed,
+                                      tools=plan.tools, grammar=plan.grammar,
+                                      grammar_param=plan.grammar_param,
                                       n=req.n, logprobs=logprobs_wanted(req))
         except TooManyChoices as e:
             return _error(400, str(e), param="n", code="invalid_value", headers=headers)
@@ -218,6 +233,8 @@ class Completions:
         except InvalidPrompt as e:
             return _error(400, str(e), param=prompt_param,
                           code="invalid_prompt", headers=headers)
+        except InvalidConstraint as e:
+            return _error(400, str(e), param=e.param, code="invalid_schema", headers=headers)
         except GenerationAborted as e:
             outcome.done(failed=True)
             return _error(503, self._aborted(e), type_="server_error", code="unavailable",
@@ -228,7 +245,7 @@ class Completions:
         async with gen:
             if req.stream:
                 return await self._stream(request, req, kind, gen, rid, created, headers,
-                                          outcome)
+                                          outcome, plan)
             parts: list[list[str]] = [[] for _ in range(gen.n)]
             entries: list[list[Any]] = [[] for _ in range(gen.n)]
             try:
@@ -251,14 +268,32 @@ class Completions:
         want = logprobs_wanted(req) is not None
         body: ChatCompletion | TextCompletion
         if kind == "chat":
-            body = ChatCompletion(
-                id=rid, object="chat.completion", created=created, model=req.model,
-                choices=[ChatChoice(
-                    index=i, message=AssistantMessage(role="assistant", content=texts[i]),
+            choices, with_calls = [], []
+            for i, text in enumerate(texts):
+                calls: list[dict] = []
+                content: str | None = text
+                if plan.tool_format is not None:   # each choice's calls parsed on their own
+                    reader = ToolCallReader(plan.tool_format, plan.tools)
+                    pieces = reader.feed(text) + reader.finish()
+                    content = "".join(p for k, p in pieces if k == "content")
+                    calls = reader.calls
+                    content = content if content or not calls else None
+                message = AssistantMessage(
+                    role="assistant", content=content,
+                    tool_calls=[ToolCall.model_validate(c) for c in calls] if calls else None)
+                choices.append(ChatChoice(
+                    index=i, message=message,
                     logprobs=(ChoiceLogprobs.model_validate(chat_logprobs(entries[i]))
                               if want else None),
-                    finish_reason=gen.finish_reasons[i]) for i in range(gen.n)],
-                usage=usage)
+                    finish_reason=finish_reason(gen.finish_reasons[i], bool(calls))))
+                with_calls.append(bool(calls))
+            body = ChatCompletion(id=rid, object="chat.completion", created=created,
+                                  model=req.model, choices=choices, usage=usage)
+            payload = body.model_dump()
+            for choice, called in zip(payload["choices"], with_calls):
+                if not called:   # tool_calls only when there are some (as OpenAI answers)
+                    choice["message"].pop("tool_calls", None)
+            return web.json_response(payload, headers=headers)
         else:
             body = TextCompletion(
                 id=rid, object="text_completion", created=created, model=req.model,
@@ -272,7 +307,8 @@ class Completions:
 
     async def _stream(self, request: web.Request, req: SamplingRequest, kind: Kind,
                       gen: Any, rid: str, created: int, headers: dict[str, str],
-                      outcome: _Outcome) -> web.StreamResponse:
+                      outcome: _Outcome, plan: OutputPlan = OutputPlan()
+                      ) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
@@ -285,9 +321,13 @@ class Completions:
             try:
                 # every chunk already waiting goes out in one write (a stream that fell behind
                 # catches up in one wake-up); the events are those of one chunk each
+                readers = (None if plan.tool_format is None   # one per choice
+                           else [ToolCallReader(plan.tool_format, plan.tools)
+                                 for _ in range(gen.n)])
                 while batch := await gen.next_batch():
                     outcome.token(gen.completion_tokens)
-                    data = events.chunks(batch)
+                    data = (events.chunks(batch) if readers is None
+                            else _tool_events(events, readers, batch))
                     if data:
                         await resp.write(data)
             except GenerationAborted as e:
@@ -312,3 +352,29 @@ class Completions:
             gen.cancel()
             request[HUNG_UP] = True
         return resp
+
+
+def _tool_events(events: StreamEncoder, readers: list[ToolCallReader],
+                 batch: list[Any]) -> bytes:
+    """The events of ``batch`` when tool calls are parsed (``readers``: one per choice):
+    content as it is safe to send (a possible call start held back), each call whole in one
+    ``delta.tool_calls`` event, the final chunk's finish reason ``tool_calls`` after calls;
+    each event in its chunk's choice, token log-probabilities with the choice's next content
+    or final event."""
+    out: list[bytes] = []
+    for chunk in batch:
+        events.note(chunk)
+        reader, index = readers[chunk.index], chunk.index
+        pieces = reader.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            pieces += reader.finish()
+        for kind, value in pieces:
+            if kind == "content":
+                out.append(events.chunk(value, None, index))
+            else:
+                first, calls = value
+                out.append(events.tool_calls(calls, first, index))
+        if chunk.finish_reason is not None:
+            out.append(events.chunk("", finish_reason(chunk.finish_reason,
+                                                      bool(reader.calls)), index))
+    return b"".join(out)

@@ -19,7 +19,11 @@ from mlx_fleet.http_errors import error_response as _error
 
 from ..api_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
-__all__ = ["parse", "unsupported", "validation_error"]
+__all__ = ["parse", "unsupported", "validation_error", "LEGACY_REFUSED"]
+
+#: Options served on chat completions (typed and checked by ``ChatCompletionRequest`` and
+#: :mod:`.structured`) that OpenAI's legacy completions do not have: refused there, not ignored.
+LEGACY_REFUSED = ("tools", "tool_choice", "response_format")
 
 
 def validation_error(e: ValidationError) -> web.Response:
@@ -39,7 +43,7 @@ def validation_error(e: ValidationError) -> web.Response:
 def unsupported(req: SamplingRequest) -> web.Response | None:
     """400 for options this server honours for no model, naming the first such parameter:
     ``stream_options`` without ``stream``, the legacy ``functions`` / ``function_call`` (use
-    ``tools`` / ``tool_choice``). The model-dependent ones are the revision's capabilities'
+    ``tools`` / ``tool_choice``), and :data:`LEGACY_REFUSED` on ``/v1/completions``. The model-dependent ones are the revision's capabilities'
     (:func:`mlx_fleet.capabilities.satisfies`)."""
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
@@ -56,6 +60,12 @@ def unsupported(req: SamplingRequest) -> web.Response | None:
         "functions": not req.functions,
         "function_call": req.function_call in (None, "none"),
     }
+    if not isinstance(req, ChatCompletionRequest):
+        for param in LEGACY_REFUSED:
+            if getattr(req, param) is not None:
+                return _error(400, f"{param}: {param} is not supported on /v1/completions "
+                              "(OpenAI's legacy endpoint has none: use /v1/chat/completions)",
+                              param=param, code="unsupported_parameter")
     for param, ok in off.items():
         if not ok:
             return _error(400, f"{param}: {param} is not supported by this server (use "

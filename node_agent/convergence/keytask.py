@@ -76,6 +76,8 @@ class KeyTasks:
         rt = self._rt
         rec = rt.record(key)
         retire = step.retire(rec, rt.draining)
+        self._loader.released(rec.loaded.spec if rec.loaded is not None else None,
+                              rec.attempted)
         rec.loaded = rec.attempted = None
         if retire.let_go is not None:
             self._unloader.let_go(key, retire.let_go, "removed")

@@ -1,7 +1,13 @@
 """Loading one assignment's revision: download a remote source (``Prefetching`` with its
 progress), read and check its headers (the memory estimate), make room under the node's budget
 and model limit (:func:`.step.room`: fits, evict first, or refuse), load it into the core, and
-report ``Ready`` — or ``Failed`` with the back-off of :func:`.step.failed`."""
+report ``Ready`` — or ``Failed`` with the back-off of :func:`.step.failed`.
+
+Downloads are bounded by the agent's :class:`~node_agent.fetch.DownloadLimits` (disk reserve,
+cache cap, pinned ``hf://`` commits); when one does not fit, the model cache's garbage
+collector runs first (:meth:`Loader.collect_garbage`, which never deletes a source assigned
+here, loaded, or downloading). The downloaded files' digest
+(:func:`~node_agent.fetch.digest_of`) goes into the reports from ``Loading`` on."""
 
 from __future__ import annotations
 
@@ -10,13 +16,17 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 RELOADING_ON_DEMAND, Assignment, AssignmentState,
                                 DownloadProgress)
 
 from .. import memory_estimate
-from ..fetch import fetch
+from ..fetch import (DownloadLimits, cache_bytes, collect_garbage, digest_of, fetch,
+                     mirror_dir)
+from ..fetch.cache import SourceHolds, touch_state
+from ..fetch.gc import Deletion
 from ..serving import ModelLoadError
 from ..serving.capabilities import model_capabilities
 from ..serving.errors import LOAD_CANCELLED
@@ -36,17 +46,122 @@ __all__ = ["Loader"]
 class Loader:
     """Loads revisions for ``rt``'s keys. ``resolve``: local source URI → local path;
     ``model_cache``: where ``https://`` sources are downloaded; ``backoff``: ``(initial,
-    maximum)`` retry delay of a failed load, seconds (:func:`.step.failed`)."""
+    maximum)`` retry delay of a failed load, seconds (:func:`.step.failed`); ``limits``: what
+    a download may take (:class:`~node_agent.fetch.DownloadLimits`)."""
 
     def __init__(self, rt: Runtime, reports: Reports, unloader: Unloader, *,
                  resolve: Callable[[str], Path], model_cache: Path,
-                 backoff: tuple[float, float]) -> None:
+                 backoff: tuple[float, float],
+                 limits: DownloadLimits | None = None) -> None:
         self._rt = rt
         self._reports = reports
         self._unloader = unloader
         self._resolve = resolve
         self._model_cache = model_cache
         self.backoff = backoff
+        self.limits = limits or DownloadLimits()
+        self._gc: set[asyncio.Task] = set()
+        self._holds = SourceHolds(model_cache)  # our sources, kept from other agents' GC
+        #: Set when a scheduled garbage collection has ended; cleared when one is scheduled
+        #: to run at once.
+        self.collected = asyncio.Event()
+
+    # -- the model cache's garbage collection ------------------------------------------------
+    def _cache_dir(self, spec: Spec | None) -> Path | None:
+        """Where ``spec``'s source is downloaded in the model cache (None: not an
+        ``https://`` source, or a malformed one)."""
+        if spec is None or urlsplit(spec.uri.strip()).scheme.lower() != "https":
+            return None
+        try:
+            return mirror_dir(spec.uri, self._model_cache)
+        except SourceError:
+            return None
+
+    def _cache_names(self) -> tuple[set[str], set[str]]:
+        """The model cache's directory names of the ``https://`` sources ``(assigned here —
+        desired, attempted or being worked on —, loaded or being loaded)``."""
+        assigned: set[str] = set()
+        loaded: set[str] = set()
+
+        def name(spec: Spec | None) -> str | None:
+            d = self._cache_dir(spec)
+            return d.name if d is not None else None
+
+        for rec in self._rt.records.values():
+            running = rec.running if isinstance(rec.running, Spec) else None
+            for spec in (rec.spec, rec.attempted, running):
+                if (n := name(spec)) is not None:
+                    assigned.add(n)
+            for spec in (rec.loaded.spec if rec.loaded is not None else None,
+                         rec.loading[0] if rec.loading is not None else None):
+                if (n := name(spec)) is not None:
+                    loaded.add(n)
+        return assigned, loaded
+
+    def hold_sources(self) -> None:
+        """Mark the downloads assigned here or loaded as in use (:class:`SourceHolds`), for
+        another agent's collector on a shared cache; called after every converge pass."""
+        assigned, loaded = self._cache_names()
+        self._holds.hold(assigned | loaded)
+
+    async def collect_garbage(self, need: int = 0, shortfall: int = 0) -> list[Deletion]:
+        """Delete from the model cache what :func:`~node_agent.fetch.gc.gc_plan` names (stale
+        ``.part`` files, sources no longer assigned here, least recently used first; never one
+        assigned, loaded or downloading); ``need`` / ``shortfall``: bytes a download is about
+        to add / the disk lacks for it. Returns the deletions; an error is logged, never
+        raised."""
+        assigned, loaded = self._cache_names()
+        self._holds.hold(assigned | loaded)
+
+        def collect() -> tuple[list[Deletion], int]:
+            done = collect_garbage(self._model_cache, assigned=assigned, loaded=loaded,
+                                   limits=self.limits, now=time.time(), need=need,
+                                   shortfall=shortfall)
+            return done, cache_bytes(self._model_cache)
+
+        try:
+            done, held = await asyncio.to_thread(collect)
+        except Exception:  # noqa: BLE001 - the cache's upkeep must not fail a load
+            log.exception("model cache garbage collection failed")
+            return []
+        metrics = self._rt.metrics
+        for d in done:
+            metrics.model_cache_deleted_bytes.labels(d.reason).inc(d.bytes)
+        metrics.model_cache_bytes.set(held)
+        return done
+
+    def schedule_gc(self, delay: float = 0.0) -> None:
+        """Run :meth:`collect_garbage` in the background after ``delay`` seconds (at start once
+        the assignments are known: 0; after an unassignment: now and once its source's
+        ``unused_max_age_s`` has passed)."""
+        async def later() -> None:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self.collect_garbage()
+            self.collected.set()
+
+        if delay <= 0:
+            self.collected.clear()
+        self._gc = {t for t in self._gc if not t.done()}
+        self._gc.add(asyncio.ensure_future(later()))
+
+    def released(self, *specs: Spec | None) -> None:
+        """``specs`` are no longer assigned to a key: their downloads count as used now (the
+        garbage collector keeps them ``unused_max_age_s`` from here, for a re-assignment or a
+        rollback, unless the space is needed) and a collection is scheduled now and then."""
+        for spec in specs:
+            if (d := self._cache_dir(spec)) is not None:
+                touch_state(d)
+        self.schedule_gc()
+        self.schedule_gc(self.limits.unused_max_age_s + 1.0)
+
+    async def stop(self) -> None:
+        """Cancel the scheduled garbage collections (one deleting in its thread finishes)."""
+        for t in self._gc:
+            t.cancel()
+        await asyncio.gather(*self._gc, return_exceptions=True)
+        self._gc.clear()
+        self._holds.close()
 
     async def load(self, key: str, a: Assignment, spec: Spec, *, retry: Failure | None = None,
                    on_demand: bool = False, reason: str = RELOADING_ON_DEMAND) -> bool:
@@ -114,8 +229,10 @@ class Loader:
                 if fetched is None:
                     return False  # the assignment changed or went away; its new task takes over
                 path, shown = fetched
+                digest = await asyncio.to_thread(digest_of, path)
             else:
                 path = await asyncio.to_thread(self._resolve, spec.uri)
+                digest = ""  # a local directory is not content-addressed
             # Read and check the headers before anything is loaded: a hostile or malformed
             # safetensors header or config.json is refused here with its reason, and the
             # estimate (weights + KV cache at the assignment's limits) goes into the reports.
@@ -125,7 +242,8 @@ class Loader:
             if shown:
                 await self._reports.put(key, AssignmentState.LOADING, reason="LoadingModel",
                                         message=f"loading {spec.model_id} from {path}",
-                                        estimated_bytes=est.total_bytes, **common)
+                                        estimated_bytes=est.total_bytes, digest=digest,
+                                        **common)
             await self._make_room(key, spec, est.total_bytes,
                                   evict=not (on_demand and reason == PREDICTIVE_PREFETCH))
             # reserved until it is resident, so a concurrent load (another assignment's, a
@@ -166,6 +284,7 @@ class Loader:
         now = rt.clock()
         rec.loaded = loaded = Loaded(spec, resident, last_used=now, load_seconds=now - t0,
                                      estimated_bytes=est.total_bytes, created_unix=time.time(),
+                                     digest=digest,
                                      capabilities=model_capabilities(
                                          info, max_choices=rt.core.max_choices))
         rt.metrics.model_loads.labels(reason if on_demand else LOAD_ASSIGNED).inc()
@@ -221,7 +340,8 @@ class Loader:
             counted[0] = p.bytes_done
             rt.metrics.download_rate.labels(*labels).set(p.rate_bytes_per_second)
 
-        task = asyncio.ensure_future(fetch(spec.uri, self._model_cache, progress=on_progress))
+        task = asyncio.ensure_future(fetch(spec.uri, self._model_cache, progress=on_progress,
+                                           limits=self.limits, make_room=self.collect_garbage))
         written: DownloadProgress | None = None
         last_write = -PROGRESS_REPORT_SECONDS
 

@@ -32,13 +32,15 @@ class Reports:
                   generation: int, revision: str = "", reason: str = "", message: str = "",
                   endpoint: str = "", resident_bytes: int = 0, freed_bytes: int = 0,
                   estimated_bytes: int = 0, progress: DownloadProgress | None = None,
+                  digest: str = "",
                   capabilities: ModelCapabilities | None = None) -> None:
         """Write ``key``'s report (kept as its record's ``report`` too)."""
         report = AssignmentReport(
             node=self._rt.node_name, namespace=namespace, name=name, generation=generation,
             revision=revision, state=state, reason=reason, message=message, endpoint=endpoint,
             resident_bytes=resident_bytes, freed_bytes=freed_bytes,
-            estimated_bytes=estimated_bytes, progress=progress, capabilities=capabilities)
+            estimated_bytes=estimated_bytes, progress=progress, capabilities=capabilities,
+            digest=digest)
         self._rt.record(key).report = report
         await asyncio.shield(self._reg.put_report(self._rt.report_key(key), report))
 
@@ -54,7 +56,7 @@ class Reports:
                        message=f"serving {loaded.spec.model_id} from {loaded.spec.uri}",
                        resident_bytes=loaded.resident_bytes,
                        estimated_bytes=loaded.estimated_bytes,
-                       capabilities=loaded.capabilities)
+                       capabilities=loaded.capabilities, digest=loaded.digest)
 
     async def standby(self, key: str, a: Assignment, loaded: Loaded) -> None:
         """Report a standby revision: ``Unloaded`` with reason ``IdleUnloaded``, ``Evicted`` or
@@ -75,7 +77,7 @@ class Reports:
                        endpoint=self.advertise_url, message=message, resident_bytes=0,
                        freed_bytes=unload.freed_bytes if unload is not None else 0,
                        estimated_bytes=loaded.estimated_bytes,
-                       capabilities=loaded.capabilities)
+                       capabilities=loaded.capabilities, digest=loaded.digest)
 
     async def prefetching(self, key: str, spec: Spec, progress: DownloadProgress,
                           common: dict, estimated_bytes: int) -> None:

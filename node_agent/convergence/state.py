@@ -186,6 +186,7 @@ class Loaded:
     — unloaded since (``unload`` says how) or never loaded (``OnDemand``: ``standby_reason``
     ``AwaitingRequest``) — still served on demand; ``load_seconds``: how long its last load
     took (clock seconds); ``created_unix``: wall-clock time it was loaded or assigned;
+    ``digest``: the content address of a downloaded source's files ("" for a local one);
     ``capabilities``: what it serves, from its last load (None: never loaded here), reported
     with it Ready and in standby."""
 
@@ -199,6 +200,7 @@ class Loaded:
     standby_reason: str = ""
     created_unix: float = 0.0
     capabilities: ModelCapabilities | None = None
+    digest: str = ""  # content address of the files loaded (AssignmentReport.digest)
 
     @property
     def reason(self) -> str:

@@ -10,12 +10,25 @@ object, no custom code). One module per job:
   huggingface_hub and its cache;
 * :mod:`.mirror` — ``https://host/path/``: a mirror directory holding ``manifest.json``,
   downloaded with ranged resume, size and sha256 checks;
-* :mod:`.cache` — the download cache on disk: default directory, state file, lock;
+* :mod:`.cache` — the download cache on disk: default directory, state file, lock, its
+  garbage collection (:func:`collect_garbage`) and what a download is (:func:`digest_of`);
+* :mod:`.bounds` — the limits a download must fit (:class:`DownloadLimits`: disk reserve,
+  cache cap, pinned ``hf://`` commits) and the content digests (pure);
+* :mod:`.gc` — which cached sources and ``.part`` files to delete (pure);
 * :mod:`.progress` — the :class:`~mlx_fleet.contract.DownloadProgress` reports.
+
+Content addressing: a mirror's every file has a size and a sha256 (else ``InvalidSource``
+before any byte), and the download's digest is ``sha256:`` over its sorted ``(path,
+sha256)`` list; an ``hf://`` source must pin a 40-hex commit (else ``InvalidSource``, unless
+``DownloadLimits.allow_unpinned_hub``: huggingface_hub then resolves the branch or tag to a
+commit once and downloads every file at that commit), its digest is ``hf-commit:<commit>``.
+:func:`digest_of` reads either from the directory :func:`fetch` returns.
 
 Failures raise :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository
 or revision, not cached while offline, no manifest at the mirror), ``InvalidSource`` (malformed
-URI or manifest, unsafe path, bad model directory), ``DownloadFailed`` (an HTTP error status,
+URI or manifest, an unpinned ``hf://`` revision, unsafe path, bad model directory),
+``InsufficientDisk`` (over the cache's cap or the disk's reserve; nothing was downloaded),
+``DownloadFailed`` (an HTTP error status,
 the connection lost too often, TLS failure, hub unreachable), ``DownloadStalled`` (no byte for
 ``stall_timeout_s``; names the file and the bytes done), ``DownloadCorrupt`` (size or sha256
 mismatch; the bad file is deleted). Partial files are kept, so calling again resumes.
@@ -26,12 +39,17 @@ Cancelling the awaiting task stops an ``https://`` download at once (between chu
 from __future__ import annotations
 
 import os
+import shutil
 import ssl
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..model_dir import SourceError
-from .cache import _CHUNK_BYTES, default_model_cache
+from .bounds import INSUFFICIENT_DISK, DownloadLimits, unpinned_refusal
+from .cache import (_CHUNK_BYTES, MakeRoom, cache_bytes, collect_garbage, default_model_cache,
+                    digest_of)
 from .hub import HUB_ALLOW_PATTERNS, _fetch_hub
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_hf_uri, parse_manifest)
@@ -41,7 +59,8 @@ from .progress import PROGRESS_INTERVAL_S, RATE_WINDOW_S, ProgressCallback, _ign
 __all__ = ["fetch", "default_model_cache", "parse_hf_uri", "mirror_base_url", "mirror_dir",
            "parse_manifest", "ManifestEntry", "ProgressCallback", "MANIFEST_NAME", "STATE_FILE",
            "HUB_ALLOW_PATTERNS", "DEFAULT_STALL_TIMEOUT_S", "PROGRESS_INTERVAL_S",
-           "RATE_WINDOW_S"]
+           "RATE_WINDOW_S", "DownloadLimits", "INSUFFICIENT_DISK", "MakeRoom", "digest_of",
+           "collect_garbage", "cache_bytes"]
 
 #: Seconds without a byte before a download fails with ``DownloadStalled``.
 DEFAULT_STALL_TIMEOUT_S = 60.0
@@ -56,7 +75,10 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
                 ssl_context: ssl.SSLContext | None = None,
                 hf_cache_dir: str | os.PathLike | None = None,
                 hf_endpoint: str | None = None,
-                offline: bool | None = None) -> Path:
+                offline: bool | None = None,
+                limits: DownloadLimits | None = None,
+                disk_usage: Callable[[str], Any] = shutil.disk_usage,
+                make_room: MakeRoom | None = None) -> Path:
     """Download ``uri`` (``hf://`` or ``https://``) unless it is already complete on disk, and
     return the checked local model directory.
 
@@ -69,19 +91,29 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
     checks (default: the system trust store, honouring ``SSL_CERT_FILE``/``SSL_CERT_DIR``).
     ``hf_cache_dir``/``hf_endpoint``/``offline``: the Hugging Face cache, Hub URL (a Hub
     mirror) and offline mode (defaults: ``$HF_HUB_CACHE``, ``$HF_ENDPOINT``, ``$HF_HUB_OFFLINE``
-    read at call time, else huggingface_hub's own).
+    read at call time, else huggingface_hub's own). ``limits``: the disk reserve, cache cap
+    and whether ``hf://`` may follow a branch (default :class:`DownloadLimits`: 10 % reserve,
+    no cap, commits only); ``disk_usage``: ``shutil.disk_usage`` (injectable: a full disk
+    can't be made in a test); ``make_room(need, shortfall)``: awaited once when a download
+    does not fit, before it is refused (the agent's garbage collector).
 
     Raises :class:`~node_agent.model_dir.SourceError` (reasons in the module docstring);
     ``UnsupportedSource`` for another scheme."""
     callback = progress or _ignore
+    limits = limits or DownloadLimits()
     scheme = urlsplit(uri.strip()).scheme.lower()
     if scheme == "hf":
+        refusal = unpinned_refusal(uri, parse_hf_uri(uri)[1], allow=limits.allow_unpinned_hub)
+        if refusal is not None:
+            raise refusal
         return await _fetch_hub(uri, callback=callback, interval=progress_interval_s,
                                 stall_timeout_s=stall_timeout_s, cache_dir=hf_cache_dir,
-                                endpoint=hf_endpoint, offline=offline)
+                                endpoint=hf_endpoint, offline=offline, limits=limits,
+                                disk_usage=disk_usage, make_room=make_room)
     if scheme == "https":
         return await _Mirror(uri, Path(dest_root), callback=callback,
                              interval=progress_interval_s, stall_timeout_s=stall_timeout_s,
                              max_attempts=max(1, max_attempts), chunk_bytes=max(1, chunk_bytes),
-                             ssl_context=ssl_context).run()
+                             ssl_context=ssl_context, limits=limits, disk_usage=disk_usage,
+                             make_room=make_room).run()
     raise SourceError("UnsupportedSource", f"cannot fetch {scheme or 'a local'}:// source {uri!r}")

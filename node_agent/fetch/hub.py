@@ -8,27 +8,39 @@ tag or commit hash (default ``main``); the assignment's ``source.revision`` is a
 not used. Offline mode (``HF_HUB_OFFLINE=1`` at call time, or ``offline=True``) reads the
 cache only (``local_files_only``). Only the files mlx-lm loads are fetched
 (:data:`HUB_ALLOW_PATTERNS`; no ``*.py``). Timeouts, retries and resumption are
-huggingface_hub's; progress comes from its progress bars (best effort).
+huggingface_hub's; progress comes from its progress bars (best effort). Before the first byte
+(online), a dry run of ``snapshot_download`` (``dry_run=True``: the files it would fetch, with
+their sizes) gives the bytes still to fetch, checked against the Hugging Face cache's disk
+minus the reserve (:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` first, then
+``InsufficientDisk``); the model cache's cap does not apply to the Hugging Face cache.
 
 :func:`_fetch_hub` returns the checked ``snapshots/<commit>/`` directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository or
 revision, a gated one without access, not cached while offline), ``DownloadFailed`` (the Hub
 unreachable, an HTTP error, an OS error), ``InvalidSource`` (a malformed URI or a bad model
-directory). Cancelling the awaiting task leaves the download running in its thread until
-huggingface_hub finishes it.
+directory), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve).
+Cancelling the awaiting task leaves the download running in its thread until huggingface_hub
+finishes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..model_dir import SourceError, check_model_dir
+from .bounds import DownloadLimits
+from .cache import MakeRoom, ensure_room
 from .manifest import parse_hf_uri
 from .progress import ProgressCallback, _Progress
+
+log = logging.getLogger("node_agent.fetch")
 
 #: Files of a hub repository that are fetched (what mlx-lm loads; never ``*.py``).
 HUB_ALLOW_PATTERNS = ("*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken",
@@ -103,9 +115,37 @@ def _tree_numbers(snapshot: Path) -> tuple[int, int]:
     return size, count
 
 
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (for ``disk_usage`` of a cache not made yet)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, what: str,
+                          limits: DownloadLimits, disk_usage: Callable[[str], Any],
+                          make_room: MakeRoom | None) -> None:
+    """The dry run's bytes to fetch against the Hugging Face cache's disk minus the reserve;
+    ``make_room`` is asked once. Raises ``InsufficientDisk``."""
+    from huggingface_hub import constants
+
+    try:
+        infos = await asyncio.to_thread(download, dry_run=True)
+    except Exception as e:  # noqa: BLE001 - the download itself reports (or falls back)
+        log.warning("%s: could not list the files to fetch (%s: %s); the download is not "
+                    "checked against the disk's reserve", what, type(e).__name__, e)
+        return
+    need = sum(i.file_size or 0 for i in infos if i.will_download)
+    await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
+                      limits=limits, disk_usage=disk_usage, make_room=make_room, what=what)
+
+
 async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                      stall_timeout_s: float, cache_dir: str | os.PathLike | None,
-                     endpoint: str | None, offline: bool | None) -> Path:
+                     endpoint: str | None, offline: bool | None,
+                     limits: DownloadLimits | None = None,
+                     disk_usage: Callable[[str], Any] = shutil.disk_usage,
+                     make_room: MakeRoom | None = None) -> Path:
     repo_id, revision = parse_hf_uri(uri)
     is_offline = _hub_offline(offline)
     cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None
@@ -114,20 +154,26 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     bars: list[Any] = []
     tracker = _Progress(callback, interval)
 
-    def download() -> str:
+    def download(dry_run: bool = False) -> Any:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                  local_files_only=is_offline, etag_timeout=stall_timeout_s,
                                  endpoint=endpoint,
                                  allow_patterns=list(HUB_ALLOW_PATTERNS),
-                                 tqdm_class=_hub_bar_class(bars))
+                                 tqdm_class=_hub_bar_class([] if dry_run else bars),
+                                 dry_run=dry_run)
 
     from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                        RepositoryNotFoundError, RevisionNotFoundError)
 
-    task = asyncio.ensure_future(asyncio.to_thread(download))
+    task: asyncio.Future | None = None
     try:
+        if not is_offline:  # offline, nothing is fetched
+            await _check_hub_room(download, cache=cache, what=f"hf://{shown}",
+                                  limits=limits or DownloadLimits(), disk_usage=disk_usage,
+                                  make_room=make_room)
+        task = asyncio.ensure_future(asyncio.to_thread(download))
         while True:
             done, _ = await asyncio.wait({task}, timeout=interval)
             if done:
@@ -160,7 +206,7 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     except OSError as e:
         raise SourceError("DownloadFailed", f"{shown}: {type(e).__name__}: {e}") from e
     finally:
-        if not task.done():
+        if task is not None and not task.done():
             task.cancel()  # the thread finishes on its own; huggingface_hub locks its blobs
     # snapshots/<commit>/ links into the repository folder's blobs/
     await asyncio.to_thread(check_model_dir, folder, root=folder.parent.parent)

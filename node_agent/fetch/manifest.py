@@ -10,8 +10,11 @@ The manifest (:data:`MANIFEST_NAME`, at the mirror's base URL), UTF-8 JSON::
                {"path": "model.safetensors", "size": 593251, "sha256": "<64 hex>"}]}
 
 ``path``: relative, ``/``-separated, no ``.``/``..``/empty segment, no backslash; it must
-list ``config.json``. ``size`` (bytes) and ``sha256`` (hex) are optional;
-:func:`parse_manifest` gives :class:`ManifestEntry` records, ``config.json`` first.
+list ``config.json``. ``size`` (bytes, a whole number ≥ 0) and ``sha256`` (64 hex digits) are
+required on every entry: a download is bounded by its declared size (the disk check before the
+first byte, and no byte beyond it, whatever the transfer encoding) and verified by its digest
+before it is moved into place. :func:`parse_manifest` gives :class:`ManifestEntry` records,
+``config.json`` first.
 
 Every function here raises :class:`~node_agent.model_dir.SourceError` ``InvalidSource``
 naming the URI or manifest entry and the problem.
@@ -28,10 +31,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
+from mlx_fleet.mirror_manifest import MANIFEST_NAME  # the writer: mlx-fleet make-manifest
+
 from ..model_dir import SourceError
 
-#: The mirror's file list, next to the model files.
-MANIFEST_NAME = "manifest.json"
 #: The manifest as fetched, plus ``complete``, kept in the download directory.
 STATE_FILE = ".mlx-fleet-download.json"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -104,11 +107,11 @@ def mirror_dir(uri: str, dest_root: str | os.PathLike) -> Path:
 @dataclass(frozen=True)
 class ManifestEntry:
     """One file of a mirror: ``path`` relative (``/``-separated), ``size`` in bytes and
-    ``sha256`` (lower-case hex) when the manifest gives them."""
+    ``sha256`` (lower-case hex)."""
 
     path: str
-    size: int | None = None
-    sha256: str | None = None
+    size: int
+    sha256: str
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "sha256": self.sha256}
@@ -146,15 +149,21 @@ def parse_manifest(raw: bytes | str, source: str = MANIFEST_NAME) -> list[Manife
             raise SourceError("InvalidSource", f"{where} is not an object")
         path = _safe_relpath(item.get("path"), where)
         size = item.get("size")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-            raise SourceError("InvalidSource", f"{where}: 'size' must be a non-negative integer")
         digest = item.get("sha256")
-        if digest is not None and (not isinstance(digest, str) or not _HEX64.match(digest)):
+        missing = [k for k, v in (("size", size), ("sha256", digest)) if v is None]
+        if missing:
+            raise SourceError("InvalidSource",
+                              f"{where} ({path}) has no {' and no '.join(map(repr, missing))}: "
+                              "every file of a mirror needs its size and sha256, so that the "
+                              "download is bounded and verified; nothing was downloaded")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise SourceError("InvalidSource", f"{where}: 'size' must be a non-negative integer")
+        if not isinstance(digest, str) or not _HEX64.match(digest):
             raise SourceError("InvalidSource", f"{where}: 'sha256' must be 64 hex digits")
         if path in seen:
             raise SourceError("InvalidSource", f"{where}: {path!r} is listed twice")
         seen.add(path)
-        entries.append(ManifestEntry(path, size, digest.lower() if digest else None))
+        entries.append(ManifestEntry(path, size, digest.lower()))
     for p in seen:
         parents = PurePosixPath(p).parents
         clash = next((str(d) for d in parents if str(d) in seen), None)

@@ -2,8 +2,13 @@
 
 A directory served over HTTPS holding ``manifest.json`` (format in
 :mod:`node_agent.fetch.manifest`; the URI may also name the manifest itself:
-``https://host/path/manifest.json``). Sizes and sha256 are checked when the manifest gives
-them (without ``size`` the ``Content-Length`` is checked). Each file is fetched from
+``https://host/path/manifest.json``). Every entry's size and sha256 are required
+(:func:`~node_agent.fetch.manifest.parse_manifest`): before the first byte, the bytes still to
+fetch are checked against the cache's cap and the disk's free space minus its reserve
+(:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` may free space first — the
+agent's garbage collector — then ``InsufficientDisk``); a server announcing another size, or
+sending one byte more than declared (any transfer encoding), fails the file; its sha256 is
+checked before it is moved into place. Each file is fetched from
 ``<base>/<path>`` (percent-encoded) into ``dest_root/https/<name>/``
 (:func:`~node_agent.fetch.manifest.mirror_dir`). A file is written to ``<path>.part``,
 resumed with ``Range: bytes=<done>-`` after a dropped connection (up to ``max_attempts``
@@ -20,7 +25,9 @@ serializes fetches of one URI across tasks and processes.
 
 ``_Mirror(...).run()`` returns the checked directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no manifest at the mirror),
-``InvalidSource`` (a malformed manifest, an unsafe path, a bad model directory),
+``InvalidSource`` (a malformed manifest — an entry without a size or sha256 —, an unsafe path,
+a bad model directory), ``InsufficientDisk`` (the download would exceed the cache's cap or eat
+into the disk's reserve; nothing was downloaded),
 ``DownloadFailed`` (an HTTP error status, the connection lost too often, TLS failure),
 ``DownloadStalled`` (no byte for ``stall_timeout_s``; names the file and the bytes done),
 ``DownloadCorrupt`` (size or sha256 mismatch; the bad file is deleted). Partial files are
@@ -36,6 +43,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import ssl
 import time
 from collections.abc import Callable
@@ -46,7 +54,9 @@ from urllib.parse import quote
 import aiohttp
 
 from ..model_dir import SourceError, check_config, check_model_dir
-from .cache import _complete_download, _dir_lock, _hash_file, _load_state, _write_json_atomic
+from .bounds import DownloadLimits, manifest_digest
+from .cache import (MakeRoom, _complete_download, _dir_lock, _hash_file, _load_state,
+                    _write_json_atomic, ensure_room, touch_state)
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_manifest)
 from .progress import ProgressCallback, _Progress
@@ -79,10 +89,16 @@ def _fmt_bytes(n: int | None) -> str:
 class _Mirror:
     def __init__(self, uri: str, dest_root: Path, *, callback: ProgressCallback, interval: float,
                  stall_timeout_s: float, max_attempts: int, chunk_bytes: int,
-                 ssl_context: ssl.SSLContext | None) -> None:
+                 ssl_context: ssl.SSLContext | None, limits: DownloadLimits | None = None,
+                 disk_usage: Callable[[str], Any] = shutil.disk_usage,
+                 make_room: MakeRoom | None = None) -> None:
         self.uri = uri
         self.base = mirror_base_url(uri)
+        self.dest_root = dest_root
         self.target = mirror_dir(uri, dest_root)
+        self.limits = limits or DownloadLimits()
+        self.disk_usage = disk_usage
+        self.make_room = make_room
         self.stall = stall_timeout_s
         self.max_attempts = max_attempts
         self.chunk_bytes = chunk_bytes
@@ -91,12 +107,11 @@ class _Mirror:
 
     # -- top level -----------------------------------------------------------------------------
     async def run(self) -> Path:
-        if await asyncio.to_thread(_complete_download, self.target, self.base):
-            return await self._adopted()
         await asyncio.to_thread(self.target.parent.mkdir, parents=True, exist_ok=True)
+        # adopted under the lock too: the cache's garbage collector deletes under it
         async with _dir_lock(Path(f"{self.target}.lock")):
             if await asyncio.to_thread(_complete_download, self.target, self.base):
-                return await self._adopted()  # another task or process finished it meanwhile
+                return await self._adopted()  # complete already (another task, a restart)
             ctx = self.ssl_context or ssl.create_default_context()
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall,
                                             sock_read=self.stall)
@@ -106,6 +121,7 @@ class _Mirror:
                 entries = parse_manifest(await self._get_manifest(session),
                                          self.base + MANIFEST_NAME)
                 sizes = await asyncio.to_thread(self._prepare, entries)
+                await self._check_room(entries)
                 self.progress.maybe_emit(force=True)
                 for entry in entries:
                     if entry.path in self.progress.done:
@@ -118,8 +134,19 @@ class _Mirror:
         self.progress.maybe_emit(force=True)
         return self.target
 
+    async def _check_room(self, entries: list[ManifestEntry]) -> None:
+        """Before the first byte: the bytes still to fetch against the cache's cap and the
+        disk's free space minus its reserve; ``make_room`` is asked once to free what is
+        missing. Raises ``InsufficientDisk``."""
+        need = sum(max(e.size - self.progress.local.get(e.path, 0), 0) for e in entries
+                   if e.path not in self.progress.done)
+        await ensure_room(need, where=self.target, limits=self.limits,
+                          disk_usage=self.disk_usage, make_room=self.make_room, what=self.base,
+                          model_cache=self.dest_root)
+
     async def _adopted(self) -> Path:
         await asyncio.to_thread(check_model_dir, self.target)
+        await asyncio.to_thread(touch_state, self.target)
         state = _load_state(self.target) or {}
         for item in state.get("files", []):
             self.progress.expected[item["path"]] = item["size"]
@@ -166,6 +193,7 @@ class _Mirror:
     def _finish(self, entries: list[ManifestEntry], sizes: dict[str, int | None]) -> None:
         _write_json_atomic(self.target / STATE_FILE, {
             "uri": self.base, "complete": True, "completed_unix": time.time(),
+            "digest": manifest_digest((e.path, e.sha256) for e in entries),
             "files": [{"path": e.path, "size": sizes[e.path], "sha256": e.sha256}
                       for e in entries]})
 

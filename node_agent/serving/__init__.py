@@ -16,21 +16,25 @@ work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, ch
 observability, generation and admission), :mod:`.revisions` (its loading, unloading and
 draining of revisions), :mod:`.channel` (its command channel to the MLX thread),
 :mod:`.step_loop` (the MLX thread's step loop), :mod:`.capabilities` (what a loaded revision
-serves: tool parser, constrained decoding, logprobs, ``n``; the switches each feature flips).
+serves: tool parser, constrained decoding, logprobs, ``n``; the switches each feature flips),
+:mod:`.grammar` (a request's output constraint as an llguidance grammar, pure), :mod:`.constrain`
+(that grammar compiled and applied to one sequence of the batch).
 """
 
 from .core import DEFAULT_MAX_CHOICES, ServingCore
-from .errors import (ContextLengthExceeded, GenerationAborted, InvalidPrompt, ModelLoadError,
-                     ModelNotLoaded, Overloaded, StreamBufferOverflow, TooManyChoices)
+from .errors import (ContextLengthExceeded, GenerationAborted, InvalidConstraint, InvalidPrompt,
+                     ModelLoadError, ModelNotLoaded, Overloaded, StreamBufferOverflow,
+                     TooManyChoices)
 from .generation import Generation
 from .loading import LoadPacing
 from .options import ServingOptions
 from .tokenize import DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge
-from .types import Chunk, LoadProgress, MemoryUsage, ModelInfo
+from .types import Chunk, LoadProgress, MemoryUsage, ModelInfo, ToolFormat
 
 __all__ = [
     "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded", "InvalidPrompt",
     "GenerationAborted", "StreamBufferOverflow", "MemoryUsage", "ModelInfo", "Chunk",
     "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
-    "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES", "TooManyChoices", "DEFAULT_MAX_CHOICES",
+    "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES", "InvalidConstraint", "ToolFormat",
+    "TooManyChoices", "DEFAULT_MAX_CHOICES",
 ]

@@ -42,6 +42,7 @@ from mlx_fleet.capabilities import (TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, M
                                     Task)
 
 from ..api_models import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS_OPENAI
+from .constrain import ll_tokenizer
 from .types import ModelInfo, TokenizerFeatures
 
 __all__ = ["TOOL_CALLING_SERVED", "STRUCTURED_OUTPUTS_SERVED", "LOGPROBS_SERVED",
@@ -52,8 +53,8 @@ log = logging.getLogger(__name__)
 
 #: Served by this build of the agent (module docstring: who flips each, and when). ``MAX_N``:
 #: the ``n`` bound when the caller passes none.
-TOOL_CALLING_SERVED = False
-STRUCTURED_OUTPUTS_SERVED = False
+TOOL_CALLING_SERVED = True
+STRUCTURED_OUTPUTS_SERVED = True
 LOGPROBS_SERVED = True
 MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS_OPENAI
 MAX_N = 1
@@ -67,8 +68,9 @@ def tool_parser_name(tokenizer: Any) -> str | None:
     ``tokenizer_config.json`` (``tool_parser_type``) or inferred it from the chat template and
     vocabulary; it records the name in the tokenizer's ``init_kwargs``, else it is the parser
     function's module."""
-    if not getattr(tokenizer, "has_tool_calling", False):
-        return None
+    if not getattr(tokenizer, "has_tool_calling", False) or not getattr(
+            tokenizer, "tool_call_start", None):
+        return None  # no parser, or none whose calls can be found in the text (ServingCore.tool_format)
     inner = getattr(tokenizer, "_tokenizer", None)
     name = (getattr(inner, "init_kwargs", None) or {}).get("tool_parser_type")
     if isinstance(name, str) and name:
@@ -85,9 +87,7 @@ def grammar_tokenizer_ok(tokenizer: Any) -> bool:
     vocabulary, so it runs off the MLX thread, once per load). Never raises: a tokenizer it
     cannot take (a slow one, a broken ``tokenizer.json``) is False, logged."""
     try:
-        import llguidance.hf
-
-        llguidance.hf.from_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer))
+        ll_tokenizer(tokenizer)  # cached: the first constrained request finds it built
     except Exception as e:  # noqa: BLE001 - any failure means: no constrained decoding
         log.info("llguidance cannot build a tokenizer for this model (%s: %s): no structured "
                  "outputs", type(e).__name__, e)

@@ -88,6 +88,7 @@ from ..metrics import AgentMetrics
 from .admission import DrainRate, admit, retry_after_seconds
 from .channel import _STOP, _CommandChannel
 from .coalesce import Coalescer, SharedGeneration, coalesce_key
+from .constrain import compile_grammar
 from .engine import Engine, Events
 from .errors import GenerationAborted, Overloaded, StreamBufferOverflow, TooManyChoices
 from .generation import Generation, Request
@@ -99,7 +100,7 @@ from .sampling import choice_seed
 from .step_loop import _StepLoop
 from .tokenize import (DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, default_tokenizer_threads,
                        limit_tokenizer_parallelism, prompt_bytes, tokenize)
-from .types import MemoryUsage, ModelInfo, ModelKey
+from .types import MemoryUsage, ModelInfo, ModelKey, ToolFormat
 from .worker import run_on_worker
 
 __all__ = ["ServingCore", "DEFAULT_MAX_CHOICES"]
@@ -276,6 +277,18 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         s = self._engine.registry.stats.get((model_id, revision))
         return s.crashes if s is not None else 0
 
+    def tool_format(self, model_id: str, revision: str) -> ToolFormat | None:
+        """How the served revision's model writes tool calls (:class:`ToolFormat`: mlx-lm's
+        tool parser for its chat template), or ``None`` when mlx-lm knows no tool parser for
+        it (or it is not served here). Reads the loop side's tokenizer: no MLX call."""
+        tokenizer = self._tokenizers.get((model_id, revision))
+        parse = getattr(tokenizer, "tool_parser", None)
+        if tokenizer is None or parse is None or not tokenizer.tool_call_start:
+            return None
+        return ToolFormat(parser=parse.__module__.rsplit(".", 1)[-1],
+                          start=tokenizer.tool_call_start, end=tokenizer.tool_call_end or "",
+                          parse=parse)
+
     def memory_bytes(self, model_id: str, revision: str) -> int:
         """An estimate of the revision's resident bytes: its parameters (summed once at load)
         plus its prompt cache's entries; 0 when it is not loaded. Reads plain ints: no MLX
@@ -298,7 +311,9 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
                        messages: list[dict] | None = None, max_tokens: int | None = None,
                        temperature: float = 1.0, top_p: float = 1.0,
                        stop: str | Sequence[str] | None = None,
-                       seed: int | None = None, n: int = 1,
+                       seed: int | None = None, tools: list[dict] | None = None,
+                       grammar: str | None = None,
+                       grammar_param: str = "grammar", n: int = 1,
                        logprobs: int | None = None) -> Generation:
         """Admit one generation and return it for iteration.
 
@@ -320,6 +335,13 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         A seeded request has a sampler of its own, so while it is in the batch mlx-lm samples
         *every* sequence of the batch separately (one call per row instead of one for the batch;
         see the module doc): it slows sampling for the whole batch, not only for itself.
+
+        ``tools`` (with ``messages`` only): OpenAI function tools, passed to the chat template
+        (``tools=``), which renders them into the prompt. ``grammar``: an llguidance grammar
+        (:mod:`~node_agent.serving.grammar`) the output must match, enforced on this sequence
+        alone by constrained decoding (:mod:`~node_agent.serving.constrain`; compiled on the
+        tokenizer pool, and the sequence skips the first-token fast path); a grammar that
+        cannot be compiled raises :class:`InvalidConstraint` naming ``grammar_param``.
 
         With ``options.request_coalescing``, a request identical to one in flight whose output is
         deterministic (greedy, or seeded; :func:`~node_agent.serving.coalesce.coalesce_key`)
@@ -346,9 +368,9 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         sequences. Never coalesced.
 
         Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`Overloaded`,
-        :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, :class:`TooManyChoices`,
-        ``ValueError`` for bad arguments, :class:`GenerationAborted` when the core is not
-        running or has failed (see :attr:`failure`).
+        :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, :class:`InvalidConstraint`,
+        :class:`TooManyChoices`, ``ValueError`` for bad arguments, :class:`GenerationAborted`
+        when the core is not running or has failed (see :attr:`failure`).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
@@ -374,8 +396,9 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         temperature, top_p = float(temperature), float(top_p)
         key = coalesce_key(info, prompt, messages, {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-            "stop": stops, "seed": seed, "logprobs": logprobs},
-        ) if self.options.request_coalescing and n == 1 else None
+            "stop": stops, "seed": seed, "tools": tools, "grammar": grammar,
+            "logprobs": logprobs,
+        }) if self.options.request_coalescing and n == 1 else None
         shared = self._joinable(key)
         if shared is not None:
             self.metrics.coalesced_requests.labels(*info.key).inc()
@@ -384,7 +407,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         loop = asyncio.get_running_loop()
         inbox = Inbox()
         reqs = [Request(info.key, prompt, messages, max_tokens, temperature, top_p,
-                        stops, choice_seed(seed, i), inbox, loop, logprobs=logprobs, index=i)
+                        stops, choice_seed(seed, i), inbox, loop, tools=tools, grammar=grammar,
+                        grammar_param=grammar_param, logprobs=logprobs, index=i)
                 for i in range(n)]
         req = reqs[0]
         if n > 1:
@@ -419,12 +443,19 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
 
     async def _tokenize(self, req: Request) -> None:
         """Render and tokenize ``req``'s prompt on the tokenizer pool — never on the MLX thread
-        nor the event loop — into ``req.prompt_ids``, when its revision's tokenizer is known
-        (else the engine does it on submission). Raises what the tokenizer raises."""
+        nor the event loop — into ``req.prompt_ids``, and compile its grammar into
+        ``req.constraint``, when its revision's tokenizer is known (else the engine does both
+        on submission). Raises what the tokenizer raises, :class:`InvalidConstraint`."""
         tokenizer = self._tokenizers.get(req.key)
         if tokenizer is not None:
-            req.prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages)
+            loop = asyncio.get_running_loop()
+            req.prompt_ids = await loop.run_in_executor(
+                self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages, req.tools)
+            # each of a request's n sequences follows the grammar with a matcher of its own
+            for r in (req.group or [req]) if req.grammar is not None else ():
+                r.constraint = await loop.run_in_executor(
+                    self._tokenize_pool, compile_grammar, tokenizer, r.grammar,
+                    r.grammar_param)
 
     async def _lead(self, key: Any, req: Request) -> Generation:
         """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle.

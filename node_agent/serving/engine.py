@@ -28,6 +28,7 @@ from ..memory_estimate import kv_cache_bytes
 from ..metrics import AgentMetrics, RevisionSeries
 from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
+from .constrain import compile_grammar
 from .detokenize import feed, next_text
 from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
                      ModelNotLoaded, Overloaded)
@@ -311,7 +312,10 @@ class Engine:
         # tokenized in the core's pool before submission (node_agent.serving.tokenize); here
         # only for a caller that hands in a raw request
         ids = (req.prompt_ids if req.prompt_ids is not None
-               else tokenize(tok, req.prompt, req.messages))
+               else tokenize(tok, req.prompt, req.messages, req.tools))
+        for r in req.group or [req]:   # a matcher per sequence
+            if r.grammar is not None and r.constraint is None:
+                r.constraint = compile_grammar(tok, r.grammar, r.grammar_param)
         limit = res.info.max_context_tokens
         if req.max_tokens is None:
             req.max_tokens = limit - len(ids)
@@ -371,7 +375,11 @@ class Engine:
         cache, cached = self._cached_prefix(res, req)
         sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
         to_feed, max_tokens = prompt[cached:], req.max_tokens
-        if fastpath.applies(self.options.fast_first_token, len(res.active), len(to_feed)):
+        # a constrained sequence's every token is masked (node_agent.serving.constrain): its
+        # first one too, so it joins the batch without the fast path
+        processors = None if req.constraint is None else [[req.constraint.processor()]]
+        if processors is None and fastpath.applies(self.options.fast_first_token,
+                                                   len(res.active), len(to_feed)):
             if cache is None:
                 from mlx_lm.models.cache import make_prompt_cache
                 cache = make_prompt_cache(res.model)
@@ -403,6 +411,7 @@ class Engine:
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[sampler],
+            logits_processors=processors,
         )
         req.uid = uid
         res.active[uid] = req
@@ -454,12 +463,16 @@ class Engine:
             in_cache = cached
         caches = (None if cache is None
                   else [cache] + [copy.deepcopy(cache) for _ in group[1:]])
+        constrained = any(r.constraint is not None for r in group)
         uids = res.generator.insert(
             [list(feed) for _ in group],
             max_tokens=[r.max_tokens for r in group],
             caches=caches,
             all_tokens=[list(prompt[:in_cache]) for _ in group],
             samplers=[self.samplers.get(r.temperature, r.top_p, r.seed) for r in group],
+            # a constrained sequence's tokens are masked by its own grammar matcher
+            logits_processors=([[r.constraint.processor()] if r.constraint is not None else []
+                                for r in group] if constrained else None),
         )
         for r, uid in zip(group, uids):
             r.uid = uid
@@ -615,6 +628,10 @@ class Engine:
         else:
             series.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
+        if req.constraint is not None and req.constraint.error() is not None:
+            # the grammar could not be followed (a parser limit): end the request as failed
+            # rather than answer output that may not match it
+            raise RuntimeError(f"constrained decoding failed: {req.constraint.error()}")
         segment = feed(req.detok, r.token, r.finish_reason)
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
         if reason is not None:

@@ -72,6 +72,18 @@ class TooManyChoices(ValueError):
         self.limit = limit
 
 
+class InvalidConstraint(ValueError):
+    """A request's output constraint cannot be enforced: its JSON schema uses a keyword the
+    grammar compiler does not implement, a ``pattern`` it cannot compile, etc. ``param``: the
+    request field it came from (``response_format.json_schema.schema``, ``tools``);
+    ``str(e)``: the compiler's reason (no internal detail)."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
 class GenerationAborted(RuntimeError):
     """A running generation ended abnormally (model unloaded, core closed, MLX error).
 

@@ -25,8 +25,9 @@ class Request:
     def __init__(self, key: ModelKey, prompt: str | None, messages: list[dict] | None,
                  max_tokens: int | None, temperature: float, top_p: float,
                  stop: Sequence[str], seed: int | None, out: Any,
-                 loop: asyncio.AbstractEventLoop, *, logprobs: int | None = None,
-                 index: int = 0) -> None:
+                 loop: asyncio.AbstractEventLoop, *, tools: list[dict] | None = None,
+                 grammar: str | None = None, grammar_param: str = "grammar",
+                 logprobs: int | None = None, index: int = 0) -> None:
         self.rid = next(self._ids)
         self.key = key
         self.model_id, self.revision = key
@@ -37,6 +38,9 @@ class Request:
         self.top_p = top_p
         self.stop = [s for s in stop if s]
         self.seed = seed
+        self.tools = tools             # function tools for the chat template (None: none)
+        self.grammar = grammar         # output constraint (node_agent.serving.grammar) or None
+        self.grammar_param = grammar_param   # the request field the grammar came from
         self.out = out
         self.loop = loop
         # top log-probabilities wanted per token (None: none; 0: the sampled token's only)
@@ -49,6 +53,8 @@ class Request:
         self.finished = False          # loop side: final event delivered or cancelled
         # loop side, before submission: the prompt's ids (tokenized in the core's pool)
         self.prompt_ids: list[int] | None = None
+        # loop side, before submission: the compiled grammar (node_agent.serving.constrain)
+        self.constraint: Any = None
         # thread
         self.tokens: list[int] = []
         self.uid: int | None = None

@@ -68,17 +68,20 @@ def prompt_bytes(prompt: str | None, messages: list[dict] | None) -> int:
     return total
 
 
-def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None) -> list[int]:
+def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None,
+             tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``prompt`` (raw text, no special tokens added) or of ``messages`` rendered
-    with the tokenizer's chat template plus a generation prompt; a prompt that tokenizes to
-    nothing becomes the BOS token when there is one.
+    with the tokenizer's chat template plus a generation prompt (and ``tools``, OpenAI function
+    tools, passed to the template as ``tools=`` when given: the template renders them); a
+    prompt that tokenizes to nothing becomes the BOS token when there is one.
 
     Raises :class:`InvalidPrompt`: the message names the problem without internal detail — a
     template's own error text (``raise_exception``, e.g. "roles must alternate") is kept, any
     other exception is named by its type only (the log has the rest)."""
     try:
         if messages is not None:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
             if not isinstance(ids, list):  # some transformers versions return an encoding
                 ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:

@@ -5,10 +5,10 @@ generation's :class:`Chunk`, a :class:`MemoryUsage` measurement and a load's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["ModelKey", "TokenizerFeatures", "ModelInfo", "Chunk", "MemoryUsage",
-           "LoadProgress"]
+           "LoadProgress", "ToolFormat"]
 
 #: A resident revision's identity: ``(model_id, revision)``.
 ModelKey = tuple[str, str]
@@ -56,8 +56,8 @@ class Chunk:
     request, and ``finish_reason`` (``None`` until the last chunk, then ``"stop"`` or
     ``"length"``). ``index``: the choice it belongs to (0 .. n-1 of a request for ``n``
     choices); ``logprobs``: its token's log-probabilities when the request asked for them
-    (a :class:`node_agent.serving.logprobs.TokenLogprob`; ``None`` otherwise, and for an end-of-sequence token,
-    which is no part of the text)."""
+    (a :class:`node_agent.serving.logprobs.TokenLogprob`; ``None`` otherwise, and for an
+    end-of-sequence token, which is no part of the text)."""
 
     text: str
     completion_tokens: int
@@ -97,3 +97,19 @@ class LoadProgress:
     done_bytes: int
     total_bytes: int
     chunks: int
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a revision's model writes tool calls (:meth:`ServingCore.tool_format`), as mlx-lm's
+    tokenizer loader inferred it from the chat template (``mlx_lm.tokenizer_utils.load``:
+    ``tool_parser_type``, or its ``_infer_tool_parser``). ``parser``: the mlx-lm tool parser's
+    name (``mlx_lm.tool_parsers.<parser>``); ``start`` / ``end``: the strings around one call in
+    the output; ``parse(text, tools)``: that parser's ``parse_tool_call`` (a call's text between
+    ``start`` and ``end`` → ``{"name", "arguments"}`` or a list of them; raises ``ValueError``
+    for text it cannot read)."""
+
+    parser: str
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]

@@ -53,6 +53,16 @@ Conditions
                  it turns True (or the rivals change), Normal ``ServedNameConflictResolved``
                  when it clears.
 
+``ReplicasConsistent``  False (``DigestMismatch``, naming each revision's Macs per digest)
+                 while replicas of one revision report different content digests (the agent's
+                 ``digest``: a mirror's ``sha256:`` manifest digest or a hub commit; listed per
+                 replica in ``status.nodes[].digest``): they hold different bytes under one
+                 revision label. True (``DigestsMatch``) when every revision's reporting
+                 replicas agree; Unknown (``NoDigests``) while none reports one (local
+                 ``file://`` sources are not content-addressed). A Warning event
+                 ``DigestMismatch`` when it turns False (or the split changes)
+                 (:func:`digest_consistency`).
+
 ``status.router`` (``{url, model}``): the URL and model id a client should use — the fleet
 router's (the operator's ``--router-url``) and the served model name; absent without a router.
 
@@ -72,7 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, Assignment,
@@ -81,7 +91,8 @@ from mlx_fleet.routing import replicas
 
 Slot = tuple[str, str]  # (node, revision)
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict",
+                   "ReplicasConsistent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +166,8 @@ def _node_entry(node: str, asg: Assignment, report: AssignmentReport | None,
                        "endpoint": endpoint}
     entry = base | {"state": report.state.value, "reason": report.reason or report.state.value,
                     "message": report.message, "endpoint": endpoint}
+    if report.digest:
+        entry["digest"] = report.digest
     if report.state == AssignmentState.PREFETCHING and report.progress is not None:
         p = report.progress
         entry["download"] = {"bytesDone": p.bytes_done, "bytesTotal": p.bytes_total,
@@ -291,6 +304,9 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                            f"{desired}/{desired} replicas placed")
         conditions = [ready_c, prog_c, deg_c, sched_c]
     conditions.append(_served_name_condition(inp, cond))
+    new_consistent = cond("ReplicasConsistent", *digest_consistency(
+        (e["name"], e["revision"], e.get("digest", "")) for e in entries))
+    conditions.append(new_consistent)
 
     # -- events on transitions -----------------------------------------------------------------
     for e in entries:
@@ -345,6 +361,11 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         events.append(Event("Warning", "ServedNameConflict", new_conflict["message"]))
     elif new_conflict["status"] == "False" and prev_conflict.get("status") == "True":
         events.append(Event("Normal", "ServedNameConflictResolved", new_conflict["message"]))
+    prev_consistent = prev_conditions.get("ReplicasConsistent", {})
+    if new_consistent["status"] == "False" and (
+            prev_consistent.get("status") != "False"
+            or prev_consistent.get("message") != new_consistent["message"]):
+        events.append(Event("Warning", "DigestMismatch", new_consistent["message"]))
     prev_degraded = prev_conditions.get("Degraded", {})
     new_degraded = conditions[2]
     if new_degraded["reason"] in ("FailedPlacement", "InvalidSpec") and (
@@ -368,6 +389,36 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                    if inp.router_url and inp.served_name else None),
     }
     return status, events
+
+
+def digest_consistency(replicas: Iterable[tuple[str, str, str]]) -> tuple[str, str, str]:
+    """``ReplicasConsistent`` from ``(node, revision, digest)`` per replica (``digest`` ""
+    when its agent reported none: not loaded yet, a local source) → ``(status, reason,
+    message)``: ``"False", "DigestMismatch"`` when two replicas of one revision report
+    different digests (the message names, per such revision, the nodes holding each digest),
+    else ``"True", "DigestsMatch"`` when some replica reported one, else ``"Unknown",
+    "NoDigests"``."""
+    by_revision: dict[str, dict[str, set[str]]] = {}
+    for node, revision, digest in replicas:
+        if digest:
+            by_revision.setdefault(revision, {}).setdefault(digest, set()).add(node)
+    if not by_revision:
+        return ("Unknown", "NoDigests", "no replica reports a content digest (local file:// "
+                "sources are not content-addressed; downloaded ones report it once fetched)")
+    split = {rev: d for rev, d in by_revision.items() if len(d) > 1}
+    if split:
+        parts = []
+        for rev in sorted(split):
+            held = "; ".join(f"{', '.join(sorted(nodes))} hold {digest}"
+                             for digest, nodes in sorted(split[rev].items()))
+            parts.append(f"revision {rev}: {held}")
+        return ("False", "DigestMismatch",
+                "replicas of one revision hold different bytes: " + " | ".join(parts)
+                + " (the source changed under the same URI: pin a hub commit, or give each "
+                  "version its own mirror path)")
+    return ("True", "DigestsMatch",
+            "; ".join(f"revision {rev}: {len(next(iter(d.values())))} replica(s) hold "
+                      f"{next(iter(d))}" for rev, d in sorted(by_revision.items())))
 
 
 def _served_name_condition(inp: StatusInput, cond: Any) -> dict[str, Any]:

@@ -56,6 +56,12 @@ class NodeStatus(Status):
     download: DownloadStatus | None = Field(default=None, description=(
         "The model download under way while the state is Prefetching (from the agent's report, "
         "refreshed at a bounded rate)."))
+    digest: Annotated[str, Field(max_length=128)] | None = Field(default=None, description=(
+        "Content address of the files this replica loaded, from its agent: sha256:<hex> for an "
+        "https:// mirror (over its files' sorted paths and sha256), hf-commit:<commit> for an "
+        "hf:// source; absent for a local directory or before the files are fetched. Replicas "
+        "of one revision with different digests hold different bytes (condition "
+        "ReplicasConsistent)."))
 
 
 class RouterStatus(Status):
@@ -71,11 +77,14 @@ class RouterStatus(Status):
 class ModelDeploymentCondition(Condition):
     """One aspect of the ModelDeployment's state (like metav1.Condition)."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict"] = Field(
+    type: Literal["Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict",
+                  "ReplicasConsistent"] = Field(
         description=(
             "Condition type. ServedNameConflict is True while another ModelDeployment in the "
             "operator's scope claims the same served model name: the fleet router refuses the "
-            "name for both until one changes spec.model.servedModelName or is deleted."))
+            "name for both until one changes spec.model.servedModelName or is deleted. "
+            "ReplicasConsistent is False (DigestMismatch) while replicas of one revision report "
+            "different content digests (status.nodes[].digest): they hold different bytes."))
 
 
 class ModelDeploymentStatus(Status):
