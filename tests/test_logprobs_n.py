@@ -500,3 +500,54 @@ def test_top_k_ids_picks_the_k_largest(rows: int, vocab: int, k: int, seed: int,
     assert mx.array_equal(got, want).item()
     for r in ids.tolist():
         assert len(set(r)) == k and all(0 <= i < vocab for i in r)
+
+
+# -- n and logprobs with constrained decoding and tools (wip/h20struct) ----------------------
+
+
+async def test_n_constrained_choices_each_follow_the_schema_with_logprobs(
+        client: openai.AsyncOpenAI) -> None:
+    """Each of n sampled sequences follows the JSON schema with a grammar matcher of its own
+    (one shared matcher would be fed every choice's tokens), and its logprobs come from the
+    masked distribution: the chosen token is never a masked one."""
+    import jsonschema
+    from test_structured_outputs import MAX, MSGS as JSON_MSGS, SCHEMAS
+
+    schema = SCHEMAS["nested"]
+    r = await client.chat.completions.create(
+        model=MODEL_ID, messages=JSON_MSGS, temperature=1.0, seed=11, n=3, max_tokens=MAX,
+        logprobs=True, top_logprobs=2,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1          # distinct draws
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), schema)
+        assert c.logprobs is not None and c.logprobs.content
+        assert all(t.logprob > -9999.0 for t in c.logprobs.content)
+
+
+async def test_streamed_n_tool_calls_are_parsed_per_choice(client: openai.AsyncOpenAI) -> None:
+    import jsonschema
+    from test_structured_outputs import MAX, PARAMS, TOOLS
+
+    stream = await client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=TOOLS, tool_choice="required", temperature=1.0, seed=4, n=2, max_tokens=MAX,
+        stream=True)
+    calls: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    reasons: dict[int, list] = {0: [], 1: []}
+    async for ev in stream:
+        for c in ev.choices:
+            for tc in c.delta.tool_calls or ():
+                call = calls[c.index].setdefault(tc.index, {"name": "", "arguments": ""})
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+            if c.finish_reason:
+                reasons[c.index].append(c.finish_reason)
+    assert reasons == {0: ["tool_calls"], 1: ["tool_calls"]}
+    for index in (0, 1):
+        assert calls[index]
+        for call in calls[index].values():
+            jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
