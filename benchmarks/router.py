@@ -165,7 +165,7 @@ def msum(m: dict[str, float], name: str, **labels: str) -> float:
 # --- (a) overhead ---------------------------------------------------------------------------
 
 async def overhead(cp, router, model_dir: Path, args) -> dict:
-    cp.kubectl("apply", "-f", "-", input=md(model_dir, 1, {"pool": "bench"}))
+    cp.kubectl("apply", "-f", "-", input=md(model_dir, 1, {"agent.mlx-fleet.io/pool": "bench"}))
     obj = await asyncio.to_thread(wait_replicas, cp, NAME, 1, router.url)
     direct = obj["status"]["endpoints"][0]
     legs = {"direct": direct, "router": router.url}
@@ -302,11 +302,11 @@ async def forwarding(cp, start_agent, start_router, model_dir: Path, args) -> di
     stub_url = f"http://127.0.0.1:{port}"
     # a real agent registers the Mac and reports the replica Ready, advertising the stub's URL:
     # the router follows etcd as always and forwards to the stub
-    agent = start_agent(cp, "stub-mac", labels={"pool": "stub"}, lease_ttl=5,
+    agent = start_agent(cp, "stub-mac", labels={"agent.mlx-fleet.io/pool": "stub"}, lease_ttl=5,
                         extra_args=("--advertise-url", stub_url))
     routers = [start_router(cp, namespaces=(NS,), log_name=f"router-fwd-{i}") for i in range(2)]
     name = "bench-stub"
-    cp.kubectl("apply", "-f", "-", input=md(model_dir, 1, {"pool": "stub"}, name=name))
+    cp.kubectl("apply", "-f", "-", input=md(model_dir, 1, {"agent.mlx-fleet.io/pool": "stub"}, name=name))
     for r in routers:
         await asyncio.to_thread(wait_replicas, cp, name, 1, r.url)
     out: dict = {}
@@ -360,7 +360,7 @@ async def forwarding(cp, start_agent, start_router, model_dir: Path, args) -> di
 # --- (c) affinity ---------------------------------------------------------------------------
 
 async def affinity(cp, router, model_dir: Path, args) -> dict:
-    cp.kubectl("apply", "-f", "-", input=md(model_dir, 3, {"pool": "bench"}))
+    cp.kubectl("apply", "-f", "-", input=md(model_dir, 3, {"agent.mlx-fleet.io/pool": "bench"}))
     obj = await asyncio.to_thread(wait_replicas, cp, NAME, 3, router.url)
     endpoints = list(obj["status"]["endpoints"])
     rr = itertools.count()
@@ -541,7 +541,7 @@ async def fleet_parts(cp, model_dir: Path, args, result: dict) -> None:
     from mlx_fleet.devcluster.fleet import start_agent, start_operator, start_router
 
     start_operator(cp, extra_args=("--namespace", NS))
-    agents = {n: start_agent(cp, n, labels={"pool": "bench"}, lease_ttl=5)
+    agents = {n: start_agent(cp, n, labels={"agent.mlx-fleet.io/pool": "bench"}, lease_ttl=5)
               for n in ("mac-1", "mac-2", "mac-3")}
     router = start_router(cp, namespaces=(NS,))
     if "overhead" in args.parts:
@@ -557,7 +557,7 @@ async def fleet_parts(cp, model_dir: Path, args, result: dict) -> None:
                             if k != "requests"}, flush=True)
     if "failover" in args.parts:
         if "affinity" not in args.parts:
-            cp.kubectl("apply", "-f", "-", input=md(model_dir, 2, {"pool": "bench"}))
+            cp.kubectl("apply", "-f", "-", input=md(model_dir, 2, {"agent.mlx-fleet.io/pool": "bench"}))
         result["failover"] = await failover(cp, router, agents, args)
         print("failover:", result["failover"], flush=True)
     result["router_rss_bytes"] = rss_bytes(router.process.pid)

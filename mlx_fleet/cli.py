@@ -192,15 +192,22 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
     proxy = ("kube-proxy running" if node.kube_proxy is not None else
              f"no kube-proxy ({node.kube_proxy_error}); add --set kubernetesAPI.host=127.0.0.1 "
              f"--set kubernetesAPI.port={api_port}")
+    from mlx_fleet.source_policy import DEV_POLICY
+
     repo, tag = OPERATOR_REF.rsplit(":", 1)
     console.print(f"[green]node {cp.node_name} Ready[/] ({proxy}). Install the chart:\n"
                   f"  helm install mlx-fleet charts/mlx-fleet --kubeconfig {cp.kubeconfig} "
                   f"--set image.repository={repo} --set image.tag={tag} --set image.pullPolicy=Never "
                   f"--set hostNetwork=true --set etcd.endpoints={{{cp.etcd_url}}} "
+                  f"--set etcd.tls.secretName= "
                   # The router reaches etcd and the agents on loopback too; its port is then the
                   # node's, so this one node holds one router Pod (docs/development.md).
                   f"--set router.hostNetwork=true --set router.port={free_port()} "
-                  f"--set router.replicaCount=1", highlight=False)
+                  f"--set router.replicaCount=1 "
+                  # a development node: the router without keys, explicitly (docs/security.md)
+                  f"--set router.apiKeys.secretName= --set insecure.listenWithoutKeys=true "
+                  # the dev agents' policy, said explicitly (docs/security.md, Source policy)
+                  f"--set-json 'sourcePolicy={DEV_POLICY.to_json()}'", highlight=False)
 
 
 def _cmd_dev_down(args: argparse.Namespace) -> int:
@@ -404,6 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description=etcdcli.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     etcdcli.add_arguments(e)
+
+    from mlx_fleet import certcli
+
+    cs = sub.add_parser("certs", help="certificates and keys for a closed fleet (CA, per-Mac, "
+                                      "API keys, etcd JWT keys)",
+                        description=certcli.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    certcli.add_arguments(cs)
     return p
 
 

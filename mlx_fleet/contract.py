@@ -37,7 +37,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from mlx_fleet.capabilities import ModelCapabilities
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, ModelCapabilities, Task
 from mlx_fleet.quantity import format_bytes
 
 ROOT = "/mlx-fleet/v2"
@@ -255,8 +255,17 @@ class NodeCapacity(_Record):
                                  self.memory_watermark)
 
 
+#: The label prefix a node agent may set on its own record (``--label``): placement matches
+#: a node selector key under it against the agent's labels, every other key against the
+#: MacNode's, which the cluster admin owns (issue 19; the operator's ``node_claims``).
+AGENT_LABEL_PREFIX = "agent.mlx-fleet.io/"
+
+
 class NodeRecord(_Record):
     """``<root>/nodes/<node>``, written by the node's agent under its lease.
+
+    ``labels``: the agent's own labels; placement believes only those under
+    :data:`AGENT_LABEL_PREFIX`.
 
     ``address``: base URL of the agent's OpenAI-compatible API (``http://host:port``).
     ``heartbeat_unix``: seconds since the epoch of the last report (wall clock, informational;
@@ -338,7 +347,10 @@ class Assignment(_Record):
     ModelDeployment's ``metadata.generation`` the assignment was computed from; ``uid`` its
     ``metadata.uid``. ``served_model_name`` is the OpenAI ``model`` id clients send (the same for
     every revision of a deployment); ``source.revision`` is the revision (also the key's last
-    segment); ``role`` says which traffic it takes (:class:`Role`)."""
+    segment); ``role`` says which traffic it takes (:class:`Role`). ``task``: what the model is
+    served for (:data:`mlx_fleet.capabilities.TASKS`, the CRD's ``spec.model.task``):
+    ``TextGeneration`` (chat and completions) or ``TextEmbedding``
+    (``POST /v1/embeddings``); records older than the field read as ``TextGeneration``."""
 
     namespace: str
     name: str
@@ -350,6 +362,7 @@ class Assignment(_Record):
     serving: ServingParams = Field(default_factory=ServingParams)
     lifecycle: LifecyclePolicy = Field(default_factory=LifecyclePolicy)
     role: Role = Role.STABLE
+    task: Task = TASK_TEXT_GENERATION
 
     @property
     def revision(self) -> str:

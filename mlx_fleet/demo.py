@@ -42,6 +42,7 @@ from rich.panel import Panel
 from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
 from mlx_fleet.devcluster.controlplane import REPO_ROOT, start_control_plane
 from mlx_fleet.devcluster.fleet import start_agent, start_operator, start_router
+from mlx_fleet.source_policy import DEV_POLICY
 
 EXAMPLE = REPO_ROOT / "examples" / "modeldeployment.yaml"
 
@@ -101,13 +102,17 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
             step = "starting the agents"
             agents = {
                 "mac-a": start_agent(cp, "mac-a", chip="Apple M3 Max", memory="64Gi",
-                                     labels={"rack": "a"}),
+                                     labels={"agent.mlx-fleet.io/rack": "a"}),
                 "mac-b": start_agent(cp, "mac-b", chip="Apple M4 Pro", memory="24Gi",
-                                     labels={"rack": "b"})}
+                                     labels={"agent.mlx-fleet.io/rack": "b"})}
             step = "starting the fleet router"
             router = start_router(cp).url
         console.print(f"[green]✓[/] operator, agents mac-a, mac-b and the fleet router running; "
                       f"every request below goes to the router: {router}/v1")
+        console.print(f"  source policy (--source-policy of the operator and the agents): "
+                      f"{DEV_POLICY.to_json()} — the demo's models are local directories; a "
+                      "production fleet keeps the secure default or lists its own "
+                      "(docs/security.md, 'Source policy')", highlight=False)
 
         step = "applying examples/modeldeployment.yaml"
         manifest = string.Template(EXAMPLE.read_text()).safe_substitute(MODEL_DIR=str(model_dir))

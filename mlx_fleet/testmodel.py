@@ -5,6 +5,13 @@ byte-level BPE tokenizer trained on a small built-in English corpus (``tokenizer
 ``tokenizer_config.json`` with a chat template). It is loaded by exactly the same code path as a
 downloaded model: ``mlx_lm.load(str(path))``.
 
+Embedding models: ``make_test_model(dir, embedding=True)`` writes a ``qwen3``-architecture
+decoder laid out as Qwen3-Embedding is (whose ``config.json`` is a plain ``Qwen3ForCausalLM``):
+the sentence-transformers ``modules.json`` and ``1_Pooling/config.json`` (last-token pooling,
+then Normalize), vLLM's ``is_matryoshka: true`` in ``config.json``, and a tokenizer that appends
+EOS to every text. Served with ``spec.model.task: TextEmbedding``
+(:mod:`node_agent.serving.embed_profile` reads those files), loaded through the same path.
+
 No network access is needed, output is deterministic for a given seed and parameters, and
 calling :func:`make_test_model` again on a complete model directory with the same parameters
 returns at once.
@@ -35,7 +42,7 @@ detokenizer, which could at best be slowed down by megabyte-long token strings; 
 server's whole MLX thread (every model on the node), not one request.
 
 CLI: ``mlx-fleet make-test-model DIR [--hidden-size N] [--num-layers N] [--vocab-size N]
-[--seed N] [--fault raise --fault-after-tokens N] [--force]`` (wired through
+[--seed N] [--fault raise --fault-after-tokens N] [--embedding] [--force]`` (wired through
 :func:`add_arguments` / :func:`run`; :func:`main` runs it stand-alone).
 """
 
@@ -154,7 +161,8 @@ class Fault:
 
 
 def _params(hidden_size: int, num_layers: int, vocab_size: int, seed: int, num_heads: int,
-            intermediate_size: int, fault: Fault | None = None) -> dict:
+            intermediate_size: int, fault: Fault | None = None,
+            embedding: bool = False) -> dict:
     params: dict[str, Any] = {
         "format_version": _FORMAT_VERSION,
         "hidden_size": hidden_size,
@@ -166,6 +174,8 @@ def _params(hidden_size: int, num_layers: int, vocab_size: int, seed: int, num_h
     }
     if fault is not None:  # a healthy model's marker stays exactly what it always was
         params["fault"] = fault.to_dict()
+    if embedding:
+        params["embedding"] = True
     return params
 
 
@@ -261,6 +271,37 @@ def _apply_fault(weights: dict[str, Any], base_vocab: int, after_tokens: int, hi
     return out
 
 
+def _embedding_config() -> dict[str, Any]:
+    """What an embedding model's ``config.json`` says beyond the llama test model's: the
+    ``qwen3`` architecture as Qwen3-Embedding-0.6B's config (``Qwen3ForCausalLM``, tied word
+    embeddings, no sliding window) and vLLM's Matryoshka marker ``is_matryoshka`` (Qwen3-
+    Embedding is trained for it; its own config does not say so, vLLM users add it with
+    ``--hf-overrides``)."""
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+            "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
+            "is_matryoshka": True}
+
+
+def _embedding_files(hidden_size: int) -> dict[str, bytes]:
+    """The sentence-transformers files Qwen3-Embedding ships, which make a decoder an
+    embedding model (read by :mod:`node_agent.serving.embed_profile`): ``modules.json``
+    (Transformer → Pooling → Normalize) and ``1_Pooling/config.json`` (last-token pooling)."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False,
+               "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True,
+               "include_prompt": True}
+    return {"modules.json": json.dumps(modules, indent=2).encode(),
+            "1_Pooling/config.json": json.dumps(pooling, indent=2).encode()}
+
+
 def make_test_model(
     dest: str | os.PathLike,
     *,
@@ -272,6 +313,7 @@ def make_test_model(
     intermediate_size: int | None = None,
     force: bool = False,
     fault: Fault | None = None,
+    embedding: bool = False,
 ) -> Path:
     """Write a small real MLX llama model into ``dest`` and return ``dest`` as a ``Path``.
 
@@ -289,6 +331,13 @@ def make_test_model(
         fault: build this :class:`Fault` into the model (``None``: a healthy model, exactly as
             without the argument). A faulty model keeps the healthy one's tokenizer behaviour
             for text and its chat template; see the module docstring for how the fault works.
+        embedding: write an embedding model instead, laid out as Qwen3-Embedding is (see
+            :func:`_embedding_files`): a ``qwen3`` decoder (``Qwen3ForCausalLM``, tied
+            embeddings, no LM head weights), ``is_matryoshka: true`` in ``config.json``, the
+            sentence-transformers ``modules.json`` (Transformer → Pooling → Normalize) and
+            ``1_Pooling/config.json`` (``pooling_mode_lasttoken``), and a tokenizer that appends
+            EOS to every encoded text (Qwen3-Embedding's appends ``<|endoftext|>``). Deploy it
+            with ``spec.model.task: TextEmbedding``.
 
     Files: ``config.json``, ``model.safetensors`` (float32 weights), ``tokenizer.json``,
     ``tokenizer_config.json``, ``special_tokens_map.json``, ``generation_config.json`` and the
@@ -311,12 +360,14 @@ def make_test_model(
 
     if fault is not None and not isinstance(fault, Fault):
         raise TypeError("fault must be a Fault or None")
+    if fault is not None and embedding:
+        raise ValueError("a fault is built into generation models only, not an embedding model")
     # before any file is written: raises ValueError if the chain does not fit hidden_size
     codes = None if fault is None else _chain_codes(fault.after_tokens + 1, hidden_size, seed)
 
     dest = Path(dest)
     params = _params(hidden_size, num_layers, vocab_size, seed, num_heads, intermediate_size,
-                     fault)
+                     fault, embedding)
     marker = dest / MARKER_FILE
     if not force and marker.is_file():
         try:
@@ -336,6 +387,13 @@ def make_test_model(
     eos_id = tok.token_to_id(EOS_TOKEN)
     bos_id = tok.token_to_id(BOS_TOKEN)
     pad_id = tok.token_to_id(PAD_TOKEN)
+    if embedding:
+        from tokenizers import processors
+
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"$A {EOS_TOKEN}", pair=f"$A {EOS_TOKEN} $B",
+                                          special_tokens=[(EOS_TOKEN, eos_id)])])
     if fault is None:
         _write_bytes_atomic(dest / "tokenizer.json", tok.to_str(pretty=True).encode())
     else:
@@ -378,6 +436,8 @@ def make_test_model(
         "pad_token_id": pad_id,
         "torch_dtype": "float32",
     }
+    if embedding:
+        config.update(_embedding_config())
     # The network's random weights are drawn for the healthy shapes in either case, so a faulty
     # model shares the healthy one's other weights; only its written vocabulary is larger.
     model_config = dict(config)
@@ -389,14 +449,21 @@ def make_test_model(
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
+    from mlx_lm.models import llama, qwen3
 
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(model_config))
-    weights = dict(tree_flatten(model.parameters()))
-    head = weights["lm_head.weight"]
-    weights["lm_head.weight"] = mx.where(
-        (mx.arange(head.shape[0]) == eos_id)[:, None], mx.zeros_like(head), head)
+    if embedding:
+        for name, data in _embedding_files(hidden_size).items():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            _write_bytes_atomic(dest / name, data)
+        model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+        weights = dict(tree_flatten(model.parameters()))   # tied: no lm_head
+    else:
+        model = llama.Model(llama.ModelArgs.from_dict(model_config))
+        weights = dict(tree_flatten(model.parameters()))
+        head = weights["lm_head.weight"]
+        weights["lm_head.weight"] = mx.where(
+            (mx.arange(head.shape[0]) == eos_id)[:, None], mx.zeros_like(head), head)
     if fault is not None:
         weights = _apply_fault(weights, real_vocab, fault.after_tokens, hidden_size, codes)
     mx.eval(weights)
@@ -436,6 +503,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-after-tokens", type=int, default=None, metavar="N",
                         help="tokens generated normally before the fault fires, 0 to "
                              f"{MAX_FAULT_AFTER_TOKENS} (needs --fault; default 0)")
+    parser.add_argument("--embedding", action="store_true",
+                        help="write an embedding model (qwen3 architecture, last-token pooling "
+                             "and L2 normalisation as Qwen3-Embedding; deploy it with "
+                             "spec.model.task: TextEmbedding)")
     parser.add_argument("--force", action="store_true",
                         help="regenerate even if DIR already holds this model")
 
@@ -450,7 +521,8 @@ def run(args: argparse.Namespace) -> int:
         fault = None if fault_kind is None else Fault(fault_kind, 0 if after is None else after)
         path = make_test_model(Path(args.dir), hidden_size=args.hidden_size,
                                num_layers=args.num_layers, vocab_size=args.vocab_size,
-                               seed=args.seed, force=args.force, fault=fault)
+                               seed=args.seed, force=args.force, fault=fault,
+                               embedding=getattr(args, "embedding", False))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,11 +5,11 @@ the request models and builds its JSON responses through the response models, an
 :mod:`node_agent.openapi` turns both into the ``GET /openapi.json`` document
 (``model_json_schema``), so the published schema cannot drift from what the server does.
 
-Request models follow OpenAI's Chat Completions and (legacy) Completions APIs; unknown fields
-are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
-(``chat.completion``, ``text_completion``, ``list`` of ``model``) plus this server's additions
-to a model card (``revision``, ``max_context_tokens``, ``status``, ``standby_reason``,
-``capabilities``). Errors
+Request models follow OpenAI's Chat Completions, (legacy) Completions and Embeddings APIs;
+unknown fields are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
+(``chat.completion``, ``text_completion``, ``list`` of ``model`` or of ``embedding``) plus this
+server's additions to a model card (``revision``, ``max_context_tokens``, ``status``,
+``standby_reason``, ``capabilities``). Errors
 have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      field_validator, model_validator)
+                      WithJsonSchema, field_validator, model_validator)
 
 from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
@@ -33,7 +33,8 @@ __all__ = ["MAX_TOP_LOGPROBS", "MAX_LEGACY_LOGPROBS", "TopLogprob", "ChatTokenLo
            "TextChunkChoice", "TextCompletionChunk", "ModelCard", "ModelList", "FinishReason", "REQUEST_MODELS",
            "RESPONSE_MODELS", "Tool", "FunctionDefinition", "NamedToolChoice", "ResponseFormat",
            "JsonSchemaFormat", "ToolCallIn", "FunctionCallIn", "ToolCall", "FunctionCall",
-           "ToolCallDelta", "FUNCTION_NAME_PATTERN", "MAX_TOOLS"]
+           "ToolCallDelta", "FUNCTION_NAME_PATTERN", "MAX_TOOLS", "EmbeddingRequest", "Embedding",
+           "EmbeddingUsage", "EmbeddingList", "MAX_EMBEDDING_INPUTS", "MAX_TOKEN_ID"]
 
 #: Largest whole number a JSON float represents exactly (2**53): ``4180.0`` is read as 4180
 #: up to it (JSON Schema counts a number with a zero fraction as an integer), ``1e300`` is not.
@@ -289,6 +290,76 @@ class CompletionRequest(SamplingRequest):
         "400 unsupported_parameter."))
 
 
+#: Most inputs one ``POST /v1/embeddings`` request may hold (OpenAI's limit: 2048).
+MAX_EMBEDDING_INPUTS = 2048
+#: Largest token id a request may send (int32; the model's vocabulary bounds it further).
+MAX_TOKEN_ID = 2**31 - 1
+
+_EMBEDDING_INPUT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1, "description": "One text."},
+    {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS,
+     "items": {"type": "string", "minLength": 1}, "description": "Texts."},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                "maximum": MAX_TOKEN_ID},
+     "description": "One input as token ids."},
+    {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS, "items": {
+        "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                  "maximum": MAX_TOKEN_ID}},
+     "description": "Inputs as token ids."}],
+    "description": (f"What to embed (OpenAI's shapes): at most {MAX_EMBEDDING_INPUTS} inputs, "
+                    "none empty; each within the model's context (else 400 "
+                    "context_length_exceeded); token ids within its vocabulary.")}
+
+
+def _token_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKEN_ID
+
+
+def _embedding_input(v: Any) -> list[str] | list[list[int]]:
+    """OpenAI's ``input`` shapes normalised to a list of texts or a list of token lists."""
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise ValueError("must be a non-empty string, a non-empty array of strings, an array "
+                         "of token ids or an array of arrays of token ids")
+    if all(isinstance(x, str) for x in v):
+        shape: list = v
+    elif all(_token_id(x) for x in v):
+        shape = [v]
+    elif all(isinstance(x, list) and x and all(_token_id(t) for t in x) for x in v):
+        shape = v
+    else:
+        raise ValueError("must be a string, an array of strings, an array of token ids (integers "
+                         f"from 0 to {MAX_TOKEN_ID}) or an array of non-empty arrays of token "
+                         "ids, not a mix")
+    if len(shape) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(shape)}")
+    empty = next((i for i, x in enumerate(shape) if isinstance(x, str) and not x), None)
+    if empty is not None:
+        raise ValueError(f"input {empty} is an empty string")
+    return shape
+
+
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings`` body (OpenAI's Embeddings API). ``input`` is normalised to a list
+    of texts or a list of token-id lists, in input order."""
+
+    model: Annotated[str, Field(min_length=1, description=(
+        "A served model name with spec.model.task TextEmbedding, loaded (or on standby) on this "
+        "node; else 404 model_not_found, or 400 wrong_model_task for a generation model."))]
+    input: Annotated[list[str] | list[list[int]], BeforeValidator(_embedding_input),
+                     WithJsonSchema(_EMBEDDING_INPUT_SCHEMA)]
+    encoding_format: Literal["float", "base64"] = Field("float", description=(
+        "float: arrays of numbers; base64: each vector's little-endian float32 bytes in "
+        "base64 (OpenAI's)."))
+    dimensions: PositiveInt | None = Field(None, description=(
+        "Truncate each vector to this many dimensions and renormalise (Matryoshka); only for a "
+        "model trained for it (config.json is_matryoshka or matryoshka_dimensions), else 400 "
+        "naming dimensions."))
+    user: str | None = Field(None, description=(
+        f"Session key of a canary split when there is no {SESSION_HEADER} header."))
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses (exactly these fields)
 # ---------------------------------------------------------------------------------------------
@@ -529,9 +600,35 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class Embedding(_Response):
+    """One input's vector: ``index`` its position in the request's ``input``; ``embedding`` the
+    numbers (``encoding_format`` float) or their little-endian float32 bytes in base64."""
+
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(_Response):
+    """Tokens of the inputs (``total_tokens`` equals ``prompt_tokens``: nothing is generated)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Response):
+    """A ``POST /v1/embeddings`` answer (``object``: ``list``), vectors in input order."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 #: Models whose JSON schema the OpenAPI document holds, validation side (requests) and
 #: serialization side (responses).
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest,
+                                               EmbeddingRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (ErrorResponse, ChatCompletion, TextCompletion,
                                                 ChatCompletionChunk, TextCompletionChunk,
-                                                ModelList)
+                                                ModelList, EmbeddingList)

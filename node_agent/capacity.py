@@ -5,7 +5,7 @@ On macOS every value comes from the hardware:
 
 * ``hw.memsize`` (``sysctl -n``): physical unified memory in bytes;
 * ``machdep.cpu.brand_string``: the chip's marketing name, e.g. ``"Apple M3 Max"``, whose number
-  is the chip generation (:func:`chip_generation`);
+  is the chip generation (:func:`mlx_fleet.chips.chip_generation`, re-exported here);
 * ``iogpu.wired_limit_mb``: the GPU wired-memory limit in MiB (absent or 0 = the OS default,
   reported as 0);
 * available memory: ``psutil.virtual_memory().available`` (free + reclaimable, bytes).
@@ -15,7 +15,7 @@ Anywhere else (Linux, for development and tests) chip and total memory come from
 operator and a human reading etcd never mistake such a node for a Mac. Configuring either value
 on macOS forces the same simulated mode (many simulated agents on one Mac).
 
-:func:`chip_generation` is pure. Memory quantities go through the project's one grammar,
+Memory quantities go through the project's one grammar,
 :func:`mlx_fleet.quantity.parse_quantity` (re-exported here for the agent's CLI).
 """
 
@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import sys
 
 import psutil
 
+from mlx_fleet.chips import chip_generation
 from mlx_fleet.contract import WATERMARK, NodeCapacity
 from mlx_fleet.quantity import format_bytes, parse_quantity
 
@@ -39,18 +39,6 @@ __all__ = ["chip_generation", "parse_quantity", "format_bytes", "CapacityConfig"
 
 #: Chip reported by a simulated node when ``--simulated-chip`` is not given.
 DEFAULT_SIMULATED_CHIP = "Apple M3 Max"
-
-_CHIP_RE = re.compile(r"\bApple\s+M(\d+)\b", re.IGNORECASE)
-
-
-def chip_generation(brand: str) -> int:
-    """Apple-Silicon generation from a brand string: ``"Apple M3 Max"`` → 3, ``"Apple M4"`` → 4.
-
-    Returns 0 when the string names no Apple M-series chip (Intel Macs, other CPUs, empty),
-    which the operator's placement treats as "below every minimum generation".
-    """
-    m = _CHIP_RE.search(brand or "")
-    return int(m.group(1)) if m else 0
 
 
 @dataclasses.dataclass(frozen=True)

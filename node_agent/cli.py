@@ -17,11 +17,13 @@ from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, che
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN,
                                 exposure_check, is_loopback)
+from mlx_fleet.http_hygiene import HttpLimits, add_http_arguments, http_limits_from_args
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
+from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 from mlx_fleet.store import check_endpoint, parse_endpoint
 
 from .capacity import parse_quantity
 from .fetch.bounds import DEFAULT_UNUSED_MAX_AGE_S, DownloadLimits, parse_reserve
-from .http_hygiene import HttpLimits, allowed_hosts
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL
 from .serving.admission import POLICIES
@@ -266,41 +268,6 @@ def download_limits_from_args(args: argparse.Namespace) -> DownloadLimits:
                           unused_max_age_s=args.model_cache_unused_seconds)
 
 
-def add_http_arguments(p: argparse.ArgumentParser) -> None:
-    """The HTTP server's hygiene flags (:class:`~node_agent.http_hygiene.HttpLimits`)."""
-    d = HttpLimits()
-    g = p.add_argument_group("HTTP server limits (docs/security.md, 'HTTP hygiene')")
-    g.add_argument("--header-timeout-seconds", type=_argtype(positive_seconds),
-                   default=d.header_timeout_seconds, metavar="SECONDS",
-                   help="a connection that has not sent a whole request head this long after "
-                        "it opened (or after its last response) is closed: slow-loris clients "
-                        "and idle keep-alive connections (default: %(default)s)")
-    g.add_argument("--body-timeout-seconds", type=_argtype(positive_seconds),
-                   default=d.body_timeout_seconds, metavar="SECONDS",
-                   help="a POST body that has not arrived this long after its head is answered "
-                        "408 and the connection closed (default: %(default)s)")
-    g.add_argument("--max-connections", type=_argtype(positive_int),
-                   default=d.max_connections, metavar="N",
-                   help="open connections at once; one more is answered 503 and closed "
-                        "(default: %(default)s)")
-    g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="an origin (scheme://host[:port]) browsers may call the API from "
-                        "(repeatable; default: none, no CORS headers are sent)")
-    g.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
-                   help="a Host header name accepted when the API has no keys, besides "
-                        "loopback names, the --listen host and the --advertise-url host "
-                        "(repeatable; other names are answered 421: DNS rebinding)")
-
-
-def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
-    """The :class:`~node_agent.http_hygiene.HttpLimits` of :func:`add_http_arguments`."""
-    return HttpLimits(header_timeout_seconds=args.header_timeout_seconds,
-                      body_timeout_seconds=args.body_timeout_seconds,
-                      max_connections=args.max_connections,
-                      cors_origins=frozenset(args.cors_origin),
-                      allowed_hosts=frozenset(h.lower() for h in args.allowed_host))
-
-
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
     """The :class:`~node_agent.serving.options.ServingOptions` of :func:`add_serving_arguments`'
     parsed flags."""
@@ -353,6 +320,8 @@ class AgentConfig:
     serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
     # disk reserve, cache cap, pinned hf:// commits, the cache's garbage collection
     downloads: DownloadLimits = dataclasses.field(default_factory=DownloadLimits)
+    #: which model sources this Mac loads (--source-policy; default: the secure policy)
+    source_policy: SourcePolicy = DEFAULT_POLICY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,7 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "name for 0.0.0.0/::)")
     p.add_argument("--label", action="append", default=[], type=_argtype(parse_label),
                    metavar="KEY=VALUE",
-                   help="node label matched by deployments' node selectors (repeatable)")
+                   help="node label matched by deployments' node selectors (repeatable); "
+                        "placement believes only keys under agent.mlx-fleet.io/ from an agent "
+                        "(e.g. agent.mlx-fleet.io/rack=a): label the MacNode for others "
+                        "(kubectl label macnode NODE KEY=VALUE)")
     p.add_argument("--lease-ttl", type=_argtype(positive_int), default=DEFAULT_LEASE_TTL,
                    metavar="SECONDS",
                    help="etcd lease TTL: a node that stops heart-beating disappears after this "
@@ -410,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "is a sequence of its own in the model's batch, so n is also bounded by "
                         "the model's maxConcurrentSequences; above either: 400 naming n "
                         "(default: %(default)s)")
-    add_http_arguments(p)
+    add_http_arguments(p, own_hosts="the --listen and --advertise-url hosts")
     add_download_arguments(p)
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_PREFETCH_WINDOW_SECONDS, metavar="SECONDS",
@@ -468,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM CA bundle that verifies other agents' HTTPS certificates when "
                         "forwarding to them (agents with --tls-cert-file from a private CA); "
                         "default: the system's trusted CAs")
+    p.add_argument("--source-policy", default=os.environ.get(ENV_SOURCE_POLICY),
+                   metavar="FILE|JSON",
+                   help="the fleet's model source policy, the operator's record (a JSON/YAML "
+                        "file, or inline JSON starting with '{'): allowed schemes, https hosts, "
+                        "file:// roots, hf:// organisations, private networks (docs/security.md, "
+                        "'Source policy'). Default: env " + ENV_SOURCE_POLICY + ", else the "
+                        "secure policy: https:// to public addresses, hf:// without HF_TOKEN, "
+                        "no local directories")
     g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
     g.add_argument(INSECURE_LISTEN, action="store_true",
                    help="accept a --listen address that is not loopback without "
@@ -497,7 +477,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise ValueError("--tls-cert-file and --tls-key-file go together")
     check_endpoint(args.etcd_endpoint, credentials)
-    return AgentConfig(node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
+    policy = load_policy(args.source_policy)  # PolicyError (a ValueError): one line
+    return AgentConfig(source_policy=policy, node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
                        etcd_prefix=args.etcd_prefix, etcd_credentials=credentials,
                        listen_host=host, listen_port=port,
                        advertise_url=args.advertise_url, labels=dict(args.label),

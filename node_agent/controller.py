@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from mlx_fleet.contract import Keys
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 from mlx_fleet.store import Store
 from mlx_fleet.supervise import Supervised
 
@@ -92,8 +94,12 @@ class Controller:
     ``store``/``keys``: the etcd store and contract layout; ``registration``: writes the reports
     under the node's lease; ``advertise_url``: the ``endpoint`` put into Ready reports;
     ``resolve``: local source URI → local path (default
-    :func:`~node_agent.sources.resolve_source`; ``hf://`` and ``https://`` sources are fetched
-    with :func:`~node_agent.fetch.fetch`).
+    :func:`~node_agent.sources.resolve_source` under ``source_policy``; ``hf://`` and
+    ``https://`` sources are fetched with :func:`~node_agent.fetch.fetch`).
+    ``source_policy``: the fleet's source policy every source is checked against (default
+    the secure :data:`~mlx_fleet.source_policy.DEFAULT_POLICY`: no local directory, no
+    private address; a dev fleet passes
+    :data:`~mlx_fleet.source_policy.DEV_POLICY` or its own).
     ``retry_backoff``: ``(initial, maximum)`` delay in seconds between retries of a failed load
     (default :data:`RETRY_INITIAL_BACKOFF`, :data:`RETRY_MAX_BACKOFF`). ``model_cache``: where
     ``https://`` sources are downloaded (default :func:`~node_agent.fetch.default_model_cache`,
@@ -117,7 +123,7 @@ class Controller:
 
     def __init__(self, store: Store, keys: Keys, *, node_name: str, core: ServingCore,
                  registration: Registration, advertise_url: str,
-                 resolve: Callable[[str], Path] = resolve_source,
+                 resolve: Callable[[str], Path] | None = None,
                  retry_backoff: tuple[float, float] = (RETRY_INITIAL_BACKOFF,
                                                        RETRY_MAX_BACKOFF),
                  model_cache: Path | None = None,
@@ -128,7 +134,8 @@ class Controller:
                  prefetch_window_seconds: float = DEFAULT_PREFETCH_WINDOW_SECONDS,
                  max_prefetches: int = DEFAULT_MAX_PREFETCHES,
                  max_loaded_models: int = 0,
-                 download_limits: DownloadLimits | None = None) -> None:
+                 download_limits: DownloadLimits | None = None,
+                 source_policy: SourcePolicy = DEFAULT_POLICY) -> None:
         if max_loaded_models < 0:
             raise ValueError(f"max_loaded_models must be >= 0 (0 = no limit), "
                              f"got {max_loaded_models}")
@@ -140,7 +147,10 @@ class Controller:
         rt.signal = self._signal
         self._reports = Reports(rt, registration, advertise_url)
         self._unloader = Unloader(rt, self._reports)
+        if resolve is None:
+            resolve = functools.partial(resolve_source, policy=source_policy)
         self._loader = Loader(rt, self._reports, self._unloader, resolve=resolve,
+                              policy=source_policy,
                               model_cache=(model_cache if model_cache is not None
                                            else default_model_cache()),
                               backoff=retry_backoff, limits=download_limits)

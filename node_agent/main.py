@@ -25,14 +25,14 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from mlx_fleet.contract import Keys, NodeHealth, check_watermark
+from mlx_fleet.contract import AGENT_LABEL_PREFIX, Keys, NodeHealth, check_watermark
 from mlx_fleet.exposure import INSECURE_FORWARD, exposure_check, is_loopback
+from mlx_fleet.http_hygiene import allowed_hosts, start_server
 from mlx_fleet.routing.api_keys import KeyFile, KeyFileError
 from mlx_fleet.store import EtcdStore, StoreError
 
 from .capacity import CapacityConfig, CapacityProbe, format_bytes
 from .cli import AgentConfig, StartupError, agent_version, build_parser, config_from_args
-from .http_hygiene import allowed_hosts, start_server
 from .registration import Registration
 
 log = logging.getLogger("node_agent")
@@ -123,6 +123,11 @@ class Agent:
                         "tag, so replicas of one revision may hold different weights (each "
                         "reports the commit it downloaded; the operator's ReplicasConsistent "
                         "condition shows a mismatch)")
+        ignored = sorted(k for k in config.labels if not k.startswith(AGENT_LABEL_PREFIX))
+        if ignored:
+            log.warning("--label %s: placement ignores labels an agent sets outside %s (label "
+                        "the MacNode instead: kubectl label macnode %s KEY=VALUE)",
+                        ", ".join(ignored), AGENT_LABEL_PREFIX, config.node_name)
         self.keys = Keys(config.etcd_prefix)
         self.keys.node(config.node_name)  # validates the name early (ValueError)
         self.registry = CollectorRegistry()
@@ -275,7 +280,8 @@ class Agent:
                                      prefetch_window_seconds=self.config.prefetch_window_seconds,
                                      max_prefetches=self.config.max_prefetches,
                                      max_loaded_models=self.config.max_loaded_models,
-                                     download_limits=self.config.downloads)
+                                     download_limits=self.config.downloads,
+                                     source_policy=self.config.source_policy)
         await self.controller.start()
         self.traffic = TrafficManager(self.store, self.keys, node_name=self.config.node_name,
                                       registration=self.registration,
@@ -374,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.lease_ttl < 1:
             raise ValueError("--lease-ttl must be at least 1 second")
         check_exposure(config)  # before anything heavy; the Agent logs the accepted risks
+        logging.getLogger("node_agent").info("source policy: %s",
+                                             config.source_policy.to_json())
     except (ValueError, StartupError) as e:
         print(f"mlx-fleet-agent: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ _LOAD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 #: An unload to standby is one step of the MLX thread plus ``gc`` and ``mx.clear_cache()``
 #: (tens of milliseconds); an unassignment's includes its drain, up to the controller's
 #: ``DRAIN_SECONDS`` (60 s).
+#: Inputs per forward pass of an embedding model (powers of two up to the largest batch, 256).
+_EMBED_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _UNLOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -59,6 +61,8 @@ class AgentMetrics:
       (prompt tokens served from the cache; ÷ ``prompt_tokens_total``: the token hit ratio)
     * ``mlxfleet_agent_stream_buffer_overflows_total`` counter: generations stopped because
       their client read too slowly (``--stream-buffer-chunks``)
+    * ``mlxfleet_agent_embedding_batch_inputs`` histogram: inputs per forward pass of an
+      embedding model (concurrent requests' inputs share passes: :mod:`.serving.embed_batch`)
     * ``mlxfleet_agent_queue_depth`` gauge: requests waiting for a batch slot
     * ``mlxfleet_agent_batch_occupancy`` gauge: sequences in the running batch
     * ``mlxfleet_agent_model_loaded`` gauge: 1 while loaded, 0 after unload
@@ -123,6 +127,10 @@ class AgentMetrics:
             "mlxfleet_agent_stream_buffer_overflows",
             "Generations stopped because their client read the stream too slowly "
             "(more chunks waiting than --stream-buffer-chunks)", mr, registry=registry)
+        self.embedding_batch_inputs = Histogram(
+            "mlxfleet_agent_embedding_batch_inputs",
+            "Inputs per forward pass of an embedding model (inputs of concurrent requests "
+            "share a pass)", mr, buckets=_EMBED_BATCH_BUCKETS, registry=registry)
         self.serving_option = Info("mlxfleet_agent_serving_option",
                                    "The agent's serving options (prompt cache, its budget, "
                                    "admission policy, stream buffer, request coalescing): one "

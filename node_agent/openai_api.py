@@ -4,7 +4,10 @@ completion handlers).
 
 Routes:
 
-* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming),
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE streaming) for a
+  ``TextGeneration`` model; ``POST /v1/embeddings`` (:mod:`node_agent.api.embeddings`) for a
+  ``TextEmbedding`` one (``spec.model.task``; the other task's route answers 400
+  ``wrong_model_task`` naming ``model``),
 * ``GET /v1/models``, ``GET /health`` (200 healthy / 503 not), ``GET /metrics`` (Prometheus),
 * ``GET /openapi.json``: the API's OpenAPI 3.1 document (:mod:`node_agent.openapi`, built from
   the request and response models of :mod:`node_agent.api_models` that this module validates
@@ -85,14 +88,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mlx_fleet.http_errors import error_response as _error
+from mlx_fleet.http_hygiene import HttpLimits, hygiene_middlewares
 from mlx_fleet.routing.api_keys import KeyFile
+from mlx_fleet.routing.body_size import max_body_bytes
 
 from .api.completions import Completions
 from .api.context import OPEN_PATHS, UNKNOWN_LABEL
+from .api.embeddings import EmbeddingsRoute
 from .api.forward import Forwarder
 from .api.middleware import authentication, keyed, request_errors
 from .api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .http_hygiene import HttpLimits, hygiene_middlewares
 from .openapi import OPENAPI_PATH, openapi_document
 from .serving import ServingCore
 from .serving.capabilities import model_capabilities
@@ -138,7 +143,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     a request forwarded to a plain-http node on another host carries no key (logged once per
     node).
 
-    ``limits``: the server's HTTP hygiene (:mod:`node_agent.http_hygiene`: body timeout,
+    ``limits``: the server's HTTP hygiene (:mod:`mlx_fleet.http_hygiene`: body timeout,
     ``application/json`` POST bodies, CORS origins); without ``api_keys`` a request's ``Host``
     must be loopback or one of ``hosts`` (421 otherwise). ``GET /health`` answers its
     ``details`` only to a request with a valid key, or with no keys configured when
@@ -151,16 +156,17 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     # (under its timeout) after it
     before_auth, after_auth = hygiene_middlewares(limits, check_host=api_keys is None,
                                                   hosts=hosts, error=_error)
-    # a body may hold a prompt of max_prompt_bytes plus its JSON (aiohttp's default: 1 MiB)
+    # a body may hold a prompt of max_prompt_bytes plus its JSON (the router's rule too)
     app = web.Application(middlewares=[request_errors(core.metrics.requests), before_auth,
                                        authentication(api_keys, forward_keys, open_paths),
                                        after_auth],
-                          client_max_size=max(2**20, 2 * core.max_prompt_bytes))
+                          client_max_size=max_body_bytes(core.max_prompt_bytes))
     app[CORE_KEY] = core
     forwarder = Forwarder(forward_keys=forward_keys, forward_ssl=forward_ssl,
                           insecure_forward=insecure_forward, router=router)
     app.on_cleanup.append(forwarder.close)
     completions = Completions(core, router=router, forward=forwarder)
+    embeddings = EmbeddingsRoute(core, router=router, forward=forwarder)
 
     async def list_models(request: web.Request) -> web.Response:
         """OpenAI's model list: every resident revision (``status: loaded``) and every standby
@@ -211,6 +217,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     app.router.add_post("/v1/chat/completions", completions.chat)
     app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/embeddings", embeddings.create)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)

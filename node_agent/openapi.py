@@ -138,6 +138,22 @@ def _completion(request: str, response: str, chunk: str, summary: str) -> dict[s
     }
 
 
+def _embeddings() -> dict[str, Any]:
+    """``POST /v1/embeddings``: the completion routes' headers and errors, a JSON answer."""
+    op = _completion("EmbeddingRequest", "EmbeddingList", "EmbeddingList",
+                     "Embeddings (OpenAI) of a TextEmbedding model")
+    op["responses"]["200"] = {
+        "description": "The vectors in input order (numbers, or base64 float32 with "
+                       "`encoding_format: base64`).",
+        "headers": {REVISION_HEADER: _REVISION},
+        "content": {"application/json": {"schema": _ref("EmbeddingList")}}}
+    op["responses"]["400"] = _error(
+        "Malformed JSON, an invalid field (`param` names it), an input over the context "
+        "(`context_length_exceeded`, `param` `input`), `dimensions` the model does not allow, "
+        "or a TextGeneration model (`wrong_model_task`, `param` `model`).")
+    return op
+
+
 def openapi_document(*, api_keys: bool = False, metrics_auth: bool = False,
                      version: str = "0", max_choices: int | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document (a JSON-ready dict) for an app with (``api_keys``) or without
@@ -152,6 +168,7 @@ def openapi_document(*, api_keys: bool = False, metrics_auth: bool = False,
         "/v1/completions": {"post": _completion(
             "CompletionRequest", "TextCompletion", "TextCompletionChunk",
             "Text completion (OpenAI, legacy)")},
+        "/v1/embeddings": {"post": _embeddings()},
         "/v1/models": {"get": {
             "summary": "Models resident or on standby on this node",
             "responses": {"200": {"description": "The model list.", "content": {

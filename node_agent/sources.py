@@ -11,6 +11,11 @@ Accepted sources:
 
 ``http://`` is refused: weights fetched over plain HTTP can be swapped by anyone on the path.
 
+Every source is checked against the fleet's source policy (:mod:`mlx_fleet.source_policy`,
+the agent's ``--source-policy``) before anything is looked at: a local directory only under
+the policy's ``fileRoots`` (none by default), checked again after resolving symlinks (the
+resolved path under a resolved root), before the file system is asked whether it exists.
+
 Whatever the source, the directory is checked before anything is loaded from it
 (:func:`node_agent.model_dir.check_model_dir`, which also defines :class:`SourceError`): it must hold a ``config.json`` that is a JSON object and asks for no
 custom model code (``trust_remote_code`` is never enabled), and no entry in it may be a symlink
@@ -25,6 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
+
+from mlx_fleet.source_policy import (DEFAULT_POLICY, SOURCE_REFUSED, SourcePolicy,
+                                     check_file_path, check_source)
 
 from .model_dir import SourceError, check_model_dir
 
@@ -46,7 +54,7 @@ def is_remote(uri: str) -> bool:
 
 def resolve_source(uri: str, *, dest_root: str | os.PathLike | None = None,
                    progress: Callable[[DownloadProgress], None] | None = None,
-                   **fetch_options: Any) -> Path:
+                   policy: SourcePolicy = DEFAULT_POLICY, **fetch_options: Any) -> Path:
     """``uri`` → absolute local path of a checked model directory.
 
     Local sources (``file://``, ``/abs``) are only checked (a few ``stat`` calls and a walk of the
@@ -56,7 +64,11 @@ def resolve_source(uri: str, *, dest_root: str | os.PathLike | None = None,
     the whole download: call it from a thread, never on a running event loop (use ``fetch``
     there), or it raises ``RuntimeError``.
 
-    Raises :class:`SourceError`: ``UnsupportedSource`` for ``http://`` and unknown schemes;
+    ``policy``: the fleet's source policy (default the secure
+    :data:`~mlx_fleet.source_policy.DEFAULT_POLICY`, which allows no local directory).
+
+    Raises :class:`SourceError`: ``SourceRefused`` when ``policy`` refuses the source or its
+    resolved path; ``UnsupportedSource`` for ``http://`` and unknown schemes;
     ``InvalidSource`` for an empty or relative path, ``..`` in a path, a ``file://`` URI with a
     host, a symlink leading out of the model directory, a ``config.json`` that isn't a JSON
     object; ``ModelNotFound`` when the directory or its ``config.json`` is missing; and the
@@ -80,7 +92,7 @@ def resolve_source(uri: str, *, dest_root: str | os.PathLike | None = None,
             raise RuntimeError("resolve_source downloads synchronously; on an event loop await "
                                "node_agent.fetch.fetch() instead")
         root = Path(dest_root) if dest_root is not None else default_model_cache()
-        return asyncio.run(fetch(raw, root, progress=progress, **fetch_options))
+        return asyncio.run(fetch(raw, root, progress=progress, policy=policy, **fetch_options))
     if scheme == "http":
         raise SourceError("UnsupportedSource",
                           f"plain http:// is refused ({raw}): weights fetched without TLS can be "
@@ -99,6 +111,12 @@ def resolve_source(uri: str, *, dest_root: str | os.PathLike | None = None,
         raise SourceError("InvalidSource", f"model path must be absolute, got {raw!r}")
     if ".." in path.parts:
         raise SourceError("InvalidSource", f"model path must not contain '..' segments: {raw!r}")
+    refusal = (check_source(policy, str(path))  # the scheme, roots as written
+               or check_file_path(policy, str(path))  # as written, then symlinks resolved
+               or check_file_path(policy, os.path.realpath(path),
+                                  [os.path.realpath(r) for r in policy.file_roots]))
+    if refusal is not None:
+        raise SourceError(SOURCE_REFUSED, refusal.message)
     if not path.is_dir():
         raise SourceError("ModelNotFound", f"no model directory at {path}")
     check_model_dir(path)

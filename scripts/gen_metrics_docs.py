@@ -264,6 +264,7 @@ def exposition(component: str) -> bytes:
         m.requests.labels(*mr, "/v1/chat/completions", "200").inc()
         for h in (m.ttft, m.inter_token, m.model_load_seconds):
             h.labels(*mr).observe(0.2)
+        m.embedding_batch_inputs.labels(*mr).observe(8)
         for c in (m.generated_tokens, m.prompt_tokens, m.prompt_cache_hits,
                   m.prompt_cache_misses, m.prompt_cache_tokens, m.stream_buffer_overflows,
                   m.coalesced_requests):

@@ -182,12 +182,30 @@ if [ "$build_image" = 1 ]; then
   kind load docker-image "$image" --name "$cluster"
 fi
 
+# The router's API key: the chart runs it behind keys (docs/security.md); a random one here.
+if ! kubectl -n "$namespace" get secret mlx-fleet-router-api-keys >/dev/null 2>&1; then
+  log "creating the router's API key (Secret mlx-fleet-router-api-keys)"
+  router_key="sk-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  kubectl -n "$namespace" create secret generic mlx-fleet-router-api-keys \
+    --from-literal=api-keys="$router_key" >/dev/null
+  unset router_key
+fi
+
 log "installing the chart charts/mlx-fleet (etcd: $etcd_endpoint)"
+# This development etcd is plain http without auth: the chart's explicit opt-out
+# (insecure.etcdHttp), and no client certificate (etcd.tls.secretName empty).
+
+# the example's model directory is on the Macs: the fleet's source policy lists it explicitly
+# (docs/security.md, "Source policy"); the agents need the same --source-policy
+policy=()
+[ -z "$model_dir" ] || policy=(--set-json "sourcePolicy={\"fileRoots\": [\"$model_dir\"]}")
 helm upgrade --install mlx-fleet "$repo/charts/mlx-fleet" \
   --namespace "$namespace" \
   --set "image.repository=${image%:*}" --set "image.tag=${image##*:}" \
   --set "image.pullPolicy=IfNotPresent" \
   --set "etcd.endpoints={${etcd_endpoint}}" \
+  --set "etcd.tls.secretName=" --set "insecure.etcdHttp=true" \
+  ${policy[@]+"${policy[@]}"} \
   --wait --timeout 5m
 # Helm installs crds/ on first install only; the kubectl apply above keeps them current.
 
@@ -204,16 +222,19 @@ if [ "$etcd_mode" = in-cluster ]; then
 else
   agent_etcd=$etcd_endpoint
 fi
+agent_policy=""
+[ -z "$model_dir" ] || agent_policy=" --source-policy '{\"fileRoots\": [\"$model_dir\"]}'"
 cat >&2 <<EOF
 
 mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
   kubectl get md -A            # ModelDeployments
   kubectl -n $namespace logs deploy/mlx-fleet
   kubectl -n $namespace port-forward svc/mlx-fleet-router 8090:80   # the fleet router: http://127.0.0.1:8090/v1
+  kubectl -n $namespace get secret mlx-fleet-router-api-keys -o jsonpath='{.data.api-keys}' | base64 -d   # its key
 
 On every Mac, run the node agent pointed at the same etcd:
   mlx-fleet-agent --etcd-endpoint $agent_etcd --insecure-etcd-http --api-key-file <keys> \
-    --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>
+    --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>$agent_policy
 (see docs/kind.md and mlx-fleet-agent --help).
 Tear down: scripts/kind-up.sh --name $cluster --down
 EOF

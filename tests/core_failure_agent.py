@@ -2,7 +2,7 @@
 (``node_agent.main.main``) whose serving core fails as soon as it starts loading a model: the
 MLX thread's first load step raises a ``BaseException`` that no guard on the thread contains
 (the failure mode of ``tests/test_serving.py``'s fatal-thread test, in a process of its own).
-Used by ``tests/test_agent_core_failure.py``."""
+Used by ``tests/test_integration_agent.py`` (a failed serving core in a real agent process)."""
 
 from __future__ import annotations
 

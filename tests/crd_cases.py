@@ -62,12 +62,14 @@ def valid_examples() -> list[dict[str, Any]]:
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 2, "maxUnavailable": "50%"}},
     )
     full["model"]["servedModelName"] = "llama"
+    full["model"]["task"] = "TextGeneration"
     return [
         make("ok-minimal", base_spec()),
         make("ok-full", full),
         _with("ok-plain-path", "model.source", "/Users/shared/models/llama"),
         _with("ok-hf", "model.source", "hf://mlx-community/Llama-3.2-1B-Instruct-4bit"),
         _with("ok-https", "model.source", "https://example.com/models/llama.tar"),
+        _with("ok-embedding", "model.task", "TextEmbedding"),
         _with("ok-revision-chars", "model.revision", "2024-01-01_rc.1"),
         _with("ok-revision-128", "model.revision", "r" * 128),
         _with("ok-replicas-zero", "replicas", 0),
@@ -129,6 +131,7 @@ def invalid_examples() -> list[tuple[dict[str, Any], str]]:
          "spec.serving.maxContextTokens"),
         (_with("bad-idle-negative", "lifecycle.idleUnloadSeconds", -1), "spec.lifecycle.idleUnloadSeconds"),
         (_with("bad-prefetch", "lifecycle.prefetch", "Lazy"), "spec.lifecycle.prefetch"),
+        (_with("bad-task", "model.task", "embed"), "spec.model.task"),
         (_with("bad-min-ready-negative", "lifecycle.minReady", -1), "spec.lifecycle.minReady"),
         (_with("bad-min-ready-over-default-replicas", "lifecycle.minReady", 2),
          "spec.lifecycle.minReady"),

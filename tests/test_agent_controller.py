@@ -1,33 +1,29 @@
 """The assignment controller against the in-memory store, the real ServingCore and a generated
-MLX model; the whole agent process (``test_agent_end_to_end``, the CLI's start-up error)
-against a real etcd."""
+MLX model. The whole agent against a real etcd (end to end, the CLI's start-up error) is in
+tests/test_integration_agent.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import aiohttp
 import pytest
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, ModelSource,
-                                NodeCapacity, NodeHealth, NodeRecord, Role)
-from mlx_fleet import supervise as supervise_module
+                                NodeCapacity, Role)
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.store import Store, StoreError, WatchEvent
 from node_agent.controller import Controller, ServedModel
-from node_agent.main import Agent
-from node_agent.cli import AgentConfig, build_parser, config_from_args
+from node_agent.cli import build_parser, config_from_args
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
 from node_agent.sources import SourceError, resolve_source
 from fault_record import FaultRecord
 from serving_fixtures import mlx_thread_held, other_model_path, wait_for  # noqa: F401  (a session fixture)
-from stores import ON_ETCD
 
 NODE = "mac-1"
 ADVERTISED = "http://agent.test:8000"
@@ -202,7 +198,8 @@ async def flaky(store: MemoryStore) -> FlakyStore:
 async def controller(flaky: FlakyStore, keys: Keys, core: ServingCore,
                      registration: Registration) -> AsyncIterator[Controller]:
     ctl = Controller(flaky, keys, node_name=NODE, core=core,  # type: ignore[arg-type]
-                     registration=registration, advertise_url=ADVERTISED)
+                     registration=registration, advertise_url=ADVERTISED,
+                     source_policy=DEV_POLICY)
     await ctl.start()
     yield ctl
     await ctl.stop()
@@ -219,9 +216,9 @@ def test_resolve_source(tmp_path: Path) -> None:
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    assert resolve_source(str(model)) == model
-    assert resolve_source(f"file://{model}") == model
-    assert resolve_source(f"file://localhost{model}") == model
+    assert resolve_source(str(model), policy=DEV_POLICY) == model
+    assert resolve_source(f"file://{model}", policy=DEV_POLICY) == model
+    assert resolve_source(f"file://localhost{model}", policy=DEV_POLICY) == model
     cases = {
         "http://example.com/m/": "UnsupportedSource",
         "s3://bucket/m": "UnsupportedSource",
@@ -233,7 +230,7 @@ def test_resolve_source(tmp_path: Path) -> None:
     }
     for uri, reason in cases.items():
         with pytest.raises(SourceError) as e:
-            resolve_source(uri)
+            resolve_source(uri, policy=DEV_POLICY)
         assert e.value.reason == reason, uri
         assert e.value.message
 
@@ -278,6 +275,34 @@ async def test_assignment_loads_serves_and_unloads(store: MemoryStore, keys: Key
     assert await wait_report(store, rkey, lambda r: r is None) is None
     assert not core.is_loaded("tiny-llama") and controller.served() == {}
     await wait_for(lambda: core.models() == [], TIMEOUT)  # drained (nothing ran), unloaded
+
+
+async def test_an_embedding_assignment_loads_as_an_embedding_model(
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: Controller,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``task: TextEmbedding`` (spec.model.task) is carried to the load: the revision serves
+    embeddings, not generations; a change of task reloads it (it is part of what is loaded)."""
+    from mlx_fleet.testmodel import make_test_model
+    from node_agent.serving import WrongTask
+
+    emb = make_test_model(tmp_path_factory.mktemp("models") / "emb", embedding=True)
+    rkey = keys.report(NODE, "default", "emb", "r1")
+    a = assignment("emb", emb).model_copy(update={"task": "TextEmbedding"})
+    await put(store, keys, a)
+    r = await wait_report(store, rkey, settled)
+    assert r is not None and r.state == AssignmentState.READY, r
+    [info] = core.models()
+    assert info.task == "TextEmbedding" and info.embedding is not None
+    out = await core.embed("emb", texts=["hello", "world"])
+    assert out.vectors.shape == (2, info.embedding.dimensions)
+    with pytest.raises(WrongTask):
+        await complete(core, "emb")
+    # the same revision as a generation model: reloaded for that task
+    await put(store, keys, a.model_copy(update={"task": "TextGeneration", "generation": 2}))
+    await wait_for(lambda: [m.task for m in core.models()] == ["TextGeneration"], TIMEOUT)
+    assert isinstance(await complete(core, "emb"), str)
+    await store.delete(keys.assignment(NODE, "default", "emb", "r1"))
+    await wait_for(lambda: core.models() == [], TIMEOUT)
 
 
 async def test_new_revision_loads_beside_the_old_one_which_drains_then_unloads(
@@ -433,7 +458,8 @@ async def test_failed_load_is_retried_until_the_model_appears(
         test_model_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "disk" / "model"  # not there yet: a disk that isn't mounted
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                     advertise_url=ADVERTISED, retry_backoff=(0.05, 0.2))
+                     advertise_url=ADVERTISED, retry_backoff=(0.05, 0.2),
+                     source_policy=DEV_POLICY)
     rkey = keys.report(NODE, "default", "late", "r1")
     await ctl.start()
     try:
@@ -470,7 +496,7 @@ async def test_retry_timing_follows_the_injected_clock(
     model_dir = tmp_path / "model"  # not there yet
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
                      advertise_url=ADVERTISED, retry_backoff=(60.0, 60.0),
-                     clock=lambda: now[0])
+                     clock=lambda: now[0], source_policy=DEV_POLICY)
     rkey = keys.report(NODE, "default", "timed", "r1")
     await ctl.start()
     try:
@@ -532,7 +558,7 @@ async def test_callback_bug_restarts_the_follower_which_converges(
         store: MemoryStore, keys: Keys, core: ServingCore, registration: Registration,
         test_model_dir: Path) -> None:
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                     advertise_url=ADVERTISED)
+                     advertise_url=ADVERTISED, source_policy=DEV_POLICY)
     listed = asyncio.Event()
     real_apply = ctl.follower.apply
     bugs = 0
@@ -572,7 +598,7 @@ async def test_a_bug_in_one_assignment_s_task_restarts_the_worker_which_converge
     /health shows it and the supervisor restarts it); the restarted worker starts that
     assignment's task again, which loads it."""
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                     advertise_url=ADVERTISED)
+                     advertise_url=ADVERTISED, source_policy=DEV_POLICY)
     real = ctl._keys_tasks.converge_one
     bugs = 0
 
@@ -695,114 +721,3 @@ def test_cli_rejects_a_bad_memory_watermark(value: str, error: str,
         build_parser().parse_args([f"--memory-watermark={value}"])
     assert exc.value.code == 2
     assert f"argument --memory-watermark: {error}" in capsys.readouterr().err
-
-
-@ON_ETCD
-async def test_agent_end_to_end(etcd_server, store: EtcdStore, keys: Keys,
-                                test_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                caplog: pytest.LogCaptureFixture) -> None:
-    # a supervised task that fails stays in its restart back-off for the rest of the test
-    monkeypatch.setattr(supervise_module, "SUPERVISOR_INITIAL_BACKOFF", 3600.0)
-    monkeypatch.setattr(supervise_module, "SUPERVISOR_MAX_BACKOFF", 3600.0)
-    agent = Agent(AgentConfig(node_name="e2e", etcd_endpoint=etcd_server.client_url,
-                              etcd_prefix=keys.root, listen_port=0, labels={"rack": "a"},
-                              lease_ttl=5, simulated_memory_bytes=64 * 2**30,
-                              memory_watermark=0.75))
-    try:
-        with caplog.at_level(logging.WARNING, logger="node_agent"):
-            await agent.start()
-        # a simulated node says so loudly at start, and in its record
-        assert any(r.levelno == logging.WARNING and "capacity is SIMULATED" in r.getMessage()
-                   for r in caplog.records)
-        assert agent.url and agent.url.startswith("http://127.0.0.1:")
-        kv = await store.get(keys.node("e2e"))
-        assert kv is not None
-        rec = NodeRecord.from_json(kv.value)
-        assert rec.address == agent.url and rec.capacity.simulated and rec.labels == {"rack": "a"}
-        assert rec.capacity.memory_total_bytes == 64 * 2**30
-        # --memory-watermark: in the record for placement, and the agent's own budget
-        assert rec.capacity.memory_watermark == 0.75
-        assert agent.controller.budget_bytes == rec.capacity.budget_bytes() == 48 * 2**30
-
-        a = assignment("chat", test_model_dir, model="tiny")
-        await store.put(keys.assignment("e2e", "default", "chat", "r1"), a.to_json())
-        r = await wait_report(store, keys.report("e2e", "default", "chat", "r1"), settled)
-        assert r is not None and r.state == AssignmentState.READY and r.endpoint == agent.url
-
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{agent.url}/health") as resp:
-                body = await resp.json()
-                assert resp.status == 200, body
-                assert body["assignments"]["default/chat/r1"]["state"] == "Ready"
-                assert {"controller:follow", "traffic:follow", "traffic:stats"} <= {
-                    t["name"] for t in body["tasks"]}
-            async with http.post(f"{r.endpoint}/v1/chat/completions", json={
-                    "model": "tiny", "max_tokens": 3,
-                    "messages": [{"role": "user", "content": "Hello"}]}) as resp:
-                assert resp.status == 200, await resp.text()
-                assert resp.headers["X-Model-Revision"] == "r1"
-                out = await resp.json()
-                assert out["model"] == "tiny" and out["choices"][0]["message"]["role"] == "assistant"
-
-            # a bug in the converge worker: the task restarts after a back-off; until then 503
-            crashed = asyncio.Event()
-
-            async def converge_bug() -> None:
-                crashed.set()
-                raise RuntimeError("injected converge bug")
-
-            monkeypatch.setattr(agent.controller, "_converge", converge_bug)
-            await store.put(keys.assignment("e2e", "default", "chat", "r1"),
-                            a.model_copy(update={"generation": 2}).to_json())
-            await asyncio.wait_for(crashed.wait(), TIMEOUT)
-            async with http.get(f"{agent.url}/health") as resp:
-                body = await resp.json()
-                assert resp.status == 503, body
-                assert body["reasons"] == ["task controller:converge failed "
-                                           "(RuntimeError: injected converge bug); restarting"]
-                assert body["assignments"]["default/chat/r1"]["state"] == "Ready"
-
-            # the serving core stops: /health says so too
-            await agent.core.close()
-            async with http.get(f"{agent.url}/health") as resp:
-                body = await resp.json()
-                assert resp.status == 503, body
-                assert "serving core is not running" in body["reasons"]
-            # ... and so does the node record, so the operator places nothing new here
-            kv = await store.get(keys.node("e2e"))
-
-            async def degraded() -> None:
-                if NodeRecord.from_json(kv.value).health is NodeHealth.DEGRADED:
-                    return
-                async for ev in store.watch(keys.node("e2e"), kv.mod_revision + 1):
-                    if ev.type == "PUT" and NodeRecord.from_json(ev.kv.value).health is NodeHealth.DEGRADED:
-                        return
-
-            await asyncio.wait_for(degraded(), TIMEOUT)
-    finally:
-        await agent.stop()
-    # graceful stop revoked the lease: record and report are gone at once
-    assert (await store.list(keys.root + "/nodes/")).items == []
-    assert (await store.list(keys.root + "/reports/")).items == []
-
-
-def test_listen_address_in_use_is_one_readable_line(etcd_server, keys: Keys) -> None:
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "node_agent", "--node-name", "busy",
-             "--etcd-endpoint", etcd_server.client_url, "--etcd-prefix", keys.root,
-             "--listen", f"127.0.0.1:{port}", "--simulated-memory", "8Gi"],
-            capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith("mlx-fleet-agent: error: ")
-    assert f"127.0.0.1:{port}" in errors[0] and "in use" in errors[0]

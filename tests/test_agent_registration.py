@@ -1,6 +1,6 @@
 """The node agent's registration: lease, keep-alive, recovery, revoke — on the in-memory store,
 whose leases expire in real time as etcd's do (tests/test_store_contract.py pins that they
-behave alike; the real agent process against etcd is in test_agent_core_failure.py)."""
+behave alike; the real agent process against etcd is in test_integration_agent.py)."""
 
 from __future__ import annotations
 

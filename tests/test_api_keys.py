@@ -1,7 +1,8 @@
 """Bearer API keys of the agent's HTTP API: the pure parts table-driven, the reload, the real
 app (401 in OpenAI's shape, several keys, rotation without restart, /health and /metrics), a
-canary request forwarded between two agents with the fleet-internal key, a real agent over
-HTTPS, a real agent process — and, last, no key in anything any of them logged or answered."""
+canary request forwarded between two agents with the fleet-internal key — and, last, no key in
+anything any of them logged or answered. A real agent over HTTPS and a real agent process, on a
+real etcd, are in tests/test_integration_agent.py (with the same scan of what they logged)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import asyncio
 import logging
 import os
 import ssl
-import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -21,15 +21,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from etcd_tls import make_pki
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
-                                ModelSource, NodeCapacity, Role, TrafficSplit)
+from mlx_fleet.contract import Keys, NodeCapacity, Role, TrafficSplit
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.routing.api_keys import (KeyFile, KeyFileError, Stamp, bearer_token, digest,
                                         matches, parse_key_entries, parse_key_file,
                                         stamp_changed)
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER
-from mlx_fleet.store import EtcdStore
-from fleet_helpers import watch_until
 from node_agent.controller import ServedModel
 from node_agent.main import Agent as NodeAgent
 from node_agent.cli import AgentConfig, StartupError, build_parser, config_from_args
@@ -507,115 +504,6 @@ async def test_forwarded_request_carries_the_fleet_internal_key(
             await c.close()
             await tm.stop()
             await reg.stop()
-
-
-# -- a real agent over HTTPS --------------------------------------------------------------------
-
-
-async def test_agent_over_https_serves_a_completion_with_a_key(
-        etcd_server, store: EtcdStore, keys: Keys, test_model_dir: Path, tmp_path: Path) -> None:
-    pki = make_pki(tmp_path / "pki", [])
-    SECRETS.extend(pki.secrets())  # the server's private key must not be logged either
-    key_file = write_keys(tmp_path / "keys", KEY_A)
-    node = NodeAgent(AgentConfig(
-        node_name="https", etcd_endpoint=etcd_server.client_url, etcd_prefix=keys.root,
-        listen_port=0, lease_ttl=5, simulated_memory_bytes=64 * 2**30,
-        api_key_file=str(key_file), metrics_auth="api-key",
-        tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key)))
-    try:
-        await node.start()
-        assert node.url and node.url.startswith("https://127.0.0.1:")
-        a = Assignment(namespace="default", name="chat", generation=1, served_model_name="tiny",
-                       source=ModelSource(uri=f"file://{test_model_dir}", revision="r1"),
-                       memory_bytes=2**20, role=Role.STABLE)
-        await store.put(keys.assignment("https", "default", "chat", "r1"), a.to_json())
-        report_key = keys.report("https", "default", "chat", "r1")
-        view = await watch_until(store, report_key, lambda v: report_key in v and (
-            AssignmentReport.from_json(v[report_key]).state
-            in (AssignmentState.READY, AssignmentState.FAILED)), timeout=120)
-        assert AssignmentReport.from_json(view[report_key]).state == AssignmentState.READY
-
-        trusting = ssl.create_default_context(cafile=str(pki.ca))
-        client = openai.AsyncOpenAI(base_url=f"{node.url}/v1", api_key=KEY_A, max_retries=0,
-                                    http_client=openai.DefaultAsyncHttpxClient(verify=trusting))
-        r = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=3)
-        assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
-        await client.close()
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{node.url}/health", ssl=trusting) as resp:
-                assert resp.status == 200
-            async with http.get(f"{node.url}/metrics", ssl=trusting) as resp:
-                assert resp.status == 401, await body_of(resp)
-            # plain HTTP on the TLS port gets no answer
-            with pytest.raises(aiohttp.ClientError):
-                async with http.get(node.url.replace("https://", "http://") + "/health") as r2:
-                    await r2.read()
-            # a client that does not trust the CA is refused in the handshake
-            with pytest.raises(aiohttp.ClientConnectorCertificateError):
-                async with http.get(f"{node.url}/health") as r3:
-                    await r3.read()
-    finally:
-        await node.stop()
-
-
-# -- a real agent process -------------------------------------------------------------------------
-
-
-async def test_real_agent_process_with_keys(etcd_server, keys: Keys, tmp_path: Path) -> None:
-    """``python -m node_agent --api-key-file ... --forward-key-file ... --metrics-auth api-key``:
-    /health open (start_agent waits on it), the API and /metrics keyed, rotation without a
-    restart, a key file that goes away keeps the last keys (one error in the log)."""
-    from mlx_fleet.devcluster.fleet import start_agent
-
-    key_file = write_keys(tmp_path / "keys", KEY_A, KEY_B)
-    fleet_file = write_keys(tmp_path / "fleet", KEY_FLEET)
-    cp = types.SimpleNamespace(etcd_url=etcd_server.client_url, logs_dir=tmp_path / "logs",
-                               extra=[], env=lambda: {})
-    proc = await asyncio.to_thread(
-        start_agent, cp, "keyed", etcd_prefix=keys.root,
-        extra_args=("--api-key-file", str(key_file), "--forward-key-file", str(fleet_file),
-                    "--metrics-auth", "api-key", "--log-level", "DEBUG"))
-    try:
-        async with aiohttp.ClientSession() as http:
-            async def status(path: str, key: str | None = None) -> int:
-                async with http.get(proc.url + path,
-                                    headers=bearer(key) if key else {}) as resp:
-                    await body_of(resp)
-                    return resp.status
-
-            assert await status("/health") == 200
-            assert [await status("/v1/models", k) for k in (None, KEY_A, KEY_B, KEY_C,
-                                                            KEY_FLEET)] == [401, 200, 200, 401, 200]
-            assert [await status("/metrics", k) for k in (None, KEY_A)] == [401, 200]
-            write_keys(key_file, KEY_C)
-            assert [await status("/v1/models", k) for k in (KEY_A, KEY_C)] == [401, 200]
-            key_file.unlink()
-            assert [await status("/v1/models", k) for k in (KEY_A, KEY_C)] == [401, 200]
-    finally:
-        await asyncio.to_thread(proc.process.stop)
-    log = proc.process.log_path.read_text(errors="replace")
-    SEEN.append(log)
-    assert "API keys required (2 in --api-key-file, 1 fleet-internal); /metrics needs a key" in log
-    assert "re-read: 1 key(s) in force (2 before)" in log
-    assert log.count("keeping the 1 key(s) read before") == 1
-
-
-async def test_real_agent_process_without_keys_is_open_and_says_so(etcd_server, keys: Keys,
-                                                                   tmp_path: Path) -> None:
-    from mlx_fleet.devcluster.fleet import start_agent
-
-    cp = types.SimpleNamespace(etcd_url=etcd_server.client_url, logs_dir=tmp_path / "logs",
-                               extra=[], env=lambda: {})
-    proc = await asyncio.to_thread(start_agent, cp, "open", etcd_prefix=keys.root)
-    try:
-        async with aiohttp.ClientSession() as http:
-            async with http.get(proc.url + "/v1/models") as resp:
-                assert resp.status == 200
-    finally:
-        await asyncio.to_thread(proc.process.stop)
-    log = proc.process.log_path.read_text(errors="replace")
-    assert log.count("the API is OPEN: no --api-key-file") == 1
 
 
 # -- last: nothing captured above contains a key --------------------------------------------------

@@ -21,6 +21,7 @@ import kopf
 import pytest
 import yaml
 
+from mlx_fleet.source_policy import DEV_POLICY, SourcePolicy  # specs name local directories
 from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS,
                                 AssignmentReport, AssignmentState, Histogram, Keys, LocalGuard,
                                 RevisionStats, Role, StatsReport, TrafficSplit)
@@ -108,7 +109,7 @@ def events(monkeypatch) -> list[tuple[str, str, str, str]]:
 def runtime(store, keys: Keys) -> Runtime:
     """A fresh operator Runtime: its per-Canary memory (last status patched, last analysis
     window) starts empty, as in a freshly started operator."""
-    rt = Runtime(store=store, keys=keys, writer="test")
+    rt = Runtime(store=store, keys=keys, writer="test", source_policy=DEV_POLICY)
     rt.custom_api = RecordingApi()
     return rt
 
@@ -267,6 +268,32 @@ async def test_a_candidate_equal_to_the_targets_revision_fails_invalid_spec(stor
     assert [s["phase"] for s in rt.custom_api.statuses("llm-v2")] == ["Failed"]
     assert len(events) == 1 and rt.custom_api.spec_patches() == []
     assert rt.candidates == {} and await stored_split(rt) is None
+
+
+async def test_a_candidate_source_the_policy_refuses_fails_before_any_placement(
+        store, keys, events):
+    """Issue 19 (finding 2): ``spec.candidate.source`` is judged by the fleet's source policy
+    (a loopback mirror under the secure default): the Canary fails ``SourceRefused`` naming
+    the field, once, and no candidate is kept (no assignment, no split)."""
+    rt = runtime(store, keys)
+    rt.source_policy = SourcePolicy()  # the secure default
+    healthy_target(rt)
+    spec = {**CANARY_SPEC, "candidate": {"revision": "v2",
+                                         "source": "https://127.0.0.1:8443/models/v2/"}}
+    body = canary(spec=spec)
+    await tick(rt, body, now=T0)
+    [status] = rt.custom_api.statuses("llm-v2")
+    assert_fits_the_crd(status)
+    message = status["message"]
+    assert message.startswith("spec.candidate.source: refused by the source policy: ")
+    assert "allowPrivateNetworks" in message
+    assert status["phase"] == "Failed" and status["currentWeight"] == 0
+    assert conditions(status)["Degraded"] == ("True", "SourceRefused", message)
+    assert events == [("llm-v2", "Warning", "SourceRefused", message)]
+    assert rt.candidates == {} and await stored_split(rt) is None
+    body["status"] = status
+    await tick(rt, body, now=T0 + 1)
+    assert len(events) == 1 and rt.candidates == {}
 
 
 async def test_a_second_canary_on_a_busy_target_fails_and_never_takes_it_over(store, keys, events):
@@ -567,6 +594,21 @@ async def test_restart_mid_canary_keeps_the_candidate_and_the_step(store, keys, 
 
     seeded = seed_candidates(Api())
     assert seeded == {T: CandidateIntent("llm-v2", "v2", None, None)}
+
+    # An operator watching named namespaces lists each of them (its Roles grant no more: the
+    # chart's RBAC per namespace); one with a pattern lists cluster-wide and filters later.
+    class NamespacedApi(RecordingApi):
+        listed: list[str] = []
+
+        def list_namespaced_custom_object(self, group, version, namespace, plural, **_):
+            assert (group, version, plural) == (GROUP, VERSION, "canaries")
+            self.listed.append(namespace)
+            return listing if namespace == NS else {"items": []}
+
+    namespaced = NamespacedApi()
+    assert seed_candidates(namespaced, (NS, "elsewhere")) == seeded
+    assert namespaced.listed == [NS, "elsewhere"]
+    assert seed_candidates(Api(), ("team-*",)) == seeded
 
     # The restarted operator: the same store and fleet, a fresh process memory.
     rt2 = runtime(store, keys)

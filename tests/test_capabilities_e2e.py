@@ -7,57 +7,16 @@ gives that 400 itself; a plain request passes."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client import CollectorRegistry
 
-from mlx_fleet.capabilities import ModelCapabilities
-from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
-                                ModelSource, NodeCapacity, NodeRecord)
 from mlx_fleet.memstore import MemoryStore
-from mlx_fleet_router.app import build_app
-from mlx_fleet_router.follow import Follower
-from mlx_fleet_router.state import RouterSettings
 from node_agent.serving import capabilities as caps_mod
 from node_agent.serving.capabilities import model_capabilities
+from router_fixtures import publish, router_url  # noqa: F401
 from serving_fixtures import MODEL_ID, REVISION, Agent, agent, tiny_model_path  # noqa: F401
 
-KEYS = Keys()
-NS, DEP, NODE = "team", "tiny", "mac-a"
-CAP = NodeCapacity(memory_total_bytes=64 << 30, memory_available_bytes=60 << 30,
-                   chip="Apple M4 Max", chip_generation=4)
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-async def publish(store: MemoryStore, endpoint: str, caps: ModelCapabilities | None) -> None:
-    await store.put(KEYS.node(NODE), NodeRecord(name=NODE, address=endpoint,
-                                                capacity=CAP).to_json())
-    await store.put(KEYS.assignment(NODE, NS, DEP, REVISION), Assignment(
-        namespace=NS, name=DEP, generation=1, served_model_name=MODEL_ID,
-        source=ModelSource(uri="file:///m", revision=REVISION), memory_bytes=1).to_json())
-    await store.put(KEYS.report(NODE, NS, DEP, REVISION), AssignmentReport(
-        node=NODE, namespace=NS, name=DEP, generation=1, revision=REVISION,
-        state=AssignmentState.READY, endpoint=endpoint, capabilities=caps).to_json())
-
-
-@pytest.fixture
-async def router_url(memory_store: MemoryStore) -> AsyncIterator[tuple[Follower, str]]:
-    follower = Follower(memory_store, KEYS, namespaces={NS})
-    task = asyncio.create_task(follower.run())
-    app = build_app(lambda: follower.table, registry=CollectorRegistry(),
-                    settings=RouterSettings(probe_interval_seconds=0))
-    client = TestClient(TestServer(app, host="127.0.0.1"))
-    await client.start_server()
-    yield follower, str(client.make_url("/v1"))
-    await client.close()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _error(client: openai.AsyncOpenAI, **extra) -> dict:
@@ -73,7 +32,8 @@ async def _error(client: openai.AsyncOpenAI, **extra) -> dict:
 @pytest.mark.parametrize("known", [True, False], ids=["reported", "unknown"])
 async def test_the_router_and_the_agent_refuse_alike(agent: Agent,  # noqa: F811
                                                      memory_store: MemoryStore,
-                                                     router_url, known: bool,
+                                                     router_url,  # noqa: F811
+                                                     known: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     follower, url = router_url
     endpoint = str(agent.client.make_url("")).rstrip("/")
@@ -83,7 +43,7 @@ async def test_the_router_and_the_agent_refuse_alike(agent: Agent,  # noqa: F811
     monkeypatch.setattr(agent.core, "max_choices", 2)
     caps = (model_capabilities(agent.core.model_info(MODEL_ID),
                                max_choices=agent.core.max_choices) if known else None)
-    await publish(memory_store, endpoint, caps)
+    await publish(memory_store, endpoint, MODEL_ID, REVISION, caps)
     await follower.wait_until(lambda t: MODEL_ID in t.models and t.models[MODEL_ID].replicas
                               and t.models[MODEL_ID].replicas[0].capabilities == caps)
     def refused_by_agent() -> float:

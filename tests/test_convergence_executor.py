@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import AssignmentState, Keys, Role
 from mlx_fleet.memstore import MemoryStore
 from node_agent.controller import Controller, ServedModel
@@ -49,7 +50,8 @@ class FakeCore:
         self._released.set()
 
     async def load_model(self, model_id: str, path, *, revision: str,
-                         max_concurrent_sequences: int, max_context_tokens: int) -> ModelInfo:
+                         max_concurrent_sequences: int, max_context_tokens: int,
+                         task: str = "TextGeneration") -> ModelInfo:
         ident = (model_id, revision)
         self.events.append(("load", ident))
         if self.hold_loads:
@@ -58,7 +60,8 @@ class FakeCore:
         self.events.append(("loaded", ident))
         # its tokenizer has a tool parser (reported only once the agent serves tool calls)
         return ModelInfo(model_id, revision, str(path), 0, max_concurrent_sequences,
-                         max_context_tokens, features=TokenizerFeatures(tool_parser="json_tools"))
+                         max_context_tokens, features=TokenizerFeatures(tool_parser="json_tools"),
+                         task=task)
 
     async def unload_model(self, model_id: str, revision: str | None = None, *,
                            drain_seconds: float = 0.0) -> None:
@@ -106,7 +109,7 @@ async def controller(store: MemoryStore, keys: Keys, fake: FakeCore,
                      registration: Registration) -> AsyncIterator[Controller]:
     ctl = Controller(store, keys, node_name=NODE, core=fake,  # type: ignore[arg-type]
                      registration=registration, advertise_url=ADVERTISED,
-                     lifecycle_interval=3600.0)
+                     lifecycle_interval=3600.0, source_policy=DEV_POLICY)
     await ctl.start()
     yield ctl
     fake.release()

@@ -274,7 +274,10 @@ def test_required_fields() -> None:
 def test_spec_fields_match_the_contract() -> None:
     assert set(SPEC["properties"]) == {
         "model", "replicas", "resources", "placement", "serving", "lifecycle", "strategy"}
-    assert set(prop("spec.model")["properties"]) == {"source", "revision", "servedModelName"}
+    assert set(prop("spec.model")["properties"]) == {"source", "revision", "servedModelName",
+                                                      "task"}
+    assert prop("spec.model.task")["enum"] == ["TextGeneration", "TextEmbedding"]
+    assert prop("spec.model.task")["default"] == "TextGeneration"
     assert set(prop("spec.placement")["properties"]) == {"nodeSelector", "minChipGeneration", "strategy"}
     assert set(prop("spec.serving")["properties"]) == {"maxConcurrentSequences", "maxContextTokens"}
     assert set(prop("spec.lifecycle")["properties"]) == {"idleUnloadSeconds", "prefetch",
@@ -315,6 +318,7 @@ def test_defaults() -> None:
         "spec.lifecycle.idleUnloadSeconds": 300,
         "spec.lifecycle.prefetch": "Eager",
         "spec.lifecycle.minReady": 0,
+        "spec.model.task": "TextGeneration",
         "spec.strategy.type": "RollingUpdate",
         "spec.strategy.rollingUpdate.maxSurge": "25%",
         "spec.strategy.rollingUpdate.maxUnavailable": 1,
@@ -331,6 +335,7 @@ def test_defaulting_a_minimal_object_fills_every_default() -> None:
     obj = apply_defaults(SCHEMA, make("minimal", base_spec()))
     assert obj["spec"] == {
         **base_spec(),
+        "model": {**base_spec()["model"], "task": "TextGeneration"},
         "replicas": 1,
         "placement": {"minChipGeneration": "M3", "strategy": "Spread"},
         "serving": {"maxConcurrentSequences": 8, "maxContextTokens": 4096},
@@ -464,7 +469,8 @@ def test_conditions_schema() -> None:
     # A list-map key must be required.
     assert "type" in item["required"] and "status" in item["required"]
     assert item["properties"]["type"]["enum"] == ["Ready", "Progressing", "Degraded", "Scheduled",
-                                                  "ServedNameConflict", "ReplicasConsistent"]
+                                                  "ServedNameConflict", "SourceAllowed",
+                                                  "ReplicasConsistent"]
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert item["properties"]["observedGeneration"]["type"] == "integer"

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_fleet.devcluster.chart import local_values, pod_running_ready
+from mlx_fleet.source_policy import DEV_POLICY
 
 
 def _pod(uid: str = "u1", phase: str = "Running", ready: str = "True", deleting: bool = False) -> dict:
@@ -33,7 +34,7 @@ def _values(kube_proxy: object) -> dict[str, str]:
     cp = SimpleNamespace(etcd_url="http://127.0.0.1:2379", apiserver_url="https://apiserver.example:6443")
     args = local_values(cp, SimpleNamespace(kube_proxy=kube_proxy), namespace="ns",  # type: ignore[arg-type]
                         etcd_prefix="/p", metrics_port=1, health_port=2, router_port=3)
-    assert args[::2] == ["--set"] * (len(args) // 2)
+    assert set(args[::2]) <= {"--set", "--set-json"}
     return dict(a.split("=", 1) for a in args[1::2])
 
 
@@ -42,10 +43,12 @@ def test_local_values_use_the_local_image_host_network_and_dev_etcd() -> None:
     assert values == {
         "image.repository": "localhost/mlx-fleet/mlx-fleet-operator", "image.tag": "dev",
         "image.pullPolicy": "Never", "hostNetwork": "true",
-        "etcd.endpoints": "{http://127.0.0.1:2379}", "etcd.prefix": "/p",
+        "etcd.endpoints": "{http://127.0.0.1:2379}", "etcd.tls.secretName": "", "etcd.prefix": "/p",
         "metrics.port": "1", "health.port": "2", "operator.watchNamespaces": "{ns}",
         "router.hostNetwork": "true", "router.port": "3", "router.replicaCount": "1",
-        "router.url": "http://127.0.0.1:3"}
+        "router.url": "http://127.0.0.1:3",
+        "router.apiKeys.secretName": "", "insecure.listenWithoutKeys": "true",
+        "sourcePolicy": DEV_POLICY.to_json()}  # explicitly the dev policy (local models)
 
 
 def test_local_values_reach_the_api_server_directly_without_kube_proxy() -> None:

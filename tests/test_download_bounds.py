@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from node_agent.fetch import (STATE_FILE, DownloadLimits, collect_garbage, digest_of, fetch,
+from node_agent.fetch import (STATE_FILE, DownloadLimits, collect_garbage, digest_of,
                               mirror_dir)
 from node_agent.fetch.bounds import (manifest_digest, parse_reserve, room_refusal,
                                      unpinned_refusal)
@@ -24,7 +24,10 @@ from node_agent.fetch.gc import CacheEntry, Deletion, PartFile, gc_plan
 from node_agent.model_dir import SourceError
 from mlx_fleet.quantity import parse_quantity
 from test_agent_controller import core  # noqa: F401
-from test_sources import Mirror, assert_same_files, mirror, model_files, store, tls  # noqa: F401
+from mlx_fleet.source_policy import DEV_POLICY
+# test_sources' fetch: under its explicit source policy (the mirror is on 127.0.0.1)
+from test_sources import (Mirror, assert_same_files, fetch, mirror, model_files,  # noqa: F401
+                          store, tls)
 
 GiB = 2**30
 Usage = namedtuple("Usage", "total used free")
@@ -363,7 +366,8 @@ async def test_an_unassigned_source_is_collected_and_an_assigned_one_kept(
     (stray / "model.safetensors.part").write_bytes(bytes(100))
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=reg,
                      advertise_url=ADVERTISED, model_cache=cache,
-                     download_limits=DownloadLimits(unused_max_age_s=0))
+                     download_limits=DownloadLimits(unused_max_age_s=0),
+                     source_policy=DEV_POLICY)
     await ctl.start()
     try:
         await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # on start

@@ -52,9 +52,9 @@ def fleet(control_plane: ControlPlane, fleet_keys: Keys, operator: dict) -> Iter
     """Two agents (an M3 Max and an M4 Pro, both simulated on Linux) with the operator running."""
     agents = {
         "mac-a": start_agent(control_plane, "mac-a", etcd_prefix=fleet_keys.root, chip="Apple M3 Max",
-                             memory="64Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
+                             memory="64Gi", labels={"agent.mlx-fleet.io/pool": "main"}, lease_ttl=LEASE_TTL),
         "mac-b": start_agent(control_plane, "mac-b", etcd_prefix=fleet_keys.root, chip="Apple M4 Pro",
-                             memory="24Gi", labels={"pool": "main"}, lease_ttl=LEASE_TTL),
+                             memory="24Gi", labels={"agent.mlx-fleet.io/pool": "main"}, lease_ttl=LEASE_TTL),
     }
     yield agents
     for agent in agents.values():
@@ -175,15 +175,15 @@ async def test_sigkilled_agent_is_replaced(control_plane: ControlPlane, fleet: d
                                            fault_record: FaultRecord) -> None:
     pool = f"failover-{uuid.uuid4().hex[:6]}"
     victims = {
-        n: start_agent(control_plane, n, etcd_prefix=fleet_keys.root, labels={"pool": pool},
+        n: start_agent(control_plane, n, etcd_prefix=fleet_keys.root, labels={"agent.mlx-fleet.io/pool": pool},
                        lease_ttl=LEASE_TTL)
         for n in (f"{pool}-1", f"{pool}-2")
     }
     name, bystander = "e2e-failover", "e2e-bystander"
     try:
         control_plane.kubectl("apply", "-f", "-", input=manifest(bystander, namespace, test_model_dir,
-                                                                 selector={"pool": "main"}))
-        control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir, selector={"pool": pool}))
+                                                                 selector={"agent.mlx-fleet.io/pool": "main"}))
+        control_plane.kubectl("apply", "-f", "-", input=manifest(name, namespace, test_model_dir, selector={"agent.mlx-fleet.io/pool": pool}))
         (other_url,) = wait_ready(control_plane, namespace, bystander)["status"]["endpoints"]
         first = wait_ready(control_plane, namespace, name)["status"]["nodes"]
         (serving,) = [n["name"] for n in first if n["state"] == "Ready"]

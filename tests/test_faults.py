@@ -84,7 +84,7 @@ def operator(control_plane: ControlPlane, fault_etcd: EtcdServer, fleet_keys: Ke
 def macs(control_plane: ControlPlane, fault_etcd: EtcdServer, fleet_keys: Keys,
          operator: ManagedProcess) -> Iterator[dict[str, AgentProcess]]:
     agents = {name: start_agent(control_plane, name, etcd_prefix=fleet_keys.root,
-                                etcd_url=fault_etcd.client_url, labels={"pool": "faults"},
+                                etcd_url=fault_etcd.client_url, labels={"agent.mlx-fleet.io/pool": "faults"},
                                 lease_ttl=LEASE_TTL)
               for name in ("fault-a", "fault-b")}
     yield agents

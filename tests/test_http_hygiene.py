@@ -3,7 +3,7 @@
 ``Host`` is refused while the API has no keys (DNS rebinding), CORS only for configured
 origins, ``/health`` says only healthy or not to a request without a key, and error bodies
 carry no internal exception text. The server is started as the agent starts it
-(:func:`node_agent.http_hygiene.start_server`) on 127.0.0.1; raw sockets play the slow clients.
+(:func:`mlx_fleet.http_hygiene.start_server`) on 127.0.0.1; raw sockets play the slow clients.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from mlx_fleet.routing.api_keys import KeyFile
-from node_agent.http_hygiene import HttpLimits, allowed_hosts, host_allowed, start_server
+from mlx_fleet.http_hygiene import HttpLimits, allowed_hosts, host_allowed, start_server
 from node_agent.openai_api import build_app
 from serving_fixtures import MODEL_ID, REVISION, Agent, agent, tiny_model_path  # noqa: F401
 

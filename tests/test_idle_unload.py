@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import (IDLE_UNLOADED, RELOADING_ON_DEMAND, Assignment, AssignmentReport,
                                 AssignmentState, Keys, LifecyclePolicy, Role)
 from mlx_fleet.memstore import MemoryStore
@@ -67,7 +68,7 @@ async def controller(store: MemoryStore, keys: Keys, core: ServingCore,
     async def start(**kw) -> Controller:
         kw.setdefault("lifecycle_interval", 0.05)
         ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                         advertise_url=ADVERTISED, **kw)
+                         advertise_url=ADVERTISED, **{"source_policy": DEV_POLICY, **kw})
         ctls.append(ctl)
         await ctl.start()
         return ctl
@@ -229,6 +230,31 @@ async def test_request_after_idle_unload_reloads_and_is_served(
 
     # and it idles out again
     await wait_report(store, rkey, standby)
+
+
+async def test_an_embedding_model_idles_out_and_reloads_on_an_embeddings_request(
+        store: MemoryStore, keys: Keys, core: ServingCore, controller: CtlFactory,
+        http: HttpFactory, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """spec.model.task TextEmbedding: unloaded for idleness and reloaded on demand like any
+    other model, by a POST /v1/embeddings (which also counts as its use)."""
+    from mlx_fleet.testmodel import make_test_model
+
+    emb = make_test_model(tmp_path_factory.mktemp("models") / "emb", embedding=True)
+    ctl = await controller()
+    h = await http(ctl)
+    a = idle_assignment(emb, idle=1).model_copy(update={"task": "TextEmbedding"})
+    rkey = await assign_and_wait_ready(store, keys, a)
+    body = {"model": MODEL, "input": ["hello", "world"]}
+    resp = await h.client.post("/v1/embeddings", json=body)
+    assert resp.status == 200
+    want = (await resp.json())["data"]
+    await wait_report(store, rkey, standby)
+    assert not core.is_loaded(MODEL)
+    resp = await h.client.post("/v1/embeddings", json=body)
+    assert resp.status == 200 and resp.headers[REVISION_HEADER] == "r1"
+    assert (await resp.json())["data"] == want              # the same model, reloaded
+    assert ctl.reloads == 1 and core.model_info(MODEL).task == "TextEmbedding"
+    await wait_report(store, rkey, standby)                 # and it idles out again
 
 
 async def test_concurrent_requests_share_one_reload(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from mlx_fleet.source_policy import DEV_POLICY
 from mlx_fleet.contract import (AWAITING_REQUEST, EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 Assignment, AssignmentState, Keys)
 from mlx_fleet.quantity import format_bytes
@@ -189,7 +190,7 @@ async def test_eager_loads_at_once_and_on_demand_waits_for_the_first_request(
 
     def resolve(uri: str) -> Path:
         resolved.append(uri)
-        return resolve_source(uri)
+        return resolve_source(uri, policy=DEV_POLICY)  # a temporary directory
 
     ctl = await controller(lifecycle_interval=PARKED, resolve=resolve)
     eager = idle_assignment(test_model_dir, idle=300, name="eager", model="eager")

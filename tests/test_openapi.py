@@ -24,7 +24,8 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
                                  response_schema_conformance, status_code_conformance)
 
 from mlx_fleet.routing.api_keys import KeyFile
-from node_agent.api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from node_agent.api_models import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                     ErrorResponse)
 from node_agent.openai_api import build_app
 from node_agent.openapi import OPENAPI_PATH, openapi_document
 from serving_fixtures import MODEL_ID, Agent, close_agent, make_agent, tiny_model_path  # noqa: F401
@@ -62,11 +63,11 @@ async def test_document_is_served_open_and_built_from_the_models(small_agent: Ag
     assert resp.status == 200
     doc = await resp.json()
     assert doc["openapi"] == "3.1.0"
-    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models",
-                                 "/health", "/metrics", OPENAPI_PATH}
+    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                                 "/v1/models", "/health", "/metrics", OPENAPI_PATH}
     schemas = doc["components"]["schemas"]
     # the request schemas are the validating models' own (one source of truth)
-    for model in (ChatCompletionRequest, CompletionRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, EmbeddingRequest):
         assert (set(schemas[model.__name__]["properties"])
                 == set(model.model_json_schema()["properties"]))
         assert schemas[model.__name__]["required"] == model.model_json_schema()["required"]
@@ -88,7 +89,7 @@ def test_document_declares_bearer_keys_where_the_app_asks_for_them() -> None:
         assert doc["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
         keyed = {p for p, ops in doc["paths"].items()
                  for op in ops.values() if "401" in op["responses"] and op.get("security")}
-        want = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+        want = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"}
         assert keyed == (want | {"/metrics"} if metrics_auth else want)
 
 

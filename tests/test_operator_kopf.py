@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from fleet_helpers import asg_key, node_record, stored_assignment, stub_manifest, until_assignments
+from mlx_fleet.source_policy import DEV_POLICY
 from mlx_fleet.contract import AssignmentReport, AssignmentState, Keys, Role
 from mlx_fleet.devcluster.processes import ManagedProcess, free_port
 from mlx_fleet.store import EtcdStore
@@ -40,12 +41,15 @@ def fleet_keys() -> Keys:
 @contextlib.contextmanager
 def running_operator(control_plane, keys: Keys, namespace: str, log: Path, *extra: str):
     """The operator as a subprocess watching ``namespace``, yielded once /healthz answers;
-    stopped with SIGTERM (and must exit 0) afterwards."""
+    stopped with SIGTERM (and must exit 0) afterwards. Its source policy is the dev one (the
+    stub manifests name local directories) unless ``extra`` gives another
+    ``--source-policy`` (the last one wins)."""
     liveness, metrics_port = free_port(), free_port()
     proc = ManagedProcess("mlx-fleet-operator", [
         sys.executable, "-m", "mlx_fleet_operator", "--etcd-endpoint", control_plane.etcd_url,
         "--etcd-prefix", keys.root, "--metrics-port", str(metrics_port),
-        "--liveness-port", str(liveness), "--namespace", namespace, "--verbose", *extra],
+        "--liveness-port", str(liveness), "--namespace", namespace, "--verbose",
+        "--source-policy", DEV_POLICY.to_json(), *extra],
         log, env=control_plane.env())
 
     def healthy() -> bool:
@@ -254,6 +258,47 @@ async def test_failed_startup_is_permanent_and_stops_what_it_started(etcd_server
                                memo=memo)
     assert "runtime" not in memo and len(closed) == 1
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("etcd follower")]
+
+
+async def test_a_refused_source_gets_a_condition_and_no_assignment(
+        control_plane, fleet_keys, namespace, tmp_path):
+    """Issue 19 (finding 2): a ModelDeployment whose source the fleet's source policy refuses
+    gets ``SourceAllowed=False`` (reason ``SourceRefused``, naming the field and the rule) and
+    a Warning event, and no assignment; an allowed source on the same object is placed."""
+    keys = fleet_keys
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    policy = '{"fileRoots": ["/models"], "hfOrganizations": ["mlx-community"]}'
+    obj = json.loads(stub_manifest(name, namespace))
+    obj["spec"]["model"]["source"] = "hf://someone/tiny"
+    with running_operator(control_plane, keys, namespace, tmp_path / "operator.log",
+                          "--source-policy", policy):
+        async with EtcdStore(control_plane.etcd_url) as store:
+            lease = await store.grant_lease(60)
+            await store.put(keys.node("mac-a"), node_record("mac-a").to_json(), lease=lease)
+            await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
+                                    input=json.dumps(obj))
+            await kubectl_wait(control_plane, namespace, name, "condition=SourceAllowed=false")
+            got = await get_object(control_plane, namespace, name)
+            [c] = [c for c in got["status"]["conditions"] if c["type"] == "SourceAllowed"]
+            assert c["reason"] == "SourceRefused"
+            assert c["message"].startswith("spec.model.source: refused by the source policy: ")
+            assert "hfOrganizations" in c["message"]
+            assert ready_condition(got)["reason"] == "SourceRefused"
+            assert (await store.list(keys.assignments_prefix)).items == []
+            events = await asyncio.to_thread(
+                control_plane.kubectl, "get", "events", "-n", namespace, "--field-selector",
+                f"involvedObject.name={name}", "-o", "jsonpath={.items[*].reason}")
+            assert "SourceRefused" in events.stdout.split()
+
+            obj["spec"]["model"]["source"] = "file:///models/tiny-llama"  # under fileRoots
+            await asyncio.to_thread(control_plane.kubectl, "apply", "-f", "-",
+                                    input=json.dumps(obj))
+            await kubectl_wait(control_plane, namespace, name, "condition=SourceAllowed")
+            await until_assignments(store, keys, lambda v: "mac-a" in v)
+            await asyncio.to_thread(control_plane.kubectl, "delete", "modeldeployment", name,
+                                    "-n", namespace, "--wait=true", "--timeout=60s")
+            await until_assignments(store, keys, lambda v: not v)
+            await store.revoke_lease(lease)
 
 
 async def test_served_name_conflict_marks_both_and_clears(control_plane, fleet_keys, namespace,

@@ -2,7 +2,8 @@
 
 On the in-memory store (:class:`~mlx_fleet.memstore.MemoryStore`, which passes etcd's contract
 suite); the tests of the fencing itself — a stale read losing, a competing write in the middle
-of a read, a dozen reconciles racing — run on the real etcd too (``ON_BOTH``)."""
+of a read, a dozen reconciles racing — run on the real etcd too: tests/test_integration_operator.py
+calls these same test functions with the real etcd's store."""
 
 from __future__ import annotations
 
@@ -17,22 +18,22 @@ from mlx_fleet.store_api import Store
 from mlx_fleet_operator import reconcile as rc
 from mlx_fleet_operator.placement import PlacementRequest
 from mlx_fleet_operator.rollout import RevisionTarget
-from stores import ON_BOTH
 
 GiB = 1024**3
 
 
 @pytest.fixture
-def store(memory_or_etcd_store: Store) -> Store:
-    """The in-memory store; the real etcd for a test marked ``stores.ON_BOTH``."""
-    return memory_or_etcd_store
+def store(memory_store: Store) -> Store:
+    """The in-memory store (the fencing tests run on the real etcd too, from
+    tests/test_integration_operator.py)."""
+    return memory_store
 
 
 def node(name: str, mem_gib: int = 16) -> NodeRecord:
     return NodeRecord(name=name, address=f"http://{name}:8000",
                       capacity=NodeCapacity(memory_total_bytes=mem_gib * GiB,
                                             memory_available_bytes=mem_gib * GiB,
-                                            chip="Apple M3", chip_generation=3))
+                                            chip="Apple M3 Max", chip_generation=3))
 
 
 def request(name: str = "llm", replicas: int = 1, mem_gib: int = 2,
@@ -116,7 +117,6 @@ async def test_placement_written_and_idempotent(store, keys):
         ("b", "v1"): assignment(gen=3, uri="/models/y")}
 
 
-@ON_BOTH
 async def test_stale_read_loses_and_retries(store, keys):
     await put_nodes(store, keys, node("a"), node("b"))
     view = await rc.read_fleet(store, keys)
@@ -232,7 +232,6 @@ class _RacyStore:
         return await self._after_read(await self.inner.list(prefix))
 
 
-@ON_BOTH
 @pytest.mark.parametrize("after_read", [1, 2, 3], ids=["after-1st-read", "after-2nd-read",
                                                        "after-3rd-read"])
 async def test_write_during_read_never_overcommits(store, keys, after_read):
@@ -279,7 +278,6 @@ async def test_scale_up_leaves_existing_assignments_untouched(store, keys):
     assert status["endpoints"] == ["http://a:8000", "http://b:8000"]
 
 
-@ON_BOTH
 async def test_concurrent_reconciles_after_node_death_all_converge(store, keys):
     """The Mac hosting 12 deployments dies: all 12 reconcile at once against the one global
     epoch. Backoff between retries lets every one of them land (none left unplaced)."""

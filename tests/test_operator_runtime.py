@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from fleet_helpers import asg_key, node_record, stored_assignment
+from mlx_fleet.source_policy import DEV_POLICY  # the specs name local directories
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys,
                                 ModelSource)
 from mlx_fleet.memstore import MemoryStore
@@ -37,7 +38,7 @@ async def test_conflict_rearms_the_daemon(monkeypatch):
     async def always_conflict(*args, **kwargs):
         raise ConflictError("ns/llm: lost", conflicts=8)
 
-    rt = Runtime(store=None, keys=Keys("/t"), writer="test")
+    rt = Runtime(store=None, keys=Keys("/t"), writer="test", source_policy=DEV_POLICY)
     monkeypatch.setattr(sync, "reconcile", always_conflict)
     monkeypatch.setattr(sync, "CONFLICT_RETRY_SECONDS", 0.0)
     wake = rt.deployment(("ns", "llm")).wake
@@ -216,7 +217,7 @@ async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(st
     async def patch_status(key, status):
         patched.append(dict(status))
 
-    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status)
+    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status, source_policy=DEV_POLICY)
     monkeypatch.setattr(kopf, "event", lambda body, **_: None)
     await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
     key = ("ns", "llm")

@@ -28,7 +28,7 @@ def rep(node: str, state: AssignmentState, gen: int = 2, revision: str = "v1",
 def rec(node: str) -> NodeRecord:
     return NodeRecord(name=node, address=f"http://{node}:9000",
                       capacity=NodeCapacity(memory_total_bytes=1, memory_available_bytes=1,
-                                            chip="Apple M3", chip_generation=3))
+                                            chip="Apple M3 Max", chip_generation=3))
 
 
 def conds(status):

@@ -79,11 +79,36 @@ def test_router_launchd_plist_keeps_the_router_running_and_parses() -> None:
     assert job["StandardOutPath"] == job["StandardErrorPath"]
     assert job["StandardErrorPath"].startswith("/Library/Logs/")
     assert job["ProgramArguments"][0].endswith("/bin/mlx-fleet-router")
-    assert job["EnvironmentVariables"]["MLX_FLEET_ETCD_ENDPOINT"].startswith("http://")
     args = parse_args(job["ProgramArguments"][1:])  # exits on an unknown or bad flag
     assert (args.listen, args.port, args.namespace) == ("0.0.0.0", 8090, ["default"])
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["mlx-fleet-router"] == "mlx_fleet_router.main:main"
+
+
+def test_router_launchd_job_is_closed_by_default() -> None:
+    """Issue 19: the router's job as the agent's — a dedicated user, keys, an https:// etcd
+    with the router's own client certificate — and the router's own exposure check (what makes
+    it refuse to start, or warn) finds nothing."""
+    from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN, exposure_check
+    from mlx_fleet_router.main import parse_args
+
+    with ROUTER_PLIST.open("rb") as f:
+        job = plistlib.load(f)
+    assert job.get("UserName") not in (None, "root", "")
+    assert job.get("GroupName") not in (None, "wheel", "admin", "")
+    assert job["Umask"] & 0o077 == 0o077
+    env = job["EnvironmentVariables"]
+    assert env["MLX_FLEET_ETCD_ENDPOINT"].startswith("https://")
+    for var in ("MLX_FLEET_ETCD_CA_FILE", "MLX_FLEET_ETCD_CERT_FILE", "MLX_FLEET_ETCD_KEY_FILE"):
+        assert env[var].startswith("/")
+    assert "MLX_FLEET_ETCD_PASSWORD" not in env
+    args = parse_args(job["ProgramArguments"][1:])
+    assert args.api_key_file and args.forward_key_file and args.upstream_ca_file
+    assert not any(getattr(args, f[2:].replace("-", "_"))
+                   for f in (INSECURE_LISTEN, INSECURE_ETCD, INSECURE_FORWARD))
+    found = exposure_check(listen_host=args.listen, api_keys=bool(args.api_key_file),
+                           etcd_endpoint=env["MLX_FLEET_ETCD_ENDPOINT"], etcd_password=False)
+    assert found.refusals == () and found.warnings == ()
 
 
 def test_plistlib_refuses_a_broken_plist() -> None:

@@ -21,7 +21,9 @@ def node(name: str, mem_gib: float = 10, gen: int = 3, health: NodeHealth = Node
                       capacity=NodeCapacity(memory_total_bytes=int(mem_gib * GiB),
                                             memory_available_bytes=int(mem_gib * GiB),
                                             wired_limit_bytes=int(wired_gib * GiB),
-                                            chip=f"Apple M{gen}", chip_generation=gen,
+                                            # Ultra: room for the sizes used here
+                                            # (node_claims bounds memory by the chip)
+                                            chip=f"Apple M{gen} Ultra", chip_generation=gen,
                                             memory_watermark=watermark))
 
 
@@ -47,10 +49,13 @@ CASES = [
     ("mixed reasons", req(mem_gib=2, min_chip_generation=4),
      [node("a", 10, gen=3), node("b", 10, gen=3), node("c", 2, gen=4)], {}, (), 1,
      "0/3 nodes fit: 2 below chip generation M4, 1 insufficient memory (needs 2.0GiB: c 1.6GiB free of 1.6GiB)"),
-    ("selector", req(node_selector={"rack": "r1"}),
-     [node("a", rack="r2"), node("b", rack="r1"), node("c")], {}, ("b",), 0, ""),
-    ("selector none match", req(node_selector={"rack": "r1"}), [node("a", rack="r2")], {}, (), 1,
-     "0/1 nodes fit: 1 not matching node selector rack=r1"),
+    # the labels a selector matches are the MacNodes' (node_labels; tests/test_node_claims.py
+    # has the agent's own, prefixed ones and a rogue agent's)
+    ("selector", req(node_selector={"rack": "r1"},
+                     node_labels={"a": {"rack": "r2"}, "b": {"rack": "r1"}}),
+     [node("a"), node("b"), node("c")], {}, ("b",), 0, ""),
+    ("selector none match", req(node_selector={"rack": "r1"}, node_labels={"a": {"rack": "r2"}}),
+     [node("a")], {}, (), 1, "0/1 nodes fit: 1 not matching node selector rack=r1"),
     ("chip generation ok", req(min_chip_generation=4), [node("a", gen=3), node("b", gen=5)], {},
      ("b",), 0, ""),
     ("unhealthy", req(), [node("a", health=NodeHealth.DRAINING), node("b", health=NodeHealth.DEGRADED)],

@@ -1,7 +1,10 @@
 """The Helm chart's RBAC, in practice: the operator runs as the chart's ServiceAccount.
 
 The chart is rendered with ``helm template``; only its ServiceAccount, ClusterRole and
-ClusterRoleBinding are applied to the real local kube-apiserver. A token for that ServiceAccount
+ClusterRoleBinding (and, with ``operator.watchNamespaces``, its Role and RoleBinding per watched
+namespace) are applied to the real local kube-apiserver. The operator runs as the chart rendered
+for its one watched namespace (RBAC per namespace, issue 19); the cluster-wide rendering is
+checked with ``kubectl auth can-i`` as well. A token for that ServiceAccount
 (TokenRequest, ``kubectl create token``) goes into a kubeconfig of its own, and the operator runs
 with it through a whole ModelDeployment lifecycle: placement, status patched to Ready, an Event
 posted, and the finalizer removed on deletion — and through two Canaries of it: one whose
@@ -24,6 +27,7 @@ import subprocess
 import tempfile
 import uuid
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,7 +44,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "mlx-fleet"
 RELEASE = "mlx-fleet"
-RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 TIMEOUT = 60.0
 NODE = "mac-rbac"
 
@@ -50,21 +54,45 @@ def helm_env() -> dict[str, str]:
     return {**os.environ, **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
 
 
-def render_rbac(namespace: str) -> list[dict[str, Any]]:
-    """``helm template`` the chart into ``namespace``; keep only its RBAC documents."""
-    proc = subprocess.run([str(ensure_helm()), "template", RELEASE, str(CHART), "--namespace", namespace],
-                          cwd=REPO, capture_output=True, text=True, env=helm_env(), timeout=120)
+def render_rbac(namespace: str, *flags: str) -> list[dict[str, Any]]:
+    """``helm template`` the chart into ``namespace`` (with ``flags``); keep only its RBAC
+    documents."""
+    proc = subprocess.run([str(ensure_helm()), "template", RELEASE, str(CHART), "--namespace", namespace,
+                           *flags], cwd=REPO, capture_output=True, text=True, env=helm_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") in RBAC_KINDS]
-    assert sorted(d["kind"] for d in docs) == sorted(RBAC_KINDS), docs
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(RBAC_KINDS if flags else RBAC_KINDS - {"Role", "RoleBinding"}), docs
     return docs
 
 
 @pytest.fixture(scope="module")
 def chart_rbac(control_plane, namespace):
-    """The chart's SA/ClusterRole/ClusterRoleBinding applied (rendered for the module namespace);
-    yields the ServiceAccount's name. The cluster-scoped objects are removed afterwards."""
-    docs = render_rbac(namespace)
+    """The chart's RBAC rendered for an operator watching the module namespace alone (a Role
+    and RoleBinding there, the cluster-scoped grants in the ClusterRole), applied; yields the
+    ServiceAccount's name."""
+    yield from _apply_rbac(control_plane, namespace,
+                           "--set", f"operator.watchNamespaces={{{namespace}}}")
+
+
+@pytest.fixture(scope="module")
+def clusterwide_namespace(control_plane) -> Iterator[str]:
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    control_plane.kubectl("create", "namespace", ns)
+    yield ns
+    control_plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def chart_rbac_clusterwide(control_plane, clusterwide_namespace):
+    """The chart's default (cluster-wide) RBAC, installed into a namespace of its own."""
+    yield from _apply_rbac(control_plane, clusterwide_namespace)
+
+
+def _apply_rbac(control_plane, namespace: str, *flags: str) -> Iterator[str]:
+    """The chart's RBAC rendered with ``flags`` applied; yields the ServiceAccount's name. The
+    cluster-scoped objects are removed afterwards."""
+    docs = render_rbac(namespace, *flags)
     # The ClusterRole/Binding are cluster-scoped: give them names unique to this module so a
     # concurrent session or module applying the chart is never disturbed.
     suffix = namespace
@@ -84,7 +112,8 @@ def chart_rbac(control_plane, namespace):
     yield sa["metadata"]["name"]
     for d in docs:
         if d["kind"] != "ServiceAccount":
-            control_plane.kubectl("delete", d["kind"].lower(), d["metadata"]["name"],
+            where = ("-n", d["metadata"]["namespace"]) if d["metadata"].get("namespace") else ()
+            control_plane.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], *where,
                                   "--ignore-not-found", check=False)
 
 
@@ -92,7 +121,18 @@ def chart_rbac(control_plane, namespace):
 def sa_kubeconfig(control_plane, namespace, chart_rbac, tmp_path_factory) -> Path:
     """A kubeconfig authenticating as the chart's ServiceAccount (a TokenRequest token), with the
     admin kubeconfig's cluster entry (server + CA)."""
-    token = control_plane.kubectl("create", "token", chart_rbac, "-n", namespace,
+    return _kubeconfig(control_plane, namespace, chart_rbac, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def clusterwide_sa_kubeconfig(control_plane, clusterwide_namespace, chart_rbac_clusterwide,
+                              tmp_path_factory) -> Path:
+    return _kubeconfig(control_plane, clusterwide_namespace, chart_rbac_clusterwide,
+                       tmp_path_factory)
+
+
+def _kubeconfig(control_plane, namespace: str, sa: str, tmp_path_factory) -> Path:
+    token = control_plane.kubectl("create", "token", sa, "-n", namespace,
                                   "--duration=1h").stdout.strip()
     assert token
     admin = json.loads(Path(control_plane.kubeconfig).read_text())
@@ -123,8 +163,11 @@ def can_i(control_plane, kubeconfig: Path, *args: str) -> str:
     return answer
 
 
-def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconfig):
-    """What the operator needs: yes. What it must not have: no."""
+def test_serviceaccount_is_least_privilege(control_plane, clusterwide_namespace,
+                                          clusterwide_sa_kubeconfig):
+    """What the operator needs: yes. What it must not have: no. (The chart's default: an
+    operator watching every namespace.)"""
+    namespace, sa_kubeconfig = clusterwide_namespace, clusterwide_sa_kubeconfig
     ns = ("-n", namespace)
     allowed = [
         ("get", "modeldeployments.mlx-fleet.io"), ("list", "modeldeployments.mlx-fleet.io"),
@@ -161,6 +204,36 @@ def test_serviceaccount_is_least_privilege(control_plane, namespace, sa_kubeconf
     # Not a wildcard role.
     assert can_i(control_plane, sa_kubeconfig, "*", "*", "--all-namespaces") == "no"
     assert can_i(control_plane, sa_kubeconfig, "create", "namespaces") == "no"
+
+
+def test_serviceaccount_is_confined_to_its_watched_namespaces(control_plane, namespace,
+                                                              clusterwide_namespace, sa_kubeconfig):
+    """Issue 19, finding 12: with ``operator.watchNamespaces`` the operator's ServiceAccount
+    reads and patches ModelDeployments and Canaries in the watched namespace only — not in
+    another namespace, not cluster-wide — while the cluster-scoped MacNodes and CRDs stay
+    readable (the lifecycle test below runs the operator as this ServiceAccount)."""
+    namespaced = [(verb, resource) for resource in ("modeldeployments.mlx-fleet.io",
+                                                    "canaries.mlx-fleet.io")
+                  for verb in ("get", "list", "watch", "patch")] + [
+        ("patch", "modeldeployments.mlx-fleet.io/status"), ("create", "events")]
+    for verb, resource in namespaced:
+        assert can_i(control_plane, sa_kubeconfig, verb, resource, "-n", namespace) == "yes", \
+            (verb, resource)
+        for elsewhere in (clusterwide_namespace, "default"):
+            assert can_i(control_plane, sa_kubeconfig, verb, resource, "-n", elsewhere) == "no", \
+                (verb, resource, elsewhere)
+        assert can_i(control_plane, sa_kubeconfig, verb, resource, "--all-namespaces") == "no", \
+            (verb, resource)
+    # and really refused, not only by the can-i review
+    r = kubectl_as(control_plane, sa_kubeconfig, "get", "modeldeployments", "-n",
+                   clusterwide_namespace)
+    assert r.returncode != 0 and "forbidden" in r.stderr.lower(), r.stderr
+    for verb, resource in (("create", "macnodes.mlx-fleet.io"), ("watch", "macnodes.mlx-fleet.io"),
+                           ("patch", "macnodes.mlx-fleet.io/status"),
+                           ("list", "customresourcedefinitions.apiextensions.k8s.io")):
+        assert can_i(control_plane, sa_kubeconfig, verb, resource) == "yes", (verb, resource)
+    assert can_i(control_plane, sa_kubeconfig, "create", "namespaces") == "no"
+    assert can_i(control_plane, sa_kubeconfig, "get", "secrets", "-n", namespace) == "no"
 
 
 

@@ -266,7 +266,8 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
     router = f"http://127.0.0.1:{router_port}"
     values = ["--set", "image.repository=localhost/mlx-fleet/mlx-fleet-operator", "--set", "image.tag=dev",
               "--set", "image.pullPolicy=Never", "--set", "hostNetwork=true",
-              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", f"etcd.prefix={keys.root}",
+              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", "etcd.tls.secretName=",
+              "--set", f"etcd.prefix={keys.root}",
               "--set", f"metrics.port={free_port()}", "--set", f"health.port={free_port()}",
               "--set", f"operator.watchNamespaces={{{rc.namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",

@@ -25,7 +25,7 @@ def node(name: str, mem_gib: float = 10, health: NodeHealth = NodeHealth.HEALTHY
     return NodeRecord(name=name, address=f"http://{name}:8000", health=health,
                       capacity=NodeCapacity(memory_total_bytes=int(mem_gib * GiB),
                                             memory_available_bytes=int(mem_gib * GiB),
-                                            chip="Apple M3", chip_generation=3))
+                                            chip="Apple M3 Max", chip_generation=3))
 
 
 def asg(rev: str, role: Role = S, gen: int = 1, mem: float = 4, name: str = "llm",

@@ -235,6 +235,30 @@ async def test_models_health_and_a_routed_request(memory_store, stubs, router) -
         assert name in text
 
 
+async def test_embeddings_are_relayed_like_the_other_routes(memory_store, stubs,
+                                                            router) -> None:
+    embedding = {"object": "list", "model": MODEL, "data": [
+        {"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+        "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+    paths: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        paths.append(request.path)
+        return web.json_response(embedding)
+
+    a = await stubs(answer)
+    await publish(memory_store, "mac-a", a.url)
+    rig = await router(macs=1)
+    resp = await rig.client.post("/v1/embeddings", json={"model": MODEL, "input": ["hi"]},
+                                 headers={SESSION_HEADER: "s"})
+    assert resp.status == 200 and await resp.json() == embedding
+    assert paths == ["/v1/embeddings"] and a.seen[0][SESSION_HEADER] == "s"
+    assert rig.metric("mlxfleet_router_requests_total", model=MODEL, code="200",
+                      tenant="default") == 1
+    resp = await rig.client.post("/v1/embeddings", json={"model": "nope", "input": "hi"})
+    assert resp.status == 404 and (await error_of(resp))["param"] == "model"
+
+
 async def test_a_draining_mac_gets_no_new_request(memory_store, stubs, router) -> None:
     a, b = await stubs(ok), await stubs(ok)
     await publish(memory_store, "mac-a", a.url, health=NodeHealth.DRAINING)

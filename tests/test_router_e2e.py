@@ -56,7 +56,7 @@ def operator(control_plane: ControlPlane, fleet_keys: Keys, namespace: str
 def agents(control_plane: ControlPlane, fleet_keys: Keys, operator: ManagedProcess
            ) -> Iterator[dict[str, AgentProcess]]:
     agents = {n: start_agent(control_plane, n, etcd_prefix=fleet_keys.root, memory="64Gi",
-                             labels={"pool": "router"}, lease_ttl=LEASE_TTL)
+                             labels={"agent.mlx-fleet.io/pool": "router"}, lease_ttl=LEASE_TTL)
               for n in ("rmac-1", "rmac-2")}
     yield agents
     for agent in agents.values():
@@ -85,7 +85,7 @@ async def test_sigkilled_agent_under_load_costs_no_request(
         control_plane: ControlPlane, agents: dict[str, AgentProcess], router: RouterProcess,
         test_model_dir: Path, namespace: str) -> None:
     control_plane.kubectl("apply", "-f", "-", input=manifest(
-        NAME, namespace, test_model_dir, replicas=2, selector={"pool": "router"}))
+        NAME, namespace, test_model_dir, replicas=2, selector={"agent.mlx-fleet.io/pool": "router"}))
     md = await asyncio.to_thread(wait_ready, control_plane, namespace, NAME)
     assert md["status"]["readyReplicas"] == 2
 

@@ -4,6 +4,8 @@ issue-20 feature flips), and the agent's own 400 through mlx_fleet.capabilities.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 from pathlib import Path
@@ -106,7 +108,9 @@ def test_model_capabilities(switches: dict, info: ModelInfo, task: str,
                             monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in switches.items():
         monkeypatch.setattr(caps_mod, name, value)
-    assert model_capabilities(info, task) == expected  # type: ignore[arg-type]
+    # the revision's task is its ModelInfo's (the assignment's spec.model.task)
+    info = dataclasses.replace(info, task=task)  # type: ignore[arg-type]
+    assert model_capabilities(info) == expected
 
 
 @pytest.mark.parametrize(("max_choices", "batch", "max_n"), [

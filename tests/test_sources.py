@@ -25,16 +25,32 @@ from mlx_fleet.fleetstatus import FleetView, render, summarize
 from mlx_fleet.memstore import MemoryStore
 from mlx_fleet.store import Store
 from node_agent.controller import Controller
-from node_agent.fetch import (STATE_FILE, DownloadLimits, digest_of, fetch, mirror_dir,
-                              parse_hf_uri, parse_manifest)
+from mlx_fleet.source_policy import DEV_POLICY
+from node_agent import fetch as fetching
+from node_agent import sources
+from node_agent.fetch import (STATE_FILE, DownloadLimits, digest_of, mirror_dir, parse_hf_uri,
+                              parse_manifest)
 from node_agent.fetch.bounds import manifest_digest
 from node_agent.model_dir import SourceError, check_model_dir
 from node_agent.registration import Registration
 from node_agent.serving import ServingCore
-from node_agent.sources import is_remote, resolve_source
+from node_agent.sources import is_remote
 from test_agent_controller import ADVERTISED, NODE, Capacity, assignment, core  # noqa: F401
 
 TIMEOUT = 120  # a model load on two busy CPU cores
+
+#: The source policy of these tests, explicitly: the mirrors run on 127.0.0.1 (a private
+#: address) and the models lie in temporary directories, which the secure default refuses
+#: (tests/test_source_policy.py and the policy tests below check that).
+LOCAL = DEV_POLICY
+
+
+def fetch(uri: str, dest_root: Path, **options):  # noqa: ANN201 - the coroutine of fetch()
+    return fetching.fetch(uri, dest_root, **{"policy": LOCAL, **options})
+
+
+def resolve_source(uri: str, **options) -> Path:
+    return sources.resolve_source(uri, **{"policy": LOCAL, **options})
 
 
 def reason_of(exc: pytest.ExceptionInfo[SourceError]) -> str:
@@ -734,7 +750,8 @@ async def controller(store: Store, keys: Keys, core: ServingCore,
                        ttl=5)
     await reg.start()
     ctl = Controller(store, keys, node_name=NODE, core=core, registration=reg,
-                     advertise_url=ADVERTISED, model_cache=tmp_path / "cache")
+                     advertise_url=ADVERTISED, model_cache=tmp_path / "cache",
+                     source_policy=LOCAL)
     await ctl.start()
     yield ctl
     await ctl.stop()

@@ -274,3 +274,18 @@ def test_cli_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         testmodel.main([str(tmp_path / "x"), "--fault", "stall"])
     assert exc.value.code == 2
+
+
+def test_cli_embedding(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["--hidden-size", "32", "--num-layers", "1"]
+    assert testmodel.main([str(tmp_path / "e"), *small, "--embedding"]) == 0
+    assert json.loads((tmp_path / "e" / MARKER_FILE).read_text())["embedding"] is True
+    config = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["hidden_size"] == 32
+    assert (tmp_path / "e" / "1_Pooling" / "config.json").is_file()
+    # a generation model's marker has no such key (it is what it always was)
+    assert testmodel.main([str(tmp_path / "g"), *small]) == 0
+    assert "embedding" not in json.loads((tmp_path / "g" / MARKER_FILE).read_text())
+    capsys.readouterr()
+    assert testmodel.main([str(tmp_path / "x"), *small, "--embedding", "--fault", "raise"]) == 2
+    assert "embedding" in capsys.readouterr().err

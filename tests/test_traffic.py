@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_fleet.source_policy import DEV_POLICY  # models in temporary directories
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, Keys, LocalGuard,
                                 ModelSource, NodeCapacity, Role, StatsReport, TrafficSplit)
 from mlx_fleet.memstore import MemoryStore
@@ -165,7 +166,7 @@ async def hold(store: Store, keys: Keys, core: ServingCore,
 
     async def start(revisions: dict[str, tuple[Path, Role]]) -> Controller:
         ctl = Controller(store, keys, node_name=NODE, core=core, registration=registration,
-                         advertise_url="http://agent.test:8000")
+                         advertise_url="http://agent.test:8000", source_policy=DEV_POLICY)
         ctls.append(ctl)
         for rev, (path, role) in revisions.items():
             a = Assignment(namespace=NS, name=DEP, served_model_name=MODEL,

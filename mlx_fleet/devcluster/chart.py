@@ -18,6 +18,7 @@ from pathlib import Path
 from mlx_fleet.devcluster.binaries import ProgressFn
 from mlx_fleet.devcluster.controlplane import REPO_ROOT, ControlPlane
 from mlx_fleet.devcluster.node import Node, StepFn, start_node
+from mlx_fleet.source_policy import DEV_POLICY
 
 #: The chart, in this repository.
 CHART = REPO_ROOT / "charts" / "mlx-fleet"
@@ -52,9 +53,11 @@ def local_values(cp: ControlPlane, node: Node, *, namespace: str, etcd_prefix: s
                  metrics_port: int, health_port: int, router_port: int) -> list[str]:
     """``helm --set`` arguments for the chart on the local node: the locally built image
     (never pulled), host networking (the agents and etcd listen on the host's loopback), the
-    dev etcd under ``etcd_prefix``, host ports ``metrics_port``/``health_port`` (free ones: the
+    dev etcd under ``etcd_prefix`` (plain http on loopback: no TLS Secret), host ports ``metrics_port``/``health_port`` (free ones: the
     Pod shares the host's ports), one watched ``namespace``, the chart's fleet router on the
-    host's network too (one Pod: its port ``router_port`` is the node's), and — where kube-proxy does not run
+    host's network too (one Pod: its port ``router_port`` is the node's; no API keys, with the
+    chart's explicit ``insecure.listenWithoutKeys``), the dev source policy
+    (:data:`~mlx_fleet.source_policy.DEV_POLICY`), and — where kube-proxy does not run
     on the node (``node.kube_proxy is None``) — the chart's documented direct API server
     address."""
     from mlx_fleet.devcluster.images import OPERATOR_REF
@@ -62,14 +65,23 @@ def local_values(cp: ControlPlane, node: Node, *, namespace: str, etcd_prefix: s
     repository, tag = OPERATOR_REF.rsplit(":", 1)
     values = ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
               "--set", "image.pullPolicy=Never", "--set", "hostNetwork=true",
-              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", f"etcd.prefix={etcd_prefix}",
+              # the dev etcd: plain http on the host's loopback (no TLS Secret; the chart
+              # accepts plain http to loopback without insecure.etcdHttp)
+              "--set", f"etcd.endpoints={{{cp.etcd_url}}}", "--set", "etcd.tls.secretName=",
+              "--set", f"etcd.prefix={etcd_prefix}",
               "--set", f"metrics.port={metrics_port}", "--set", f"health.port={health_port}",
               "--set", f"operator.watchNamespaces={{{namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
               "--set", "router.replicaCount=1",
+              # no API keys on this development node: the explicit opt-out (the router then
+              # answers only loopback Host names and its Service's)
+              "--set", "router.apiKeys.secretName=", "--set", "insecure.listenWithoutKeys=true",
               # the URL clients on this host use (the operator shows it in status.router): the
               # chart's default, the router Service's cluster DNS name, has no DNS here
-              "--set", f"router.url=http://127.0.0.1:{router_port}"]
+              "--set", f"router.url=http://127.0.0.1:{router_port}",
+              # models from local directories and loopback servers, said explicitly (the
+              # chart's default source policy refuses both): the agents get the same record
+              "--set-json", f"sourcePolicy={DEV_POLICY.to_json()}"]
     if node.kube_proxy is None:
         values += ["--set", "kubernetesAPI.host=127.0.0.1",
                    "--set", f"kubernetesAPI.port={cp.apiserver_url.rsplit(':', 1)[1]}"]

@@ -70,15 +70,32 @@ class EtcdServerTLS:
     client_ca_file: Path
 
 
+@dataclass(frozen=True)
+class EtcdJwt:
+    """etcd's signed auth tokens (``--auth-token jwt,...``) instead of its unsigned "simple"
+    ones: the PEM key pair (``mlx-fleet certs jwt-keys``), the ``sign_method`` (``ES256`` for
+    a P-256 key, ``RS256`` for RSA) and the tokens' ``ttl`` (etcd's default 5m)."""
+
+    public_key: Path
+    private_key: Path
+    sign_method: str = "ES256"
+    ttl: str = "5m"
+
+    def flag(self) -> list[str]:
+        return ["--auth-token", f"jwt,pub-key={self.public_key},priv-key={self.private_key},"
+                                f"sign-method={self.sign_method},ttl={self.ttl}"]
+
+
 def start_etcd(workdir: Path, binaries: Binaries, name: str = "etcd", *,
                timeout: float = 60.0, tls: EtcdServerTLS | None = None,
-               extra_args: Sequence[str] = ()) -> EtcdServer:
+               jwt: EtcdJwt | None = None, extra_args: Sequence[str] = ()) -> EtcdServer:
     """Start etcd with free loopback ports; returns once ``/health`` reports healthy.
 
     ``tls``: serve clients over ``https://`` with mutual TLS (``--client-cert-auth``); the
-    health check then goes to a plain-HTTP metrics listener. ``extra_args``: more etcd flags
-    (e.g. ``--auth-token-ttl``). Raises :class:`ProcessFailed` (with the log tail) if it exits
-    or stays unhealthy.
+    health check then goes to a plain-HTTP metrics listener. ``jwt``: sign auth tokens
+    (:class:`EtcdJwt`; they matter once authentication is enabled). ``extra_args``: more etcd
+    flags (e.g. ``--auth-token-ttl``). Raises :class:`ProcessFailed` (with the log tail) if it
+    exits or stays unhealthy.
     """
     client, peer = free_port(), free_port()
     data = workdir / name
@@ -97,6 +114,8 @@ def start_etcd(workdir: Path, binaries: Binaries, name: str = "etcd", *,
         args += ["--cert-file", tls.cert_file, "--key-file", tls.key_file,
                  "--trusted-ca-file", tls.client_ca_file, "--client-cert-auth",
                  "--listen-metrics-urls", health]
+    if jwt is not None:
+        args += jwt.flag()
     proc = ManagedProcess(name, [*args, *extra_args], workdir / "logs" / f"{name}.log")
     server = EtcdServer(name=name, process=proc, client_url=url, data_dir=data, health_url=health)
     proc.wait_until(server.healthy, timeout=timeout, what="healthy")

@@ -17,6 +17,7 @@ One job per module:
 * :mod:`~mlx_fleet.routing.fleet` — the shape of a router's ``GET /fleet`` (per Mac: breaker,
   in-flight), which ``mlx-fleet status --router`` reads;
 * :mod:`~mlx_fleet.routing.api_keys` — bearer API keys: the key file, the constant-time check;
+* :mod:`~mlx_fleet.routing.body_size` — the largest request body and prompt (413 / 400);
 * :mod:`~mlx_fleet.routing.proxy` — relaying a request to another server, streaming preserved
   (aiohttp; the only module here that does network I/O).
 

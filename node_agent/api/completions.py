@@ -9,17 +9,19 @@ OpenAI's ``logprobs`` object (chat: ``content`` entries; legacy: ``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``), streamed per event for its tokens
 (:mod:`node_agent.sse`).
 
-Statuses beyond :mod:`.parse`'s 400s: 400 ``unsupported_parameter`` / ``unsupported_value``
-when the revision that would serve the request lacks a capability it needs (tools, structured
-outputs, logprobs, ``n``: :func:`mlx_fleet.capabilities.satisfies` over the revision's
-:func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's answer, word for
-word, ``param`` naming the field), 400 ``context_length_exceeded`` / ``prompt_too_large`` /
-``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 400 for ``tools`` / ``tool_choice`` /
-``response_format`` that cannot be served as asked (:mod:`.structured`) or whose schema the
-constrained decoder cannot enforce (``code`` ``invalid_schema``, ``param``
-``response_format.json_schema.schema`` or ``tools``, the message naming the keyword), 400
-``invalid_value`` naming ``n`` for more choices than the core takes (``ServingCore.generate``'s
-``TooManyChoices``; the capabilities answer first), 404
+The revision is chosen by :func:`.routing.serve_on` (shared with the embeddings route).
+Statuses beyond :mod:`.parse`'s 400s and :mod:`.routing`'s: 400 ``unsupported_parameter`` /
+``unsupported_value`` when the revision that would serve the request lacks a capability it needs
+(tools, structured outputs, logprobs, ``n``), or ``wrong_model_task`` (``param`` ``model``) for a
+``TextEmbedding`` model (:func:`.routing.refusal`: :func:`mlx_fleet.capabilities.satisfies` over
+the revision's :func:`~node_agent.serving.capabilities.model_capabilities` — the fleet router's
+answer, word for word, ``param`` naming the field), 400 ``context_length_exceeded`` /
+``prompt_too_large`` / ``invalid_prompt`` (``param`` ``messages`` or ``prompt``), 400 for
+``tools`` / ``tool_choice`` / ``response_format`` that cannot be served as asked
+(:mod:`.structured`) or whose schema the constrained decoder cannot enforce (``code``
+``invalid_schema``, ``param`` ``response_format.json_schema.schema`` or ``tools``, the message
+naming the keyword), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
+(``ServingCore.generate``'s ``TooManyChoices``; the capabilities answer first), 404
 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
@@ -34,22 +36,21 @@ from typing import Any, Callable, Literal
 
 from aiohttp import web
 
-from mlx_fleet.capabilities import REQUEST_FIELDS, required_capabilities, satisfies
+from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
-from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                           ChoiceLogprobs, CompletionLogprobs, CompletionRequest, ErrorDetail,
                           ErrorResponse, PromptTokensDetails, SamplingRequest, TextChoice,
                           TextCompletion, ToolCall, Usage, chat_logprobs, completion_logprobs)
 from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
-                       InvalidPrompt, ModelLoadError, ModelNotLoaded, Overloaded, PromptTooLarge,
-                       ServingCore, StreamBufferOverflow, TooManyChoices)
-from ..serving.capabilities import model_capabilities
+                       InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
+                       StreamBufferOverflow, TooManyChoices, WrongTask)
 from ..sse import DONE, StreamEncoder, data_event
-from .context import FLEET_INTERNAL, HUNG_UP, MODEL, REVISION
+from .context import HUNG_UP
 from .forward import Forwarder
 from .parse import parse
+from .routing import Outcome, Served, refusal, serve_on, wrong_task
 from .structured import OutputPlan, PlanError, plan_output, template_messages
 from .tool_calls import ToolCallReader, finish_reason
 
@@ -79,40 +80,6 @@ def logprobs_wanted(req: SamplingRequest) -> int | None:
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-class _Outcome:
-    """Times one request for the per-revision statistics (only when it is under a split):
-    end-to-end latency, time to first token, decode time of its tokens; :meth:`done` reports it
-    once. A request that never reaches :meth:`done` (the client hung up) is not counted."""
-
-    __slots__ = ("tm", "routed", "t0", "first", "last", "tokens", "reported")
-
-    def __init__(self, tm: Any, routed: Any) -> None:
-        self.tm, self.routed = tm, routed
-        self.t0 = time.perf_counter()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.tokens = 0
-        self.reported = False
-
-    def token(self, completion_tokens: int) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.tokens = completion_tokens
-
-    def done(self, *, failed: bool) -> None:
-        if self.reported or self.tm is None or self.routed is None:
-            return
-        self.reported = True
-        now = time.perf_counter()
-        self.tm.record(self.routed, latency_s=now - self.t0,
-                       ttft_s=None if self.first is None else self.first - self.t0,
-                       completion_tokens=self.tokens,
-                       decode_seconds=None if self.first is None or self.last is None
-                       else self.last - self.first, failed=failed)
 
 
 class Completions:
@@ -151,55 +118,15 @@ class Completions:
                         max_tokens: int | None, *, messages: list[dict] | None = None,
                         prompt: str | None = None) -> web.StreamResponse:
         core = self.core
-        if core.failure is not None:
-            return _error(503, "this node cannot serve: its serving core failed",
-                          type_="server_error", code="unavailable")
-        not_found = _error(404, f"The model '{req.model}' does not exist or is not loaded on "
-                           "this node", param="model", code="model_not_found")
-        tm = self.router()
-        routed = None
-        revision: str | None = None
-        if tm is not None:
-            pinned = request.headers.get(PIN_HEADER, "") if request.get(FLEET_INTERNAL) else ""
-            routed = tm.route(req.model, session_header=request.headers.get(SESSION_HEADER),
-                              user=req.user, pinned=pinned)
-            if routed is None:
-                return not_found
-            if routed.route.forward:
-                return await self.forward(request, routed, await request.read())
-            revision = routed.route.revision
-            if routed.standby:  # unloaded while idle: reload it (once), then serve
-                try:
-                    await tm.ensure_loaded(req.model, revision)
-                except Overloaded as e:
-                    return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
-                                  code="overloaded",
-                                  headers={"Retry-After": str(e.retry_after_seconds),
-                                           REVISION_HEADER: revision})
-                except ModelNotLoaded:
-                    return not_found
-                except ModelLoadError as e:
-                    return _error(503, f"revision {revision} of model '{req.model}' was "
-                                  f"unloaded while idle and could not be reloaded ({e.reason})",
-                                  type_="server_error",
-                                  code="model_reload_failed",
-                                  headers={REVISION_HEADER: revision})
-            tm.touch(req.model, revision)
-        try:
-            info = core.model_info(req.model, revision)
-        except ModelNotLoaded:
-            return not_found
-        # labelled only now that the model is known to be loaded (bounded label values)
-        request[MODEL] = req.model
-        request[REVISION] = info.revision
-        headers = {REVISION_HEADER: info.revision}  # on every response from here on
-        missing = satisfies(model_capabilities(info, max_choices=core.max_choices),
-                            required_capabilities(
-                                request.path, req.model_dump(include=set(REQUEST_FIELDS))))
-        if missing is not None:
-            return _error(400, missing.message(req.model), param=missing.param,
-                          code=missing.code, headers=headers)
-        outcome = _Outcome(tm, routed)
+        served = await serve_on(request, core, self.router, self.forward, req.model, req.user)
+        if not isinstance(served, Served):
+            return served
+        info, headers = served.info, served.headers
+        refused = refusal(info, request.path, req.model_dump(include=set(REQUEST_FIELDS)),
+                          req.model, headers, max_choices=core.max_choices)
+        if refused is not None:
+            return refused
+        outcome = Outcome(served.tm, served.routed)
         prompt_param = "messages" if kind == "chat" else "prompt"
         plan = OutputPlan()
         if isinstance(req, ChatCompletionRequest):
@@ -220,6 +147,8 @@ class Completions:
         except ModelNotLoaded:
             return _error(404, f"The model '{req.model}' is not loaded on this node",
                           param="model", code="model_not_found")
+        except WrongTask as e:
+            return wrong_task(e, headers)
         except Overloaded as e:
             return _error(429, f"Too many requests: {e}", type_="rate_limit_error",
                           code="overloaded",
@@ -307,7 +236,7 @@ class Completions:
 
     async def _stream(self, request: web.Request, req: SamplingRequest, kind: Kind,
                       gen: Any, rid: str, created: int, headers: dict[str, str],
-                      outcome: _Outcome, plan: OutputPlan = OutputPlan()
+                      outcome: Outcome, plan: OutputPlan = OutputPlan()
                       ) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",

@@ -22,6 +22,8 @@ from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 RELOADING_ON_DEMAND, Assignment, AssignmentState,
                                 DownloadProgress)
 
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
+
 from .. import memory_estimate
 from ..fetch import (DownloadLimits, cache_bytes, collect_garbage, digest_of, fetch,
                      mirror_dir)
@@ -30,7 +32,7 @@ from ..fetch.gc import Deletion
 from ..serving import ModelLoadError
 from ..serving.capabilities import model_capabilities
 from ..serving.errors import LOAD_CANCELLED
-from ..model_dir import SourceError
+from ..model_dir import SourceError, status_message
 from ..sources import is_remote
 from . import step
 from .reports import Reports
@@ -47,13 +49,20 @@ class Loader:
     """Loads revisions for ``rt``'s keys. ``resolve``: local source URI → local path;
     ``model_cache``: where ``https://`` sources are downloaded; ``backoff``: ``(initial,
     maximum)`` retry delay of a failed load, seconds (:func:`.step.failed`); ``limits``: what
-    a download may take (:class:`~node_agent.fetch.DownloadLimits`)."""
+    a download may take (:class:`~node_agent.fetch.DownloadLimits`); ``policy``: the source
+    policy remote sources are fetched under (local ones: ``resolve`` applies it).
+
+    A source that fails is reported with :func:`~node_agent.model_dir.status_message` (the
+    kind of failure, no network or file-system detail: a status is no probe of the Mac's
+    network); the detail goes to the agent's log."""
 
     def __init__(self, rt: Runtime, reports: Reports, unloader: Unloader, *,
                  resolve: Callable[[str], Path], model_cache: Path,
                  backoff: tuple[float, float],
-                 limits: DownloadLimits | None = None) -> None:
+                 limits: DownloadLimits | None = None,
+                 policy: SourcePolicy = DEFAULT_POLICY) -> None:
         self._rt = rt
+        self._policy = policy
         self._reports = reports
         self._unloader = unloader
         self._resolve = resolve
@@ -253,7 +262,7 @@ class Loader:
                 info = await rt.core.load_model(
                     spec.model_id, path, revision=spec.revision,
                     max_concurrent_sequences=spec.max_concurrent_sequences,
-                    max_context_tokens=spec.max_context_tokens)
+                    max_context_tokens=spec.max_context_tokens, task=spec.task)
             except asyncio.CancelledError:
                 # the core calls the load off, unless it completed just now: then nothing may
                 # stay resident that no assignment tracks
@@ -274,7 +283,9 @@ class Loader:
                 return False                # not a failure: the key's next task takes over
             return await fail(e.reason, e.message)
         except SourceError as e:
-            return await fail(e.reason, e.message)
+            log.warning("source %s of %s revision %s (assignment %s): %s: %s", spec.uri,
+                        spec.model_id, spec.revision, key, e.reason, e.message)
+            return await fail(e.reason, status_message(e, spec.uri))
         except ValueError as e:
             return await fail("InvalidAssignment", str(e))
         except Exception as e:  # MLX or anything else: the assignment fails, the agent lives
@@ -341,7 +352,8 @@ class Loader:
             rt.metrics.download_rate.labels(*labels).set(p.rate_bytes_per_second)
 
         task = asyncio.ensure_future(fetch(spec.uri, self._model_cache, progress=on_progress,
-                                           limits=self.limits, make_room=self.collect_garbage))
+                                           limits=self.limits, make_room=self.collect_garbage,
+                                           policy=self._policy))
         written: DownloadProgress | None = None
         last_write = -PROGRESS_REPORT_SECONDS
 

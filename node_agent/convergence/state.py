@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Union
 
 from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, Assignment, AssignmentReport,
                                 AssignmentState, Role)
-from mlx_fleet.capabilities import ModelCapabilities
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, ModelCapabilities
 from mlx_fleet.quantity import format_bytes
+from mlx_fleet.source_policy import SOURCE_REFUSED
 
 if TYPE_CHECKING:  # a type only: importing node_agent.serving would load MLX
     from ..serving.types import MemoryUsage
@@ -41,7 +42,8 @@ RETRY_INITIAL_BACKOFF = 2.0
 #: of the cause going away, without anyone touching the assignment.
 RETRY_MAX_BACKOFF = 300.0
 #: Failure reasons that only a change of the assignment can fix: not retried.
-PERMANENT_REASONS = frozenset({"InvalidSource", "UnsupportedSource", "InvalidAssignment"})
+PERMANENT_REASONS = frozenset({"InvalidSource", "UnsupportedSource", "InvalidAssignment",
+                               SOURCE_REFUSED})
 #: Least interval between two Prefetching reports of one download (seconds).
 PROGRESS_REPORT_SECONDS = 0.5
 #: How long an unassigned revision may finish its running requests before it is unloaded
@@ -142,11 +144,12 @@ class Spec:
     revision: str
     max_concurrent_sequences: int
     max_context_tokens: int
+    task: str = TASK_TEXT_GENERATION   # Assignment.task: TextGeneration or TextEmbedding
 
     @classmethod
     def of(cls, a: Assignment) -> Spec:
         return cls(a.served_model_name, a.source.uri, a.source.revision,
-                   a.serving.max_concurrent_sequences, a.serving.max_context_tokens)
+                   a.serving.max_concurrent_sequences, a.serving.max_context_tokens, a.task)
 
     @property
     def ident(self) -> Ident:

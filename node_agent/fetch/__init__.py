@@ -15,7 +15,14 @@ object, no custom code). One module per job:
 * :mod:`.bounds` — the limits a download must fit (:class:`DownloadLimits`: disk reserve,
   cache cap, pinned ``hf://`` commits) and the content digests (pure);
 * :mod:`.gc` — which cached sources and ``.part`` files to delete (pure);
+* :mod:`.hops` — ``https://`` requests under the source policy: every resolved address
+  checked, redirects followed by hand with each hop checked;
 * :mod:`.progress` — the :class:`~mlx_fleet.contract.DownloadProgress` reports.
+
+Every source is first checked against the fleet's source policy (``policy``,
+:mod:`mlx_fleet.source_policy`), before any connection or cache look-up; ``https://`` requests
+check every resolved address and every redirect hop (:mod:`.hops`); ``hf://`` sends the Mac's
+``HF_TOKEN`` only for the policy's ``hfTokenOrganizations``.
 
 Content addressing: a mirror's every file has a size and a sha256 (else ``InvalidSource``
 before any byte), and the download's digest is ``sha256:`` over its sorted ``(path,
@@ -24,7 +31,8 @@ sha256)`` list; an ``hf://`` source must pin a 40-hex commit (else ``InvalidSour
 commit once and downloads every file at that commit), its digest is ``hf-commit:<commit>``.
 :func:`digest_of` reads either from the directory :func:`fetch` returns.
 
-Failures raise :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository
+Failures raise :class:`~node_agent.model_dir.SourceError`: ``SourceRefused`` (the source
+policy refuses the source, an address it resolves to, or a redirect), ``ModelNotFound`` (no such repository
 or revision, not cached while offline, no manifest at the mirror), ``InvalidSource`` (malformed
 URI or manifest, an unpinned ``hf://`` revision, unsafe path, bad model directory),
 ``InsufficientDisk`` (over the cache's cap or the disk's reserve; nothing was downloaded),
@@ -46,10 +54,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy, hf_token_allowed
+
 from ..model_dir import SourceError
 from .bounds import INSUFFICIENT_DISK, DownloadLimits, unpinned_refusal
 from .cache import (_CHUNK_BYTES, MakeRoom, cache_bytes, collect_garbage, default_model_cache,
                     digest_of)
+from .hops import refuse_source
 from .hub import HUB_ALLOW_PATTERNS, _fetch_hub
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_hf_uri, parse_manifest)
@@ -78,7 +89,8 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
                 offline: bool | None = None,
                 limits: DownloadLimits | None = None,
                 disk_usage: Callable[[str], Any] = shutil.disk_usage,
-                make_room: MakeRoom | None = None) -> Path:
+                make_room: MakeRoom | None = None,
+                policy: SourcePolicy = DEFAULT_POLICY) -> Path:
     """Download ``uri`` (``hf://`` or ``https://``) unless it is already complete on disk, and
     return the checked local model directory.
 
@@ -95,13 +107,18 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
     and whether ``hf://`` may follow a branch (default :class:`DownloadLimits`: 10 % reserve,
     no cap, commits only); ``disk_usage``: ``shutil.disk_usage`` (injectable: a full disk
     can't be made in a test); ``make_room(need, shortfall)``: awaited once when a download
-    does not fit, before it is refused (the agent's garbage collector).
+    does not fit, before it is refused (the agent's garbage collector). ``policy``: the
+    fleet's source policy (default the secure :data:`~mlx_fleet.source_policy.DEFAULT_POLICY`:
+    public addresses only, no token).
 
     Raises :class:`~node_agent.model_dir.SourceError` (reasons in the module docstring);
     ``UnsupportedSource`` for another scheme."""
     callback = progress or _ignore
     limits = limits or DownloadLimits()
     scheme = urlsplit(uri.strip()).scheme.lower()
+    if scheme in ("hf", "https"):
+        parse_hf_uri(uri) if scheme == "hf" else mirror_base_url(uri)  # InvalidSource first
+        refuse_source(policy, uri)
     if scheme == "hf":
         refusal = unpinned_refusal(uri, parse_hf_uri(uri)[1], allow=limits.allow_unpinned_hub)
         if refusal is not None:
@@ -109,11 +126,12 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
         return await _fetch_hub(uri, callback=callback, interval=progress_interval_s,
                                 stall_timeout_s=stall_timeout_s, cache_dir=hf_cache_dir,
                                 endpoint=hf_endpoint, offline=offline, limits=limits,
-                                disk_usage=disk_usage, make_room=make_room)
+                                disk_usage=disk_usage, make_room=make_room,
+                                use_token=hf_token_allowed(policy, uri))
     if scheme == "https":
         return await _Mirror(uri, Path(dest_root), callback=callback,
                              interval=progress_interval_s, stall_timeout_s=stall_timeout_s,
                              max_attempts=max(1, max_attempts), chunk_bytes=max(1, chunk_bytes),
                              ssl_context=ssl_context, limits=limits, disk_usage=disk_usage,
-                             make_room=make_room).run()
+                             make_room=make_room, policy=policy).run()
     raise SourceError("UnsupportedSource", f"cannot fetch {scheme or 'a local'}:// source {uri!r}")

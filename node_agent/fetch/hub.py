@@ -5,7 +5,10 @@
 else ``$HF_HUB_CACHE``, else huggingface_hub's default ``~/.cache/huggingface/hub``), so
 models already cached by ``mlx_lm`` or ``hf download`` are reused. ``revision``: a branch,
 tag or commit hash (default ``main``); the assignment's ``source.revision`` is a label and is
-not used. Offline mode (``HF_HUB_OFFLINE=1`` at call time, or ``offline=True``) reads the
+not used. The Mac's token (``HF_TOKEN`` or huggingface_hub's stored login) is sent only when
+``use_token`` (the source policy's ``hfTokenOrganizations``); otherwise the request is
+anonymous (``token=False``), so nobody who may create a ModelDeployment reads the Mac's
+private or gated repositories. Offline mode (``HF_HUB_OFFLINE=1`` at call time, or ``offline=True``) reads the
 cache only (``local_files_only``). Only the files mlx-lm loads are fetched
 (:data:`HUB_ALLOW_PATTERNS`; no ``*.py``). Timeouts, retries and resumption are
 huggingface_hub's; progress comes from its progress bars (best effort). Before the first byte
@@ -145,7 +148,8 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                      endpoint: str | None, offline: bool | None,
                      limits: DownloadLimits | None = None,
                      disk_usage: Callable[[str], Any] = shutil.disk_usage,
-                     make_room: MakeRoom | None = None) -> Path:
+                     make_room: MakeRoom | None = None,
+                     use_token: bool = False) -> Path:
     repo_id, revision = parse_hf_uri(uri)
     is_offline = _hub_offline(offline)
     cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None
@@ -159,7 +163,7 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
 
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                  local_files_only=is_offline, etag_timeout=stall_timeout_s,
-                                 endpoint=endpoint,
+                                 endpoint=endpoint, token=None if use_token else False,
                                  allow_patterns=list(HUB_ALLOW_PATTERNS),
                                  tqdm_class=_hub_bar_class([] if dry_run else bars),
                                  dry_run=dry_run)
@@ -200,7 +204,9 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
         raise SourceError("DownloadFailed", f"{shown}: the Hub could not be reached and the "
                                             f"model is not cached: {e}") from e
     except HfHubHTTPError as e:
-        raise SourceError("DownloadFailed", f"{shown}: {e}") from e
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        raise SourceError("DownloadFailed", f"{shown}: {e}",
+                          http_status=status if isinstance(status, int) else None) from e
     except ValueError as e:
         raise SourceError("InvalidSource", f"{uri}: {e}") from e
     except OSError as e:

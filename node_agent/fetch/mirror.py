@@ -20,14 +20,17 @@ checked by size; :mod:`node_agent.fetch.cache`). A mirror path should therefore 
 (one path per model version); if the manifest changes while a download is incomplete, files
 whose entry changed are fetched again. Certificates are checked against the system trust
 store (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` at call time name a private CA) or
-``ssl_context``; a redirect to plain ``http://`` is refused. A file lock (``<dir>.lock``)
-serializes fetches of one URI across tasks and processes.
+``ssl_context``. Every request goes through :mod:`node_agent.fetch.hops` under the fleet's
+source policy: each resolved address checked before it is connected, redirects followed by
+hand with each hop checked (``https://`` only, allowed hosts, at most ``maxRedirects``). A
+file lock (``<dir>.lock``) serializes fetches of one URI across tasks and processes.
 
 ``_Mirror(...).run()`` returns the checked directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no manifest at the mirror),
 ``InvalidSource`` (a malformed manifest — an entry without a size or sha256 —, an unsafe path,
 a bad model directory), ``InsufficientDisk`` (the download would exceed the cache's cap or eat
-into the disk's reserve; nothing was downloaded),
+into the disk's reserve; nothing was downloaded), ``SourceRefused`` (the source policy refuses
+an address or a redirect),
 ``DownloadFailed`` (an HTTP error status, the connection lost too often, TLS failure),
 ``DownloadStalled`` (no byte for ``stall_timeout_s``; names the file and the bytes done),
 ``DownloadCorrupt`` (size or sha256 mismatch; the bad file is deleted). Partial files are
@@ -53,12 +56,15 @@ from urllib.parse import quote
 
 import aiohttp
 
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
+
 from ..model_dir import SourceError, check_config, check_model_dir
 from .bounds import DownloadLimits, manifest_digest
 from .cache import (MakeRoom, _complete_download, _dir_lock, _hash_file, _load_state,
                     _write_json_atomic, ensure_room, touch_state)
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_manifest)
+from .hops import get, policy_session
 from .progress import ProgressCallback, _Progress
 
 log = logging.getLogger("node_agent.fetch")  # the name its log lines always had
@@ -91,8 +97,10 @@ class _Mirror:
                  stall_timeout_s: float, max_attempts: int, chunk_bytes: int,
                  ssl_context: ssl.SSLContext | None, limits: DownloadLimits | None = None,
                  disk_usage: Callable[[str], Any] = shutil.disk_usage,
-                 make_room: MakeRoom | None = None) -> None:
+                 make_room: MakeRoom | None = None,
+                 policy: SourcePolicy = DEFAULT_POLICY) -> None:
         self.uri = uri
+        self.policy = policy
         self.base = mirror_base_url(uri)
         self.dest_root = dest_root
         self.target = mirror_dir(uri, dest_root)
@@ -115,9 +123,8 @@ class _Mirror:
             ctx = self.ssl_context or ssl.create_default_context()
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall,
                                             sock_read=self.stall)
-            async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                             headers={"Accept-Encoding": "identity"},
-                                             connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+            async with policy_session(self.policy, ssl_context=ctx, timeout=timeout,
+                                      headers={"Accept-Encoding": "identity"}) as session:
                 entries = parse_manifest(await self._get_manifest(session),
                                          self.base + MANIFEST_NAME)
                 sizes = await asyncio.to_thread(self._prepare, entries)
@@ -198,22 +205,18 @@ class _Mirror:
                       for e in entries]})
 
     # -- HTTP ----------------------------------------------------------------------------------
-    def _check_final_url(self, resp: aiohttp.ClientResponse, what: str) -> None:
-        if resp.url.scheme != "https":
-            raise SourceError("DownloadFailed", f"{what} was redirected to {resp.url.scheme}://"
-                                                f"{resp.url.host}; only https:// is accepted")
-
     async def _get_manifest(self, session: aiohttp.ClientSession) -> bytes:
         url = self.base + MANIFEST_NAME
         try:
-            async with session.get(url) as resp:
-                self._check_final_url(resp, url)
+            async with get(session, self.policy, url) as resp:
                 if resp.status in (404, 410):
                     raise SourceError("ModelNotFound", f"no {MANIFEST_NAME} at {url} (HTTP "
-                                                       f"{resp.status}): not a model mirror")
+                                                       f"{resp.status}): not a model mirror",
+                                      http_status=resp.status)
                 if resp.status >= 400:
                     raise SourceError("DownloadFailed", f"GET {url}: HTTP {resp.status} "
-                                                        f"{resp.reason or ''}".rstrip())
+                                                        f"{resp.reason or ''}".rstrip(),
+                                      http_status=resp.status)
                 body = bytearray()
                 while chunk := await resp.content.readany():
                     body += chunk
@@ -316,14 +319,14 @@ class _Mirror:
             return write
 
         try:
-            async with session.get(url, headers=headers) as resp:
-                self._check_final_url(resp, url)
+            async with get(session, self.policy, url, headers=headers) as resp:
                 if resp.status == 416 and offset:
                     await asyncio.to_thread(part.unlink)
                     return None
                 if resp.status >= 400:
                     raise SourceError("DownloadFailed", f"GET {url}: HTTP {resp.status} "
-                                                        f"{resp.reason or ''}".rstrip())
+                                                        f"{resp.reason or ''}".rstrip(),
+                                      http_status=resp.status)
                 total = expected
                 announced: int | None = None  # the file's size as the server tells it
                 if resp.status == 206:

@@ -16,15 +16,19 @@ work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, ch
 observability, generation and admission), :mod:`.revisions` (its loading, unloading and
 draining of revisions), :mod:`.channel` (its command channel to the MLX thread),
 :mod:`.step_loop` (the MLX thread's step loop), :mod:`.capabilities` (what a loaded revision
-serves: tool parser, constrained decoding, logprobs, ``n``; the switches each feature flips),
-:mod:`.grammar` (a request's output constraint as an llguidance grammar, pure), :mod:`.constrain`
-(that grammar compiled and applied to one sequence of the batch).
+serves: tool parser, constrained decoding, logprobs, ``n``, embeddings; the switches each feature
+flips), :mod:`.grammar` (a request's output constraint as an llguidance grammar, pure),
+:mod:`.constrain` (that grammar compiled and applied to one sequence of the batch),
+:mod:`.embeddings` (its embedding requests and their batch queues), :mod:`.embed_batch` (when a
+forward pass of embeddings runs, pure), :mod:`.embed_profile` (how an embedding model pools, from
+its directory), :mod:`.embedder` (the forward pass and pooling on the MLX thread).
 """
 
 from .core import DEFAULT_MAX_CHOICES, ServingCore
+from .embeddings import DimensionsNotSupported, Embeddings, InputTooLong
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidConstraint, InvalidPrompt,
                      ModelLoadError, ModelNotLoaded, Overloaded, StreamBufferOverflow,
-                     TooManyChoices)
+                     TooManyChoices, WrongTask)
 from .generation import Generation
 from .loading import LoadPacing
 from .options import ServingOptions
@@ -36,5 +40,6 @@ __all__ = [
     "GenerationAborted", "StreamBufferOverflow", "MemoryUsage", "ModelInfo", "Chunk",
     "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
     "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES", "InvalidConstraint", "ToolFormat",
+    "WrongTask", "Embeddings", "InputTooLong", "DimensionsNotSupported",
     "TooManyChoices", "DEFAULT_MAX_CHOICES",
 ]

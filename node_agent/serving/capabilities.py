@@ -27,10 +27,8 @@ feature's branch lands, its merge flips its switch here (and nothing else decide
   ``/v1/models`` route, the completion route); a revision offers ``min(max_choices,
   max_concurrent_sequences)`` (its n sequences share one batch). :data:`MAX_N`, the default
   while the agent has no such flag, is 1;
-* ``EMBEDDINGS_SERVED`` → True with ``/v1/embeddings`` (wip/h20embed); that branch's
-  ``ModelInfo.task`` (the assignment's ``task``) then replaces the ``task`` argument of
-  :func:`model_capabilities` (at this base every revision the core loads is a
-  ``TextGeneration`` model).
+* ``EMBEDDINGS_SERVED`` → True with ``/v1/embeddings`` (wip/h20embed): a revision's
+  ``ModelInfo.task`` (the assignment's ``task``, ``spec.model.task``) says what it serves.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlx_fleet.capabilities import (TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities,
-                                    Task)
+from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities
 
 from ..api_models import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS_OPENAI
 from .constrain import ll_tokenizer
@@ -58,7 +55,7 @@ STRUCTURED_OUTPUTS_SERVED = True
 LOGPROBS_SERVED = True
 MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS_OPENAI
 MAX_N = 1
-EMBEDDINGS_SERVED = False
+EMBEDDINGS_SERVED = True
 
 
 def tool_parser_name(tokenizer: Any) -> str | None:
@@ -105,13 +102,12 @@ def tokenizer_features(tokenizer: Any) -> TokenizerFeatures:
         grammar=STRUCTURED_OUTPUTS_SERVED and grammar_tokenizer_ok(tokenizer))
 
 
-def model_capabilities(info: ModelInfo, task: Task = TASK_TEXT_GENERATION, *,
+def model_capabilities(info: ModelInfo, *,
                        max_choices: int | None = None) -> ModelCapabilities:
-    """The capabilities of the loaded revision ``info`` (its ``features`` from
+    """The capabilities of the loaded revision ``info`` (its ``task``, its ``features`` from
     :func:`tokenizer_features`, its limits) as this build serves them (module docstring).
-    ``task``: its deployment's task (``TextGeneration`` at this base); ``max_choices``: the
-    agent's bound on ``n`` (None: :data:`MAX_N`)."""
-    if task == TASK_TEXT_EMBEDDING:
+    ``max_choices``: the agent's bound on ``n`` (None: :data:`MAX_N`)."""
+    if info.task == TASK_TEXT_EMBEDDING:
         return ModelCapabilities(task=TASK_TEXT_EMBEDDING, embeddings=EMBEDDINGS_SERVED,
                                  max_context_tokens=info.max_context_tokens)
     n = MAX_N if max_choices is None else max_choices

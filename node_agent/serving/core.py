@@ -28,6 +28,12 @@ confirmed once due, :class:`~node_agent.serving.loading.LoadPacing`), so the oth
 keep emitting tokens at their rate during a load. Loads queue (one materialises at a time); commands (unload, cancel, new
 requests) are served between chunks. A revision becomes visible only once fully read.
 
+A revision loaded with ``task="TextEmbedding"`` has no BatchGenerator and no prompt cache: it
+serves :meth:`ServingCore.embed` (whole forward passes over batches of inputs, see
+:mod:`node_agent.serving.embeddings`), and :meth:`ServingCore.generate` refuses it
+(:class:`~node_agent.serving.errors.WrongTask`), as :meth:`ServingCore.embed` refuses a
+generation revision.
+
 Continuous batching is mlx-lm's :class:`mlx_lm.generate.BatchGenerator` (one per loaded
 revision): a request admitted while others decode is inserted into the running generator and
 joins the batch at its next step. Prompt prefixes are reused through mlx-lm's
@@ -84,13 +90,17 @@ from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Capability
+
 from ..metrics import AgentMetrics
 from .admission import DrainRate, admit, retry_after_seconds
 from .channel import _STOP, _CommandChannel
 from .coalesce import Coalescer, SharedGeneration, coalesce_key
 from .constrain import compile_grammar
+from .embeddings import _Embeddings
 from .engine import Engine, Events
-from .errors import GenerationAborted, Overloaded, StreamBufferOverflow, TooManyChoices
+from .errors import (GenerationAborted, Overloaded, StreamBufferOverflow, TooManyChoices,
+                     WrongTask)
 from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing
@@ -122,7 +132,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-class ServingCore(_Revisions, _CommandChannel, _StepLoop):
+class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
     """Loads MLX models and generates with continuous batching on one MLX-owning thread.
 
     All coroutine methods must be awaited on the event loop that called :meth:`start`.
@@ -166,6 +176,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
             thread_name_prefix="mlxfleet-tokenize")
         self._tokenizers: dict[ModelKey, Any] = {}   # loop side: each served revision's
         self._coalescer = Coalescer()
+        self._embed_queues: dict[ModelKey, Any] = {}   # loop side: _Embeddings' batch queues
         self.load_pacing = load_pacing if load_pacing is not None else LoadPacing()
         self._cmds: queue.Queue = queue.Queue()
         self._started = False
@@ -367,7 +378,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         of them (chunks carry their ``index``; see :class:`Generation`). Admission counts ``n``
         sequences. Never coalesced.
 
-        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`Overloaded`,
+        Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`WrongTask` (a
+        ``TextEmbedding`` model), :class:`Overloaded`,
         :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, :class:`InvalidConstraint`,
         :class:`TooManyChoices`, ``ValueError`` for bad arguments, :class:`GenerationAborted`
         when the core is not running or has failed (see :attr:`failure`).
@@ -388,6 +400,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop):
         if self._closed or not self._started:
             raise GenerationAborted("the serving core is not running")
         info = self.model_info(model_id, revision)
+        if info.task != TASK_TEXT_GENERATION:
+            raise WrongTask(model_id, info.task, Capability.GENERATE)
         if n > info.max_concurrent_sequences:
             raise TooManyChoices(n, min(self.max_choices, info.max_concurrent_sequences))
         size = prompt_bytes(prompt, messages)

@@ -30,6 +30,7 @@ from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
 from .constrain import compile_grammar
 from .detokenize import feed, next_text
+from .embedder import embed_batch, has_body
 from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
                      ModelNotLoaded, Overloaded)
 from .generation import Request
@@ -115,6 +116,9 @@ class Engine:
                     model, _ = load_model(Path(info.path), lazy=True, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - any loader failure is a LoadFailed
             raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+        if info.embedding is not None and not has_body(model):
+            raise ModelLoadError("UnsupportedEmbeddingModel", f"{type(model).__module__} has no "
+                                 "inner model (.model) to take hidden states from")
         return model
 
     def finish_load(self, info: ModelInfo, model: Any, tokenizer: Any,
@@ -123,11 +127,13 @@ class Engine:
         revision its BatchGenerator and prompt cache and make it resident. ``load_seconds``:
         the load's duration so far (observed in ``mlxfleet_agent_model_load_seconds``)."""
         weight_bytes = parameter_bytes(model)   # once: the weights never change
-        generator = self.new_generator(model, tokenizer, info)
+        # an embedding model runs whole forward passes (embed): no generator, no prompt cache
+        embedding = info.embedding is not None
+        generator = None if embedding else self.new_generator(model, tokenizer, info)
         self.metrics.model_load_seconds.labels(*info.key).observe(load_seconds)
         stats = self.registry.new_stats(info.key, weight_bytes)
         self.registry.add(Resident(info, model, tokenizer, generator,
-                                   self.new_prompt_cache(info), stats))
+                                   None if embedding else self.new_prompt_cache(info), stats))
 
     def cache_budget(self, info: ModelInfo) -> int | None:
         """The revision's byte budget for its prompt cache and live batch's KV cache together:
@@ -182,6 +188,9 @@ class Engine:
             budget = self.cache_budget(info)
             res.prompt_cache.max_bytes = budget if budget is not None else 1 << 63
             self.trim_prompt_cache(res)
+        if res.generator is None:   # an embedding model: its batches follow info's limits
+            self.update_gauges(res)
+            return
         # BatchGenerator reads these public attributes at every step (as set by its __init__);
         # the core's own cap in step() is what bounds the batch.
         n = info.max_concurrent_sequences
@@ -292,6 +301,21 @@ class Engine:
             mx.set_wired_limit(saved)
         except Exception:  # noqa: BLE001
             log.exception("restoring the wired memory limit failed")
+
+    # -- embeddings ----------------------------------------------------------------------------
+    def embed(self, key: ModelKey, batch: list[list[int]]) -> Any:
+        """One forward pass of embedding revision ``key`` over ``batch`` (token lists): the
+        vectors as a float32 numpy array ``(len(batch), dimensions)``
+        (:func:`~node_agent.serving.embedder.embed_batch`). Counts the batch's tokens in
+        ``mlxfleet_agent_prompt_tokens_total``, its size in
+        ``mlxfleet_agent_embedding_batch_inputs``. Raises :class:`ModelNotLoaded`."""
+        res = self.registry.get(key)
+        if res is None or res.info.embedding is None:
+            raise ModelNotLoaded(*key)
+        vectors = embed_batch(res.model, batch, res.info.embedding)
+        self.metrics.prompt_tokens.labels(*key).inc(sum(len(ids) for ids in batch))
+        self.metrics.embedding_batch_inputs.labels(*key).observe(len(batch))
+        return vectors
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, req: Request) -> tuple[int, int]:

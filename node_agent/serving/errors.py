@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from mlx_fleet.capabilities import Capability, Missing, Need
+
 __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
-           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow"]
+           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow", "WrongTask"]
 
 
 #: :attr:`ModelLoadError.reason` of a load that an unload of the same revision called off.
@@ -106,3 +108,15 @@ class StreamBufferOverflow(GenerationAborted):
         super().__init__(f"the client read the stream too slowly: {buffered} generated chunks "
                          "were waiting for it, so the generation was stopped")
         self.buffered = buffered
+
+
+class WrongTask(ValueError):
+    """The request is for another task than the one the model is served for (a generation
+    request to a ``TextEmbedding`` model, an embeddings request to a ``TextGeneration`` one).
+    ``model_id`` and ``task`` (the model's) say which; the message is
+    :class:`mlx_fleet.capabilities.Missing`'s, the fleet router's and the API's own words."""
+
+    def __init__(self, model_id: str, task: str, needs: Capability) -> None:
+        super().__init__(Missing(Need(needs, "model"), None, task).message(model_id))  # type: ignore[arg-type]
+        self.model_id = model_id
+        self.task = task

@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, TASKS
+
 from ..memory_estimate import ModelFileError, kv_cache_bytes_per_token, read_config
+from .embed_profile import UnsupportedEmbeddingModel, read_profile
 from .errors import LOAD_CANCELLED, GenerationAborted, ModelLoadError, ModelNotLoaded
 from .capabilities import tokenizer_features
 from .loading import Materialization, load_tokenizer
@@ -96,7 +99,8 @@ class _Revisions:
     # -- models --------------------------------------------------------------------------------
     async def load_model(self, model_id: str, path: str | os.PathLike, *, revision: str,
                          max_concurrent_sequences: int = 8,
-                         max_context_tokens: int = 4096) -> ModelInfo:
+                         max_context_tokens: int = 4096,
+                         task: str = TASK_TEXT_GENERATION) -> ModelInfo:
         """Load ``path`` (a local mlx-lm model directory) as revision ``revision`` of
         ``model_id`` (mlx-lm's loader; weights read in chunks between the other revisions'
         decode steps, see the module docstring). The revision is visible (:meth:`models`,
@@ -121,8 +125,13 @@ class _Revisions:
         revision, or :meth:`close`, calls a load off (queued or half read: what it read is
         freed). If the calling task is cancelled the load is called off too, unless it has
         already completed (then the revision stays loaded).
+        ``task`` (:data:`mlx_fleet.capabilities.TASKS`): ``TextGeneration`` (a BatchGenerator and a
+        prompt cache, :meth:`generate`) or ``TextEmbedding`` (no generator: :meth:`embed`, how it
+        pools read from the directory, :mod:`node_agent.serving.embed_profile`); the same id,
+        revision and path with another task is a replacement.
         Raises :class:`ModelLoadError` (``ModelNotFound`` when ``path`` is not a directory with a
-        ``config.json``, ``LoadFailed`` for any error while loading — tokenizer, model build or
+        ``config.json``, ``UnsupportedEmbeddingModel`` when its embedding recipe is not served,
+        ``LoadFailed`` for any error while loading — tokenizer, model build or
         any chunk of weights; nothing of it stays resident —, ``Cancelled`` when an unload
         called it off, ``NotStarted`` when the core is closed, ``CoreFailed``).
         """
@@ -132,6 +141,8 @@ class _Revisions:
             raise ModelLoadError("NotStarted", "the serving core is not running")
         if max_concurrent_sequences < 1 or max_context_tokens < 2:
             raise ValueError("max_concurrent_sequences must be >= 1, max_context_tokens >= 2")
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}")
         spath = str(Path(path))
         key = (model_id, revision)
         joined = next((j for j in self._loading if j.info.key == key and j.info.path == spath
@@ -146,9 +157,9 @@ class _Revisions:
                                      str(e)) from e
             return await self.load_model(model_id, path, revision=revision,
                                          max_concurrent_sequences=max_concurrent_sequences,
-                                         max_context_tokens=max_context_tokens)
+                                         max_context_tokens=max_context_tokens, task=task)
         existing = self._infos.get(key)
-        if existing is not None and existing.path == spath:
+        if existing is not None and existing.path == spath and existing.task == task:
             self._end_drain(key)
             if (existing.max_concurrent_sequences, existing.max_context_tokens) == (
                     max_concurrent_sequences, max_context_tokens):
@@ -166,7 +177,7 @@ class _Revisions:
         if not (Path(spath) / "config.json").is_file():
             raise ModelLoadError("ModelNotFound", f"no model (config.json) at {spath}")
         info = ModelInfo(model_id, revision, spath, int(time.time()), max_concurrent_sequences,
-                         max_context_tokens)
+                         max_context_tokens, task=task)
         self._end_drain(key)
         assert self._loop is not None
         job = _Load(info, self._loop.create_future())
@@ -210,9 +221,20 @@ class _Revisions:
         job.served_tokenizer = job.tokenizer
         job.tokenizer_seconds = time.perf_counter() - t0
         per_token = await asyncio.to_thread(_kv_bytes_per_token, job.info.path)
-        features = await asyncio.to_thread(tokenizer_features, job.tokenizer)
-        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token,
-                                       features=features)
+        job.info = dataclasses.replace(job.info, kv_cache_bytes_per_token=per_token)
+        if job.info.task == TASK_TEXT_GENERATION:   # tool parser, grammar: generation only
+            features = await asyncio.to_thread(tokenizer_features, job.tokenizer)
+            job.info = dataclasses.replace(job.info, features=features)
+        if job.info.task == TASK_TEXT_EMBEDDING:
+            try:
+                profile = await asyncio.to_thread(read_profile, job.info.path)
+            except UnsupportedEmbeddingModel as e:
+                job.tokenizer = None
+                raise ModelLoadError("UnsupportedEmbeddingModel", str(e)) from e
+            except OSError as e:
+                job.tokenizer = None
+                raise ModelLoadError("LoadFailed", f"{type(e).__name__}: {e}") from e
+            job.info = dataclasses.replace(job.info, embedding=profile)
         if job.cancelled:
             job.tokenizer = None
             raise ModelLoadError(LOAD_CANCELLED, _CANCELLED)

@@ -15,16 +15,15 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES
+
 from .errors import InvalidPrompt
 
-__all__ = ["prompt_bytes", "tokenize", "DEFAULT_MAX_PROMPT_BYTES", "PromptTooLarge",
+__all__ = ["prompt_bytes", "tokenize", "tokenize_inputs", "DEFAULT_MAX_PROMPT_BYTES", "PromptTooLarge",
            "default_tokenizer_threads", "limit_tokenizer_parallelism"]
 
 log = logging.getLogger(__name__)
 
-#: Default bound of :func:`prompt_bytes` (1 MiB: aiohttp's default request body limit,
-#: ``client_max_size``, so nothing the API accepted before is refused by default).
-DEFAULT_MAX_PROMPT_BYTES = 2**20
 #: Longest template error message passed on to the client (a template's own
 #: ``raise_exception("...")`` is meant for it; anything longer is cut).
 _MAX_TEMPLATE_MESSAGE = 200
@@ -94,6 +93,26 @@ def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict] | None,
             raise InvalidPrompt("the prompt is empty")
         ids = [int(tokenizer.bos_token_id)]
     return ids
+
+
+def tokenize_inputs(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each of ``texts`` (embedding inputs) with the tokenizer's own special tokens
+    (``add_special_tokens=True``): an embedding model's tokenizer adds what it was trained with
+    — Qwen3-Embedding's post-processor appends ``<|endoftext|>``, the token its last-token
+    pooling reads. An input that tokenizes to nothing becomes the BOS token when there is one.
+    Raises :class:`InvalidPrompt` (naming the input's index)."""
+    out = []
+    for i, text in enumerate(texts):
+        try:
+            ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many kinds
+            raise InvalidPrompt(f"input {i}: {_public_reason(e)}") from e
+        if not ids:
+            if tokenizer.bos_token_id is None:
+                raise InvalidPrompt(f"input {i} is empty")
+            ids = [int(tokenizer.bos_token_id)]
+        out.append(ids)
+    return out
 
 
 def _public_reason(e: Exception) -> str:

@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Task
+
+from .embed_profile import EmbeddingProfile
+
 __all__ = ["ModelKey", "TokenizerFeatures", "ModelInfo", "Chunk", "MemoryUsage",
            "LoadProgress", "ToolFormat"]
 
@@ -33,7 +37,10 @@ class ModelInfo:
     (:func:`node_agent.memory_estimate.kv_cache_bytes_per_token` of its ``config.json``; 0 when
     that cannot be read: then no KV bound applies to it); ``features``: what its tokenizer
     brings for its capabilities
-    (:func:`node_agent.serving.capabilities.model_capabilities`)."""
+    (:func:`node_agent.serving.capabilities.model_capabilities`); ``task``: what it serves
+    (:data:`mlx_fleet.capabilities.TASKS`: ``TextGeneration`` or ``TextEmbedding``);
+    ``embedding``: how an embedding model pools (read from its directory at load), None for a
+    generation model."""
 
     model_id: str
     revision: str
@@ -43,6 +50,8 @@ class ModelInfo:
     max_context_tokens: int
     kv_cache_bytes_per_token: int = 0
     features: TokenizerFeatures = TokenizerFeatures()
+    task: Task = TASK_TEXT_GENERATION
+    embedding: EmbeddingProfile | None = None
 
     @property
     def key(self) -> ModelKey:

@@ -20,7 +20,9 @@ Manual actions are annotations whose *value* is a fresh token (the CLI writes a 
 ``mlx-fleet.io/promote`` (advance past the current step or pause), ``mlx-fleet.io/promote-full``
 (promote now), ``mlx-fleet.io/abort``. Cross-object rules the CRD schema cannot express — the
 candidate revision differs from the target's, one active Canary per target — are checked here:
-the Canary fails with reason ``InvalidSpec`` or ``TargetBusy`` and a Warning event.
+the Canary fails with reason ``InvalidSpec`` or ``TargetBusy`` and a Warning event; a
+``spec.candidate.source`` the fleet's source policy refuses (:mod:`.admission`) fails it with
+reason ``SourceRefused`` (and a Warning event), before any candidate is placed.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from . import metrics
 from .analysis import AnalysisResult, analyze, window_from_reports
 from .canary import TERMINAL, CanaryState, Observation, Phase, step
 from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
+from .config import listed_namespaces
 from .kube import CANARY_PLURAL, GROUP, PLURAL, VERSION, patch_object
 from .runtime import Runtime, runtime
 from .records import AnalysisWindow, CandidateIntent, DeploymentKey
+from .admission import CANDIDATE_SOURCE_FIELD, SOURCE_REFUSED, source_refusal
 from .status import _condition, now_rfc3339
 
 if TYPE_CHECKING:
@@ -242,7 +246,14 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
         # (Re)starting: the first tick, or the spec names another candidate than the one the
         # state is about (a terminal canary restarts then).
         starting = state.candidate_revision != spec.candidate.revision
-        if owner is not None and owner.canary != name and (
+        refused = source_refusal(rt.source_policy, spec.candidate.source,
+                                 CANDIDATE_SOURCE_FIELD)
+        if refused is not None:  # no candidate is kept: no assignment is written for it
+            if state.reason != SOURCE_REFUSED:
+                events.append(("Warning", SOURCE_REFUSED, refused))
+            state = _fail(state, SOURCE_REFUSED, refused, spec.candidate.revision)
+            weight, keep = 0, False
+        elif owner is not None and owner.canary != name and (
                 state.phase not in TERMINAL or starting):
             msg = (f"spec.targetRef.name: ModelDeployment {target[1]} already has an active "
                    f"Canary {owner.canary}")
@@ -364,13 +375,21 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.
     metrics.forget_canary(namespace, name)
 
 
-def seed_candidates(api: CustomObjectsApi) -> dict[DeploymentKey, CandidateIntent]:
+def seed_candidates(api: CustomObjectsApi, namespaces: tuple[str, ...] = ()
+                    ) -> dict[DeploymentKey, CandidateIntent]:
     """At start-up, before any ModelDeployment is re-synced: the candidates of running Canaries
     (from their stored ``status``), so an operator restart mid-canary never unloads a warm
-    candidate. Blocking (run in a thread)."""
+    candidate. ``namespaces``: the operator's ``--namespace`` values — exact names are listed
+    one by one (its Roles grant no more, :func:`.config.listed_namespaces`), else the listing is
+    cluster-wide. Blocking (run in a thread)."""
     out: dict[DeploymentKey, CandidateIntent] = {}
-    items = api.list_cluster_custom_object(GROUP, VERSION, CANARY_PLURAL,
-                                           _request_timeout=30)["items"]
+    listed = listed_namespaces(namespaces)
+    if listed is None:
+        items = api.list_cluster_custom_object(GROUP, VERSION, CANARY_PLURAL,
+                                               _request_timeout=30)["items"]
+    else:
+        items = [o for ns in listed for o in api.list_namespaced_custom_object(
+            GROUP, VERSION, ns, CANARY_PLURAL, _request_timeout=30)["items"]]
     for o in items:
         st = CanaryState.from_status(o.get("status"))
         if st.phase in TERMINAL or not st.candidate_revision:

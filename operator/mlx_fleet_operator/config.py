@@ -10,8 +10,19 @@ import os
 
 from mlx_fleet.contract import ROOT
 from mlx_fleet.etcd_credentials import EtcdCredentials
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
+from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 
 from .reconcile import DEFAULT_WRITER
+
+def listed_namespaces(namespaces: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The namespaces to list one by one (``--namespace`` values that are all exact names), or
+    None: list cluster-wide (no ``--namespace``, or a glob pattern among them; the caller
+    filters by scope). With exact names the chart grants the namespaced resources only there
+    (a Role per namespace), so a cluster-wide listing would be refused."""
+    exact = bool(namespaces) and not any(set(p) & set("*?[]!,") for p in namespaces)
+    return namespaces if exact else None
+
 
 #: Default seconds between garbage collections of orphaned assignments (``--gc-interval``;
 #: see :func:`.orphan_gc.collect_orphans`).
@@ -48,6 +59,9 @@ class OperatorConfig:
     #: Whether ``/metrics`` is already served on ``metrics_port`` (main()'s pre-flight check
     #: binds it); else the start-up handler serves it.
     metrics_served: bool = False
+    #: Which model sources ModelDeployments and Canaries may name (``--source-policy``;
+    #: :mod:`.admission`); the same record as every agent's. Default: the secure policy.
+    source_policy: SourcePolicy = DEFAULT_POLICY
 
     def in_scope(self, namespace: str) -> bool:
         """Whether this operator watches ``namespace`` (garbage collection stays inside)."""
@@ -59,5 +73,6 @@ class OperatorConfig:
         return cls(etcd_endpoint=os.environ.get("MLX_FLEET_ETCD_ENDPOINT", cls.etcd_endpoint),
                    etcd_prefix=os.environ.get("MLX_FLEET_ETCD_PREFIX", ROOT),
                    metrics_port=int(os.environ.get("MLX_FLEET_METRICS_PORT", "8080")),
-                   router_url=os.environ.get("MLX_FLEET_ROUTER_URL", "").rstrip("/") or None)
+                   router_url=os.environ.get("MLX_FLEET_ROUTER_URL", "").rstrip("/") or None,
+                   source_policy=load_policy(os.environ.get(ENV_SOURCE_POLICY)))
 

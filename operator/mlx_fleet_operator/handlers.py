@@ -80,11 +80,12 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
         api = await asyncio.to_thread(kubernetes_api)
         rt = Runtime(store, Keys(cfg.etcd_prefix), cfg.writer, in_scope=cfg.in_scope,
                      gc_interval=cfg.gc_interval, custom_api=api, router_url=cfg.router_url,
+                     source_policy=cfg.source_policy,
                      list_live=lambda: orphan_gc.list_live_deployments(api, cfg.namespaces))
         # Running Canaries' candidates, before any ModelDeployment resumes: a restart
         # mid-canary must never unload a warm candidate.
         try:
-            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api))
+            rt.seed_candidates(await asyncio.to_thread(seed_candidates, api, cfg.namespaces))
         except Exception as e:  # e.g. the Canary CRD is not installed: no canaries to keep
             logger.warning("cannot list Canaries at start-up (%s: %s); none resumed",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -111,8 +112,9 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, memo:
             raise
         raise kopf.PermanentError(f"start-up failed: {type(e).__name__}: {e}") from e
     memo.runtime = rt
-    logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s",
-                cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off")
+    logger.info("mlx-fleet operator started: etcd %s, prefix %s, metrics port %s, source "
+                "policy %s", cfg.etcd_endpoint, cfg.etcd_prefix, cfg.metrics_port or "off",
+                cfg.source_policy.to_json())
 
 
 @kopf.on.cleanup()
@@ -142,12 +144,15 @@ async def probe_followers(memo: kopf.Memo, **_: Any) -> dict[str, int]:
 
 
 @kopf.on.event(GROUP, VERSION, MACNODE_PLURAL)
-async def macnode_event(name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
-    """A MacNode changed: when its cordon or drain is not what the operator applies, wake the
-    mirror at once (``mlx-fleet drain`` should not wait for the next round). A silent watch:
-    kopf stores nothing on the object for event handlers."""
+async def macnode_event(name: str, spec: Mapping[str, Any], labels: Mapping[str, str],
+                       memo: kopf.Memo, **_: Any) -> None:
+    """A MacNode changed: when its cordon, drain or labels are not what the operator applies,
+    wake the mirror at once (``mlx-fleet drain`` or ``kubectl label macnode`` should not wait
+    for the next round). A silent watch: kopf stores nothing on the object for event
+    handlers."""
     rt = memo.get("runtime")
-    if isinstance(rt, Runtime) and macnode_mirror.spec_differs(rt, name, spec):
+    if isinstance(rt, Runtime) and (macnode_mirror.spec_differs(rt, name, spec)
+                                    or dict(labels or {}) != rt.node_labels.get(name)):
         rt.macnodes_changed()
 
 

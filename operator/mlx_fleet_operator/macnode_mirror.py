@@ -1,10 +1,13 @@
 """The MacNode mirror: every :data:`MACNODE_SECONDS`, on node events and when a MacNode's
 cordon or drain changes — at most one round per :data:`MACNODE_MIN_SECONDS` — each node record
 in etcd becomes a cluster-scoped ``MacNode`` (status only; what it says is :mod:`.macnodes`'s
-pure functions), and the MacNodes' ``spec.unschedulable`` (cordons) and ``spec.drain``
-(drains) are read back into ``Runtime.cordoned`` / ``Runtime.draining``, which placement
+pure functions), and the MacNodes' ``spec.unschedulable`` (cordons), ``spec.drain``
+(drains) and ``metadata.labels`` (the cluster admin's labels) are read back into
+``Runtime.cordoned`` / ``Runtime.draining`` / ``Runtime.node_labels``, which placement
 honours: no new replica on a cordoned node, every replica of a draining one replaced
-elsewhere (:mod:`.rollout`, *Drain*). The mirror starts once the node view is loaded (never
+elsewhere (:mod:`.rollout`, *Drain*), node selectors matched against the admin's labels
+(:mod:`.node_claims`). A record whose claims placement ignores or clamps is logged once per
+change (and shown in the MacNode's ``ClaimsAccepted`` condition). The mirror starts once the node view is loaded (never
 mark every MacNode Gone before etcd was read). API errors (no MacNode CRD, no permission ...)
 are logged and retried next round, never fatal.
 """
@@ -20,6 +23,7 @@ from mlx_fleet.contract import Assignment, NodeRecord
 from mlx_fleet.supervise import wait_event
 
 from . import macnodes
+from .node_claims import CLAIMS_CONDITION
 from .kube import GROUP, MACNODE_PLURAL, VERSION
 from .runtime import Runtime
 
@@ -42,10 +46,11 @@ TASK = "macnode mirror"
 
 def macnode_round(api: CustomObjectsApi, nodes: Mapping[str, NodeRecord],
                   on_node: Mapping[str, Iterable[Assignment]], cache: dict[str, dict[str, Any]],
-                  blocked: Mapping[str, str]) -> tuple[frozenset[str], frozenset[str]]:
+                  blocked: Mapping[str, str]
+                  ) -> tuple[frozenset[str], frozenset[str], dict[str, dict[str, str]]]:
     """One blocking mirror round: list the MacNodes, create the missing ones, patch changed
-    statuses (``cache`` is updated); returns the cordoned and the draining node names.
-    ``blocked``: node → why replicas on it cannot move (drain)."""
+    statuses (``cache`` is updated); returns the cordoned and the draining node names and each
+    MacNode's labels. ``blocked``: node → why replicas on it cannot move (drain)."""
     import kubernetes
 
     from .status import now_rfc3339
@@ -54,6 +59,7 @@ def macnode_round(api: CustomObjectsApi, nodes: Mapping[str, NodeRecord],
                                            _request_timeout=30)["items"]
     cordoned = macnodes.cordoned(items)
     draining = macnodes.draining(items)
+    labels_of = macnodes.operator_labels(items)
     existing = {o["metadata"]["name"]: o for o in items}
     now = now_rfc3339()
 
@@ -92,6 +98,7 @@ def macnode_round(api: CustomObjectsApi, nodes: Mapping[str, NodeRecord],
                                          draining=name in draining, blocked=blocked.get(name, ""),
                                          generation=generation(name), previous=previous, now=now)
         if macnodes.status_changed(previous, status):
+            _log_claims(name, previous, status)
             patch(name, status)
     for name, obj in sorted(existing.items()):
         labels = obj["metadata"].get("labels") or {}
@@ -107,7 +114,21 @@ def macnode_round(api: CustomObjectsApi, nodes: Mapping[str, NodeRecord],
             patch(name, status)
     for name in set(cache) - set(existing) - set(nodes):
         cache.pop(name, None)
-    return cordoned, draining
+    return cordoned, draining, labels_of
+
+
+def _claims(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return next((c for c in (status or {}).get("conditions") or []
+                 if isinstance(c, Mapping) and c.get("type") == CLAIMS_CONDITION), {})
+
+
+def _log_claims(name: str, previous: Mapping[str, Any] | None,
+                status: Mapping[str, Any]) -> None:
+    """A warning when node ``name``'s claims turn (or stay, with another message) not
+    accepted."""
+    new, old = _claims(status), _claims(previous)
+    if new.get("status") == "False" and new.get("message") != old.get("message"):
+        log.warning("node %s: %s", name, new.get("message"))
 
 
 class MacNodeMirror:
@@ -135,17 +156,16 @@ class MacNodeMirror:
                 why.setdefault(node, []).append(f"{ns}/{name}: {drain.blocked}")
         blocked = {node: "; ".join(texts) for node, texts in why.items()}
         try:
-            cordoned, draining = await asyncio.to_thread(macnode_round, rt.custom_api,
-                                                         dict(rt.nodes), on_node, self.cache,
-                                                         blocked)
+            cordoned, draining, labels = await asyncio.to_thread(
+                macnode_round, rt.custom_api, dict(rt.nodes), on_node, self.cache, blocked)
         except Exception as e:
             first_line = (str(e).strip().splitlines() or [""])[0]
             log.warning("MacNode mirror round failed: %s: %s", type(e).__name__, first_line)
             return
-        if cordoned != rt.cordoned or draining != rt.draining:
+        if cordoned != rt.cordoned or draining != rt.draining or labels != rt.node_labels:
             log.info("cordoned nodes: %s; draining: %s", ", ".join(sorted(cordoned)) or "none",
                      ", ".join(sorted(draining)) or "none")
-            rt.mark_nodes(cordoned, draining)
+            rt.mark_nodes(cordoned, draining, labels)
 
     async def run(self) -> None:
         """The rounds, rate-limited, woken by ``rt.macnode_wake``."""

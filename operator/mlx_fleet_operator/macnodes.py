@@ -7,6 +7,11 @@ truth: the status is informational, and only ``spec.unschedulable`` (a cordon) a
 When a record is gone (its lease expired), the MacNode is kept with ``health: Gone`` so a cordon
 survives an agent restart.
 
+The ``ClaimsAccepted`` condition (:func:`.node_claims.claims_condition`) says whether placement
+uses the agent's labels and capacity as reported, or which it ignores or clamps (issue 19); the
+MacNode's own ``metadata.labels``, set by the cluster admin, are the labels a node selector
+matches (:func:`operator_labels`).
+
 The ``Drained`` condition (:func:`drained_condition`) tells how a drain stands: False
 ``DrainNotRequested`` without ``spec.drain``; False ``Draining`` while replicas are still
 assigned (their replacements load elsewhere); False ``DrainBlocked`` when some cannot move
@@ -24,6 +29,8 @@ from typing import Any
 from mlx_fleet.contract import Assignment, NodeRecord
 from mlx_fleet.quantity import format_bytes
 
+from .node_claims import CLAIMS_CONDITION, claims_condition
+from .placement import node_budget_bytes
 from .status import condition
 
 GONE = "Gone"
@@ -76,14 +83,15 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
                    now: str = "") -> dict[str, Any]:
     """The MacNode ``status`` of a live node ``record`` with the ``assignments`` on it
     (``maxLoadedModels``: the agent's limit on loaded models, 0 = none; placement counts
-    ``modelCount`` against it; ``memoryBudgetBytes``: the node's budget,
-    :meth:`~mlx_fleet.contract.NodeCapacity.budget_bytes`, from ``memoryWatermark``, the
-    agent's ``--memory-watermark``). ``draining``/``blocked``/``generation``/``previous``/``now``: see
+    ``modelCount`` against it; ``memoryBudgetBytes``: the node's budget as placement counts it,
+    :func:`.placement.node_budget_bytes`, from ``memoryWatermark``, the agent's
+    ``--memory-watermark``, and the memory the chip can have; conditions ``Drained`` and
+    ``ClaimsAccepted``). ``draining``/``blocked``/``generation``/``previous``/``now``: see
     :func:`drained_condition`."""
     asg = list(assignments)
     c = record.capacity
     models = _models(asg)
-    budget, reserved = c.budget_bytes(), sum(a.memory_bytes for a in asg)
+    budget, reserved = node_budget_bytes(record), sum(a.memory_bytes for a in asg)
     return {
         "chip": c.chip, "chipGeneration": c.chip_generation,
         "memoryTotalBytes": c.memory_total_bytes,
@@ -96,7 +104,9 @@ def macnode_status(record: NodeRecord, assignments: Iterable[Assignment], *,
         "maxLoadedModels": c.max_loaded_models, "unschedulable": unschedulable,
         "draining": draining, "lastSeen": _rfc3339(record.heartbeat_unix),
         "conditions": [drained_condition(draining, models, blocked, generation=generation,
-                                         previous=previous, now=now)],
+                                         previous=previous, now=now),
+                       claims_condition(record, generation=generation, previous=previous,
+                                        now=now)],
     }
 
 
@@ -115,7 +125,9 @@ def gone_status(previous: Mapping[str, Any], *, unschedulable: bool = False,
             "loadedModels": [],
             "modelCount": 0, "unschedulable": unschedulable, "draining": draining,
             "conditions": [drained_condition(draining, (), generation=generation,
-                                             previous=previous, now=now)]}
+                                             previous=previous, now=now),
+                           *[c for c in previous.get("conditions") or []
+                             if isinstance(c, Mapping) and c.get("type") == CLAIMS_CONDITION]]}
 
 
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
@@ -149,6 +161,12 @@ def draining(macnodes: Iterable[Mapping[str, Any]]) -> frozenset[str]:
     return frozenset(o["metadata"]["name"] for o in macnodes
                      if (o.get("spec") or {}).get("drain") is True
                      and (o.get("spec") or {}).get("unschedulable") is True)
+
+
+def operator_labels(macnodes: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, str]]:
+    """MacNode name → its ``metadata.labels`` (API objects): the labels a cluster admin set,
+    which ``placement.nodeSelector`` matches (:func:`.node_claims.node_label`)."""
+    return {o["metadata"]["name"]: dict(o["metadata"].get("labels") or {}) for o in macnodes}
 
 
 def new_macnode(name: str) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 
 from mlx_fleet.contract import ROOT
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
+from mlx_fleet.source_policy import PolicyError, SourcePolicy
+from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 from mlx_fleet.store import check_endpoint, parse_endpoint
 
 DESCRIPTION = """\
@@ -78,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "shown with each ModelDeployment's served model name in its "
                         "status.router (env MLX_FLEET_ROUTER_URL; default: none, no "
                         "status.router)")
+    p.add_argument("--source-policy", default=os.environ.get(ENV_SOURCE_POLICY),
+                   metavar="FILE|JSON",
+                   help="the fleet's model source policy (a JSON/YAML file, or inline JSON "
+                        "starting with '{'; give every agent the same): a ModelDeployment or "
+                        "Canary whose source it refuses gets no assignment and the condition "
+                        "SourceAllowed=False (docs/security.md, 'Source policy'; env "
+                        f"{ENV_SOURCE_POLICY}; default: the secure policy, https:// and hf:// "
+                        "only, no local directories, no private addresses)")
     p.add_argument("--metrics-port", type=int, default=8080,
                    help="port of the Prometheus /metrics endpoint on 0.0.0.0; 0 disables it "
                         "(default %(default)s)")
@@ -192,12 +202,21 @@ def own_identity(environ: Mapping[str, str]) -> str:
     return f"{who}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
+def _source_policy(value: str | None) -> SourcePolicy:
+    """``--source-policy`` → the policy; a malformed one is a :class:`PreflightError`."""
+    try:
+        return load_policy(value)
+    except PolicyError as e:
+        raise PreflightError(f"--source-policy: {e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the operator until signalled.
     Returns the process exit code."""
     args = build_parser().parse_args(argv)
     try:
         etcd_credentials = load_etcd_credentials(args)
+        source_policy = _source_policy(args.source_policy)
         preflight(args)
     except PreflightError as e:
         print(f"mlx-fleet-operator: error: {e}", file=sys.stderr)
@@ -219,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             metrics_served=bool(args.metrics_port),  # by preflight()
                             namespaces=tuple(args.namespace),
                             gc_interval=args.gc_interval,
-                            router_url=args.router_url)
+                            router_url=args.router_url, source_policy=source_policy)
     run_kwargs = kopf_run_kwargs(args)
     if not args.standalone:
         config = dataclasses.replace(

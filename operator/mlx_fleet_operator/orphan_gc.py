@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from mlx_fleet.store import StoreError
 
+from .config import listed_namespaces
 from .kube import GROUP, PLURAL, VERSION
 from .records import DeploymentKey
 from .reconcile import collect_garbage
@@ -37,10 +38,10 @@ def list_live_deployments(api: CustomObjectsApi, namespaces: tuple[str, ...]
     server (a complete listing, unlike an index a watch is still filling). Exact namespace
     names are listed one by one; with no ``--namespace`` or a glob pattern, cluster-wide (the
     caller filters by scope). Blocking; raises :class:`ListingError`."""
-    exact = bool(namespaces) and not any(set(p) & set("*?[!,") for p in namespaces)
+    listed = listed_namespaces(namespaces)
     try:
-        if exact:
-            items = [o for ns in namespaces for o in api.list_namespaced_custom_object(
+        if listed is not None:
+            items = [o for ns in listed for o in api.list_namespaced_custom_object(
                 GROUP, VERSION, ns, PLURAL, _request_timeout=30)["items"]]
         else:
             items = api.list_cluster_custom_object(GROUP, VERSION, PLURAL,

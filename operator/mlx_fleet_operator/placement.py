@@ -29,6 +29,10 @@ Rules
   other assignment on that node — other deployments *and other revisions of this one* (both
   sides of a canary, or of a surge, are resident at once); only the revision being placed does
   not count against itself.
+* What an agent says of itself is believed only within bounds (:mod:`.node_claims`, issue 19):
+  a ``nodeSelector`` label is the MacNode's (``PlacementRequest.node_labels``, set by the
+  cluster admin) or, under ``agent.mlx-fleet.io/``, the agent's; the memory counted is at most
+  what the named chip can have, the generation at most what its name says.
 * Stability: a replica already placed on a node that is still eligible stays there; it is never
   moved just because another node has more room. Replicas on vanished or ineligible nodes are
   dropped (and re-placed elsewhere if possible).
@@ -66,6 +70,8 @@ from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentRepor
 from mlx_fleet.contract import node_budget_bytes as contract_budget
 from mlx_fleet.quantity import format_bytes
 
+from .node_claims import node_label, trusted_generation, trusted_memory_bytes
+
 
 Strategy = Literal["Spread", "Binpack"]
 
@@ -83,6 +89,8 @@ class PlacementRequest:
     elsewhere (left out of ``nodes``; the caller keeps them until the replacement serves).
     ``estimate_pending``: no memory figure yet (no override, no estimate; ``memory_bytes`` is
     then 0): at most one replica is added, on the node with most free budget (module docstring).
+    ``node_labels``: node name → its MacNode's ``metadata.labels`` (set by the cluster admin;
+    :func:`.node_claims.node_label`).
     """
 
     namespace: str
@@ -98,6 +106,7 @@ class PlacementRequest:
     cordoned: frozenset[str] = frozenset()
     draining: frozenset[str] = frozenset()
     estimate_pending: bool = False
+    node_labels: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -153,9 +162,11 @@ def node_budget_bytes(node: NodeRecord) -> int:
     :meth:`~mlx_fleet.contract.NodeCapacity.budget_bytes` — ``memory_total_bytes ×
     memory_watermark`` (the agent's ``--memory-watermark``; 80 % by default and for records
     without the field), floored, capped by the GPU wired-memory limit when the node reports one
-    (the same rule the agent uses; computed once per distinct machine size and watermark)."""
+    (the same rule the agent uses; computed once per distinct machine size and watermark) —
+    of the memory placement believes (:func:`.node_claims.trusted_memory_bytes`: at most what
+    the chip can have)."""
     c = node.capacity
-    return _budget(c.memory_total_bytes, c.wired_limit_bytes, c.memory_watermark)
+    return _budget(trusted_memory_bytes(c), c.wired_limit_bytes, c.memory_watermark)
 
 
 #: The contract's budget rule (exact decimal arithmetic) per distinct (total, wired limit,
@@ -218,6 +229,8 @@ def at_model_limit(request: PlacementRequest, node: NodeRecord,
     return limit > 0 and others_count(request, assignments) >= limit
 
 
+_NO_LABELS: Mapping[str, str] = {}
+
 # Order of the checks, which is also the order of the reasons in the message.
 _UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _MODEL_LIMIT, _DRAINING, _CORDONED = range(8)
 
@@ -226,10 +239,12 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
                 assignments: Sequence[Assignment]) -> int | None:
     if node.health != NodeHealth.HEALTHY:
         return _UNHEALTHY
-    if request.node_selector and any(node.labels.get(k) != v
-                                     for k, v in request.node_selector.items()):
-        return _SELECTOR
-    if node.capacity.chip_generation < request.min_chip_generation:
+    if request.node_selector:
+        operator_labels = request.node_labels.get(node.name, _NO_LABELS)
+        if any(node_label(node, k, operator_labels) != v
+               for k, v in request.node_selector.items()):
+            return _SELECTOR
+    if trusted_generation(node.capacity) < request.min_chip_generation:
         return _CHIP
     if assignments and serves_name_of_another(request, assignments):
         return _NAME

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import kopf
 
 from mlx_fleet.contract import Assignment, AssignmentReport, Keys, NodeRecord, StatsReport
+from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 from mlx_fleet.store import CLOSE_TIMEOUT_SECONDS, Snapshot, Store, WatchEvent, follow_prefix
 from mlx_fleet.supervise import TaskHealth, supervise
 
@@ -74,8 +75,11 @@ class Runtime:
                  custom_api: CustomObjectsApi | None = None, list_live: ListLive | None = None,
                  patch_status: status_writer.PatchStatus | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 router_url: str | None = None) -> None:
+                 router_url: str | None = None,
+                 source_policy: SourcePolicy = DEFAULT_POLICY) -> None:
         self.store = store
+        #: the fleet's source policy, judging each spec's model source (:mod:`.admission`)
+        self.source_policy = source_policy
         self.keys = keys
         self.writer = writer
         self.in_scope = in_scope
@@ -104,6 +108,9 @@ class Runtime:
         self.cordoned: frozenset[str] = frozenset()
         #: Nodes drained through their MacNode's ``spec.drain`` (replicas moved elsewhere).
         self.draining: frozenset[str] = frozenset()
+        #: MacNode name → its ``metadata.labels`` (the cluster admin's), which node selectors
+        #: match (:mod:`.node_claims`).
+        self.node_labels: dict[str, dict[str, str]] = {}
         #: Held by every reconcile's read-plan-write (reconcile.reconcile's ``serialize``).
         self.placement_lock = asyncio.Lock()
         #: Parsed node records and assignments reused between reconciles (reconcile.ParseMemo).
@@ -220,10 +227,13 @@ class Runtime:
         """Something a MacNode shows may have changed: wake the mirror."""
         self.macnode_wake.set()
 
-    def mark_nodes(self, cordoned: frozenset[str], draining: frozenset[str]) -> None:
-        """The nodes cordoned and drained through their MacNodes now: every deployment is
-        woken (placement honours both)."""
+    def mark_nodes(self, cordoned: frozenset[str], draining: frozenset[str],
+                   labels: dict[str, dict[str, str]] | None = None) -> None:
+        """The nodes cordoned and drained through their MacNodes now, and the MacNodes' labels
+        (unchanged when None): every deployment is woken (placement honours all three)."""
         self.cordoned, self.draining = cordoned, draining
+        if labels is not None:
+            self.node_labels = labels
         self.wake_all()
 
     def set_fleet_active(self, active: bool) -> None:

@@ -12,6 +12,7 @@ docs/modeldeployment-api.md through ``python -m mlx_fleet_operator.crd``. A fiel
 its JSON value (``"M3"``; parsed with ``validate_default=True``).
 
 Pure: imports only the standard library, pydantic, :mod:`mlx_fleet.contract`,
+:mod:`mlx_fleet.capabilities` (the task vocabulary),
 :mod:`mlx_fleet.quantity` and :mod:`.crd.markers`.
 """
 
@@ -23,6 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Task
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, LifecyclePolicy, ModelSource,
                                 Role, ServingParams)
 from mlx_fleet.quantity import format_bytes, parse_quantity
@@ -156,6 +158,12 @@ class ModelSpec(_Spec):
         'The model id clients pass as "model" to the OpenAI-compatible API (1 to 128 characters: '
         'a letter or digit, then letters, digits, ".", "_", ":", "/" and "-"). Defaults to '
         'metadata.name when unset.'))
+    task: Task = Field(default=TASK_TEXT_GENERATION, description=(
+        'What the model is served for: TextGeneration (POST /v1/chat/completions and '
+        '/v1/completions) or TextEmbedding (POST /v1/embeddings: the hidden state of the last '
+        'input token, L2-normalised, unless the model directory\'s sentence-transformers pooling '
+        'config says otherwise). A request for the other task is refused with 400. The names are '
+        'KubeAI\'s model features; one task per model, as vLLM\'s --task.'))
 
     @field_validator("source")
     @classmethod
@@ -375,6 +383,7 @@ def to_assignment(spec: DeploymentSpec, *, namespace: str, name: str, uid: str =
                               max_context_tokens=spec.serving.max_context_tokens),
         lifecycle=LifecyclePolicy(idle_unload_seconds=spec.lifecycle.idle_unload_seconds,
                                   prefetch=spec.lifecycle.prefetch),
+        task=spec.model.task,
     )
 
 

@@ -53,6 +53,14 @@ Conditions
                  it turns True (or the rivals change), Normal ``ServedNameConflictResolved``
                  when it clears.
 
+``SourceAllowed``  True (``SourceAllowed``) when the fleet's source policy (the operator's
+                 ``--source-policy``, :mod:`.admission`) allows ``spec.model.source``; False
+                 (``SourceRefused``, "spec.model.source: refused by the source policy: <rule>")
+                 otherwise: nothing is (re)placed — what was placed for the last admitted spec
+                 stays, as for an invalid spec — and ``Ready``/``Progressing``/``Degraded``/
+                 ``Scheduled`` carry reason ``SourceRefused``; a Warning event
+                 ``SourceRefused`` when it turns False.
+
 ``ReplicasConsistent``  False (``DigestMismatch``, naming each revision's Macs per digest)
                  while replicas of one revision report different content digests (the agent's
                  ``digest``: a mirror's ``sha256:`` manifest digest or a hub commit; listed per
@@ -92,7 +100,7 @@ from mlx_fleet.routing import replicas
 Slot = tuple[str, str]  # (node, revision)
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict",
-                   "ReplicasConsistent")
+                   "SourceAllowed", "ReplicasConsistent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +130,9 @@ class StatusInput:
     ModelDeployment in the operator's scope claims too → those deployments
     (``"namespace/name"``, sorted; :func:`mlx_fleet.routing.names.rivals`).
     ``router_url``: the fleet router's base URL clients use (the operator's ``--router-url``;
-    None: no router configured).
+    None: no router configured). ``source_refused``: set when the source policy refuses the
+    spec's source (:func:`.admission.source_refusal`'s message; nothing is re-placed then,
+    like ``spec_error``).
     """
 
     generation: int
@@ -141,6 +151,7 @@ class StatusInput:
     served_name: str = ""
     rivals: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     router_url: str | None = None
+    source_refused: str | None = None
 
 
 def now_rfc3339(now: dt.datetime | None = None) -> str:
@@ -249,11 +260,14 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     def cond(ctype: str, status: str, reason: str, message: str) -> dict[str, Any]:
         return condition(ctype, status, reason, message, gen, prev_conditions, stamp)
 
-    if inp.spec_error is not None:
-        conditions = [cond("Ready", "False", "InvalidSpec", inp.spec_error),
-                      cond("Progressing", "False", "InvalidSpec", inp.spec_error),
-                      cond("Degraded", "True", "InvalidSpec", inp.spec_error),
-                      cond("Scheduled", "False", "InvalidSpec", inp.spec_error)]
+    held = ((inp.spec_error, "InvalidSpec") if inp.spec_error is not None else
+            (inp.source_refused, "SourceRefused") if inp.source_refused is not None else None)
+    if held is not None:  # nothing is re-placed: the spec is invalid or its source refused
+        why, reason = held
+        conditions = [cond("Ready", "False", reason, why),
+                      cond("Progressing", "False", reason, why),
+                      cond("Degraded", "True", reason, why),
+                      cond("Scheduled", "False", reason, why)]
     else:
         if desired == 0:
             ready_c = cond("Ready", "True", "ScaledToZero", "0 replicas requested")
@@ -304,6 +318,13 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                            f"{desired}/{desired} replicas placed")
         conditions = [ready_c, prog_c, deg_c, sched_c]
     conditions.append(_served_name_condition(inp, cond))
+    if inp.source_refused is not None:
+        conditions.append(cond("SourceAllowed", "False", "SourceRefused", inp.source_refused))
+    elif inp.spec_error is not None:  # no source to judge: what was judged last stays
+        conditions.append(cond("SourceAllowed", *_previous_source_allowed(prev_conditions)))
+    else:
+        conditions.append(cond("SourceAllowed", "True", "SourceAllowed",
+                               "spec.model.source is allowed by the fleet's source policy"))
     new_consistent = cond("ReplicasConsistent", *digest_consistency(
         (e["name"], e["revision"], e.get("digest", "")) for e in entries))
     conditions.append(new_consistent)
@@ -348,7 +369,7 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
     was_rolling = prev_progress.get("reason") in (
         "RollingUpdate", "RolloutStalled", "RolloutBlocked") or any(
         n.get("role") == Role.PREVIOUS.value for n in prev_nodes.values())
-    if was_rolling and inp.rollout_reason == "Complete" and inp.spec_error is None and not any(
+    if was_rolling and inp.rollout_reason == "Complete" and held is None and not any(
             e["role"] == Role.PREVIOUS.value for e in entries):
         events.append(Event("Normal", "RolloutComplete",
                             f"Revision {inp.revision} serves on {n_updated} node(s); previous "
@@ -368,7 +389,7 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
         events.append(Event("Warning", "DigestMismatch", new_consistent["message"]))
     prev_degraded = prev_conditions.get("Degraded", {})
     new_degraded = conditions[2]
-    if new_degraded["reason"] in ("FailedPlacement", "InvalidSpec") and (
+    if new_degraded["reason"] in ("FailedPlacement", "InvalidSpec", "SourceRefused") and (
             prev_degraded.get("reason") != new_degraded["reason"]
             or prev_degraded.get("message") != new_degraded["message"]):
         events.append(Event("Warning", new_degraded["reason"], new_degraded["message"]))
@@ -389,6 +410,14 @@ def compute_status(inp: StatusInput, previous: Mapping[str, Any] | None = None,
                    if inp.router_url and inp.served_name else None),
     }
     return status, events
+
+
+def _previous_source_allowed(prev: Mapping[str, Mapping[str, Any]]) -> tuple[str, str, str]:
+    """``(status, reason, message)`` of the previous ``SourceAllowed`` (Unknown when none)."""
+    c = prev.get("SourceAllowed") or {}
+    if c.get("status") in ("True", "False") and c.get("reason"):
+        return c["status"], c["reason"], c.get("message") or ""
+    return "Unknown", "InvalidSpec", "the spec is invalid: its source was not judged"
 
 
 def digest_consistency(replicas: Iterable[tuple[str, str, str]]) -> tuple[str, str, str]:

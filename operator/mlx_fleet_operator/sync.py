@@ -6,7 +6,10 @@ daemon call :func:`sync`; every decision is made by the pure modules, this modul
 their inputs from the :class:`~.runtime.Runtime` and applies their outputs.
 
 An invalid spec becomes a permanent error plus a Warning event and ``InvalidSpec`` conditions,
-never a crash; what was placed for the last valid spec stays and keeps being shown. A drained
+never a crash; what was placed for the last valid spec stays and keeps being shown. A spec
+whose ``spec.model.source`` the fleet's source policy refuses (:mod:`.admission`) is handled
+the same way, with ``SourceAllowed=False`` and reason ``SourceRefused``: no assignment is
+written for it. A drained
 replica whose replacement is Ready is first withdrawn from ``status.endpoints``; its
 assignment goes :data:`ENDPOINT_GRACE_SECONDS` after that status is published.
 """
@@ -26,6 +29,7 @@ from mlx_fleet.contract import Role
 from mlx_fleet.store import StoreError
 
 from . import metrics, served_names
+from .admission import source_refusal
 from .placement import PlacementRequest, resolve_memory, revision_estimates
 from .records import CandidateIntent, DeploymentKey, SyncedSpec
 from .reconcile import ConflictError, Intent, read_fleet, reconcile
@@ -87,33 +91,19 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         try:
             spec = parse_spec(spec_dict)
         except SpecError as e:
-            metrics.RECONCILE_TOTAL.labels(result="invalid").inc()
-            replicas = spec_dict.get("replicas")
-            replicas = replicas if isinstance(replicas, int) else 0
-            # Nothing is re-placed, but what was placed for the last valid spec stays in etcd
-            # and keeps being served: the status shows those replicas (and their reports).
-            try:
-                placed = {slot: s.assignment for slot, s in
-                          (await read_fleet(rt.store, rt.keys)).of(*key).items()
-                          if s.assignment is not None}
-            except StoreError as se:
-                metrics.RECONCILE_TOTAL.labels(result="error").inc()
-                metrics.observe_reconcile(time.perf_counter() - started, success=False)
-                raise kopf.TemporaryError(f"etcd: {se}", delay=5) from se
-            reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in placed}
-            status, events = compute_status(StatusInput(
-                generation=generation, replicas=replicas, assignments=placed, reports=reports,
-                nodes=dict(rt.nodes), spec_error=str(e),
-                rivals=served_names.rivals(key, rt.placed)), previous)
-            # The InvalidSpec Warning event is among ``events`` (posted on the transition only).
-            await publish(rt, body, key, status, events, replicas)
-            metrics.observe_reconcile(time.perf_counter() - started, success=False)
+            await _hold(rt, body, key, spec_dict, generation, previous, started,
+                        spec_error=str(e))
             raise kopf.PermanentError(str(e)) from None
+        refused = source_refusal(rt.source_policy, spec.model.source)
+        if refused is not None:
+            await _hold(rt, body, key, spec_dict, generation, previous, started,
+                        source_refused=refused)
+            raise kopf.PermanentError(refused)
 
         rec.observe_spec(SyncedSpec(spec, generation, meta.get("uid", "")))
         intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
                                    candidate=rt.candidate(key), cordoned=rt.cordoned,
-                                   draining=rt.draining,
+                                   draining=rt.draining, node_labels=rt.node_labels,
                                    estimates=revision_estimates(rt.reports.get(key, {})))
         released = rec.released(time.monotonic(), ENDPOINT_GRACE_SECONDS)
         try:
@@ -168,16 +158,47 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
 
 
+async def _hold(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
+                spec_dict: Mapping[str, Any], generation: int, previous: Mapping[str, Any],
+                started: float, *, spec_error: str | None = None,
+                source_refused: str | None = None) -> None:
+    """An invalid spec (``spec_error``) or a refused source (``source_refused``): nothing is
+    re-placed, but what was placed for the last admitted spec stays in etcd and keeps being
+    served, so the status shows those replicas (and their reports) with ``InvalidSpec`` /
+    ``SourceRefused`` conditions; the Warning event is among the status's events (posted on
+    the transition only). Raises ``kopf.TemporaryError`` when etcd can't be read."""
+    metrics.RECONCILE_TOTAL.labels(result="invalid").inc()
+    replicas = spec_dict.get("replicas")
+    replicas = replicas if isinstance(replicas, int) else 0
+    try:
+        placed = {slot: s.assignment for slot, s in
+                  (await read_fleet(rt.store, rt.keys)).of(*key).items()
+                  if s.assignment is not None}
+    except StoreError as se:
+        metrics.RECONCILE_TOTAL.labels(result="error").inc()
+        metrics.observe_reconcile(time.perf_counter() - started, success=False)
+        raise kopf.TemporaryError(f"etcd: {se}", delay=5) from se
+    reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in placed}
+    status, events = compute_status(StatusInput(
+        generation=generation, replicas=replicas, assignments=placed, reports=reports,
+        nodes=dict(rt.nodes), spec_error=spec_error, source_refused=source_refused,
+        rivals=served_names.rivals(key, rt.placed)), previous)
+    await publish(rt, body, key, status, events, replicas)
+    metrics.observe_reconcile(time.perf_counter() - started, success=False)
+
+
 def deployment_intent(spec: DeploymentSpec, key: DeploymentKey, *, uid: str, generation: int,
                       candidate: CandidateIntent | None,
                       cordoned: frozenset[str] = frozenset(),
                       draining: frozenset[str] = frozenset(),
+                      node_labels: Mapping[str, Mapping[str, str]] | None = None,
                       estimates: Mapping[str, int] | None = None) -> Intent:
     """The :class:`~.reconcile.Intent` of a parsed ModelDeployment spec: its stable revision,
     and the candidate a running Canary keeps resident (ignored when it names the stable
     revision itself — the moment of a promotion). ``estimates``: revision → the agents'
     largest memory estimate (:func:`~.placement.revision_estimates`), used where
-    ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`)."""
+    ``spec.resources.memory`` is unset (:func:`~.placement.resolve_memory`). ``node_labels``:
+    node name → its MacNode's labels (:attr:`.runtime.Runtime.node_labels`)."""
     estimates = estimates or {}
     served = spec.served_name(key[1])
     memory = resolve_memory(spec.resources.memory_bytes,
@@ -188,7 +209,7 @@ def deployment_intent(spec: DeploymentSpec, key: DeploymentKey, *, uid: str, gen
         node_selector=spec.placement.node_selector,
         min_chip_generation=spec.placement.min_chip_generation,
         strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned),
-        draining=frozenset(draining))
+        draining=frozenset(draining), node_labels=node_labels or {})
     stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
                                                    generation=generation, memory_bytes=memory))
     cand = None

@@ -7,7 +7,7 @@ Routes:
   needs (below), the Mac's answer streamed back as it comes;
 * ``GET /v1/models``: the served names in scope with a Ready replica, each with its
   ``deployment`` (``namespace/name``), ``revisions`` and ``ready_replicas`` (``created``: 0,
-  unknown to the router);
+  unknown to the router); behind the API key like the other OpenAI routes;
 * ``GET /health``: 200 once the router follows etcd (its views synced), 503 before;
 * ``GET /fleet``: what this router routes to, per Mac — breaker state, in-flight requests,
   seconds until a half-open trial (:func:`mlx_fleet_router.fleet.view`, the shape
@@ -15,6 +15,13 @@ Routes:
   OpenAI routes when a key file is set (401 without one), while ``/health`` stays minimal and
   open;
 * ``GET /metrics``: Prometheus (:mod:`~mlx_fleet_router.metrics`).
+
+Before any route: the agent's HTTP hygiene (:mod:`mlx_fleet.http_hygiene`, run the app with
+:func:`mlx_fleet.http_hygiene.start_server` as :mod:`~mlx_fleet_router.main` does): header and
+body read timeouts, a connection cap, ``application/json`` POST bodies (415), a ``Host``
+allow-list while the router has no keys (421), CORS only for configured origins, and a body
+larger than :func:`mlx_fleet.routing.body_size.max_body_bytes` of the agents' prompt bound
+answered 413 ``request_too_large``.
 
 Per generation request (each step a pure decision; this module gathers inputs, applies
 outputs):
@@ -78,8 +85,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from mlx_fleet.capabilities import Need, required_capabilities
 from mlx_fleet.exposure import may_send_key
-from mlx_fleet.http_errors import error_response, unauthorized
+from mlx_fleet.http_errors import error_response, errors_middleware, unauthorized
+from mlx_fleet.http_hygiene import HttpLimits, hygiene_middlewares
 from mlx_fleet.routing.api_keys import DEFAULT_TENANT, KeyFile, bearer_token
+from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES, max_body_bytes
 from mlx_fleet.routing.headers import PIN_HEADER, SESSION_HEADER
 from mlx_fleet.routing.proxy import StreamCut, UpstreamError, client_session, proxy
 from mlx_fleet.routing.session import prefix_key, session_key
@@ -90,7 +99,7 @@ from .picker import Target, pick
 from .state import RouterSettings, RouterState
 from .table import Served, Table
 
-__all__ = ["build_app", "usage_tokens", "STATE_KEY"]
+__all__ = ["build_app", "usage_tokens", "STATE_KEY", "OPEN_PATHS"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +112,8 @@ _CUT: Any = _RequestKey("mlxfleet_router_cut", bool) if _RequestKey else "mlxfle
 
 
 STATE_KEY = web.AppKey("mlxfleet_router_state", RouterState)
+#: Paths answered without a key when the router has keys (probes and Prometheus).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 #: ``"total_tokens": N`` in an OpenAI ``usage`` object (the last one in the bytes wins).
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
@@ -157,6 +168,8 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
               settings: RouterSettings | None = None,
               api_keys: KeyFile | None = None, forward_key: KeyFile | None = None,
               upstream_ssl: ssl.SSLContext | None = None, insecure_forward: bool = False,
+              http_limits: HttpLimits = HttpLimits(), hosts: frozenset[str] = frozenset(),
+              max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
               clock: Callable[[], float] = time.monotonic) -> web.Application:
     """The router's app over ``table()`` (the current routing table, e.g.
     :attr:`mlx_fleet_router.follow.Follower.table`). ``registry``: where its metrics go (and
@@ -166,6 +179,10 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     ``https://`` or to loopback, unless ``insecure_forward``: the agent's own rule,
     :func:`mlx_fleet.exposure.may_send_key`);
     ``upstream_ssl``: how ``https://`` agents are verified (default: the system's CAs);
+    ``http_limits``: the server's HTTP hygiene (:class:`mlx_fleet.http_hygiene.HttpLimits`);
+    without ``api_keys`` a request's ``Host`` must be loopback or one of ``hosts`` (421 otherwise);
+    ``max_prompt_bytes``: the agents' prompt bound (``--max-prompt-bytes``), which sets the
+    largest body (:func:`~mlx_fleet.routing.body_size.max_body_bytes`, 413 above it);
     ``clock``: monotonic seconds (breakers, budget, buckets)."""
     settings = settings or RouterSettings()
     metrics = RouterMetrics(registry)
@@ -177,60 +194,37 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
             sessions["s"] = client_session(upstream_ssl)
         return sessions["s"]
 
-    @web.middleware
-    async def errors(request: web.Request,
-                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                     ) -> web.StreamResponse:
-        t0 = clock()
-        status = 500
-        try:
-            resp = await handler(request)
-            status = resp.status
-            return resp
-        except web.HTTPException as e:
-            status = e.status
-            if e.status < 400:
-                raise
-            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
-            return error_response(e.status, e.reason or "error",
-                                  type_="invalid_request_error" if e.status < 500
-                                  else "server_error", code=code,
-                                  headers={k: v for k, v in e.headers.items()
-                                           if k.lower() == "allow"})
-        except (ConnectionResetError, asyncio.CancelledError) as e:
-            # the client left (499), or the Mac's answer broke off mid-way (502): no traceback
-            status = 502 if request.get(_CUT) else 499
-            log.info("%s during %s %s", "upstream answer cut" if status == 502
-                     else "client disconnected", request.method, request.path)
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return web.Response(status=499)
-        except Exception:  # noqa: BLE001 - never let a request take the router down
-            log.exception("unexpected error serving %s %s", request.method, request.path)
-            return error_response(500, "internal server error", type_="server_error",
-                                  code="internal_error")
-        finally:
-            if request.path.startswith("/v1/") and request.method == "POST":
-                model = request.get(_MODEL, UNKNOWN_MODEL)
-                metrics.requests.labels(model, str(status),
-                                        request.get(_TENANT, DEFAULT_TENANT)).inc()
-                metrics.duration.labels(model).observe(clock() - t0)
+    def count(request: web.Request, status: int, seconds: float) -> None:
+        if request.path.startswith("/v1/") and request.method == "POST":
+            model = request.get(_MODEL, UNKNOWN_MODEL)
+            metrics.requests.labels(model, str(status),
+                                    request.get(_TENANT, DEFAULT_TENANT)).inc()
+            metrics.duration.labels(model).observe(seconds)
 
-    def authenticate(request: web.Request) -> str | web.Response:
-        """The tenant of the request's key (``default`` without a key file), or the 401."""
+    # the Mac's answer broke off mid-way (502), not the client's doing (499)
+    errors = errors_middleware(log=log, count=count, cut=lambda r: bool(r.get(_CUT)),
+                               clock=clock)
+
+    @web.middleware
+    async def authenticate(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+        """Every path but :data:`OPEN_PATHS` needs a key of ``api_keys`` when there is a key
+        file (401 otherwise); the key's tenant (``default`` without a key file) is noted."""
         if api_keys is None:
-            return DEFAULT_TENANT
-        presented = bearer_token(request.headers.get("Authorization"))
-        found = api_keys.tenant_of(presented)
-        return unauthorized(presented) if found is None else found
+            request[_TENANT] = DEFAULT_TENANT
+        elif request.path not in OPEN_PATHS:
+            presented = bearer_token(request.headers.get("Authorization"))
+            found = api_keys.tenant_of(presented)
+            if found is None:
+                return unauthorized(presented)
+            request[_TENANT] = found
+        return await handler(request)
 
     async def generate(request: web.Request) -> web.StreamResponse:
         t0 = clock()
-        tenant = authenticate(request)
-        if isinstance(tenant, web.Response):
-            return tenant
-        request[_TENANT] = tenant
-        body = await request.read()
+        tenant = request[_TENANT]
+        body = await request.read()  # read under the body timeout by the hygiene middleware
         try:
             doc = json.loads(body)
         except ValueError as e:
@@ -417,9 +411,6 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
                                   "models": len(table().models)}, status=200 if ok else 503)
 
     async def fleet_handler(request: web.Request) -> web.Response:
-        denied = authenticate(request)
-        if isinstance(denied, web.Response):
-            return denied
         doc = fleet.view(table(), state.breakers, state.in_flight, settings.breaker, clock())
         return web.json_response(doc.model_dump(mode="json"))
 
@@ -468,7 +459,12 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
         if "s" in sessions:
             await sessions.pop("s").close()
 
-    app = web.Application(middlewares=[errors])
+    # errors outermost (a 401, 415 or 421 is counted like any other answer); the hygiene checks
+    # (Host, CORS, Content-Type) before authentication, the body read (under its timeout) after
+    before_auth, after_auth = hygiene_middlewares(http_limits, check_host=api_keys is None,
+                                                  hosts=hosts, error=error_response)
+    app = web.Application(middlewares=[errors, before_auth, authenticate, after_auth],
+                          client_max_size=max_body_bytes(max_prompt_bytes))
     app[STATE_KEY] = state
     app.cleanup_ctx.append(start_probes)
     app.router.add_post("/v1/chat/completions", generate)

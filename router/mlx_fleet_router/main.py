@@ -3,9 +3,15 @@
 Parses the flags, connects to etcd (:class:`mlx_fleet.store.EtcdStore`, the agent's and the
 operator's TLS/auth flags: :func:`mlx_fleet.etcd_credentials.add_etcd_arguments`), follows the
 fleet (:class:`~mlx_fleet_router.follow.Follower`) and serves the app
-(:func:`~mlx_fleet_router.app.build_app`) with ``handler_cancellation=True`` (a client that
+(:func:`~mlx_fleet_router.app.build_app`) with the agent's HTTP hygiene and
+``handler_cancellation=True`` (:func:`mlx_fleet.http_hygiene.start_server`: a client that
 disconnects cancels its upstream request). Logs ``router listening on http://HOST:PORT`` once
 serving; SIGTERM/SIGINT stop it.
+
+Secure defaults (:func:`mlx_fleet.exposure.exposure_check`, the agent's rule): listening beyond
+loopback without ``--api-key-file``, a plain ``http://`` etcd on another host or an etcd
+password over ``http://`` stop it at start (exit status 2, one line naming the
+``--insecure-…`` flag that accepts the risk); with that flag it logs ``INSECURE (…)`` instead.
 """
 
 from __future__ import annotations
@@ -20,14 +26,17 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from mlx_fleet.contract import ROOT, Keys
 from mlx_fleet.etcd_credentials import (EtcdCredentials, add_etcd_arguments,
                                         credentials_from_args)
-from mlx_fleet.exposure import INSECURE_FORWARD
+from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN, exposure_check
+from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, allowed_hosts,
+                                    http_limits_from_args, start_server)
+from mlx_fleet.quantity import parse_quantity
 from mlx_fleet.routing.api_keys import KeyFile
+from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES
 from mlx_fleet.store import EtcdStore, check_endpoint, parse_endpoint
 
 from . import breaker, limits, retry
@@ -62,7 +71,23 @@ breaker until a half-open trial succeeds. When every Mac is saturated requests w
 queue, then get 429 with Retry-After. With --api-key-file each key names its tenant
 (`<key> tenant=<name>`), and --tenant-limits sets per-tenant requests/tokens per minute and
 concurrency. Errors use OpenAI's error object; an unknown model is a 404 naming it.
+
+Closed by default (docs/security.md): it refuses to listen beyond loopback without
+--api-key-file, to use a plain http:// etcd on another host or an etcd password over http://,
+unless the matching --insecure-... flag accepts the risk. POST bodies must be JSON; without keys
+only loopback and --allowed-host names are answered (DNS rebinding); slow clients are cut off.
 """
+
+
+def _prompt_bytes(text: str) -> int:
+    """``--max-prompt-bytes``: a Kubernetes quantity of at least one byte."""
+    try:
+        n = parse_quantity(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return n
 
 
 def _positive(kind: type) -> object:
@@ -144,7 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait in that queue before 429 (default: %(default)s)")
     p.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
                    help="health probes of every Mac, 0 for none (default: %(default)s)")
+    p.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=DEFAULT_MAX_PROMPT_BYTES,
+                   metavar="QUANTITY",
+                   help="the agents' --max-prompt-bytes: a request body larger than twice this "
+                        "(at least 1Mi) is answered 413 before it is read whole (default: "
+                        "%(default)s, the agents' default)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    add_http_arguments(p, own_hosts="the --listen host")
+    g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
+    g.add_argument(INSECURE_LISTEN, action="store_true",
+                   help="accept a --listen address that is not loopback without "
+                        "--api-key-file (anyone who reaches it may use every model); without "
+                        "this flag the router refuses to start")
+    g.add_argument(INSECURE_ETCD, action="store_true",
+                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
+                        "or an etcd password over http://; without this flag the router "
+                        "refuses to start")
     add_etcd_arguments(p)
     return p
 
@@ -176,13 +216,28 @@ class Setup:
     api_keys: KeyFile | None
     forward_key: KeyFile | None
     upstream_ssl: ssl.SSLContext | None
+    http: HttpLimits
+    #: accepted exposures (``INSECURE (--insecure-…): …``), logged at start
+    warnings: tuple[str, ...] = ()
+
+
+def _flag(args: argparse.Namespace, flag: str) -> bool:
+    return bool(getattr(args, flag[2:].replace("-", "_")))
 
 
 def configure(args: argparse.Namespace) -> Setup:
-    """Read the credential and key files and check the etcd endpoint against them. Raises
-    ``ValueError`` (a :class:`CredentialsError`, a :class:`KeyFileError` ...) naming the flag."""
+    """Read the credential and key files, check the etcd endpoint against them and the exposure
+    of the settings (:func:`mlx_fleet.exposure.exposure_check`). Raises ``ValueError`` (a
+    :class:`CredentialsError`, a :class:`KeyFileError`, a refused exposure ...) naming the
+    flag."""
     credentials = credentials_from_args(args)
     check_endpoint(args.etcd_endpoint, credentials)
+    exposure = exposure_check(
+        listen_host=args.listen, api_keys=args.api_key_file is not None,
+        etcd_endpoint=args.etcd_endpoint, etcd_password=credentials.password is not None,
+        insecure=frozenset(f for f in (INSECURE_LISTEN, INSECURE_ETCD) if _flag(args, f)))
+    if exposure.refusals:
+        raise ValueError(exposure.refusals[0])
     api_keys = KeyFile(args.api_key_file, flag="--api-key-file") if args.api_key_file else None
     forward_key = (KeyFile(args.forward_key_file, flag="--forward-key-file")
                    if args.forward_key_file else None)
@@ -191,29 +246,32 @@ def configure(args: argparse.Namespace) -> Setup:
                         if args.upstream_ca_file else None)
     except (OSError, ssl.SSLError) as e:
         raise ValueError(f"--upstream-ca-file {args.upstream_ca_file!r}: {e}") from None
-    return Setup(credentials, api_keys, forward_key, upstream_ssl)
+    return Setup(credentials, api_keys, forward_key, upstream_ssl, http_limits_from_args(args),
+                 exposure.warnings)
 
 
 async def serve(args: argparse.Namespace, setup: Setup) -> None:
     credentials, api_keys, forward_key, upstream_ssl = (
         setup.credentials, setup.api_keys, setup.forward_key, setup.upstream_ssl)
+    for line in setup.warnings:
+        log.warning("%s", line)
     store = EtcdStore(args.etcd_endpoint, credentials=credentials)
     await store.connect()
     follower = Follower(store, Keys(args.etcd_prefix), namespaces=args.namespace or None)
     app = build_app(lambda: follower.table, registry=CollectorRegistry(),
                     synced=lambda: follower.synced, settings=settings_from_args(args),
                     api_keys=api_keys, forward_key=forward_key, upstream_ssl=upstream_ssl,
-                    insecure_forward=getattr(args, INSECURE_FORWARD[2:].replace("-", "_")))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
+                    insecure_forward=_flag(args, INSECURE_FORWARD), http_limits=setup.http,
+                    hosts=allowed_hosts(args.listen, extra=setup.http.allowed_hosts),
+                    max_prompt_bytes=args.max_prompt_bytes)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    runner = None
     follow = asyncio.create_task(follower.run(), name="router follower")
     try:
-        site = web.TCPSite(runner, args.listen, args.port)
-        await site.start()
+        runner, _ = await start_server(app, args.listen, args.port, limits=setup.http)
         log.info("router listening on http://%s:%d (scope: %s)", args.listen, args.port,
                  ", ".join(args.namespace) or "every namespace")
         done, _ = await asyncio.wait([follow, asyncio.create_task(stop.wait())],
@@ -223,7 +281,8 @@ async def serve(args: argparse.Namespace, setup: Setup) -> None:
     finally:
         follow.cancel()
         await asyncio.gather(follow, return_exceptions=True)
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
         await store.close()
 
 

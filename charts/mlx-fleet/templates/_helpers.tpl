@@ -137,12 +137,32 @@ name or ""), username (or ""). The files are mounted by "mlx-fleet.etcdMounts". 
 {{- if gt (len .root.Values.etcd.endpoints) 1 }}
 {{- fail "etcd.endpoints: the operator accepts exactly one etcd endpoint for now" }}
 {{- end }}
-{{- if and .tls (not (hasPrefix "https://" (first .root.Values.etcd.endpoints))) }}
+{{- $endpoint := first .root.Values.etcd.endpoints }}
+{{- $https := hasPrefix "https://" $endpoint }}
+{{- if and .tls (not $https) }}
 {{- fail (printf "%s.tls.secretName needs an https:// etcd endpoint (etcd.endpoints)" .what) }}
+{{- end }}
+{{- if and $https (not .tls) }}
+{{- fail (printf "etcd.endpoints %s is https: %s.tls.secretName must name the Secret whose ca.crt verifies etcd" $endpoint .what) }}
 {{- end }}
 {{- if and .username (not .passwordSecret.name) }}
 {{- fail (printf "%s.auth.username needs %s.auth.passwordSecret.name (a Secret with the password)" .what .what) }}
 {{- end }}
+{{- /* The agents' rule (mlx_fleet/exposure.py): plain http only to loopback, never a password. */}}
+{{- if and (not $https) (not .root.Values.insecure.etcdHttp) }}
+{{- if not (include "mlx-fleet.isLoopbackURL" $endpoint) }}
+{{- fail (printf "etcd.endpoints %s is plain http to a host that is not loopback: use https:// with etcd.tls.secretName, or accept the risk with insecure.etcdHttp (--insecure-etcd-http)" $endpoint) }}
+{{- end }}
+{{- if .username }}
+{{- fail (printf "%s.auth.username: the etcd password would travel in cleartext to %s: use https:// with etcd.tls.secretName, or accept the risk with insecure.etcdHttp (--insecure-etcd-http)" .what $endpoint) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the URL's host is loopback (localhost, 127.0.0.0/8, [::1]), else "" — the
+rule of mlx_fleet.exposure.is_loopback. */}}
+{{- define "mlx-fleet.isLoopbackURL" -}}
+{{- if regexMatch "^[a-z]+://(localhost|127\\.[0-9]+\\.[0-9]+\\.[0-9]+|\\[::1\\])(:[0-9]+)?/?$" (lower .) }}true{{ end }}
 {{- end }}
 
 {{- define "mlx-fleet.serviceAccountName" -}}
@@ -157,3 +177,43 @@ name or ""), username (or ""). The files are mounted by "mlx-fleet.etcdMounts". 
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
+
+{{/* "true" when the operator's namespaced grants go into a Role per watched namespace:
+operator.watchNamespaces lists names only (a pattern can't be enumerated: then, and with no
+namespaces, they stay in the ClusterRole). */}}
+{{- define "mlx-fleet.rbacPerNamespace" -}}
+{{- $patterns := false }}
+{{- range .Values.operator.watchNamespaces }}{{ if regexMatch "[*?\\[\\]!,]" . }}{{ $patterns = true }}{{ end }}{{ end }}
+{{- if and .Values.operator.watchNamespaces (not $patterns) }}true{{ end }}
+{{- end }}
+
+{{/* The operator's grants on namespaced resources (a ClusterRole's or a Role's rules). */}}
+{{- define "mlx-fleet.namespacedRules" -}}
+# The operator's own resources: watch them, add/remove its finalizer and kopf annotations.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["modeldeployments"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+# Status written through the status subresource.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["modeldeployments/status"]
+  verbs: ["get", "patch", "update"]
+# Needed to set ownerReferences with blockOwnerDeletion when OwnerReferencesPermissionEnforcement is on.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["modeldeployments/finalizers"]
+  verbs: ["get", "patch", "update"]
+# Canaries: watch them, read their manual-action annotations, add/remove kopf's finalizer and
+# annotations (the operator never creates or deletes them), and write their status.
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["canaries"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["mlx-fleet.io"]
+  resources: ["canaries/status"]
+  verbs: ["get", "patch", "update"]
+# kopf posts Kubernetes events about handler progress and errors.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}

@@ -78,11 +78,13 @@ class ModelDeploymentCondition(Condition):
     """One aspect of the ModelDeployment's state (like metav1.Condition)."""
 
     type: Literal["Ready", "Progressing", "Degraded", "Scheduled", "ServedNameConflict",
-                  "ReplicasConsistent"] = Field(
+                  "SourceAllowed", "ReplicasConsistent"] = Field(
         description=(
             "Condition type. ServedNameConflict is True while another ModelDeployment in the "
             "operator's scope claims the same served model name: the fleet router refuses the "
             "name for both until one changes spec.model.servedModelName or is deleted. "
+            "SourceAllowed is False (reason SourceRefused) while the fleet's source policy "
+            "refuses spec.model.source: nothing is placed for that spec. "
             "ReplicasConsistent is False (DigestMismatch) while replicas of one revision report "
             "different content digests (status.nodes[].digest): they hold different bytes."))
 

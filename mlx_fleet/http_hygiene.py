@@ -1,5 +1,6 @@
-"""HTTP hygiene of the agent's aiohttp server (issue 19): what a slow client, a browser or a
-rebinding DNS name can do before authentication is bounded here.
+"""HTTP hygiene of the aiohttp servers of the node agent and the fleet router (issue 19): what a
+slow client, a browser or a rebinding DNS name can do before authentication is bounded here,
+the same way on both (their flags: :func:`add_http_arguments`).
 
 * **Header read timeout** — aiohttp's own knob: ``keepalive_timeout`` (``AppRunner`` keyword,
   :meth:`HttpLimits.runner_kwargs`). aiohttp arms it when a connection opens and again after
@@ -25,9 +26,11 @@ Errors use the caller's ``error(status, message, code=...)`` (OpenAI's error sha
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -36,7 +39,8 @@ from aiohttp import web
 from mlx_fleet.exposure import is_loopback
 
 __all__ = ["HttpLimits", "hygiene_middlewares", "CappedTCPSite", "host_allowed",
-           "allowed_hosts", "JSON_TYPES", "start_server"]
+           "allowed_hosts", "JSON_TYPES", "start_server", "add_http_arguments",
+           "http_limits_from_args"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ class HttpLimits:
     close; ``body_timeout_seconds``:
     time to send a POST body once the head arrived, 60 s like nginx's ``client_body_timeout``
     (the body is at most aiohttp's ``client_max_size``, 1 MiB); ``max_connections``: open
-    connections at once (512; the agent's own queue holds 64 requests by default);
+    connections at once (512; the agent's own queue holds 64 requests by default, the
+    router's queue 64 per model);
     ``cors_origins``: origins (``scheme://host[:port]``) allowed cross-origin, none by default;
     ``allowed_hosts``: extra ``Host`` names accepted when the API has no keys (besides
     loopback and the listen/advertised host)."""
@@ -266,3 +271,56 @@ async def start_server(app: web.Application, host: str, port: int, *, limits: Ht
         await runner.cleanup()
         raise
     return runner, site
+
+
+def _positive(kind: type[float] | type[int]) -> Callable[[str], Any]:
+    """An argparse type: a finite number of ``kind`` above 0 (one line naming the value)."""
+    def parse(text: str) -> Any:
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
+        if not (x > 0 and math.isfinite(x)):
+            raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+        return x
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_http_arguments(p: argparse.ArgumentParser, *, own_hosts: str) -> None:
+    """The hygiene flags of :class:`HttpLimits` (the agent's and the router's, one definition):
+    ``--header-timeout-seconds``, ``--body-timeout-seconds``, ``--max-connections``,
+    ``--cors-origin``, ``--allowed-host``. ``own_hosts``: which names the server already
+    accepts besides loopback (for ``--allowed-host``'s help, e.g. "the --listen host")."""
+    d = HttpLimits()
+    g = p.add_argument_group("HTTP server limits (docs/security.md, 'HTTP hygiene')")
+    g.add_argument("--header-timeout-seconds", type=_positive(float),
+                   default=d.header_timeout_seconds, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head this long after "
+                        "it opened (or after its last response) is closed: slow-loris clients "
+                        "and idle keep-alive connections (default: %(default)s)")
+    g.add_argument("--body-timeout-seconds", type=_positive(float),
+                   default=d.body_timeout_seconds, metavar="SECONDS",
+                   help="a POST body that has not arrived this long after its head is answered "
+                        "408 and the connection closed (default: %(default)s)")
+    g.add_argument("--max-connections", type=_positive(int),
+                   default=d.max_connections, metavar="N",
+                   help="open connections at once; one more is answered 503 and closed "
+                        "(default: %(default)s)")
+    g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (scheme://host[:port]) browsers may call the API from "
+                        "(repeatable; default: none, no CORS headers are sent)")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help=f"a Host header name accepted when the API has no keys, besides "
+                        f"loopback names and {own_hosts} (repeatable; other names are answered "
+                        f"421: DNS rebinding)")
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    """The :class:`HttpLimits` of :func:`add_http_arguments`' parsed flags."""
+    return HttpLimits(header_timeout_seconds=args.header_timeout_seconds,
+                      body_timeout_seconds=args.body_timeout_seconds,
+                      max_connections=args.max_connections,
+                      cors_origins=frozenset(args.cors_origin),
+                      allowed_hosts=frozenset(h.lower() for h in args.allowed_host))
