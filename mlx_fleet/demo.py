@@ -7,7 +7,9 @@ fleet), never to an agent. Steps (each shown as it runs): build/cached binaries 
 test models (a healthy one and one whose revision fails after two tokens — the fault is in its
 files) → start etcd ×2 + kube-apiserver → start the operator, agents ``mac-a``/``mac-b`` and the
 router → ``kubectl apply`` ``examples/modeldeployment.yaml`` → ``kubectl wait`` for ``Ready`` →
-stream a chat completion with the official ``openai`` client through the router → with clients
+stream a chat completion with the official ``openai`` client through the router → a JSON-schema
+structured output, a forced tool call, and an embedding ModelDeployment queried on
+``/v1/embeddings`` (:mod:`mlx_fleet.demo_api`) → with clients
 sending requests all along: a Canary of a healthy revision v2 steps 25 % → 50 % → 100 % and is
 promoted; a Canary of the faulty revision is rolled back by itself (``kubectl get canaries`` is
 printed at every change) → back to one replica, ``mlx-fleet drain`` of its Mac while clients
@@ -41,6 +43,7 @@ from rich.panel import Panel
 
 from mlx_fleet.devcluster.binaries import cache_dir, ensure_all
 from mlx_fleet.devcluster.controlplane import REPO_ROOT, start_control_plane
+from mlx_fleet.demo_api import api_tour
 from mlx_fleet.devcluster.fleet import start_agent, start_operator, start_router
 from mlx_fleet.source_policy import DEV_POLICY
 
@@ -132,6 +135,10 @@ def run_demo(*, prompt: str = "Write one sentence about Apple silicon.", max_tok
         _wait_listed(router, model, ready=1)
         step = f"streaming a chat completion through the router {router}"
         _stream_completion(console, router, model, prompt, max_tokens)
+
+        step = "structured outputs, a tool call and embeddings through the router"
+        embed_dir = make_test_model(cache_dir() / "models" / "tiny-embed", embedding=True)
+        api_tour(console, cp, router, model, embed_dir, _wait_listed)
 
         step = "running a canary that is promoted"
         faulty = make_test_model(cache_dir() / "models" / "tiny-llama-faulty",

@@ -147,7 +147,7 @@ async def test_rogue_agent_through_the_operator(control_plane, keys, namespace, 
 
     from fleet_helpers import node_record, stub_manifest, until_assignments
     from mlx_fleet.store import EtcdStore
-    from test_macnodes import kwait
+    from test_integration_operator import kwait
     from test_operator_kopf import running_operator
 
     sec, rogue = f"sec-{uuid.uuid4().hex[:6]}", f"rogue-{uuid.uuid4().hex[:6]}"

@@ -48,3 +48,17 @@ def test_the_logprobs_workload_is_unique_with_logprobs() -> None:
     assert [b["messages"] for b in logprobs] == [b["messages"] for b in unique]
     for u, lp in zip(unique, logprobs):
         assert lp == {**u, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
+
+
+def test_a_logprobs_answer_counts_only_with_logprobs() -> None:
+    """A server that ignores ``logprobs`` (no entries in any event) is not served for the
+    workload; one entry is enough to show it applied."""
+    from served import classify
+    from serving import check_chat
+
+    assert check_chat("logprobs", "text", [], "length", 3) == "valid"
+    ignored = check_chat("logprobs", "text", [], "length", 0)
+    assert ignored.startswith("ignored")
+    assert check_chat("unique", "text", [], "length", 0) is None
+    verdict = classify([{"status": 200, "error": "", "check": ignored}] * 2)
+    assert verdict["not_served"] and verdict["not_served"].startswith("ignored")
