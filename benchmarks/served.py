@@ -1,6 +1,6 @@
 """Whether a server applied a workload's feature, judged from its responses (plain data, no I/O):
-``benchmarks/serving.py``'s ``json``, ``tools`` and ``embeddings`` workloads count a response
-only when it shows the feature was applied, and a server that refuses or ignores the feature is
+``benchmarks/serving.py``'s ``json``, ``tools``, ``embeddings`` and ``logprobs`` workloads count a
+response only when it shows the feature was applied, and a server that refuses or ignores it is
 reported as **not served** for that workload — never counted as a fast server, never hidden
 among errors (the failure ollama#17013 describes: a JSON schema silently ignored).
 
@@ -142,6 +142,12 @@ def check_embeddings(body: Any, inputs: int) -> str:
         if size == 0:
             return "invalid: an empty vector"
     return "valid"
+
+
+def check_logprobs(entries: int) -> str:
+    """The check of a ``logprobs`` answer: ``"valid"`` when its events carried token entries
+    (``choices[].logprobs.content``), else ``"ignored: no logprobs"``."""
+    return "valid" if entries > 0 else "ignored: no logprobs in the answer"
 
 
 def classify(outcomes: list[dict[str, Any]]) -> dict[str, Any]:

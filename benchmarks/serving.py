@@ -26,6 +26,9 @@ OpenAI features of issue 20:
   as the round's ``max_tokens``; ours' for a server without valid constrained answers): both
   sides decode about as many tokens per request;
 * ``tools`` — chat with ``tools`` (:data:`served.TOOL`) and ``tool_choice: required``;
+* ``logprobs`` — ``unique``'s prompts with ``logprobs: true, top_logprobs:`` :data:`TOP_LOGPROBS`:
+  its tokens/s against ``unique``'s in the same run is what log-probabilities cost (an answer
+  counts when it carries them, :func:`served.check_logprobs`);
 * ``embeddings`` — ``POST /v1/embeddings`` of a generated embedding model
   (``make_test_model(embedding=True)``) in two cells: ``1x32`` (requests of 1 input, 32 at a
   time) and ``32x1`` (requests of 32 inputs, one at a time); inputs/s.
@@ -88,7 +91,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MODEL_ID = "bench"
 WORKLOADS = ("unique", "shared_prefix", "duplicate", "long_prompt", "long_answer",
-             "mixed_sampling", "json", "tools", "embeddings")
+             "mixed_sampling", "json", "tools", "embeddings", "logprobs")
+#: ``top_logprobs`` of the ``logprobs`` workload.
+TOP_LOGPROBS = 5
 #: A workload measured together with its unconstrained twin, in the same rounds.
 PLAIN_TWIN = {"json": "json-plain"}
 SERVERS = ("ours", "reference", "vllm-mlx")
@@ -120,16 +125,19 @@ def requests_for(workload: str, n: int, max_tokens: int, round_no: int) -> list[
     """The ``n`` chat-completion bodies of one round (deterministic per round number; rounds
     differ so that a prompt cache can't serve a later round from an earlier one, except the
     shared system prompt, which is the point of ``shared_prefix``)."""
-    # a workload and its unconstrained twin send the same prompts
+    # a workload and its unconstrained twin send the same prompts; `logprobs` sends `unique`'s
     base = next((k for k, v in PLAIN_TWIN.items() if v == workload), workload)
+    base = "unique" if workload == "logprobs" else base
     rng = random.Random(f"{base}/{round_no}")
     system = "You are a careful assistant. " + _text(random.Random("system"), 600)
     bodies = []
     for i in range(n):
         body: dict = {"model": MODEL_ID, "stream": True, "max_tokens": max_tokens,
                       "temperature": 0.0, "stream_options": {"include_usage": True}}
-        if workload == "unique":
+        if base == "unique":
             msgs = [{"role": "user", "content": f"{round_no}-{i}: {_text(rng, 12)}"}]
+            if workload == "logprobs":
+                body |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
         elif workload == "shared_prefix":
             msgs = [{"role": "system", "content": system},
                     {"role": "user", "content": f"{round_no}-{i}: {_text(rng, 8)}"}]
@@ -214,8 +222,11 @@ def merge_tool_call_deltas(calls: dict[int, dict], deltas: list[dict]) -> None:
 
 
 def check_chat(workload: str, content: str, tool_calls: list[dict],
-               finish_reason: str | None) -> str | None:
-    """The :mod:`served` check of a chat answer in ``workload`` (``None``: nothing to check)."""
+               finish_reason: str | None, logprob_entries: int = 0) -> str | None:
+    """The :mod:`served` check of a chat answer in ``workload`` (``None``: nothing to check);
+    ``logprob_entries``: the ``logprobs.content`` entries its events carried."""
+    if workload == "logprobs":
+        return served.check_logprobs(logprob_entries)
     if workload == "json":
         return served.check_json(content, finish_reason)
     if workload == "tools":
@@ -228,7 +239,7 @@ async def _one(http, url: str, body: dict, workload: str = "") -> dict:
     workloads) the :mod:`served` check of its answer."""
     t0 = time.perf_counter()
     ttft, last, gaps, chunks, tokens, error = None, None, [], 0, None, ""
-    content, calls, finish = [], {}, None
+    content, calls, finish, entries = [], {}, None, 0
     try:
         async with http.post(f"{url}/v1/chat/completions", json=body) as r:
             if r.status != 200:
@@ -253,6 +264,7 @@ async def _one(http, url: str, body: dict, workload: str = "") -> dict:
                     if delta.get("tool_calls"):
                         merge_tool_call_deltas(calls, delta["tool_calls"])
                         fresh = True
+                    entries += len((c.get("logprobs") or {}).get("content") or ())
                 if fresh:
                     now = time.perf_counter()
                     if ttft is None:
@@ -263,7 +275,7 @@ async def _one(http, url: str, body: dict, workload: str = "") -> dict:
     except Exception as e:  # noqa: BLE001 - a failed request is a result
         error = f"{type(e).__name__}: {e}"
     check = None if error else check_chat(workload, "".join(content),
-                                          [calls[k] for k in sorted(calls)], finish)
+                                          [calls[k] for k in sorted(calls)], finish, entries)
     return {"ttft": ttft, "gaps": gaps, "tokens": tokens if tokens is not None else chunks,
             "error": error, "status": 200, "check": check,
             "seconds": time.perf_counter() - t0}

@@ -293,7 +293,8 @@ class Loader:
         rec.loaded = loaded = Loaded(spec, resident, last_used=now, load_seconds=now - t0,
                                      estimated_bytes=est.total_bytes, created_unix=time.time(),
                                      digest=digest,
-                                     capabilities=model_capabilities(info))
+                                     capabilities=model_capabilities(
+                                         info, max_choices=rt.core.max_choices))
         rt.metrics.model_loads.labels(reason if on_demand else LOAD_ASSIGNED).inc()
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._reports.ready(key, a, loaded)
