@@ -21,7 +21,7 @@ from mlx_fleet.memstore import MemoryStore
 from node_agent.controller import Controller, ServedModel
 from node_agent.metrics import AgentMetrics
 from node_agent.registration import Registration
-from node_agent.serving import MemoryUsage, ModelInfo
+from node_agent.serving import DEFAULT_MAX_CHOICES, MemoryUsage, ModelInfo
 from node_agent.serving.capabilities import TOOL_CALLING_SERVED
 from node_agent.serving.errors import LOAD_FAILURE_TEXT, ModelLoadError
 from node_agent.serving.types import TokenizerFeatures
@@ -47,6 +47,7 @@ class FakeCore:
         #: raised by every load when set (a failing MLX load)
         self.load_error: Exception | None = None
         self._released = asyncio.Event()
+        self.max_choices = DEFAULT_MAX_CHOICES   # the n bound a loaded revision reports
 
     def release(self) -> None:
         self._released.set()
@@ -134,6 +135,10 @@ async def test_a_renamed_assignment_drains_its_old_name_then_loads_the_new(
     assert caps.max_context_tokens == assignment("chat", test_model_dir).serving.max_context_tokens
     assert (caps.tool_calling, caps.tool_parser) == (
         (True, "json_tools") if TOOL_CALLING_SERVED else (False, None))
+    # logprobs (OpenAI's top 20) and n within the agent's --max-choices and the batch
+    assert (caps.logprobs, caps.max_top_logprobs) == (True, 20)
+    assert caps.max_n == min(fake.max_choices, assignment(
+        "chat", test_model_dir).serving.max_concurrent_sequences)
     await put(store, keys, assignment("chat", test_model_dir, model="new-name", generation=2))
     r = await wait_report(store, rkey, lambda r: settled(r) and r.generation == 2)
     assert r is not None and r.state == AssignmentState.READY

@@ -81,6 +81,17 @@ class InvalidPrompt(ValueError):
     """The prompt or messages cannot be turned into tokens (e.g. the chat template fails)."""
 
 
+class TooManyChoices(ValueError):
+    """A request asks for more choices (``n``) than the agent allows (``--max-choices``) or than
+    its revision's batch holds (``max_concurrent_sequences``: its ``n`` sequences run
+    together). ``limit``: the smaller of the two."""
+
+    def __init__(self, n: int, limit: int) -> None:
+        super().__init__(f"n: at most {limit} choices per request on this model, got {n}")
+        self.n = n
+        self.limit = limit
+
+
 class InvalidConstraint(ValueError):
     """A request's output constraint cannot be enforced: its JSON schema uses a keyword the
     grammar compiler does not implement, a ``pattern`` it cannot compile, etc. ``param``: the
