@@ -103,10 +103,17 @@ def get_md(cp: ControlPlane, namespace: str, name: str) -> dict:
 
 
 def wait_ready(cp: ControlPlane, namespace: str, name: str, timeout: int = 180) -> dict:
-    """``kubectl wait`` on the Ready condition (the API server pushes the change; no polling)."""
-    cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n", namespace,
-               f"--timeout={timeout}s", timeout=timeout + 10)
-    return get_md(cp, namespace, name)
+    """``kubectl wait`` on the Ready condition (the API server pushes the change; no polling).
+    On a timeout the failure says why: the object's conditions and per-node status."""
+    done = cp.kubectl("wait", "--for=condition=Ready", f"modeldeployment/{name}", "-n",
+                      namespace, f"--timeout={timeout}s", timeout=timeout + 10, check=False)
+    md = get_md(cp, namespace, name)
+    if done.returncode != 0:
+        status = md.get("status", {})
+        raise AssertionError(f"modeldeployment/{name} not Ready in {timeout}s: conditions "
+                             f"{json.dumps(status.get('conditions'))}, nodes "
+                             f"{json.dumps(status.get('nodes'))}")
+    return md
 
 
 def stored_assignment(ns: str, name: str, uid: str) -> bytes:

@@ -37,6 +37,7 @@ from mlx_fleet.devcluster.nodeconfig import (
     sysctls_to_restore,
     tables_to_flush,
 )
+from mlx_fleet.source_policy import DEV_POLICY
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "mlx-fleet"
@@ -271,7 +272,9 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
               "--set", f"metrics.port={free_port()}", "--set", f"health.port={free_port()}",
               "--set", f"operator.watchNamespaces={{{rc.namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
-              "--set", "router.replicaCount=1", "--set", "router.apiKeys.secretName=router-keys"]
+              "--set", "router.replicaCount=1", "--set", "router.apiKeys.secretName=router-keys",
+              # the dev policy, explicitly: the test model is a local directory on the host
+              "--set-json", f"sourcePolicy={DEV_POLICY.to_json()}"]
     # The router's client keys, from a Secret mounted read-only under the chart's security
     # context (uid 65532, fsGroup 65532, mode 0400): one key naming its tenant.
     api_key = uuid.uuid4().hex
@@ -327,7 +330,7 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
     assert md["status"]["router"] == {"url": f"http://mlx-fleet-router.{rc.namespace}.svc",
                                       "model": name}
     # Completions through the in-cluster router (its hostNetwork port on the node).
-    assert asyncio.run(_wait_routable(router, name)) == 2
+    assert asyncio.run(_wait_routable(router, name, api_key=api_key)) == 2
     assert asyncio.run(_complete(router, name, api_key=api_key)) >= 1
     assert asyncio.run(_status_without_key(router, name)) == 401
 
@@ -398,7 +401,8 @@ async def _keys(etcd_url: str, prefix: str) -> list[str]:
         return [kv.key for kv in (await store.list(prefix)).items]
 
 
-async def _wait_routable(router: str, model: str, timeout: float = 60) -> int:
+async def _wait_routable(router: str, model: str, *, api_key: str,
+                         timeout: float = 60) -> int:
     """The router's Ready replica count for ``model`` (``GET /v1/models``) once it is 2 (the
     router follows etcd: the table may trail the operator's status by a watch event); the last
     count seen after ``timeout`` seconds otherwise. Polls: the router has no watch API."""
@@ -407,7 +411,8 @@ async def _wait_routable(router: str, model: str, timeout: float = 60) -> int:
     deadline, count = time.monotonic() + timeout, 0
     async with aiohttp.ClientSession() as http:
         while time.monotonic() < deadline:
-            async with http.get(f"{router}/v1/models") as r:
+            async with http.get(f"{router}/v1/models",  # behind the key, like /v1/*
+                                headers={"Authorization": f"Bearer {api_key}"}) as r:
                 models = {m["id"]: m for m in (await r.json())["data"]}
             count = models.get(model, {}).get("ready_replicas", 0)
             if count == 2:
