@@ -1,9 +1,10 @@
 """The demo's tour of the OpenAI API beyond plain completions (issue 20), every request through
 the fleet router with the official ``openai`` client: a JSON-schema structured output and a
 forced tool call (constrained decoding: the random-weight model emits valid JSON only because
-nothing else is allowed), an embedding ModelDeployment (``spec.model.task: TextEmbedding``)
-applied, Ready and queried on ``/v1/embeddings``, and a request the model cannot serve refused
-by the router naming the capability, before any Mac is tried."""
+nothing else is allowed), ``n`` = 3 choices with ``logprobs``, an embedding ModelDeployment
+(``spec.model.task: TextEmbedding``) applied, Ready and queried on ``/v1/embeddings``, and a
+request the model cannot serve refused by the router naming the capability, before any Mac is
+tried."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ EMBED_EXAMPLE = REPO_ROOT / "examples" / "embedding-deployment.yaml"
 #: The structured output's schema: bounds the constrained decoder enforces token by token.
 CITY = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
-    "population_millions": {"type": "number", "minimum": 0, "maximum": 40},
+    "population_millions": {"type": "integer", "minimum": 0, "maximum": 40},
     "coastal": {"type": "boolean"}},
     "required": ["city", "population_millions", "coastal"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {
@@ -67,6 +68,21 @@ def api_tour(console: Console, cp: Any, router: str, model: str, embed_dir: Path
                         f"{r.choices[0].finish_reason}[/]",
                         title="tool call: tools + tool_choice required (the model's chat "
                               "template, mlx-lm's tool parser)"), highlight=False)
+
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4,
+        temperature=0.9, seed=7, n=3, logprobs=True, top_logprobs=3)
+    rows = []
+    for choice in r.choices:
+        toks = choice.logprobs.content if choice.logprobs else []
+        rows.append(f"choice {choice.index}: " + "  ".join(
+            f"{t.token!r} {t.logprob:.2f} (top: " + ", ".join(
+                f"{a.token!r} {a.logprob:.2f}" for a in t.top_logprobs) + ")" for t in toks[:2]))
+    console.print(Panel("\n".join(rows) + f"\n\n[dim]{len(r.choices)} choices from one shared "
+                        f"prefill; usage: {r.usage.prompt_tokens} prompt tokens once, "
+                        f"{r.usage.completion_tokens} completion tokens in all[/]",
+                        title="n = 3 with logprobs / top_logprobs (the first two tokens of each)"),
+                  highlight=False)
 
     manifest = string.Template(EMBED_EXAMPLE.read_text()).safe_substitute(
         MODEL_DIR=str(embed_dir))
