@@ -268,7 +268,7 @@ def configure(args: argparse.Namespace) -> Setup:
     tls = (server_tls_context(args.tls_cert_file, args.tls_key_file)
            if args.tls_cert_file else None)
     return Setup(credentials, api_keys, forward_key, upstream_ssl, http_limits_from_args(args),
-                 exposure.warnings, tls, metrics == "api-key")
+                 warnings=exposure.warnings, tls=tls, metrics_auth=metrics == "api-key")
 
 
 async def serve(args: argparse.Namespace, setup: Setup) -> None:
