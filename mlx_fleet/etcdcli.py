@@ -22,6 +22,7 @@ from mlx_fleet.contract import ROOT, Keys
 from mlx_fleet.etcd_credentials import (CredentialsError, add_etcd_arguments,
                                         credentials_from_args)
 from mlx_fleet.etcd_security import Access, plan_auth
+from mlx_fleet.exposure import INSECURE_ETCD, etcd_exposure_check
 
 
 def _user_file(text: str) -> tuple[str, str]:
@@ -51,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="create users and roles but leave authentication as it is")
     b.add_argument("--dry-run", action="store_true",
                    help="print the plan (users, roles, permissions) and change nothing")
+    b.add_argument(INSECURE_ETCD, action="store_true",
+                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
+                        "or passwords (root's login, --password-file) over http://; without "
+                        "this flag the command refuses to run")
     add_etcd_arguments(b)
     b.set_defaults(func=run)
 
@@ -87,6 +92,15 @@ def run(args: argparse.Namespace) -> int:
     except CredentialsError as e:
         print(f"mlx-fleet etcd bootstrap-auth: {e}", file=sys.stderr)
         return 2
+    exposure = etcd_exposure_check(
+        etcd_endpoint=args.etcd_endpoint,
+        etcd_password=credentials.password is not None or bool(passwords),
+        insecure=frozenset({INSECURE_ETCD} if args.insecure_etcd_http else ()))
+    if exposure.refusals:
+        print(f"mlx-fleet etcd bootstrap-auth: {exposure.refusals[0]}", file=sys.stderr)
+        return 2
+    for warning in exposure.warnings:
+        print(f"mlx-fleet etcd bootstrap-auth: {warning}", file=sys.stderr)
     return asyncio.run(_apply(args.etcd_endpoint, credentials, plan, passwords,
                               enable=not args.no_enable))
 

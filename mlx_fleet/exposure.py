@@ -5,7 +5,8 @@ A pure decision over plain data (no sockets, no DNS): the agent (``node_agent.ma
 :func:`exposure_check` before it starts anything and refuses to start — one line naming the
 flag, exit status 2 — on any :attr:`Exposure.refusals`; it logs every
 :attr:`Exposure.warnings` (a refusal turned into a warning by its ``--insecure-…`` flag) at
-start. :func:`may_send_key` decides whether a bearer key may travel to a peer URL.
+start. The operator and ``mlx-fleet etcd bootstrap-auth``, which listen for no clients, call
+:func:`etcd_exposure_check` (the etcd rules alone) the same way. :func:`may_send_key` decides whether a bearer key may travel to a peer URL.
 
 The rules (the model: Ollama binds to 127.0.0.1 unless told otherwise):
 
@@ -31,8 +32,8 @@ import dataclasses
 import ipaddress
 from urllib.parse import urlsplit
 
-__all__ = ["INSECURE_LISTEN", "INSECURE_HTTP_LISTEN", "INSECURE_ETCD", "INSECURE_FORWARD", "Exposure", "is_loopback",
-           "exposure_check", "may_send_key"]
+__all__ = ["INSECURE_LISTEN", "INSECURE_HTTP_LISTEN", "INSECURE_ETCD", "INSECURE_FORWARD",
+           "Exposure", "is_loopback", "exposure_check", "etcd_exposure_check", "may_send_key"]
 
 INSECURE_LISTEN = "--insecure-listen-without-keys"
 """Flag: accept listening on a non-loopback address with no ``--api-key-file``."""
@@ -81,7 +82,8 @@ def exposure_check(*, listen_host: str, api_keys: bool, etcd_endpoint: str,
     ``listen_host``: the host of ``--listen``; ``api_keys``: an ``--api-key-file`` is given;
     ``etcd_endpoint``: the etcd client URL; ``etcd_password``: an etcd password is configured;
     ``tls``: the listener serves HTTPS (``--tls-cert-file``); ``insecure``: the ``--insecure-…``
-    flags given (:data:`INSECURE_LISTEN`, :data:`INSECURE_HTTP_LISTEN`, :data:`INSECURE_ETCD`). Returns an :class:`Exposure`; never raises."""
+    flags given (:data:`INSECURE_LISTEN`, :data:`INSECURE_HTTP_LISTEN`, :data:`INSECURE_ETCD`).
+    Returns an :class:`Exposure`; never raises."""
     found: list[tuple[str, str]] = []  # (flag, problem)
     if not api_keys and not is_loopback(listen_host):
         shown = listen_host or "every address"
@@ -94,15 +96,35 @@ def exposure_check(*, listen_host: str, api_keys: bool, etcd_endpoint: str,
                       f"--listen {shown} is not a loopback address and serves plain http: "
                       f"client keys and prompts would cross the network in cleartext (give "
                       f"--tls-cert-file and --tls-key-file)"))
+    found += _etcd_problems(etcd_endpoint, etcd_password)
+    return _judged(found, insecure)
+
+
+def etcd_exposure_check(*, etcd_endpoint: str, etcd_password: bool,
+                        insecure: frozenset[str] = frozenset()) -> Exposure:
+    """The etcd rules of :func:`exposure_check` alone, for a process that listens for no
+    clients (the operator, ``mlx-fleet etcd bootstrap-auth``): ``etcd_password`` is true when
+    any password travels to etcd (a login, or passwords being set). Only :data:`INSECURE_ETCD`
+    in ``insecure`` matters. Returns an :class:`Exposure`; never raises."""
+    return _judged(_etcd_problems(etcd_endpoint, etcd_password), insecure)
+
+
+def _etcd_problems(etcd_endpoint: str, etcd_password: bool) -> list[tuple[str, str]]:
+    """``(flag, problem)`` pairs of the etcd rules (none, or one)."""
     scheme, host = _url_host(etcd_endpoint)
     if scheme == "http" and not is_loopback(host):
-        found.append((INSECURE_ETCD,
-                      f"etcd endpoint {etcd_endpoint} is plain http to a host that is not "
-                      f"loopback: use https:// with --etcd-ca-file and a client certificate"))
-    elif scheme == "http" and etcd_password:
-        found.append((INSECURE_ETCD,
-                      f"an etcd password would travel in cleartext to {etcd_endpoint}: use "
-                      f"https:// with --etcd-ca-file"))
+        return [(INSECURE_ETCD,
+                 f"etcd endpoint {etcd_endpoint} is plain http to a host that is not "
+                 f"loopback: use https:// with --etcd-ca-file and a client certificate")]
+    if scheme == "http" and etcd_password:
+        return [(INSECURE_ETCD,
+                 f"an etcd password would travel in cleartext to {etcd_endpoint}: use "
+                 f"https:// with --etcd-ca-file")]
+    return []
+
+
+def _judged(found: list[tuple[str, str]], insecure: frozenset[str]) -> Exposure:
+    """Problems not accepted by their flag are refusals, the others warnings."""
     refusals = tuple(f"{problem} (or accept the risk with {flag})"
                      for flag, problem in found if flag not in insecure)
     warnings = tuple(f"INSECURE ({flag}): {problem}"

@@ -402,7 +402,8 @@ def check_address(policy: SourcePolicy,
                   ip: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> Refusal | None:
     """None when ``policy`` allows connecting to the address ``ip`` (a string or
     :mod:`ipaddress` address; IPv4-mapped, -compatible and NAT64 IPv6 addresses are judged by
-    the IPv4 address inside), else the :class:`Refusal` (module docstring, "addresses")."""
+    the IPv4 address inside; 6to4 and Teredo ones by the IPv4 addresses inside — server and
+    client — and then as themselves), else the :class:`Refusal` (module docstring, "addresses")."""
     try:
         addr = ip if not isinstance(ip, str) else ipaddress.ip_address(ip.strip().strip("[]")
                                                                        .split("%", 1)[0])
@@ -416,6 +417,14 @@ def check_address(policy: SourcePolicy,
             inner = ipaddress.IPv4Address(int(addr))
         if inner is not None:
             return check_address(policy, inner)
+        # 6to4 (2002::/16) and Teredo (2001::/32, server and client) carry IPv4 addresses a
+        # relay may deliver to: each must pass too, then the IPv6 address itself is judged
+        embedded = ([addr.sixtofour] if addr.sixtofour is not None else []) + list(
+            addr.teredo or ())
+        for v4 in embedded:
+            refused = check_address(policy, v4)
+            if refused is not None:
+                return refused
     if (addr.is_unspecified or addr.is_multicast or addr in _METADATA
             or (isinstance(addr, ipaddress.IPv4Address) and addr in _THIS_NETWORK)):
         return _refuse("source", "the unspecified (0.0.0.0/8, ::), multicast and cloud "

@@ -24,7 +24,9 @@ from mlx_fleet.capabilities import ModelCapabilities
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
 from mlx_fleet.routing.headers import SESSION_HEADER
 
-__all__ = ["StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
+__all__ = ["MAX_TOP_LOGPROBS", "MAX_LEGACY_LOGPROBS", "TopLogprob", "ChatTokenLogprob",
+           "ChoiceLogprobs", "CompletionLogprobs", "chat_logprobs", "completion_logprobs",
+           "StreamOptions", "ContentPart", "ChatMessage", "SamplingRequest",
            "ChatCompletionRequest", "CompletionRequest", "ErrorDetail", "ErrorResponse",
            "PromptTokensDetails", "Usage", "AssistantMessage", "ChatChoice", "ChatCompletion", "TextChoice",
            "TextCompletion", "ChunkDelta", "ChatChunkChoice", "ChatCompletionChunk",
@@ -51,6 +53,10 @@ def _whole_number(v: Any) -> Any:
 StrictInt = Annotated[int, Field(strict=True), BeforeValidator(_whole_number)]
 #: :data:`StrictInt`, at least 1.
 PositiveInt = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_whole_number)]
+#: Most ``top_logprobs`` a chat completion may ask for (OpenAI's bound).
+MAX_TOP_LOGPROBS = 20
+#: Most ``logprobs`` a legacy completion may ask for (OpenAI's bound).
+MAX_LEGACY_LOGPROBS = 5
 #: Why a generation ended: ``stop`` (end-of-sequence token or a stop sequence), ``length``
 #: (``max_tokens`` or the context reached), ``tool_calls`` (a chat answer that ended with tool
 #: calls).
@@ -139,12 +145,15 @@ class SamplingRequest(_Request):
         "Answer as server-sent events (text/event-stream)."))] = False
     stream_options: StreamOptions | None = Field(None, description=(
         "Only with stream: true (else 400)."))
-    seed: StrictInt | None = Field(None, description="Honoured best-effort.")
-    # the schema says what is served (n = 1); a larger n is refused with 400
-    # unsupported_parameter by the model's capabilities (mlx_fleet.capabilities.satisfies, in
-    # node_agent.api.completions), not as an invalid value
-    n: Annotated[PositiveInt, Field(json_schema_extra={"maximum": 1}, description=(
-        "Only 1 is supported."))] = 1
+    seed: StrictInt | None = Field(None, description=(
+        "Honoured best-effort. With n > 1, choice 0 samples with seed and choice i > 0 with "
+        "a seed derived from (seed, i), so the choices differ."))
+    # the document's maximum is the app's --max-choices (openapi_document(max_choices=...))
+    n: Annotated[PositiveInt, Field(description=(
+        "Choices to generate: n sequences of the same prompt, prefilled once. At most the "
+        "agent's --max-choices (default 8) and the model's max_concurrent_sequences (its "
+        "capabilities' max_n); above that a 400 unsupported_value naming n. usage counts "
+        "every choice's tokens."))] = 1
     user: str | None = Field(None, description=(
         f"Session key of a canary split when there is no {SESSION_HEADER} header."))
     # Accepted in their "off" spelling, otherwise only by a model whose capabilities serve them
@@ -155,8 +164,6 @@ class SamplingRequest(_Request):
     functions: Any = Field(None, description=_OFF)
     function_call: Any = Field(None, description=_OFF)
     response_format: Any = Field(None, description=_OFF)
-    logprobs: Any = Field(None, description=_OFF)
-    top_logprobs: Any = Field(None, description=_OFF)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -166,6 +173,9 @@ class SamplingRequest(_Request):
         return v
 
 
+_LOGPROBS = ("Log-probabilities of the model's distribution at each position: after any "
+             "logits processor, before temperature and top_p (so at temperature 0 the chosen "
+             "token is the most likely).")
 class FunctionDefinition(_Request):
     """A function the model may call: ``parameters`` is the JSON Schema of its arguments
     (absent: any JSON object); enforced by constrained decoding under ``tool_choice``
@@ -238,7 +248,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format`` are served
     (issue 20); their semantics are in ``docs/node-agent.md`` (*Structured outputs and tool
-    calls*)."""
+    calls*). ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
@@ -253,12 +263,31 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = Field(None, description=(
         "text, json_object or json_schema, enforced by constrained decoding; an answer cut by "
         "max_tokens (finish_reason length) may be incomplete JSON."))
+    logprobs: Annotated[bool | None, Field(strict=True, description=(
+        "Return each token's log-probability in choices[].logprobs.content. " + _LOGPROBS))
+    ] = None
+    top_logprobs: Annotated[
+        Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS),
+                  BeforeValidator(_whole_number)] | None,
+        Field(description="The most likely tokens listed at each position (needs "
+                          "logprobs: true).")] = None
 
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions`` body; ``prompt`` is one string."""
 
     prompt: str
+    logprobs: Annotated[
+        Annotated[int, Field(strict=True, ge=0, le=MAX_LEGACY_LOGPROBS),
+                  BeforeValidator(_whole_number)] | None,
+        Field(description=(
+            "Return the chosen token's log-probability and this many most likely tokens at "
+            "each position (choices[].logprobs: tokens, token_logprobs, top_logprobs, "
+            "text_offset). " + _LOGPROBS))] = None
+    # not a field of OpenAI's legacy API (its `logprobs` says how many): refused unless off
+    top_logprobs: Any = Field(None, description=(
+        "Not a field of the legacy API (logprobs says how many): anything but null or 0 is a "
+        "400 unsupported_parameter."))
 
 
 #: Most inputs one ``POST /v1/embeddings`` request may hold (OpenAI's limit: 2048).
@@ -379,10 +408,81 @@ class AssistantMessage(_Response):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(_Response):
+    """A likely token at one position: ``token`` (its text decoded alone), ``logprob``
+    (natural log; ``-9999.0`` for a token a logits processor masked), ``bytes`` (the token's
+    bytes: those of a partial UTF-8 character too, so that the bytes of consecutive tokens
+    rebuild the text)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The chosen token at one position, and the ``top_logprobs`` most likely tokens there
+    (most likely first)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    """A chat choice's ``logprobs``: one entry per generated token (not the end-of-sequence
+    token)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(_Response):
+    """A legacy completion choice's ``logprobs``, one element per generated token:
+    ``tokens`` (texts), ``token_logprobs``, ``top_logprobs`` (``{token text: logprob}`` of the
+    ``logprobs`` most likely tokens and the chosen one; tokens of the same text, such as parts
+    of multi-byte characters, share one key: the chosen token's value, else the likeliest's)
+    and ``text_offset`` (each token's character offset in the concatenated token texts, from
+    0)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+def chat_logprobs(entries: Any) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``, the shape of
+    :class:`ChoiceLogprobs`) of token entries (``node_agent.serving.logprobs.TokenLogprob``:
+    ``text``, ``bytes``, ``logprob``, ``top`` of ``text``, ``bytes``, ``logprob``)."""
+    return {"content": [
+        {"token": e.text, "logprob": e.logprob, "bytes": list(e.bytes),
+         "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.bytes)}
+                          for t in e.top]}
+        for e in entries]}
+
+
+def completion_logprobs(entries: Any, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object (the shape of :class:`CompletionLogprobs`) of token
+    entries (as :func:`chat_logprobs`); ``offset``: the first token's ``text_offset`` (the
+    length of the token texts before it, for a stream's later chunks)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+        tokens.append(e.text)
+        values.append(e.logprob)
+        # keyed by text: of tokens with the same text (partial characters) the likeliest is
+        # kept, and the chosen token's own value for its text
+        top: dict[str, float] = {}
+        for t in e.top:
+            top.setdefault(t.text, e.logprob if t.text == e.text else t.logprob)
+        top.setdefault(e.text, e.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     finish_reason: FinishReason
 
 
@@ -400,7 +500,7 @@ class ChatCompletion(_Response):
 class TextChoice(_Response):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 
@@ -437,7 +537,7 @@ class ChunkDelta(_Response):
 class ChatChunkChoice(_Response):
     index: int
     delta: ChunkDelta
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -456,7 +556,7 @@ class ChatCompletionChunk(_Response):
 class TextChunkChoice(_Response):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
 
 

@@ -30,6 +30,7 @@ from .fetch.bounds import DEFAULT_UNUSED_MAX_AGE_S, DownloadLimits, parse_reserv
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL
 from .serving.admission import POLICIES
+from .serving.core import DEFAULT_MAX_CHOICES
 from .serving.options import ServingOptions
 from .serving.tokenize import DEFAULT_MAX_PROMPT_BYTES
 
@@ -245,9 +246,11 @@ def add_download_arguments(p: argparse.ArgumentParser) -> None:
                         "nodefs.available<10%% hard-eviction threshold)")
     g.add_argument("--model-cache-max-bytes", type=_argtype(non_negative_quantity), default=0,
                    metavar="QUANTITY",
-                   help="most bytes the agent's downloads ($MLX_FLEET_CACHE/models/https/) may "
-                        "hold (e.g. 200Gi); a download beyond it is refused InsufficientDisk "
-                        "once sources no longer assigned are deleted (default: 0, no cap)")
+                   help="most bytes the agent's downloads ($MLX_FLEET_CACHE/models/https/ and "
+                        "its own Hugging Face cache $MLX_FLEET_CACHE/models/hf/, unless "
+                        "HF_HUB_CACHE names another) may hold (e.g. 200Gi); a download beyond it "
+                        "is refused InsufficientDisk once sources no longer assigned are deleted "
+                        "(default: 0, no cap)")
     g.add_argument("--model-cache-unused-seconds", type=_argtype(non_negative_seconds),
                    default=DEFAULT_UNUSED_MAX_AGE_S, metavar="SECONDS",
                    help="how long a downloaded source no longer assigned to this Mac stays in "
@@ -318,6 +321,7 @@ class AgentConfig:
     insecure: frozenset[str] = frozenset()
     http: HttpLimits = dataclasses.field(default_factory=HttpLimits)  # timeouts, cap, CORS, Host
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing (400)
+    max_choices: int = DEFAULT_MAX_CHOICES  # largest n per request (400 above)
     serving: ServingOptions = dataclasses.field(default_factory=ServingOptions)
     # disk reserve, cache cap, pinned hf:// commits, the cache's garbage collection
     downloads: DownloadLimits = dataclasses.field(default_factory=DownloadLimits)
@@ -377,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest prompt (UTF-8 bytes of the prompt, or of the messages' roles "
                         "and contents) the agent tokenizes, a Kubernetes quantity; a larger one "
                         "is answered 400 prompt_too_large before any tokenizing (default: 1Mi)")
+    p.add_argument("--max-choices", type=_argtype(positive_int), default=DEFAULT_MAX_CHOICES,
+                   metavar="N",
+                   help="largest n (choices) one completion request may ask for; each choice "
+                        "is a sequence of its own in the model's batch, so n is also bounded by "
+                        "the model's maxConcurrentSequences; above either: 400 naming n "
+                        "(default: %(default)s)")
     add_http_arguments(p, own_hosts="the --listen and --advertise-url hosts")
     add_download_arguments(p)
     p.add_argument("--prefetch-window-seconds", type=_argtype(non_negative_seconds),
@@ -491,4 +501,5 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        http=http_limits_from_args(args),
                        downloads=download_limits_from_args(args),
                        max_prompt_bytes=args.max_prompt_bytes,
+                       max_choices=args.max_choices,
                        serving=serving_options_from_args(args))

@@ -130,7 +130,8 @@ class Agent:
         self.core = ServingCore(registry=self.registry,
                                 max_queued_requests=config.max_queued_requests,
                                 options=config.serving,
-                                max_prompt_bytes=config.max_prompt_bytes)
+                                max_prompt_bytes=config.max_prompt_bytes,
+                                max_choices=config.max_choices)
         self.probe = CapacityProbe(CapacityConfig(config.simulated_chip,
                                                   config.simulated_memory_bytes,
                                                   config.max_loaded_models,

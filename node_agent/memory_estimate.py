@@ -317,7 +317,7 @@ def model_tensors(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     is no weight file), ``OSError``."""
     files = sorted(p for p in Path(model_dir).glob(WEIGHTS_GLOB) if p.is_file())
     if not files:
-        raise ModelFileError("NoWeights", f"no {WEIGHTS_GLOB} file in {model_dir}")
+        raise ModelFileError("NoWeights", f"no {WEIGHTS_GLOB} file in the model directory")
     tensors: dict[str, TensorInfo] = {}
     for file in files:
         tensors.update(read_safetensors_header(file))
@@ -366,7 +366,7 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        raise ModelFileError("MissingConfig", f"no config.json in {model_dir}") from None
+        raise ModelFileError("MissingConfig", "no config.json in the model directory") from None
     return parse_config(data)
 
 

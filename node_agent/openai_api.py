@@ -26,7 +26,8 @@ routed as if the header were absent (the canary split, the stable revision).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` (malformed JSON, invalid field: ``param`` names it, context overflow:
-``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``; the legacy
+``code`` ``context_length_exceeded``; ``stream_options`` without ``stream: true``, a chat
+``top_logprobs`` without ``logprobs: true``, ``code`` ``invalid_value``; the legacy
 ``functions``/``function_call``, ``code`` ``unsupported_parameter``; what the serving revision's
 capabilities lack — ``tools``/``tool_choice``, ``response_format`` other than ``{"type":
 "text"}``, ``logprobs``/``top_logprobs``, ``n`` > 1 —, ``code`` ``unsupported_parameter`` or
@@ -178,7 +179,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
         data = [ModelCard(id=m.model_id, object="model", created=m.created_unix,
                           owned_by="mlx-fleet", revision=m.revision,
                           max_context_tokens=m.max_context_tokens, status="loaded",
-                          capabilities=model_capabilities(m))
+                          capabilities=model_capabilities(m, max_choices=core.max_choices))
                 for m in core.models()]
         resident = {(m.id, m.revision) for m in data}
         data += [ModelCard(id=m.model_id, object="model", created=m.created_unix,
@@ -211,7 +212,7 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
 
     document = openapi_document(api_keys=api_keys is not None,
                                 metrics_auth=api_keys is not None and metrics_auth,
-                                version=_version())
+                                version=_version(), max_choices=core.max_choices)
 
     async def openapi_handler(request: web.Request) -> web.Response:
         return web.json_response(document)

@@ -155,10 +155,12 @@ def _embeddings() -> dict[str, Any]:
 
 
 def openapi_document(*, api_keys: bool = False, metrics_auth: bool = False,
-                     version: str = "0") -> dict[str, Any]:
+                     version: str = "0", max_choices: int | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document (a JSON-ready dict) for an app with (``api_keys``) or without
     client keys, with ``/metrics`` keyed (``metrics_auth``, only with keys) or open.
-    ``version``: ``info.version`` (the package's version)."""
+    ``version``: ``info.version`` (the package's version); ``max_choices``: the app's bound on
+    ``n`` (the core's ``max_choices``, ``--max-choices``), the ``maximum`` of both request
+    schemas' ``n`` (none when ``None``)."""
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": _completion(
             "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
@@ -193,6 +195,9 @@ def openapi_document(*, api_keys: bool = False, metrics_auth: bool = False,
         "paths": paths,
         "components": {"schemas": _schemas()},
     }
+    if max_choices is not None:
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            doc["components"]["schemas"][name]["properties"]["n"]["maximum"] = max_choices
     if api_keys:
         doc["components"]["securitySchemes"] = {
             "apiKey": {"type": "http", "scheme": "bearer",

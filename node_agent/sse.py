@@ -10,6 +10,13 @@ per distinct chunk (memoised: the subscribers of one coalesced generation,
 :mod:`node_agent.serving.coalesce`, receive the very same chunk objects), and an event costs one
 bytes concatenation per subscriber.
 
+A chunk of a request for ``n`` choices (its ``index``) or with log-probabilities is encoded
+without the memo (:func:`choice_event`): its ``choices`` entry carries its ``index`` and
+``logprobs`` (chat: ``{"content": [...]}``, legacy: ``{"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}``, :mod:`node_agent.api_models`). A token whose text is held back
+(it may begin a stop string) sends no event; its log-probabilities go out with the next event of
+its choice, so every token's entry is sent once, in order.
+
 The bytes are exactly ``json.dumps(event, separators=(",", ":"))`` of the event's dict (ASCII
 only: non-ASCII text is ``\\uXXXX``-escaped, as ``json.dumps`` does by default). Pure: no I/O.
 """
@@ -20,7 +27,9 @@ import functools
 import json
 from typing import Any, Iterable, Literal
 
-__all__ = ["StreamEncoder", "choice_part", "DONE", "data_event"]
+from .api_models import chat_logprobs, completion_logprobs
+
+__all__ = ["StreamEncoder", "choice_part", "choice_event", "DONE", "data_event"]
 
 #: The event that ends a successful stream.
 DONE = b"data: [DONE]\n\n"
@@ -61,6 +70,23 @@ def choice_part(kind: Kind, include_usage: bool, text: str, finish_reason: str |
     return b'"choices":[' + _dumps(choice) + b"]" + tail
 
 
+def choice_event(kind: Kind, include_usage: bool, index: int, text: str,
+                 finish_reason: str | None, logprobs: dict[str, Any] | None,
+                 role: bool = False) -> bytes:
+    """:func:`choice_part` for any choice ``index`` and with ``logprobs`` (OpenAI's
+    ``logprobs`` object of the event's tokens, or ``None``); not memoised."""
+    if kind == "chat":
+        delta: dict[str, Any] = ({"role": "assistant", "content": text} if role
+                                 else {"content": text})
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+    return b'"choices":[' + _dumps(choice) + b"]" + tail
+
+
 class StreamEncoder:
     """The events of one streamed completion.
 
@@ -68,27 +94,49 @@ class StreamEncoder:
     (``text_completion``); ``rid``, ``created`` (Unix seconds) and ``model``: the stream's
     ``id``, ``created`` and ``model``; ``include_usage``: the client's
     ``stream_options.include_usage`` (every chunk then carries ``"usage": null`` and
-    :meth:`usage` gives the final usage event)."""
+    :meth:`usage` gives the final usage event); ``logprobs``: the request asked for
+    log-probabilities (chunks then carry them, see the module docstring); ``n``: its choices
+    (:meth:`first` then starts each)."""
 
     def __init__(self, kind: Kind, rid: str, created: int, model: str,
-                 include_usage: bool) -> None:
+                 include_usage: bool, *, logprobs: bool = False, n: int = 1) -> None:
         if kind not in ("chat", "text"):
             raise ValueError(f"kind must be 'chat' or 'text', not {kind!r}")
         self.kind: Kind = kind
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.n = n
+        self._held: dict[int, list[Any]] = {}    # per choice: token entries not yet sent
+        self._offset: dict[int, int] = {}        # per choice: legacy text_offset so far
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         # `{"id":…,"object":…,"created":…,"model":…,` — everything before "choices"
         self._head = b"data: " + _dumps({"id": rid, "object": obj, "created": created,
                                          "model": model})[:-1] + b","
 
     def first(self) -> bytes:
-        """The chat stream's first event: ``delta`` ``{"role": "assistant", "content": ""}``."""
-        return self._head + choice_part(self.kind, self.include_usage, "", None, True)
+        """The chat stream's first event: ``delta`` ``{"role": "assistant", "content": ""}``
+        (one such event per choice when ``n`` > 1)."""
+        if self.n == 1:
+            return self._head + choice_part(self.kind, self.include_usage, "", None, True)
+        return b"".join(self._head + choice_event(self.kind, self.include_usage, i, "", None,
+                                                  None, True) for i in range(self.n))
 
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+    def chunk(self, text: str, finish_reason: str | None, index: int = 0) -> bytes:
         """One chunk's event: ``text`` (may be empty) and its ``finish_reason`` (``None`` but
-        for the last chunk)."""
-        return self._head + choice_part(self.kind, self.include_usage, text, finish_reason)
+        for the last chunk), of choice ``index``, with the token entries :meth:`note` d for
+        that choice since its last event (when the request asked for log-probabilities)."""
+        if index == 0 and not self.logprobs and self.n == 1:
+            return self._head + choice_part(self.kind, self.include_usage, text, finish_reason)
+        return self._head + choice_event(self.kind, self.include_usage, index, text,
+                                         finish_reason, self._logprobs(index))
+
+    def note(self, chunk: Any) -> None:
+        """Hold ``chunk``'s token entry (its ``logprobs``, when it has one) for the next event
+        of its choice (:meth:`chunk`): for callers that send other text than the chunks'
+        (tool-call parsing)."""
+        entry = getattr(chunk, "logprobs", None)
+        if entry is not None:
+            self._held.setdefault(getattr(chunk, "index", 0), []).append(entry)
 
     def chunks(self, chunks: Iterable[Any]) -> bytes:
         """The events of several chunks (objects with ``text`` and ``finish_reason``, e.g.
@@ -96,15 +144,38 @@ class StreamEncoder:
         text nor a finish reason (a token whose text is held back: nothing to send); ``b""``
         when none is left."""
         head, kind, usage = self._head, self.kind, self.include_usage
-        return b"".join(head + choice_part(kind, usage, c.text, c.finish_reason)
-                        for c in chunks if c.text or c.finish_reason is not None)
+        if not self.logprobs and self.n == 1:
+            return b"".join(head + choice_part(kind, usage, c.text, c.finish_reason)
+                            for c in chunks if c.text or c.finish_reason is not None)
+        out = []
+        for c in chunks:
+            self.note(c)
+            if not c.text and c.finish_reason is None:
+                continue
+            out.append(self.chunk(c.text, c.finish_reason, getattr(c, "index", 0)))
+        return b"".join(out)
 
-    def tool_calls(self, calls: list[dict[str, Any]], first_index: int) -> bytes:
+    def _logprobs(self, index: int) -> dict[str, Any] | None:
+        """The held token entries of choice ``index`` as OpenAI's ``logprobs`` object (then
+        sent: forgotten), or ``None`` when there are none."""
+        entries = self._held.pop(index, None)
+        if not entries:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries)
+        start = self._offset.get(index, 0)
+        self._offset[index] = start + sum(len(e.text) for e in entries)
+        return completion_logprobs(entries, start)
+
+    def tool_calls(self, calls: list[dict[str, Any]], first_index: int,
+                   choice_index: int = 0) -> bytes:
         """One chat event whose ``delta`` is ``{"tool_calls": [...]}``: each of ``calls``
         (OpenAI ``tool_calls`` entries, complete) with its ``index`` among the answer's calls,
-        counted from ``first_index``."""
+        counted from ``first_index``, in choice ``choice_index`` (its token entries go with
+        the choice's next :meth:`chunk`)."""
         delta = {"tool_calls": [{"index": first_index + i, **c} for i, c in enumerate(calls)]}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": choice_index, "delta": delta, "logprobs": None,
+                  "finish_reason": None}
         tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
         return self._head + b'"choices":[' + _dumps(choice) + b"]" + tail
 

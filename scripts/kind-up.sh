@@ -14,7 +14,8 @@ etcd_mode=in-cluster
 etcd_endpoint=""
 etcd_image=quay.io/coreos/etcd:v3.6.16
 etcd_host_port=2379
-etcd_listen=0.0.0.0
+etcd_listen=127.0.0.1
+insecure_etcd=0
 image=mlx-fleet-operator:dev
 build_image=1
 model_dir=""
@@ -32,12 +33,17 @@ Options:
   --name NAME              kind cluster name (default: $cluster)
   --namespace NS           namespace for the operator and etcd (default: $namespace)
   --etcd-endpoint URL      use an external etcd (one client URL, http://host:port, reachable
-                           from the pods and the Macs) instead of deploying one in the cluster
+                           from the pods and the Macs) instead of deploying one in the cluster;
+                           a plain http:// one needs --insecure-etcd-http
+  --insecure-etcd-http     accept the external plain-http etcd of --etcd-endpoint (the chart's
+                           insecure.etcdHttp; development only)
   --etcd-image IMAGE       etcd image for the in-cluster etcd (default: $etcd_image)
   --etcd-host-port PORT    host port the in-cluster etcd is published on for the Macs
                            (default: $etcd_host_port)
-  --etcd-listen ADDR       host address it is published on (default: $etcd_listen, i.e. the LAN;
-                           use 127.0.0.1 when the agents run on this machine)
+  --etcd-listen ADDR       host address it is published on (default: $etcd_listen, this machine
+                           only: agents on this machine). To let the Macs reach it give this
+                           machine's LAN address or 0.0.0.0: an etcd WITHOUT authentication on
+                           the LAN, anyone there can assign any model to every Mac
   --image REPO:TAG         operator image (default: $image)
   --no-build-image         do not build the operator image; IMAGE must be pullable or loaded
   --example MODEL_DIR      also apply examples/modeldeployment.yaml with \${MODEL_DIR}=MODEL_DIR
@@ -62,6 +68,7 @@ while [ $# -gt 0 ]; do
     --etcd-image) arg "$@"; etcd_image=$2; shift 2 ;;
     --etcd-host-port) arg "$@"; etcd_host_port=$2; shift 2 ;;
     --etcd-listen) arg "$@"; etcd_listen=$2; shift 2 ;;
+    --insecure-etcd-http) insecure_etcd=1; shift ;;
     --image) arg "$@"; image=$2; shift 2 ;;
     --no-build-image) build_image=0; shift ;;
     --example) arg "$@"; model_dir=$2; shift 2 ;;
@@ -70,6 +77,20 @@ while [ $# -gt 0 ]; do
     *) usage >&2; die "unknown option: $1" ;;
   esac
 done
+
+if [ "$down" = 1 ]; then
+  :
+elif [ "$etcd_mode" = in-cluster ]; then
+  case $etcd_listen in
+    127.*|localhost|::1) ;;
+    *) log "WARNING: --etcd-listen $etcd_listen publishes an etcd without authentication beyond this machine: anyone who reaches $etcd_listen:$etcd_host_port can assign any model to every Mac (development only; docs/kind.md)" ;;
+  esac
+elif [ "$insecure_etcd" = 0 ]; then
+  case $etcd_endpoint in
+    https://*) ;;
+    *) die "--etcd-endpoint $etcd_endpoint is plain http: give --insecure-etcd-http to accept it (development only), or use an https:// etcd and install the chart by hand with etcd.tls.secretName (docs/security.md)" ;;
+  esac
+fi
 
 need kind "https://kind.sigs.k8s.io/docs/user/quick-start/#installation"
 if [ "$down" = 1 ]; then
@@ -192,8 +213,14 @@ if ! kubectl -n "$namespace" get secret mlx-fleet-router-api-keys >/dev/null 2>&
 fi
 
 log "installing the chart charts/mlx-fleet (etcd: $etcd_endpoint)"
-# This development etcd is plain http without auth: the chart's explicit opt-out
-# (insecure.etcdHttp), and no client certificate (etcd.tls.secretName empty).
+# The in-cluster etcd this script deployed is plain http without auth (development only): the
+# chart's explicit opt-out (insecure.etcdHttp), and no client certificate (etcd.tls.secretName
+# empty). An external etcd gets the opt-out only with --insecure-etcd-http (checked above).
+insecure_http=false
+if [ "$etcd_mode" = in-cluster ] || [ "$insecure_etcd" = 1 ]; then
+  insecure_http=true
+  log "WARNING: plain-http etcd without authentication (insecure.etcdHttp=true): development only"
+fi
 
 # the example's model directory is on the Macs: the fleet's source policy lists it explicitly
 # (docs/security.md, "Source policy"); the agents need the same --source-policy
@@ -204,7 +231,7 @@ helm upgrade --install mlx-fleet "$repo/charts/mlx-fleet" \
   --set "image.repository=${image%:*}" --set "image.tag=${image##*:}" \
   --set "image.pullPolicy=IfNotPresent" \
   --set "etcd.endpoints={${etcd_endpoint}}" \
-  --set "etcd.tls.secretName=" --set "insecure.etcdHttp=true" \
+  --set "etcd.tls.secretName=" --set "insecure.etcdHttp=$insecure_http" \
   ${policy[@]+"${policy[@]}"} \
   --wait --timeout 5m
 # Helm installs crds/ on first install only; the kubectl apply above keeps them current.
@@ -222,6 +249,11 @@ if [ "$etcd_mode" = in-cluster ]; then
 else
   agent_etcd=$etcd_endpoint
 fi
+# the agents' own rule (mlx_fleet/exposure.py): a plain-http etcd beyond loopback needs the flag
+agent_insecure=" --insecure-etcd-http"
+case $agent_etcd in
+  https://*|http://127.*|http://localhost:*|http://\[::1\]:*) agent_insecure="" ;;
+esac
 agent_policy=""
 [ -z "$model_dir" ] || agent_policy=" --source-policy '{\"fileRoots\": [\"$model_dir\"]}'"
 cat >&2 <<EOF
@@ -233,7 +265,7 @@ mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
   kubectl -n $namespace get secret mlx-fleet-router-api-keys -o jsonpath='{.data.api-keys}' | base64 -d   # its key
 
 On every Mac, run the node agent pointed at the same etcd:
-  mlx-fleet-agent --etcd-endpoint $agent_etcd --insecure-etcd-http --api-key-file <keys> \
+  mlx-fleet-agent --etcd-endpoint $agent_etcd$agent_insecure --api-key-file <keys> \
     --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>$agent_policy
 (see docs/kind.md and mlx-fleet-agent --help).
 Tear down: scripts/kind-up.sh --name $cluster --down

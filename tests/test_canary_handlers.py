@@ -453,6 +453,31 @@ async def test_a_local_guard_trip_rolls_back(store, keys, events):
     assert rt.custom_api.spec_patches() == []
 
 
+async def test_a_rogue_nodes_stats_neither_trip_the_guard_nor_enter_the_analysis(store, keys,
+                                                                               events):
+    """Issue 19 review: an agent credential may write stats/<its node>/ for any deployment,
+    with this canary's uid. A node that holds no slot of the target is not listened to: no
+    roll-back on its "guard trip", and its counts are not in the analysis window."""
+    rt = runtime(store, keys)
+    uid = "uid-rogue"
+    body = await progressing_canary(rt, uid)
+    rogue = StatsReport(node="rogue", namespace=NS, name=TARGET, canary_uid=uid,
+                        revisions={"v1": revision_stats("v1", 10_000),
+                                   "v2": revision_stats("v2", 10_000)},
+                        updated_unix=T0 + 61, guard_tripped=True, guard_reason="forged")
+    rt.stats[T]["rogue"] = rogue
+    await tick(rt, body, now=T0 + 61)  # an interval on: a new analysis window is taken
+    status = rt.custom_api.statuses("llm-v2")[-1]
+    assert status["phase"] == "Progressing", status
+    assert rt.candidates == {T: CandidateIntent("llm-v2", "v2")}
+    window = rt.canary(uid).window
+    assert window.at == T0 + 61 and set(window.reports) == {STABLE_NODE}
+    # the same report from a node that holds a slot of the target is believed
+    place(rt, "rogue", "v1", Role.STABLE)
+    await tick(rt, body, now=T0 + 62)
+    assert rt.custom_api.statuses("llm-v2")[-1]["phase"] == "RolledBack"
+
+
 async def test_passing_windows_step_up_then_promote_then_succeed(store, keys, events):
     rt = runtime(store, keys)
     uid = "uid-steps"

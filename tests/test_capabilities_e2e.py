@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from mlx_fleet.memstore import MemoryStore
+from node_agent.serving import capabilities as caps_mod
 from node_agent.serving.capabilities import model_capabilities
 from router_fixtures import publish, router_url  # noqa: F401
 from serving_fixtures import MODEL_ID, REVISION, Agent, agent, tiny_model_path  # noqa: F401
@@ -32,10 +33,16 @@ async def _error(client: openai.AsyncOpenAI, **extra) -> dict:
 async def test_the_router_and_the_agent_refuse_alike(agent: Agent,  # noqa: F811
                                                      memory_store: MemoryStore,
                                                      router_url,  # noqa: F811
-                                                     known: bool) -> None:
+                                                     known: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     follower, url = router_url
     endpoint = str(agent.client.make_url("")).rstrip("/")
-    caps = model_capabilities(agent.core.model_info(MODEL_ID)) if known else None
+    # logprobs and n > 1 are served now (wip/h20logprobs): this agent is made one that serves
+    # no logprobs and at most 2 choices, to see both refuse them alike
+    monkeypatch.setattr(caps_mod, "LOGPROBS_SERVED", False)
+    monkeypatch.setattr(agent.core, "max_choices", 2)
+    caps = (model_capabilities(agent.core.model_info(MODEL_ID),
+                               max_choices=agent.core.max_choices) if known else None)
     await publish(memory_store, endpoint, MODEL_ID, REVISION, caps)
     await follower.wait_until(lambda t: MODEL_ID in t.models and t.models[MODEL_ID].replicas
                               and t.models[MODEL_ID].replicas[0].capabilities == caps)

@@ -668,6 +668,40 @@ def test_insecure_opt_outs_render_the_routers_flags(helm: Path) -> None:
     assert "--insecure-etcd-http" not in _router_container(loopback)["args"]
 
 
+def _operator_etcd_exposure(docs: list[dict[str, Any]]) -> Any:
+    """The operator's own start-up etcd check (``check_etcd_exposure`` as its ``main`` runs
+    it) of its rendered arguments: a PreflightError, or the warnings it would log."""
+    from mlx_fleet.etcd_credentials import EtcdCredentials
+    from mlx_fleet_operator.main import PreflightError, build_parser, check_etcd_exposure
+
+    args = build_parser().parse_args(_container(docs)["args"])
+    creds = (EtcdCredentials(username=args.etcd_username, password="from-the-secret")
+             if args.etcd_username else EtcdCredentials())
+    try:
+        return check_etcd_exposure(args, creds)
+    except PreflightError as e:
+        return e
+
+
+def test_operator_gets_the_etcd_opt_out_with_the_value(helm: Path) -> None:
+    """insecure.etcdHttp reaches the operator as --insecure-etcd-http, so it starts (with a
+    warning) where its own check would refuse the plain-http, non-loopback etcd; on loopback
+    http no flag is rendered and none is needed."""
+    docs = render(helm, "--set", "etcd.endpoints={http://etcd.example:2379}",
+                  "--set", "etcd.tls.secretName=", "--set", "insecure.etcdHttp=true")
+    assert "--insecure-etcd-http" in _container(docs)["args"]
+    warnings = _operator_etcd_exposure(docs)
+    assert isinstance(warnings, tuple) and len(warnings) == 1
+    assert "INSECURE (--insecure-etcd-http)" in warnings[0]
+    # without the flag the operator's own check refuses the same endpoint
+    _container(docs)["args"].remove("--insecure-etcd-http")
+    assert "--insecure-etcd-http" in str(_operator_etcd_exposure(docs))
+    loopback = render(helm, "--set", "etcd.endpoints={http://127.0.0.1:2379}",
+                      "--set", "etcd.tls.secretName=")
+    assert "--insecure-etcd-http" not in _container(loopback)["args"]
+    assert _operator_etcd_exposure(loopback) == ()
+
+
 def test_local_node_values_set_their_opt_outs_explicitly(helm: Path) -> None:
     """mlx_fleet.devcluster.chart.local_values (demo --node, dev up --node): the chart renders
     with them and the router's own check accepts what it is given."""
@@ -682,6 +716,7 @@ def test_local_node_values_set_their_opt_outs_explicitly(helm: Path) -> None:
     exposure = _router_exposure(docs)
     assert exposure.refusals == ()
     assert [w.split(")")[0] for w in exposure.warnings] == ["INSECURE (--insecure-listen-without-keys"]
+    assert _operator_etcd_exposure(docs) == ()  # loopback etcd: the operator needs no opt-out
 
 
 def test_router_inherits_the_operators_etcd_credentials(helm: Path) -> None:

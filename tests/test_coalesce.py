@@ -292,6 +292,7 @@ async def test_identical_seeded_requests_share_unseeded_ones_do_not(core: Servin
     {"top_p": 0.5},
     {"prompt": PROMPT + "!"},
     {"messages": [{"role": "user", "content": PROMPT}]},
+    {"logprobs": 0},
 ])
 async def test_different_parameters_are_not_shared(core: ServingCore, core_off: ServingCore,
                                                     other: dict) -> None:
@@ -310,6 +311,43 @@ async def test_different_parameters_are_not_shared(core: ServingCore, core_off: 
     assert d["prompt_tokens"] == gens[0].prompt_tokens + gens[1].prompt_tokens
     if "temperature" not in other or other.get("seed") is not None:
         assert texts == want
+
+
+async def test_identical_logprobs_requests_share_the_very_same_values(
+        core: ServingCore, core_off: ServingCore) -> None:
+    """Coalescing stays exact with logprobs: ``logprobs`` (how many top entries) is part of
+    the key, so only requests asking the same share, and each gets the leader's entries — the
+    values a lone request computes (same prompt, same greedy steps)."""
+    alone = await chunks(await core_off.generate("m", prompt=PROMPT, max_tokens=N_TOKENS,
+                                                 temperature=0, logprobs=3))
+    before = counters(core)
+    gens = await asyncio.gather(*(core.generate("m", prompt=PROMPT, max_tokens=N_TOKENS,
+                                                temperature=0, logprobs=3) for _ in range(3)),
+                                core.generate("m", prompt=PROMPT, max_tokens=N_TOKENS,
+                                              temperature=0, logprobs=2))
+    got = [await chunks(g) for g in gens]
+    d = delta(counters(core), before)
+    assert d["coalesced_requests"] == 2                      # the k=2 one ran on its own
+    assert d["prompt_tokens"] == 2 * gens[0].prompt_tokens
+    assert got[0] == got[1] == got[2]                          # the very same chunks
+    assert [c.logprobs.token_id for c in got[0] if c.logprobs] == [
+        c.logprobs.token_id for c in alone if c.logprobs]
+    assert [c.logprobs.logprob for c in got[0] if c.logprobs] == pytest.approx(
+        [c.logprobs.logprob for c in alone if c.logprobs], rel=1e-4, abs=1e-5)
+    assert all(len(c.logprobs.top) == 2 for c in got[3] if c.logprobs)
+
+
+async def test_requests_for_n_choices_are_never_shared(core: ServingCore) -> None:
+    """A request for n > 1 choices is n sequences under one handle: it never coalesces (the
+    fan-out shares one sequence), not even with an identical greedy one."""
+    before = counters(core)
+    gens = await asyncio.gather(*(core.generate("m", prompt=PROMPT, max_tokens=4,
+                                                temperature=0, n=2) for _ in range(2)))
+    got = [await chunks(g) for g in gens]
+    d = delta(counters(core), before)
+    assert d["coalesced_requests"] == 0
+    assert d["prompt_tokens"] == 2 * gens[0].prompt_tokens and d["generated_tokens"] == 16
+    assert [sorted({c.index for c in g}) for g in got] == [[0, 1], [0, 1]]
 
 
 async def test_a_late_subscriber_gets_the_whole_stream(core: ServingCore,

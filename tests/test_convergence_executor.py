@@ -21,8 +21,9 @@ from mlx_fleet.memstore import MemoryStore
 from node_agent.controller import Controller, ServedModel
 from node_agent.metrics import AgentMetrics
 from node_agent.registration import Registration
-from node_agent.serving import MemoryUsage, ModelInfo
+from node_agent.serving import DEFAULT_MAX_CHOICES, MemoryUsage, ModelInfo
 from node_agent.serving.capabilities import TOOL_CALLING_SERVED
+from node_agent.serving.errors import LOAD_FAILURE_TEXT, ModelLoadError
 from node_agent.serving.types import TokenizerFeatures
 from serving_fixtures import wait_for
 from test_agent_controller import (ADVERTISED, NODE, TIMEOUT, assignment, put,  # noqa: F401
@@ -43,7 +44,10 @@ class FakeCore:
         self.events: list[tuple[str, Ident]] = []
         self.hold_loads = False
         self.hold_unloads = False
+        #: raised by every load when set (a failing MLX load)
+        self.load_error: Exception | None = None
         self._released = asyncio.Event()
+        self.max_choices = DEFAULT_MAX_CHOICES   # the n bound a loaded revision reports
 
     def release(self) -> None:
         self._released.set()
@@ -55,6 +59,8 @@ class FakeCore:
         self.events.append(("load", ident))
         if self.hold_loads:
             await self._released.wait()
+        if self.load_error is not None:
+            raise self.load_error
         self.resident[ident] = str(path)
         self.events.append(("loaded", ident))
         # its tokenizer has a tool parser (reported only once the agent serves tool calls)
@@ -129,6 +135,10 @@ async def test_a_renamed_assignment_drains_its_old_name_then_loads_the_new(
     assert caps.max_context_tokens == assignment("chat", test_model_dir).serving.max_context_tokens
     assert (caps.tool_calling, caps.tool_parser) == (
         (True, "json_tools") if TOOL_CALLING_SERVED else (False, None))
+    # logprobs (OpenAI's top 20) and n within the agent's --max-choices and the batch
+    assert (caps.logprobs, caps.max_top_logprobs) == (True, 20)
+    assert caps.max_n == min(fake.max_choices, assignment(
+        "chat", test_model_dir).serving.max_concurrent_sequences)
     await put(store, keys, assignment("chat", test_model_dir, model="new-name", generation=2))
     r = await wait_report(store, rkey, lambda r: settled(r) and r.generation == 2)
     assert r is not None and r.state == AssignmentState.READY
@@ -198,3 +208,47 @@ async def test_unassigned_keys_are_forgotten_entirely(
     await wait_for(lambda: fake.resident == {} and not controller._rt.draining, TIMEOUT)
     await controller.converged()
     assert controller._rt.records == {}
+
+
+@pytest.mark.parametrize("error, reason", [
+    (RuntimeError("[metal] cannot map {dir}/model.safetensors"), "LoadFailed"),
+    (ModelLoadError("LoadFailed", "OSError: [Errno 5] Input/output error: '{dir}/x'"),
+     "LoadFailed"),
+    (ModelLoadError("ModelNotFound", "no model (config.json) at {dir}"), "ModelNotFound"),
+])
+async def test_a_failed_load_reports_no_path_and_no_exception_text(
+        store: MemoryStore, keys: Keys, fake: FakeCore, controller: Controller,
+        test_model_dir: Path, tmp_path: Path, error: Exception, reason: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 19 review: a report's message (so status.nodes[].message and events) names the
+    problem without the agent's local paths or an exception's text; the agent's log has them."""
+    secret = str(tmp_path / "cache")
+    if isinstance(error, ModelLoadError):
+        error = ModelLoadError(error.reason, error.message.format(dir=secret))
+    else:
+        error = type(error)(str(error).format(dir=secret))
+    fake.load_error = error
+    rkey = keys.report(NODE, "default", "broken", "r1")
+    await put(store, keys, assignment("broken", test_model_dir))
+    r = await wait_report(store, rkey, settled)
+    assert r is not None and (r.state, r.reason) == (AssignmentState.FAILED, reason)
+    assert r.message.startswith(LOAD_FAILURE_TEXT[reason])  # + the retry's " (attempt 1; …)"
+    for leak in (secret, str(test_model_dir), type(error).__name__, "Errno", "[metal]"):
+        assert leak not in r.message
+    assert secret in caplog.text  # the detail stays in the agent's log
+
+
+async def test_model_files_refused_report_no_directory(
+        store: MemoryStore, keys: Keys, fake: FakeCore, controller: Controller,
+        test_model_dir: Path, tmp_path: Path) -> None:
+    """A model directory without weights (the test model's other files copied): the report
+    says what is missing, not where."""
+    import shutil
+
+    model = tmp_path / "private-models" / "m"
+    shutil.copytree(test_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    rkey = keys.report(NODE, "default", "noweights", "r1")
+    await put(store, keys, assignment("noweights", model))
+    r = await wait_report(store, rkey, settled)
+    assert r is not None and (r.state, r.reason) == (AssignmentState.FAILED, "NoWeights")
+    assert str(tmp_path) not in r.message and "private-models" not in r.message, r.message

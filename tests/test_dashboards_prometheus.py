@@ -123,10 +123,10 @@ async def _through_router(control_plane: ControlPlane, router: RouterProcess, ke
         async with EtcdStore(control_plane.etcd_url) as store:
             lease = await store.grant_lease(120)
             ghost = node_record(GHOST).model_copy(update={
-                "address": dead, "labels": {"mlx-fleet.io/test": "ghost"}})
+                "address": dead, "labels": {"agent.mlx-fleet.io/test": "ghost"}})
             await store.put(keys.node(GHOST), ghost.to_json(), lease=lease)
             control_plane.kubectl("apply", "-f", "-", input=stub_manifest(
-                "ghost", namespace, placement={"nodeSelector": {"mlx-fleet.io/test": "ghost"}}))
+                "ghost", namespace, placement={"nodeSelector": {"agent.mlx-fleet.io/test": "ghost"}}))
             asg = (await until_assignments(store, keys, lambda v: GHOST in v))[GHOST]
             await store.put(keys.report(GHOST, namespace, "ghost", "v1"), AssignmentReport(
                 node=GHOST, namespace=namespace, name="ghost", generation=asg.generation,

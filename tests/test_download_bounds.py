@@ -7,6 +7,7 @@ never what is assigned, loaded or downloading)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -18,7 +19,7 @@ from filelock import FileLock
 
 from node_agent.fetch import (STATE_FILE, DownloadLimits, collect_garbage, digest_of,
                               mirror_dir)
-from node_agent.fetch.bounds import (manifest_digest, parse_reserve, room_refusal,
+from node_agent.fetch.bounds import (hub_need, manifest_digest, parse_reserve, room_refusal,
                                      unpinned_refusal)
 from node_agent.fetch.gc import CacheEntry, Deletion, PartFile, gc_plan
 from node_agent.model_dir import SourceError
@@ -208,6 +209,18 @@ def test_digests() -> None:
     assert r is not None and r.reason == "InvalidSource" and "hf://o/r@main" in r.message
 
 
+def test_hub_need() -> None:
+    """The dry run's bytes to fetch; a file to fetch without a size refuses (fail closed)."""
+    assert hub_need([("a", 10, True), ("b", 5, False), ("c", None, False), ("d", 0, True)],
+                    what="hf://o/r") == 10
+    assert hub_need([], what="hf://o/r") == 0
+    with pytest.raises(SourceError) as e:
+        hub_need([("config.json", 10, True), ("model.safetensors", None, True)],
+                 what="hf://o/r@main")
+    assert e.value.reason == "InvalidSource"
+    assert "did not say the size of model.safetensors" in e.value.message
+
+
 # ---------------------------------------------------------------------------------------------
 # garbage collection: the pure plan
 # ---------------------------------------------------------------------------------------------
@@ -217,9 +230,9 @@ HOUR = 3600.0
 
 
 def entry(name: str, size: int, age: float, *, active: bool = False,
-          parts: tuple[tuple[str, int, float], ...] = ()) -> CacheEntry:
+          parts: tuple[tuple[str, int, float], ...] = (), group: str = "") -> CacheEntry:
     return CacheEntry(name, size, NOW - age, active,
-                      tuple(PartFile(p, b, NOW - a) for p, b, a in parts))
+                      tuple(PartFile(p, b, NOW - a) for p, b, a in parts), group)
 
 
 def plan(entries, assigned=(), loaded=(), cap=0, **kw) -> list[tuple]:
@@ -259,6 +272,18 @@ def plan(entries, assigned=(), loaded=(), cap=0, **kw) -> list[tuple]:
     # an active unassigned download is never touched
     ([entry("d", 30, 99 * HOUR, active=True, parts=(("m.part", 20, 99 * HOUR),))],
      (), (), 1, {"shortfall": 100}, []),
+    # hub revisions: a pinned assignment keeps its revision only; the repo's others go
+    ([entry("hf@m@a", 10, 99 * HOUR, group="hf@m"), entry("hf@m@b", 10, 98 * HOUR, group="hf@m")],
+     ("hf@m@a",), (), 0, {}, [("hf@m@b", None, "Unassigned")]),
+    # an unpinned hf:// source (its group) keeps every revision of its repository
+    ([entry("hf@m@a", 10, 99 * HOUR, group="hf@m"), entry("hf@m@b", 10, 98 * HOUR, group="hf@m"),
+      entry("hf@n@c", 10, 97 * HOUR, group="hf@n")],
+     ("hf@m",), (), 0, {}, [("hf@n@c", None, "Unassigned")]),
+    # loaded by its group too; mirrors and hub revisions share the cap, LRU first
+    ([entry("hf@m@a", 50, 60, group="hf@m"), entry("mirror", 50, 120),
+      entry("hf@n@c", 50, 30, group="hf@n")],
+     (), ("hf@n",), 100, {"need": 50}, [("mirror", None, "SpaceNeeded"),
+                                        ("hf@m@a", None, "SpaceNeeded")]),
 ])
 def test_gc_plan_table(entries, assigned, loaded, cap, kw, expected) -> None:
     assert plan(entries, assigned, loaded, cap, **kw) == expected
@@ -448,12 +473,26 @@ async def test_an_hf_download_is_checked_against_the_disk_before_its_first_byte(
         assert e.value.reason == "InsufficientDisk" and f"needs {need} more bytes" in (
             e.value.message)
         assert [m for m, _ in hub.requests if m == "GET"] == []  # no body fetched
-        # the cap is the agent's own cache's (https:// downloads), not the Hugging Face one's
+        # the agent's own Hugging Face cache (<model cache>/hf) counts under the cap
+        with pytest.raises(SourceError) as e:
+            await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                        offline=False, disk_usage=disk(100 * GiB, 10 * GiB + need),
+                        limits=DownloadLimits(cache_max_bytes=need - 1))
+        assert e.value.reason == "InsufficientDisk" and "--model-cache-max-bytes" in (
+            e.value.message)
+        assert [m for m, _ in hub.requests if m == "GET"] == []
+        # a Hugging Face cache elsewhere ($HF_HUB_CACHE, shared with other tools) is not the
+        # model cache's: only the disk's reserve applies to it
+        shared = await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "shared-hf",
+                             hf_endpoint=endpoint, offline=False,
+                             disk_usage=disk(100 * GiB, 10 * GiB + need),
+                             limits=DownloadLimits(cache_max_bytes=1))
         path = await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
                            offline=False, disk_usage=disk(100 * GiB, 10 * GiB + need),
-                           limits=DownloadLimits(cache_max_bytes=1))
+                           limits=DownloadLimits(cache_max_bytes=need))
     finally:
         await runner.cleanup()
+    assert_same_files(shared, model_files)
     assert_same_files(path, model_files)
 
 
@@ -475,3 +514,328 @@ def test_agent_flags() -> None:
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(bad)
         assert e.value.code == 2, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# hf://: fail closed without sizes; the agent's own Hugging Face cache capped and collected
+# ---------------------------------------------------------------------------------------------
+
+
+class ListingHub:
+    """test_sources' FakeHub, whose file listing (what the dry run reads) can fail its next
+    ``fail`` requests (HTTP 403, not retried) or give no size for the files in ``sizeless``
+    (none in the listing, no ``Content-Length`` in the ``HEAD`` answer)."""
+
+    def __init__(self, files: dict[str, bytes], commit: str) -> None:
+        from test_sources import FakeHub
+
+        self.hub = FakeHub(files, commit)
+        self.fail = 0
+        self.sizeless: set[str] = set()
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/api/models/{org}/{name}/revision/{rev}", self.hub.revision)
+        app.router.add_get("/api/models/{org}/{name}/tree/{rev}", self.tree)
+        app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", self.resolve)
+        app.router.add_get("/api/models/{org}/{name}/refs", self.hub.refs)
+        app.router.add_get("/api/models/{org}/{name}/commits/{rev:.+}", self.hub.commits)
+        return app
+
+    async def resolve(self, request):
+        from aiohttp import web
+
+        name = request.match_info["file"]
+        if request.method != "HEAD" or name not in self.sizeless:
+            return await self.hub.resolve(request)
+        self.hub.requests.append((request.method, name))
+        resp = web.StreamResponse(headers={
+            "X-Repo-Commit": self.hub.commit,
+            "ETag": '"%s"' % hashlib.sha256(self.hub.files[name]).hexdigest()})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write_eof()
+        return resp
+
+    async def tree(self, request):
+        from aiohttp import web
+
+        if self.fail > 0:
+            self.fail -= 1
+            return web.json_response({"error": "listing unavailable"}, status=403)
+        listing = json.loads((await self.hub.tree(request)).text)
+        for item in listing:
+            if item["path"] in self.sizeless:
+                item["size"] = None
+        return web.json_response(listing)
+
+    def bodies(self) -> list[str]:
+        return [f for m, f in self.hub.requests if m == "GET"]
+
+
+class serve_hub:  # noqa: N801 - an async context manager, used like a function
+    """``async with serve_hub(hub) as endpoint``: ``hub.app()`` on 127.0.0.1."""
+
+    def __init__(self, hub) -> None:
+        self.hub = hub
+
+    async def __aenter__(self) -> str:
+        from aiohttp import web
+
+        self.runner = web.AppRunner(self.hub.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+async def test_an_hf_download_whose_listing_fails_is_refused_not_unchecked(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """The dry run (the files and their sizes) fails: nothing is fetched, unchecked — the
+    download fails DownloadFailed (retried later); a revision already cached is used as it
+    is, with nothing fetched."""
+    from test_sources import COMMIT_MAIN
+
+    hub = ListingHub(model_files, COMMIT_MAIN)
+    uri = f"hf://hub-org/tiny@{COMMIT_MAIN}"
+    async with serve_hub(hub) as endpoint:
+        hub.fail = 1  # only the dry run's listing: the download's own would succeed
+        with pytest.raises(SourceError) as e:
+            await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                        offline=False)
+        assert e.value.reason == "DownloadFailed"
+        assert "did not list the files to fetch and their sizes" in e.value.message
+        assert hub.bodies() == []
+        path = await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                           offline=False)
+        assert_same_files(path, model_files)
+        fetched = len(hub.bodies())
+        hub.fail = 10**6  # the hub can't list anything now: the cached revision serves
+        again = await fetch(uri, tmp_path, hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                            offline=False)
+        assert again == path and len(hub.bodies()) == fetched
+
+
+async def test_an_hf_file_without_a_size_is_refused(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    from test_sources import COMMIT_MAIN
+
+    hub = ListingHub(model_files, COMMIT_MAIN)
+    hub.sizeless.add("model.safetensors")
+    async with serve_hub(hub) as endpoint:
+        with pytest.raises(SourceError) as e:
+            await fetch(f"hf://hub-org/tiny@{COMMIT_MAIN}", tmp_path,
+                        hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
+    assert e.value.reason == "InvalidSource", e.value
+    assert "the hub did not say the size of model.safetensors" in e.value.message
+    assert hub.bodies() == []
+
+
+def revision_name(repo_id: str, commit: str | None = None) -> str:
+    """The garbage collector's name of a revision (or group) in the agent's HF cache."""
+    from node_agent.fetch import cache_entry_name
+
+    uri = f"hf://{repo_id}" + (f"@{commit}" if commit else "")
+    found = cache_entry_name(uri, Path("/cache"))
+    assert found is not None
+    return found[0]
+
+
+async def test_unassigned_hf_revisions_are_collected_with_huggingface_hub(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """Two revisions of one repository, downloaded by huggingface_hub into the agent's own
+    Hugging Face cache (<model cache>/hf): the one not assigned goes (its blobs the other
+    shares stay), an assigned or loaded revision or group never goes."""
+    from test_sources import COMMIT_MAIN, COMMIT_V1
+
+    v1 = {**model_files, "config.json": json.dumps(
+        {**json.loads(model_files["config.json"]), "mlx_fleet_test": "v1"}).encode()}
+    paths = {}
+    for commit, files in ((COMMIT_MAIN, model_files), (COMMIT_V1, v1)):
+        async with serve_hub(ListingHub(files, commit)) as endpoint:
+            paths[commit] = await fetch(f"hf://hub-org/tiny@{commit}", tmp_path,
+                                        hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint,
+                                        offline=False)
+    repo = tmp_path / "hf" / "models--hub-org--tiny"
+    assert len(list((repo / "blobs").iterdir())) == len(model_files) + 1
+    limits = DownloadLimits(unused_max_age_s=0)
+    later = time.time() + 1
+    group = revision_name("hub-org/tiny")
+    main, kept = revision_name("hub-org/tiny", COMMIT_MAIN), revision_name("hub-org/tiny",
+                                                                           COMMIT_V1)
+    assert main == f"hf@models--hub-org--tiny@{COMMIT_MAIN}"
+    # an unpinned assignment (the group) or a loaded one keeps every revision
+    assert collect_garbage(tmp_path, assigned=[group], loaded=(), limits=limits, now=later) == []
+    assert collect_garbage(tmp_path, assigned=(), loaded=[group], limits=limits, now=later) == []
+    # pinned to v1: main's revision goes, with the one blob only it links to
+    done = collect_garbage(tmp_path, assigned=[kept], loaded=(), limits=limits, now=later)
+    assert done == [Deletion(main, len(model_files["config.json"]), "Unassigned")]
+    assert not paths[COMMIT_MAIN].exists()
+    assert_same_files(paths[COMMIT_V1], v1)
+    assert len(list((repo / "blobs").iterdir())) == len(model_files)
+    assert collect_garbage(tmp_path, assigned=(), loaded=[kept], limits=limits, now=later) == []
+    # nothing assigned: the last revision goes, and the repository with it
+    done = collect_garbage(tmp_path, assigned=(), loaded=(), limits=limits, now=later)
+    assert [d.name for d in done] == [kept] and done[0].bytes == sum(map(len, v1.values()))
+    assert not repo.exists() and not list((tmp_path / "hf").glob("models--*"))
+
+
+async def test_the_cap_covers_the_agents_hf_cache_and_collection_makes_room(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """The agent's own Hugging Face cache counts under --model-cache-max-bytes; a download
+    beyond it first collects revisions no longer assigned (least recently used first), so
+    the cache does not fill up for good."""
+    from node_agent.fetch import cache_bytes
+    from test_sources import COMMIT_MAIN
+
+    need = sum(map(len, model_files.values()))
+    limits = DownloadLimits(cache_max_bytes=need + need // 2)
+    collected: list[Deletion] = []
+
+    def make_room_for(repo_id: str):
+        async def make_room(want: int, shortfall: int) -> None:
+            collected.extend(await asyncio.to_thread(
+                collect_garbage, tmp_path, assigned=[revision_name(repo_id, COMMIT_MAIN)],
+                loaded=(), limits=limits, now=time.time(), need=want, shortfall=shortfall))
+        return make_room
+
+    async with serve_hub(ListingHub(model_files, COMMIT_MAIN)) as endpoint:
+        first = await fetch(f"hf://hub-org/first@{COMMIT_MAIN}", tmp_path,
+                            hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False,
+                            limits=limits, make_room=make_room_for("hub-org/first"))
+        assert cache_bytes(tmp_path) >= need
+        second = await fetch(f"hf://hub-org/second@{COMMIT_MAIN}", tmp_path,
+                             hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False,
+                             limits=limits, make_room=make_room_for("hub-org/second"))
+        assert [(d.name, d.reason) for d in collected] == [
+            (revision_name("hub-org/first", COMMIT_MAIN), "SpaceNeeded")]
+        assert not first.exists()
+        assert_same_files(second, model_files)
+        # with nothing to collect (the second is assigned), a third is refused for the cap
+        with pytest.raises(SourceError) as e:
+            await fetch(f"hf://hub-org/third@{COMMIT_MAIN}", tmp_path,
+                        hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False,
+                        limits=limits, make_room=make_room_for("hub-org/second"))
+        assert e.value.reason == "InsufficientDisk" and "--model-cache-max-bytes" in (
+            e.value.message)
+    assert_same_files(second, model_files)
+
+
+async def test_an_hf_commit_on_no_branch_or_tag_is_refused(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """The Hub serves a public repository's every commit by its hash, a pull request's too:
+    a commit on no branch or tag (here only refs/pr/1's) is refused before any file body;
+    one in main's history (not its head) is fetched."""
+    from test_sources import COMMIT_MAIN, COMMIT_V1
+
+    hub = ListingHub(model_files, COMMIT_V1)
+    hub.hub.main, hub.hub.history = COMMIT_MAIN, [COMMIT_MAIN]  # V1 is only refs/pr/1's
+    async with serve_hub(hub) as endpoint:
+        with pytest.raises(SourceError) as e:
+            await fetch(f"hf://hub-org/tiny@{COMMIT_V1}", tmp_path,
+                        hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
+        assert e.value.reason == "SourceRefused"
+        assert e.value.message.startswith("refused by the source policy: ")
+        assert f"commit {COMMIT_V1} is on no branch or tag" in e.value.message
+        assert hub.bodies() == []
+        hub.hub.history = [COMMIT_MAIN, COMMIT_V1]  # now merged: in main's history
+        path = await fetch(f"hf://hub-org/tiny@{COMMIT_V1}", tmp_path,
+                           hf_cache_dir=tmp_path / "hf", hf_endpoint=endpoint, offline=False)
+    assert_same_files(path, model_files)
+
+
+async def test_an_agent_collects_an_unassigned_hf_revision_from_its_own_hf_cache(
+        store, keys, core, tmp_path: Path, model_files: dict[str, bytes],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the agent: an hf:// assignment is downloaded into <model cache>/hf (the
+    agent's own Hugging Face cache), reported with its commit, and collected once
+    unassigned."""
+    from mlx_fleet.contract import AssignmentState
+    from node_agent.controller import Controller
+    from node_agent.registration import Registration
+    from test_agent_controller import ADVERTISED, NODE, Capacity
+    from test_sources import COMMIT_MAIN, https_assignment, report_events, settled
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub = ListingHub(model_files, COMMIT_MAIN)
+    async with serve_hub(hub) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        reg = Registration(store, keys, node_name=NODE, address=ADVERTISED,
+                           capacity=Capacity(), ttl=5)
+        await reg.start()
+        cache = tmp_path / "cache"
+        ctl = Controller(store, keys, node_name=NODE, core=core, registration=reg,
+                         advertise_url=ADVERTISED, model_cache=cache,
+                         download_limits=DownloadLimits(unused_max_age_s=0),
+                         source_policy=DEV_POLICY)
+        await ctl.start()
+        try:
+            await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # on start
+            start = (await store.list(keys.root + "/")).revision + 1
+            akey = keys.assignment(NODE, "default", "hub", "r1")
+            await store.put(akey, https_assignment(
+                "hub", f"hf://hub-org/tiny@{COMMIT_MAIN}").to_json())
+            rkey = keys.report(NODE, "default", "hub", "r1")
+            seen = await report_events(store, rkey, start, settled)
+            assert seen[-1] is not None and seen[-1].state == AssignmentState.READY, seen[-1]
+            assert seen[-1].digest == f"hf-commit:{COMMIT_MAIN}"
+            snapshot = cache / "hf" / "models--hub-org--tiny" / "snapshots" / COMMIT_MAIN
+            assert_same_files(snapshot, model_files)
+            ctl.cache_collected.clear()
+            await store.delete(akey)
+            await report_events(store, rkey, start, lambda r: r is None)
+            await asyncio.wait_for(ctl.cache_collected.wait(), 30)  # after the unassignment
+            assert not snapshot.exists()
+            assert not (cache / "hf" / "models--hub-org--tiny").exists()
+            registry = core.metrics.registry
+            assert registry.get_sample_value("mlxfleet_agent_model_cache_deleted_bytes_total",
+                                             {"reason": "Unassigned"}) >= sum(
+                map(len, model_files.values()))
+        finally:
+            await ctl.stop()
+            for m in core.models():
+                await core.unload_model(m.model_id, m.revision)
+            await reg.stop()
+
+
+async def test_an_unpinned_hf_download_fetches_the_commit_it_checked(
+        tmp_path: Path, model_files: dict[str, bytes]) -> None:  # noqa: F811
+    """A branch that moves between the dry run (what was checked) and the download: the
+    commit checked is the one fetched, and refs/main records it as huggingface_hub would."""
+    from aiohttp import web
+
+    from test_sources import COMMIT_MAIN, COMMIT_V1, UNPINNED
+
+    hub = ListingHub(model_files, COMMIT_MAIN)
+    answered = hub.hub.revision
+    asked = []
+
+    async def revision(request):  # main moves to V1 after the dry run resolved it
+        rev = request.match_info["rev"]
+        if len(rev) == 40:
+            return web.json_response({"id": "hub-org/tiny", "sha": rev, "siblings": [
+                {"rfilename": f} for f in model_files]})
+        asked.append(rev)
+        if len(asked) > 1:
+            hub.hub.commit = COMMIT_V1
+        return await answered(request)
+
+    hub.hub.revision = revision
+    async with serve_hub(hub) as endpoint:
+        path = await fetch("hf://hub-org/tiny", tmp_path, hf_cache_dir=tmp_path / "hf",
+                           hf_endpoint=endpoint, offline=False, limits=UNPINNED)
+    assert path.name == COMMIT_MAIN
+    assert_same_files(path, model_files)
+    repo = tmp_path / "hf" / "models--hub-org--tiny"
+    assert (repo / "refs" / "main").read_text() == COMMIT_MAIN
+    assert [p.name for p in (repo / "snapshots").iterdir()] == [COMMIT_MAIN]
+    again = await fetch("hf://hub-org/tiny@main", tmp_path, hf_cache_dir=tmp_path / "hf",
+                        offline=True, limits=UNPINNED)
+    assert again == path

@@ -51,7 +51,7 @@ def operator(control_plane: ControlPlane, fleet_keys: Keys, namespace: str
 def agent(control_plane: ControlPlane, fleet_keys: Keys, operator: ManagedProcess
           ) -> Iterator[AgentProcess]:
     a = start_agent(control_plane, "emac-1", etcd_prefix=fleet_keys.root, memory="64Gi",
-                    labels={"pool": "embed"})
+                    labels={"agent.mlx-fleet.io/pool": "embed"})
     yield a
     a.process.stop()
 
@@ -69,7 +69,7 @@ async def test_an_embedding_deployment_serves_embeddings_through_the_router(
         control_plane: ControlPlane, agent: AgentProcess, router: RouterProcess,
         namespace: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     model_dir = make_test_model(tmp_path_factory.mktemp("models") / "emb", embedding=True)
-    obj = json.loads(manifest(NAME, namespace, model_dir, selector={"pool": "embed"}))
+    obj = json.loads(manifest(NAME, namespace, model_dir, selector={"agent.mlx-fleet.io/pool": "embed"}))
     obj["spec"]["model"]["task"] = "TextEmbedding"
     control_plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
     md = await asyncio.to_thread(wait_ready, control_plane, namespace, NAME)

@@ -68,7 +68,8 @@ async def test_jwt_tokens_authenticate_and_a_foreign_key_is_refused(binaries, tm
             [sys.executable, "-m", "mlx_fleet.cli", "etcd", "bootstrap-auth", "--etcd-endpoint",
              server.client_url, "--etcd-prefix", KEYS.root, "--node", "mac-1", "--node", "mac-2",
              "--password-file", f"root={tmp_path / 'root.pw'}",
-             "--password-file", f"{agent_user('mac-1')}={tmp_path / (agent_user('mac-1') + '.pw')}"],
+             "--password-file", f"{agent_user('mac-1')}={tmp_path / (agent_user('mac-1') + '.pw')}",
+             "--insecure-etcd-http"],  # passwords over loopback http: this test's own etcd
             capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0, r.stderr
 

@@ -351,6 +351,18 @@ def test_revision_families_summed_over_nodes(rt: Runtime) -> None:
     assert of(s, P + "canary_guard_tripped_nodes") == {L(namespace="ml", deployment="chat"): 1}
 
 
+def test_a_rogue_nodes_stats_are_not_in_the_fleet_sums(rt: Runtime) -> None:
+    """Issue 19 review: another Mac's agent credential may write stats/<its node>/ml/chat; a
+    node holding no slot of ml/chat adds no requests and no guard trip."""
+    rt.views.stats[("ml", "chat")]["rogue"] = StatsReport(
+        node="rogue", namespace="ml", name="chat", guard_tripped=True,
+        revisions={"v1": rstats("v1", 1000), "v2": rstats("v2", 1000)})
+    s = scrape(FleetCollector(lambda: rt))
+    v1, v2 = (L(namespace="ml", deployment="chat", revision=r) for r in ("v1", "v2"))
+    assert of(s, P + "revision_requests_total") == {v1: 8, v2: 2}
+    assert of(s, P + "canary_guard_tripped_nodes") == {L(namespace="ml", deployment="chat"): 1}
+
+
 def test_unloaded_revision_and_deleted_deployment_are_absent(rt: Runtime) -> None:
     s = scrape(FleetCollector(lambda: rt))
     for (name, labels), _ in s.items():

@@ -23,7 +23,6 @@ from node_agent import memory_estimate
 from node_agent.controller import INSUFFICIENT_MEMORY, MODEL_LIMIT
 from node_agent.openai_api import build_app
 from node_agent.serving import ServingCore
-from node_agent.serving.capabilities import MAX_N
 from node_agent.sources import resolve_source
 from serving_fixtures import mlx_thread_held, safetensors_bytes, wait_for
 from test_agent_controller import (TIMEOUT, collect, core, registration,  # noqa: F401
@@ -220,7 +219,8 @@ async def test_eager_loads_at_once_and_on_demand_waits_for_the_first_request(
         # limits); the never-loaded standby card has none (unknown), checked whole below
         caps = by_id["eager"]["capabilities"]
         assert (caps["task"], caps["max_n"], caps["max_context_tokens"], caps["embeddings"]) == (
-            "TextGeneration", min(MAX_N, eager.serving.max_concurrent_sequences), 4096, False)
+            "TextGeneration", min(core.max_choices, eager.serving.max_concurrent_sequences),
+            4096, False)
         assert by_id["lazy"] == {"id": "lazy", "object": "model",
                                  "created": by_id["lazy"]["created"], "owned_by": "mlx-fleet",
                                  "revision": "r1", "max_context_tokens": 4096,

@@ -228,7 +228,8 @@ async def test_malformed_json_is_400(agent: Agent, path: str) -> None:  # noqa: 
     ({"messages": msgs(), "top_p": 0}, "top_p"),
     ({"messages": msgs(), "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": msgs(), "stream": "yes"}, "stream"),
-    ({"messages": msgs(), "n": 2}, "n"),
+    ({"messages": msgs(), "n": 0}, "n"),
+    ({"messages": msgs(), "n": 9}, "n"),      # above --max-choices (default 8)
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({}, "messages"),
@@ -244,17 +245,16 @@ async def test_invalid_field_is_400_naming_it(agent: Agent, body: dict, param: s
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
     (COMPLETIONS, {"stream": False, "stream_options": {"include_usage": False}},
      "stream_options"),
-    (CHAT, {"n": 2}, "n"),
-    (COMPLETIONS, {"n": 3}, "n"),
-    # chat's tools, tool_choice and response_format are served (tests/test_structured_outputs.py);
-    # the legacy endpoint has none of them, nor does chat serve the deprecated functions
+    # chat's tools, tool_choice and response_format are served (tests/test_structured_outputs.py),
+    # and so are n and logprobs (tests/test_logprobs_n.py); the legacy endpoint has none of the
+    # first three nor a top_logprobs (its logprobs says how many), nor does chat serve the
+    # deprecated functions
     (COMPLETIONS, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (COMPLETIONS, {"tool_choice": "auto"}, "tool_choice"),
     (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
+    (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
-    (CHAT, {"logprobs": True}, "logprobs"),
-    (COMPLETIONS, {"logprobs": 2}, "logprobs"),
 ])
 async def test_unsupported_options_are_400_naming_them(agent: Agent, path: str, body: dict,  # noqa: F811
                                                        param: str) -> None:

@@ -76,7 +76,7 @@ async def test_document_is_served_open_and_built_from_the_models(small_agent: Ag
     # translate one: a validator would then be stricter than the document says)
     assert not set(_keys(doc)) & {"ge", "gt", "le", "lt", "strict"}
     props = schemas["CompletionRequest"]["properties"]
-    assert props["n"]["minimum"] == props["n"]["maximum"] == 1
+    assert (props["n"]["minimum"], props["n"]["maximum"]) == (1, small_agent.core.max_choices)
     assert props["max_tokens"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
     # without keys, nothing declares authentication
     assert "securitySchemes" not in doc["components"]

@@ -312,3 +312,44 @@ def test_https_etcd_endpoint_without_a_ca_is_a_preflight_error():
 
     with pytest.raises(PreflightError, match="is https: --etcd-ca-file is required"):
         load_etcd_credentials(build_parser().parse_args(["--etcd-endpoint", "https://etcd:2379"]))
+
+
+async def test_a_forged_report_from_another_node_does_not_set_per_replica_memory(
+        store, keys, monkeypatch):
+    """Issue 19 review: a rogue agent credential writes reports/<its node>/ns/llm/v1 with a
+    1 TiB estimate for a deployment never assigned to it. Only the node holding the slot is
+    believed: the replica keeps its Mac and the honest 8 GiB."""
+    import kopf
+
+    from mlx_fleet_operator.runtime import Runtime
+    from mlx_fleet_operator.sync import sync
+
+    async def patch_status(key, status):
+        pass
+
+    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status,
+                 source_policy=DEV_POLICY)
+    monkeypatch.setattr(kopf, "event", lambda body, **_: None)
+    await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
+    key = ("ns", "llm")
+    body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
+            "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1}}
+    log = logging.getLogger("test")
+    await sync(rt, body, log)  # no estimate yet: one replica placed to get one
+    assert set(rt.deployment(key).placed) == {("mac-a", "v1")}
+
+    def rep(node: str, estimate: int) -> AssignmentReport:
+        return AssignmentReport(node=node, namespace="ns", name="llm", generation=1,
+                                revision="v1", state=AssignmentState.READY,
+                                endpoint=f"http://{node}.local:8000",
+                                estimated_bytes=estimate)
+
+    rt.reports[key] = {("mac-a", "v1"): rep("mac-a", 8 * 2**30),
+                       ("rogue", "v1"): rep("rogue", 2**40)}
+    await sync(rt, body, log)
+    stored = Assignment.from_json((await store.get(asg_key(keys, "mac-a", "ns", "llm"))).value)
+    assert stored.memory_bytes == 8 * 2**30
+    assert set(rt.deployment(key).placed) == {("mac-a", "v1")}
+    status = rt.deployment(key).status.pending or rt.deployment(key).status.last
+    assert [n["name"] for n in status["nodes"]] == ["mac-a"]
+    rt.forget(key)

@@ -34,10 +34,11 @@ def report(node_: str, revision: str, estimated: int,
 
 
 def test_revision_estimates_take_the_largest_report_in_any_state():
-    got = revision_estimates({
+    reports = {
         ("a", "v1"): report("a", "v1", 3 * G), ("b", "v1"): report("b", "v1", 4 * G),
         ("c", "v1"): report("c", "v1", 5 * G, AssignmentState.FAILED),  # refused: counts
-        ("a", "v2"): report("a", "v2", 0, AssignmentState.LOADING)})   # none yet
+        ("a", "v2"): report("a", "v2", 0, AssignmentState.LOADING)}   # none yet
+    got = revision_estimates(reports, reports.keys())  # every reporting node holds its slot
     assert got == {"v1": 5 * G}
 
 

@@ -20,8 +20,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
-                                INSECURE_LISTEN, Exposure,
-                                exposure_check, is_loopback, may_send_key)
+                                INSECURE_LISTEN, Exposure, etcd_exposure_check, exposure_check,
+                                is_loopback, may_send_key)
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.route import Route
 from node_agent import openai_api
@@ -223,3 +223,118 @@ async def test_forward_key_is_not_sent_over_plain_http_to_another_host(
     assert said == ([] if insecure else [
         f"not sending the forward key to {target} over plain http (give the nodes "
         f"--tls-cert-file, or accept the risk with {INSECURE_FORWARD})"])  # once per node
+
+
+# --- the processes that listen for no clients: the operator and `mlx-fleet etcd bootstrap-auth`
+# check the etcd rules alone (review of issue 19: they accepted a password over http silently)
+
+@pytest.mark.parametrize("etcd, password, flags, refused, warned", [
+    (LOOPBACK_ETCD, False, set(), False, False),          # the dev cluster's and demo's etcd
+    ("https://etcd.lan:2379", True, set(), False, False),
+    ("http://etcd.lan:2379", False, set(), True, False),
+    ("http://etcd.lan:2379", True, set(), True, False),
+    (LOOPBACK_ETCD, True, set(), True, False),            # cleartext password even on loopback
+    ("http://etcd.lan:2379", True, {INSECURE_ETCD}, False, True),
+    ("http://etcd.lan:2379", False, {INSECURE_LISTEN}, True, False),  # only its own flag
+])
+def test_etcd_exposure_check_is_the_etcd_half_of_exposure_check(
+        etcd: str, password: bool, flags: set[str], refused: bool, warned: bool) -> None:
+    got = etcd_exposure_check(etcd_endpoint=etcd, etcd_password=password,
+                              insecure=frozenset(flags))
+    assert (bool(got.refusals), bool(got.warnings)) == (refused, warned)
+    assert all(INSECURE_ETCD in line for line in (*got.refusals, *got.warnings))
+    assert got == exposure_check(listen_host="127.0.0.1", api_keys=False, etcd_endpoint=etcd,
+                                 etcd_password=password, insecure=frozenset(flags))
+
+
+def test_operator_refuses_an_etcd_password_over_http_to_another_host(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Exit status 2 and one line naming the flag, before Kubernetes or etcd are touched."""
+    from mlx_fleet_operator.main import main as operator_main
+
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    argv = ["--etcd-endpoint", "http://etcd.example:2379", "--etcd-username",
+            "mlx-fleet-operator", "--etcd-password-file", str(pw), "--metrics-port", "0"]
+    assert operator_main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mlx-fleet-operator: error: ") and INSECURE_ETCD in line
+    assert "s3cret" not in line
+    assert operator_main(["--etcd-endpoint", "http://etcd.example:2379",
+                          "--metrics-port", "0"]) == 2
+    assert INSECURE_ETCD in capsys.readouterr().err
+
+
+def test_operator_accepts_the_risk_with_the_flag_and_loopback_without() -> None:
+    from mlx_fleet.etcd_credentials import EtcdCredentials
+    from mlx_fleet_operator.main import build_parser, check_etcd_exposure
+
+    creds = EtcdCredentials(username="mlx-fleet-operator", password="s3cret")
+    args = build_parser().parse_args(["--etcd-endpoint", "http://etcd.example:2379",
+                                      INSECURE_ETCD])
+    (warning,) = check_etcd_exposure(args, creds)
+    assert warning.startswith(f"INSECURE ({INSECURE_ETCD})") and "s3cret" not in warning
+    loopback = build_parser().parse_args(["--etcd-endpoint", LOOPBACK_ETCD])
+    assert check_etcd_exposure(loopback, EtcdCredentials()) == ()
+
+
+def _bootstrap(argv: list[str]) -> int:
+    from mlx_fleet.cli import build_parser as fleet_parser
+
+    args = fleet_parser().parse_args(["etcd", "bootstrap-auth", *argv])
+    return args.func(args)
+
+
+@pytest.mark.parametrize("endpoint, what", [
+    ("http://etcd.example:2379", []),                          # plain http to another host
+    (LOOPBACK_ETCD, ["--password-file", "root={pw}"]),          # root's new password in clear
+    (LOOPBACK_ETCD, ["--etcd-username", "root", "--etcd-password-file", "{pw}"]),  # the login
+])
+def test_bootstrap_auth_refuses_passwords_over_http(tmp_path: Path, capsys, monkeypatch,
+                                                    endpoint: str, what: list[str]) -> None:
+    from mlx_fleet import etcdcli
+
+    async def applied(*_a, **_kw) -> int:
+        return 0
+
+    monkeypatch.setattr(etcdcli, "_apply", applied)  # etcd is never dialled either way
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    argv = ["--etcd-endpoint", endpoint, "--node", "mac-1",
+            *[a.format(pw=pw) for a in what]]
+    assert _bootstrap(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mlx-fleet etcd bootstrap-auth: ") and INSECURE_ETCD in line
+    assert "s3cret" not in line
+    assert _bootstrap([*argv, INSECURE_ETCD]) == 0  # accepted, with a warning
+    assert f"INSECURE ({INSECURE_ETCD})" in capsys.readouterr().err
+
+
+def test_bootstrap_auth_on_loopback_without_passwords_needs_no_flag(capsys, monkeypatch) -> None:
+    from mlx_fleet import etcdcli
+
+    async def applied(*_a, **_kw) -> int:
+        return 0
+
+    monkeypatch.setattr(etcdcli, "_apply", applied)
+    assert _bootstrap(["--etcd-endpoint", LOOPBACK_ETCD, "--node", "mac-1"]) == 0
+    assert "INSECURE" not in capsys.readouterr().err
+
+
+def test_kind_up_is_closed_by_default() -> None:
+    """scripts/kind-up.sh (issue 19 review): its unauthenticated development etcd is published
+    on 127.0.0.1 unless --etcd-listen says otherwise, and an external plain-http etcd needs
+    --insecure-etcd-http (refused before kind, docker or anything else is touched)."""
+    import re
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kind-up.sh"
+    usage = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True,
+                           timeout=30)
+    assert usage.returncode == 0
+    assert re.search(r"--etcd-listen ADDR\s+host address it is published on \(default: "
+                     r"127\.0\.0\.1", usage.stdout), usage.stdout
+    refused = subprocess.run(["bash", str(script), "--etcd-endpoint", "http://etcd.example:2379"],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and INSECURE_ETCD in refused.stderr, refused.stderr
+    assert "is required on PATH" not in refused.stderr  # refused before looking for kind

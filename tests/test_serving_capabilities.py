@@ -123,9 +123,10 @@ def test_the_n_bound_is_the_agents_within_the_batch(max_choices, batch: int,
 
 async def test_the_agent_refuses_by_its_revisions_capabilities(
         agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """The 400 comes from the loaded revision's capabilities (here with an n bound of 2),
-    in the words of mlx_fleet.capabilities — the fleet router's own answer."""
-    monkeypatch.setattr(caps_mod, "MAX_N", 2)
+    """The 400 comes from the loaded revision's capabilities (here with an n bound of 2: the
+    agent's --max-choices), in the words of mlx_fleet.capabilities — the fleet router's own
+    answer."""
+    monkeypatch.setattr(agent.core, "max_choices", 2)
     listed = await (await agent.client.get("/v1/models")).json()
     card = next(m for m in listed["data"] if m["id"] == MODEL_ID)
     assert card["capabilities"]["max_n"] == 2 and card["capabilities"]["tool_parser"] == "json_tools"

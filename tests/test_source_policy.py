@@ -127,6 +127,16 @@ def test_check_source(policy: SourcePolicy, uri: str, rule: str | None) -> None:
     ("::ffff:169.254.169.254", False, False), ("224.0.0.1", False, False),
     ("ff02::1", False, False), ("240.0.0.1", False, False), ("192.0.2.1", False, False),
     ("2001:db8::1", False, False), ("not-an-ip", False, False),
+    # 6to4 (2002::/16): judged by the IPv4 address inside, then as itself
+    ("2002:c0a8:101::", False, True), ("2002:7f00:1::1", False, True),
+    ("2002:a00:1::", False, True), ("2002:a9fe:a9fe::1", False, False),  # 169.254.169.254
+    ("2002:0:1::1", False, False), ("2002:808:808::1", True, True),  # 0.0.0.1 / 8.8.8.8
+    # Teredo (2001::/32): server and client inside (the client's bits are inverted); the
+    # prefix itself is not global, so only a policy allowing private networks reaches it
+    ("2001:0:4136:e378:8000:63bf:80ff:fffe", False, True),    # client 127.0.0.1
+    ("2001:0:808:808:8000:63bf:5601:5601", False, False),     # client 169.254.169.254
+    ("2001:0:a9fe:a9fe:8000:63bf:f7f7:f7f7", False, False),   # server 169.254.169.254
+    ("2001:0:808:808:8000:63bf:f7f7:f7f7", False, True),      # both 8.8.8.8
 ])
 def test_check_address(ip: str, default: bool, private_ok: bool) -> None:
     assert (check_address(DEFAULT_POLICY, ip) is None) is default, ip

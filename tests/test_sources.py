@@ -648,19 +648,45 @@ async def test_hf_snapshot_linking_out_of_the_repository_is_refused(
 
 class FakeHub:
     """The part of the Hugging Face Hub API that ``snapshot_download`` uses (revision info, the
-    file tree, ``resolve`` with ``X-Repo-Commit``/``ETag``), for one repository at one commit.
+    file tree, ``resolve`` with ``X-Repo-Commit``/``ETag``), and ``list_repo_refs`` /
+    ``list_repo_commits`` (``main`` and a pull request), for one repository at one commit.
     Records ``(method, file)`` of every file request; paces file bodies like a slow link."""
 
     def __init__(self, files: dict[str, bytes], commit: str) -> None:
         self.files, self.commit = files, commit
         self.requests: list[tuple[str, str]] = []
+        #: The ``main`` branch's head and history (commits reachable from a branch); the
+        #: served commit unless a test makes it a pull request's only.
+        self.main = commit
+        self.history = [commit]
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/api/models/{org}/{name}/revision/{rev}", self.revision)
         app.router.add_get("/api/models/{org}/{name}/tree/{rev}", self.tree)
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", self.resolve)
+        app.router.add_get("/api/models/{org}/{name}/refs", self.refs)
+        app.router.add_get("/api/models/{org}/{name}/commits/{rev:.+}", self.commits)
         return app
+
+    async def refs(self, request: web.Request) -> web.Response:
+        """``main`` at :attr:`main` (default: the served commit); ``refs/pr/1`` at the served
+        commit."""
+        def ref(kind: str, name: str, commit: str) -> dict:
+            return {"name": name, "ref": f"refs/{kind}/{name}", "targetCommit": commit}
+
+        return web.json_response({"branches": [ref("heads", "main", self.main)], "tags": [],
+                                  "converts": [],
+                                  "pullRequests": [ref("pr", "1", self.commit)]})
+
+    async def commits(self, request: web.Request) -> web.Response:
+        """``main``'s history: :attr:`history` (default: the served commit)."""
+        if request.match_info["rev"] not in ("main", "refs/heads/main"):
+            return web.json_response({"error": "Revision Not Found"}, status=404,
+                                     headers={"X-Error-Code": "RevisionNotFound"})
+        return web.json_response([
+            {"id": c, "authors": [{"user": "test-org"}], "date": "2026-01-01T00:00:00.000Z",
+             "title": "a commit", "message": ""} for c in self.history])
 
     async def revision(self, request: web.Request) -> web.Response:
         return web.json_response({"id": "hub-org/tiny", "sha": self.commit,

@@ -2,6 +2,13 @@
 (the canary split, a standby reload, or a forward to another node), generate on the
 :class:`~node_agent.serving.ServingCore`, and answer as JSON or an SSE stream.
 
+``n`` choices answer ``choices`` with ``index`` 0 .. n-1 (streamed: each event carries its
+choice's ``index``; with tools, each choice's calls are parsed on their own) and a ``usage``
+counting the prompt once and every choice's tokens. With ``logprobs`` each choice carries
+OpenAI's ``logprobs`` object (chat: ``content`` entries; legacy: ``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``), streamed per event for its tokens
+(:mod:`node_agent.sse`).
+
 The revision is chosen by :func:`.routing.serve_on` (shared with the embeddings route).
 Statuses beyond :mod:`.parse`'s 400s and :mod:`.routing`'s: 400 ``unsupported_parameter`` /
 ``unsupported_value`` when the revision that would serve the request lacks a capability it needs
@@ -13,7 +20,9 @@ answer, word for word, ``param`` naming the field), 400 ``context_length_exceede
 ``tools`` / ``tool_choice`` / ``response_format`` that cannot be served as asked
 (:mod:`.structured`) or whose schema the constrained decoder cannot enforce (``code``
 ``invalid_schema``, ``param`` ``response_format.json_schema.schema`` or ``tools``, the message
-naming the keyword), 404 ``model_not_found``, 429 with
+naming the keyword), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
+(``ServingCore.generate``'s ``TooManyChoices``; the capabilities answer first), 404
+``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
 (``ServingCore.failure``) or a standby revision can't be reloaded (``model_reload_failed``).
 Every answer from the point the revision is known carries ``X-Model-Revision``.
@@ -31,11 +40,12 @@ from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
-                          CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
-                          SamplingRequest, TextChoice, TextCompletion, ToolCall, Usage)
+                          ChoiceLogprobs, CompletionLogprobs, CompletionRequest, ErrorDetail,
+                          ErrorResponse, PromptTokensDetails, SamplingRequest, TextChoice,
+                          TextCompletion, ToolCall, Usage, chat_logprobs, completion_logprobs)
 from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
                        InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
-                       StreamBufferOverflow, WrongTask)
+                       StreamBufferOverflow, TooManyChoices, WrongTask)
 from ..sse import DONE, StreamEncoder, data_event
 from .context import HUNG_UP
 from .forward import Forwarder
@@ -55,6 +65,16 @@ def usage_of(gen: Any) -> Usage:
     return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
                  total_tokens=gen.prompt_tokens + gen.completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
+
+
+def logprobs_wanted(req: SamplingRequest) -> int | None:
+    """How many top log-probabilities per token the request asks for: chat ``top_logprobs``
+    (0 when absent) when ``logprobs`` is true, legacy ``logprobs``; ``None``: none asked."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return None
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -103,7 +123,7 @@ class Completions:
             return served
         info, headers = served.info, served.headers
         refused = refusal(info, request.path, req.model_dump(include=set(REQUEST_FIELDS)),
-                          req.model, headers)
+                          req.model, headers, max_choices=core.max_choices)
         if refused is not None:
             return refused
         outcome = Outcome(served.tm, served.routed)
@@ -120,7 +140,10 @@ class Completions:
                                       max_tokens=max_tokens, temperature=req.temperature,
                                       top_p=req.top_p, stop=req.stop, seed=req.seed,
                                       tools=plan.tools, grammar=plan.grammar,
-                                      grammar_param=plan.grammar_param)
+                                      grammar_param=plan.grammar_param,
+                                      n=req.n, logprobs=logprobs_wanted(req))
+        except TooManyChoices as e:
+            return _error(400, str(e), param="n", code="invalid_value", headers=headers)
         except ModelNotLoaded:
             return _error(404, f"The model '{req.model}' is not loaded on this node",
                           param="model", code="model_not_found")
@@ -152,11 +175,15 @@ class Completions:
             if req.stream:
                 return await self._stream(request, req, kind, gen, rid, created, headers,
                                           outcome, plan)
-            parts: list[str] = []
+            parts: list[list[str]] = [[] for _ in range(gen.n)]
+            entries: list[list[Any]] = [[] for _ in range(gen.n)]
             try:
                 while batch := await gen.next_batch():
-                    outcome.token(batch[-1].completion_tokens)
-                    parts.extend(chunk.text for chunk in batch)
+                    outcome.token(gen.completion_tokens)
+                    for chunk in batch:
+                        parts[chunk.index].append(chunk.text)
+                        if chunk.logprobs is not None:
+                            entries[chunk.index].append(chunk.logprobs)
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
@@ -165,37 +192,45 @@ class Completions:
                 return _error(503, self._aborted(e), type_="server_error",
                               code="unavailable", headers=headers)
         outcome.done(failed=False)
-        text = "".join(parts)
+        texts = ["".join(p) for p in parts]
         usage = usage_of(gen)
+        want = logprobs_wanted(req) is not None
         body: ChatCompletion | TextCompletion
         if kind == "chat":
-            calls: list[dict] = []
-            content: str | None = text
-            if plan.tool_format is not None:
-                reader = ToolCallReader(plan.tool_format, plan.tools)
-                pieces = reader.feed(text) + reader.finish()
-                content = "".join(p for k, p in pieces if k == "content")
-                calls = reader.calls
-                content = content if content or not calls else None
-            message = AssistantMessage(role="assistant", content=content,
-                                       tool_calls=[ToolCall.model_validate(c) for c in calls]
-                                       if calls else None)
-            body = ChatCompletion(
-                id=rid, object="chat.completion", created=created, model=req.model,
-                choices=[ChatChoice(index=0, message=message, logprobs=None,
-                                    finish_reason=finish_reason(gen.finish_reason,
-                                                                bool(calls)))],
-                usage=usage)
+            choices, with_calls = [], []
+            for i, text in enumerate(texts):
+                calls: list[dict] = []
+                content: str | None = text
+                if plan.tool_format is not None:   # each choice's calls parsed on their own
+                    reader = ToolCallReader(plan.tool_format, plan.tools)
+                    pieces = reader.feed(text) + reader.finish()
+                    content = "".join(p for k, p in pieces if k == "content")
+                    calls = reader.calls
+                    content = content if content or not calls else None
+                message = AssistantMessage(
+                    role="assistant", content=content,
+                    tool_calls=[ToolCall.model_validate(c) for c in calls] if calls else None)
+                choices.append(ChatChoice(
+                    index=i, message=message,
+                    logprobs=(ChoiceLogprobs.model_validate(chat_logprobs(entries[i]))
+                              if want else None),
+                    finish_reason=finish_reason(gen.finish_reasons[i], bool(calls))))
+                with_calls.append(bool(calls))
+            body = ChatCompletion(id=rid, object="chat.completion", created=created,
+                                  model=req.model, choices=choices, usage=usage)
             payload = body.model_dump()
-            if not calls:   # tool_calls only when there are some (as OpenAI answers)
-                for choice in payload["choices"]:
+            for choice, called in zip(payload["choices"], with_calls):
+                if not called:   # tool_calls only when there are some (as OpenAI answers)
                     choice["message"].pop("tool_calls", None)
             return web.json_response(payload, headers=headers)
         else:
             body = TextCompletion(
                 id=rid, object="text_completion", created=created, model=req.model,
-                choices=[TextChoice(index=0, text=text, logprobs=None,
-                                    finish_reason=gen.finish_reason)],
+                choices=[TextChoice(
+                    index=i, text=texts[i],
+                    logprobs=(CompletionLogprobs.model_validate(completion_logprobs(entries[i]))
+                              if want else None),
+                    finish_reason=gen.finish_reasons[i]) for i in range(gen.n)],
                 usage=usage)
         return web.json_response(body.model_dump(), headers=headers)
 
@@ -207,19 +242,21 @@ class Completions:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
-        events = StreamEncoder(kind, rid, created, req.model, include_usage)
+        events = StreamEncoder(kind, rid, created, req.model, include_usage,
+                               logprobs=logprobs_wanted(req) is not None, n=gen.n)
         try:
             if kind == "chat":
                 await resp.write(events.first())
             try:
                 # every chunk already waiting goes out in one write (a stream that fell behind
                 # catches up in one wake-up); the events are those of one chunk each
-                reader = (None if plan.tool_format is None
-                          else ToolCallReader(plan.tool_format, plan.tools))
+                readers = (None if plan.tool_format is None   # one per choice
+                           else [ToolCallReader(plan.tool_format, plan.tools)
+                                 for _ in range(gen.n)])
                 while batch := await gen.next_batch():
-                    outcome.token(batch[-1].completion_tokens)
-                    data = (events.chunks(batch) if reader is None
-                            else _tool_events(events, reader, batch))
+                    outcome.token(gen.completion_tokens)
+                    data = (events.chunks(batch) if readers is None
+                            else _tool_events(events, readers, batch))
                     if data:
                         await resp.write(data)
             except GenerationAborted as e:
@@ -246,22 +283,27 @@ class Completions:
         return resp
 
 
-def _tool_events(events: StreamEncoder, reader: ToolCallReader, batch: list[Any]) -> bytes:
-    """The events of ``batch`` when tool calls are parsed: content as it is safe to send (a
-    possible call start held back), each call whole in one ``delta.tool_calls`` event, the
-    final chunk's finish reason ``tool_calls`` after calls."""
+def _tool_events(events: StreamEncoder, readers: list[ToolCallReader],
+                 batch: list[Any]) -> bytes:
+    """The events of ``batch`` when tool calls are parsed (``readers``: one per choice):
+    content as it is safe to send (a possible call start held back), each call whole in one
+    ``delta.tool_calls`` event, the final chunk's finish reason ``tool_calls`` after calls;
+    each event in its chunk's choice, token log-probabilities with the choice's next content
+    or final event."""
     out: list[bytes] = []
     for chunk in batch:
+        events.note(chunk)
+        reader, index = readers[chunk.index], chunk.index
         pieces = reader.feed(chunk.text)
         if chunk.finish_reason is not None:
             pieces += reader.finish()
         for kind, value in pieces:
             if kind == "content":
-                out.append(events.chunk(value, None))
+                out.append(events.chunk(value, None, index))
             else:
                 first, calls = value
-                out.append(events.tool_calls(calls, first))
+                out.append(events.tool_calls(calls, first, index))
         if chunk.finish_reason is not None:
             out.append(events.chunk("", finish_reason(chunk.finish_reason,
-                                                      bool(reader.calls))))
+                                                      bool(reader.calls)), index))
     return b"".join(out)

@@ -5,7 +5,9 @@
 and the legacy ``functions`` / ``function_call``, which no model here serves (``code``
 ``unsupported_parameter``, :func:`unsupported`). What depends on the model (tools, structured
 outputs, logprobs, ``n``) is decided once the serving revision is known, by its capabilities
-(:mod:`.completions`).
+(:mod:`.completions`); a chat ``top_logprobs`` without ``logprobs: true`` is a 400 here
+(``invalid_value``, as OpenAI answers), and so is a legacy ``top_logprobs`` (not a field of
+OpenAI's legacy API, whose ``logprobs`` says how many: ``unsupported_parameter``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pydantic import ValidationError
 
 from mlx_fleet.http_errors import error_response as _error
 
-from ..api_models import ChatCompletionRequest, SamplingRequest
+from ..api_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 __all__ = ["parse", "unsupported", "validation_error", "LEGACY_REFUSED"]
 
@@ -46,6 +48,14 @@ def unsupported(req: SamplingRequest) -> web.Response | None:
     if req.stream_options is not None and not req.stream:
         return _error(400, "stream_options: only allowed when stream is true",
                       param="stream_options", code="invalid_value")
+    if (isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None
+            and req.logprobs is not True):
+        return _error(400, "top_logprobs: only allowed when logprobs is true",
+                      param="top_logprobs", code="invalid_value")
+    if isinstance(req, CompletionRequest) and req.top_logprobs not in (None, 0):
+        return _error(400, "top_logprobs: top_logprobs is not supported on /v1/completions "
+                      "(its logprobs says how many)", param="top_logprobs",
+                      code="unsupported_parameter")
     off = {
         "functions": not req.functions,
         "function_call": req.function_call in (None, "none"),

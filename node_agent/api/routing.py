@@ -52,14 +52,16 @@ def not_found(model: str) -> web.Response:
 
 
 def refusal(info: ModelInfo, path: str, fields: Mapping[str, Any], model: str,
-            headers: dict[str, str]) -> web.Response | None:
+            headers: dict[str, str], *, max_choices: int | None = None) -> web.Response | None:
     """The 400 for a request to ``path`` (``fields``: its body's
     :data:`~mlx_fleet.capabilities.REQUEST_FIELDS`) that revision ``info`` cannot serve —
     :func:`mlx_fleet.capabilities.satisfies` over its
     :func:`~node_agent.serving.capabilities.model_capabilities`, the fleet router's answer word
     for word (``wrong_model_task`` for a model of the other task, ``unsupported_parameter`` /
-    ``unsupported_value`` for a capability it lacks) — or None when it can."""
-    missing = satisfies(model_capabilities(info), required_capabilities(path, fields))
+    ``unsupported_value`` for a capability it lacks) — or None when it can. ``max_choices``:
+    the core's bound on ``n`` (its ``max_choices``, ``--max-choices``)."""
+    missing = satisfies(model_capabilities(info, max_choices=max_choices),
+                        required_capabilities(path, fields))
     if missing is None:
         return None
     return _error(400, missing.message(model), param=missing.param, code=missing.code,

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
                                 RELOADING_ON_DEMAND, Assignment, AssignmentState,
@@ -25,13 +24,13 @@ from mlx_fleet.contract import (EVICTED, IDLE_UNLOADED, PREDICTIVE_PREFETCH,
 from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 
 from .. import memory_estimate
-from ..fetch import (DownloadLimits, cache_bytes, collect_garbage, digest_of, fetch,
-                     mirror_dir)
-from ..fetch.cache import SourceHolds, touch_state
+from ..fetch import (DownloadLimits, cache_bytes, cache_entry_name, collect_garbage, digest_of,
+                     fetch, hub_cache_dir, touch_entry)
+from ..fetch.cache import SourceHolds
 from ..fetch.gc import Deletion
 from ..serving import ModelLoadError
 from ..serving.capabilities import model_capabilities
-from ..serving.errors import LOAD_CANCELLED
+from ..serving.errors import LOAD_CANCELLED, LOAD_FAILURE_TEXT
 from ..model_dir import SourceError, status_message
 from ..sources import is_remote
 from . import step
@@ -49,7 +48,9 @@ class Loader:
     """Loads revisions for ``rt``'s keys. ``resolve``: local source URI → local path;
     ``model_cache``: where ``https://`` sources are downloaded; ``backoff``: ``(initial,
     maximum)`` retry delay of a failed load, seconds (:func:`.step.failed`); ``limits``: what
-    a download may take (:class:`~node_agent.fetch.DownloadLimits`); ``policy``: the source
+    a download may take (:class:`~node_agent.fetch.DownloadLimits`; ``hf://`` sources go to
+    :func:`~node_agent.fetch.hub_cache_dir`, the agent's own ``model_cache/hf`` unless
+    ``$HF_HUB_CACHE`` is set, capped and collected like the rest); ``policy``: the source
     policy remote sources are fetched under (local ones: ``resolve`` applies it).
 
     A source that fails is reported with :func:`~node_agent.model_dir.status_message` (the
@@ -76,25 +77,21 @@ class Loader:
         self.collected = asyncio.Event()
 
     # -- the model cache's garbage collection ------------------------------------------------
-    def _cache_dir(self, spec: Spec | None) -> Path | None:
-        """Where ``spec``'s source is downloaded in the model cache (None: not an
-        ``https://`` source, or a malformed one)."""
-        if spec is None or urlsplit(spec.uri.strip()).scheme.lower() != "https":
-            return None
-        try:
-            return mirror_dir(spec.uri, self._model_cache)
-        except SourceError:
-            return None
+    def _cache_entry(self, spec: Spec | None) -> tuple[str, Path | None] | None:
+        """``spec``'s source's name in the model cache and the path marking its last use
+        (:func:`~node_agent.fetch.cache_entry_name`; None: a local or malformed source)."""
+        return None if spec is None else cache_entry_name(spec.uri, self._model_cache)
 
     def _cache_names(self) -> tuple[set[str], set[str]]:
-        """The model cache's directory names of the ``https://`` sources ``(assigned here —
-        desired, attempted or being worked on —, loaded or being loaded)``."""
+        """The model cache's names of the remote sources (``https://`` directories,
+        ``hf://`` revisions or repositories) ``(assigned here — desired, attempted or being
+        worked on —, loaded or being loaded)``."""
         assigned: set[str] = set()
         loaded: set[str] = set()
 
         def name(spec: Spec | None) -> str | None:
-            d = self._cache_dir(spec)
-            return d.name if d is not None else None
+            entry = self._cache_entry(spec)
+            return entry[0] if entry is not None else None
 
         for rec in self._rt.records.values():
             running = rec.running if isinstance(rec.running, Spec) else None
@@ -159,8 +156,8 @@ class Loader:
         garbage collector keeps them ``unused_max_age_s`` from here, for a re-assignment or a
         rollback, unless the space is needed) and a collection is scheduled now and then."""
         for spec in specs:
-            if (d := self._cache_dir(spec)) is not None:
-                touch_state(d)
+            if (entry := self._cache_entry(spec)) is not None:
+                touch_entry(entry[1])
         self.schedule_gc()
         self.schedule_gc(self.limits.unused_max_age_s + 1.0)
 
@@ -230,6 +227,7 @@ class Loader:
                              estimated_bytes=est.total_bytes if est is not None else known)
             return True
 
+        path: Path | str = spec.uri  # the local directory, once resolved (for the log)
         try:
             shown = False
             if remote:
@@ -250,7 +248,7 @@ class Loader:
                 max_concurrent_sequences=spec.max_concurrent_sequences)
             if shown:
                 await self._reports.put(key, AssignmentState.LOADING, reason="LoadingModel",
-                                        message=f"loading {spec.model_id} from {path}",
+                                        message=f"loading {spec.model_id} from {spec.uri}",
                                         estimated_bytes=est.total_bytes, digest=digest,
                                         **common)
             await self._make_room(key, spec, est.total_bytes,
@@ -274,14 +272,18 @@ class Loader:
             finally:
                 rec.loading = None
             resident = est.weights_bytes
-        except memory_estimate.ModelFileError as e:
+        except memory_estimate.ModelFileError as e:  # the message names files, not the path
+            log.warning("model files of %s revision %s at %s refused: %s: %s", spec.model_id,
+                        spec.revision, path, e.reason, e.message)
             return await fail(e.reason, e.message)
         except ModelLoadError as e:
             if e.reason == LOAD_CANCELLED:  # an unload (the assignment changed or went) called
                 log.info("loading %s revision %s called off: %s", spec.model_id,  # it off
                          spec.revision, e.message)
                 return False                # not a failure: the key's next task takes over
-            return await fail(e.reason, e.message)
+            log.warning("loading %s revision %s from %s failed: %s: %s", spec.model_id,
+                        spec.revision, path, e.reason, e.message)
+            return await fail(e.reason, e.public)  # no path or exception text in a status
         except SourceError as e:
             log.warning("source %s of %s revision %s (assignment %s): %s: %s", spec.uri,
                         spec.model_id, spec.revision, key, e.reason, e.message)
@@ -289,14 +291,15 @@ class Loader:
         except ValueError as e:
             return await fail("InvalidAssignment", str(e))
         except Exception as e:  # MLX or anything else: the assignment fails, the agent lives
-            log.exception("loading %s failed", spec.model_id)
-            return await fail("LoadFailed", f"{type(e).__name__}: {e}")
+            log.exception("loading %s failed", spec.model_id)  # the detail: the log only
+            return await fail("LoadFailed", LOAD_FAILURE_TEXT["LoadFailed"])
         rec.failure = None
         now = rt.clock()
         rec.loaded = loaded = Loaded(spec, resident, last_used=now, load_seconds=now - t0,
                                      estimated_bytes=est.total_bytes, created_unix=time.time(),
                                      digest=digest,
-                                     capabilities=model_capabilities(info))
+                                     capabilities=model_capabilities(
+                                         info, max_choices=rt.core.max_choices))
         rt.metrics.model_loads.labels(reason if on_demand else LOAD_ASSIGNED).inc()
         log.info("model %s revision %s ready (assignment %s)", spec.model_id, spec.revision, key)
         await self._reports.ready(key, a, loaded)
@@ -351,6 +354,7 @@ class Loader:
             rt.metrics.download_rate.labels(*labels).set(p.rate_bytes_per_second)
 
         task = asyncio.ensure_future(fetch(spec.uri, self._model_cache, progress=on_progress,
+                                           hf_cache_dir=hub_cache_dir(self._model_cache),
                                            limits=self.limits, make_room=self.collect_garbage,
                                            policy=self._policy))
         written: DownloadProgress | None = None

@@ -35,7 +35,9 @@ Failures raise :class:`~node_agent.model_dir.SourceError`: ``SourceRefused`` (th
 policy refuses the source, an address it resolves to, or a redirect), ``ModelNotFound`` (no such repository
 or revision, not cached while offline, no manifest at the mirror), ``InvalidSource`` (malformed
 URI or manifest, an unpinned ``hf://`` revision, unsafe path, bad model directory),
-``InsufficientDisk`` (over the cache's cap or the disk's reserve; nothing was downloaded),
+``InsufficientDisk`` (over the cache's cap or the disk's reserve; nothing was downloaded;
+``hf://``: a file the hub gives no size for is ``InvalidSource`` and a dry run that fails is
+``DownloadFailed``, unless the revision is cached),
 ``DownloadFailed`` (an HTTP error status,
 the connection lost too often, TLS failure, hub unreachable), ``DownloadStalled`` (no byte for
 ``stall_timeout_s``; names the file and the bytes done), ``DownloadCorrupt`` (size or sha256
@@ -58,8 +60,8 @@ from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy, hf_token_allow
 
 from ..model_dir import SourceError
 from .bounds import INSUFFICIENT_DISK, DownloadLimits, unpinned_refusal
-from .cache import (_CHUNK_BYTES, MakeRoom, cache_bytes, collect_garbage, default_model_cache,
-                    digest_of)
+from .cache import (_CHUNK_BYTES, MakeRoom, cache_bytes, cache_entry_name, collect_garbage,
+                    default_model_cache, digest_of, hub_cache_dir, owns_hub_cache, touch_entry)
 from .hops import refuse_source
 from .hub import HUB_ALLOW_PATTERNS, _fetch_hub
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
@@ -71,7 +73,8 @@ __all__ = ["fetch", "default_model_cache", "parse_hf_uri", "mirror_base_url", "m
            "parse_manifest", "ManifestEntry", "ProgressCallback", "MANIFEST_NAME", "STATE_FILE",
            "HUB_ALLOW_PATTERNS", "DEFAULT_STALL_TIMEOUT_S", "PROGRESS_INTERVAL_S",
            "RATE_WINDOW_S", "DownloadLimits", "INSUFFICIENT_DISK", "MakeRoom", "digest_of",
-           "collect_garbage", "cache_bytes"]
+           "collect_garbage", "cache_bytes", "cache_entry_name", "hub_cache_dir",
+           "touch_entry"]
 
 #: Seconds without a byte before a download fails with ``DownloadStalled``.
 DEFAULT_STALL_TIMEOUT_S = 60.0
@@ -94,7 +97,9 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
     """Download ``uri`` (``hf://`` or ``https://``) unless it is already complete on disk, and
     return the checked local model directory.
 
-    ``dest_root``: where ``https://`` mirrors are stored (``dest_root/https/<name>/``);
+    ``dest_root``: where ``https://`` mirrors are stored (``dest_root/https/<name>/``); when
+    ``hf_cache_dir`` is ``dest_root/hf`` (the agent's own, :func:`hub_cache_dir`), ``hf://``
+    downloads count under ``limits``' cap too;
     ``progress``: receives :class:`DownloadProgress` at most every ``progress_interval_s``
     seconds and once at the end (see the module docstring); ``stall_timeout_s``: seconds
     without a byte (or without an answer) before ``DownloadStalled``; ``max_attempts``:
@@ -123,11 +128,14 @@ async def fetch(uri: str, dest_root: str | os.PathLike, *,
         refusal = unpinned_refusal(uri, parse_hf_uri(uri)[1], allow=limits.allow_unpinned_hub)
         if refusal is not None:
             raise refusal
+        hub_cache = hf_cache_dir or os.environ.get("HF_HUB_CACHE") or None
+        owned = owns_hub_cache(Path(dest_root), hub_cache)
         return await _fetch_hub(uri, callback=callback, interval=progress_interval_s,
-                                stall_timeout_s=stall_timeout_s, cache_dir=hf_cache_dir,
+                                stall_timeout_s=stall_timeout_s, cache_dir=hub_cache,
                                 endpoint=hf_endpoint, offline=offline, limits=limits,
                                 disk_usage=disk_usage, make_room=make_room,
-                                use_token=hf_token_allowed(policy, uri))
+                                use_token=hf_token_allowed(policy, uri),
+                                model_cache=Path(dest_root) if owned else None)
     if scheme == "https":
         return await _Mirror(uri, Path(dest_root), callback=callback,
                              interval=progress_interval_s, stall_timeout_s=stall_timeout_s,

@@ -10,6 +10,8 @@
   reported per replica (:attr:`mlx_fleet.contract.AssignmentReport.digest`).
 * :func:`unpinned_refusal` — an ``hf://`` source must pin a 40-hex commit unless
   ``allow_unpinned_hub``.
+* :func:`hub_need` — the bytes an ``hf://`` download will fetch, from huggingface_hub's dry
+  run; a file it would fetch without a known size refuses the download (fail closed).
 
 Default reserve: 10 % of the filesystem, Kubernetes' kubelet default hard-eviction threshold
 ``nodefs.available<10%`` (https://kubernetes.io/docs/concepts/scheduling-eviction/
@@ -29,7 +31,8 @@ from ..model_dir import SourceError
 
 __all__ = ["DownloadLimits", "INSUFFICIENT_DISK", "DEFAULT_RESERVE_FRACTION",
            "DEFAULT_UNUSED_MAX_AGE_S", "DEFAULT_PART_MAX_AGE_S", "room_refusal",
-           "manifest_digest", "hub_digest", "is_commit", "unpinned_refusal", "parse_reserve"]
+           "manifest_digest", "hub_digest", "is_commit", "unpinned_refusal", "parse_reserve",
+           "hub_need"]
 
 #: The failure reason of a download refused for space (the report's ``reason``).
 INSUFFICIENT_DISK = "InsufficientDisk"
@@ -146,3 +149,22 @@ def unpinned_refusal(uri: str, revision: str | None, *, allow: bool) -> SourceEr
                        f"commit>); {shown!s} is a branch or tag that can move. Pin the commit, "
                        "or start the agent with --allow-unpinned-hub-revisions (the commit it "
                        "resolves to is reported per replica)")
+
+
+def hub_need(files: Iterable[tuple[str, int | None, bool]], *, what: str) -> int:
+    """The bytes an ``hf://`` download will fetch, from huggingface_hub's dry run:
+    ``(filename, file_size or None, will_download)`` per file. A file to fetch whose size the
+    hub did not give can't be checked against the disk or the cap, so the download is
+    refused: raises the ``InvalidSource`` :class:`SourceError` naming it (``what`` names the
+    source). Files already cached count 0."""
+    need = 0
+    for name, size, will_download in files:
+        if not will_download:
+            continue
+        if size is None or size < 0:
+            raise SourceError("InvalidSource",
+                              f"{what}: the hub did not say the size of {name}, so the download "
+                              "can't be checked against the disk's reserve and the cache's cap; "
+                              "nothing was downloaded")
+        need += size
+    return need

@@ -13,15 +13,30 @@ cache only (``local_files_only``). Only the files mlx-lm loads are fetched
 (:data:`HUB_ALLOW_PATTERNS`; no ``*.py``). Timeouts, retries and resumption are
 huggingface_hub's; progress comes from its progress bars (best effort). Before the first byte
 (online), a dry run of ``snapshot_download`` (``dry_run=True``: the files it would fetch, with
-their sizes) gives the bytes still to fetch, checked against the Hugging Face cache's disk
-minus the reserve (:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` first, then
-``InsufficientDisk``); the model cache's cap does not apply to the Hugging Face cache.
+their sizes) gives the bytes still to fetch (:func:`~node_agent.fetch.bounds.hub_need`),
+checked against the Hugging Face cache's disk minus the reserve and — when the Hugging Face
+cache is the agent's own (``model_cache/hf``, :func:`~node_agent.fetch.cache.hub_cache_dir`)
+— against the model cache's cap, which then counts it too
+(:func:`~node_agent.fetch.bounds.room_refusal`; ``make_room`` first, then
+``InsufficientDisk``). It fails closed: a file to fetch without a size is ``InvalidSource``;
+a dry run that fails (the hub unreachable or not listing the files) is ``DownloadFailed``
+with nothing fetched — unless the revision is already in the cache, which is then used as
+it is (``local_files_only``: nothing is downloaded). The commit to fetch (pinned, or the one
+a branch resolved to) must be on a branch or tag of the repository — a branch's or tag's
+head, or in its history (``HfApi.list_repo_refs``, then ``list_repo_commits`` per branch and
+tag) — else ``SourceRefused``: the Hub serves any commit of a public repository by its hash,
+a pull request's (``refs/pr/N``) too, which the organisation named in the URI did not
+necessarily write. The download then fetches the commit the dry run checked, not the branch
+or tag again (it may have moved meanwhile), and records ``refs/<branch or tag>`` as
+huggingface_hub would.
 
 :func:`_fetch_hub` returns the checked ``snapshots/<commit>/`` directory. It raises
 :class:`~node_agent.model_dir.SourceError`: ``ModelNotFound`` (no such repository or
 revision, a gated one without access, not cached while offline), ``DownloadFailed`` (the Hub
-unreachable, an HTTP error, an OS error), ``InvalidSource`` (a malformed URI or a bad model
-directory), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve).
+unreachable, an HTTP error, an OS error), ``InvalidSource`` (a malformed URI, a bad model
+directory, a file the hub gives no size for), ``SourceRefused`` (a commit on no branch or
+tag), ``InsufficientDisk`` (the files to fetch don't fit above the disk's reserve or the
+cap).
 Cancelling the awaiting task leaves the download running in its thread until huggingface_hub
 finishes it.
 """
@@ -37,8 +52,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..model_dir import SourceError, check_model_dir
-from .bounds import DownloadLimits
+from mlx_fleet.source_policy import REFUSED
+
+from ..model_dir import SOURCE_REFUSED, SourceError, check_model_dir
+from .bounds import DownloadLimits, hub_need, is_commit
 from .cache import MakeRoom, ensure_room
 from .manifest import parse_hf_uri
 from .progress import ProgressCallback, _Progress
@@ -125,22 +142,67 @@ def _existing(path: Path) -> Path:
     return path
 
 
-async def _check_hub_room(download: Callable[..., Any], *, cache: str | None, what: str,
+def _record_ref(repo_folder: Path, revision: str, commit: str) -> None:
+    """Write ``repo_folder/refs/<revision>`` holding ``commit`` (huggingface_hub's cache
+    layout: the commit a branch or tag resolved to, read offline), atomically. Errors are
+    logged: the download itself is complete."""
+    ref = repo_folder / "refs" / revision
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(ref.name + ".tmp")
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    except OSError as e:
+        log.warning("cannot record %s → %s in the Hugging Face cache: %s", revision, commit, e)
+
+
+async def _check_hub_room(download: Callable[..., Any], reachable: Callable[[str], bool], *,
+                          cache: str | None, what: str,
                           limits: DownloadLimits, disk_usage: Callable[[str], Any],
-                          make_room: MakeRoom | None) -> None:
-    """The dry run's bytes to fetch against the Hugging Face cache's disk minus the reserve;
-    ``make_room`` is asked once. Raises ``InsufficientDisk``."""
+                          make_room: MakeRoom | None,
+                          model_cache: Path | None = None) -> tuple[Path | None, str | None]:
+    """Whether the dry run's commit is ``reachable`` from a branch or tag (else
+    ``SourceRefused``), then the dry run's bytes to fetch
+    (:func:`~node_agent.fetch.bounds.hub_need`) against the
+    Hugging Face cache's disk minus the reserve, and against the cap over ``model_cache``
+    when given (the Hugging Face cache is the agent's own); ``make_room`` is asked once.
+    Returns ``(None, the commit checked)`` (go on and download that commit), or ``(the cached
+    snapshot to use as it is, None)`` when the dry run failed but the revision is in the
+    cache. Raises ``InsufficientDisk``,
+    ``InvalidSource`` (a file without a size), ``SourceRefused`` (a commit on no branch or tag),
+    ``DownloadFailed`` (the dry run or the refs' listing failed and
+    nothing is cached), or huggingface_hub's not-found errors (mapped by the caller)."""
     from huggingface_hub import constants
+    from huggingface_hub.utils import (GatedRepoError, RepositoryNotFoundError,
+                                       RevisionNotFoundError)
 
     try:
         infos = await asyncio.to_thread(download, dry_run=True)
-    except Exception as e:  # noqa: BLE001 - the download itself reports (or falls back)
-        log.warning("%s: could not list the files to fetch (%s: %s); the download is not "
-                    "checked against the disk's reserve", what, type(e).__name__, e)
-        return
-    need = sum(i.file_size or 0 for i in infos if i.will_download)
+        commit = next((i.commit_hash for i in infos), None)
+        on_ref = True if commit is None else await asyncio.to_thread(reachable, commit)
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 - fail closed: no size, no download
+        log.warning("%s: the hub did not list the files to fetch and their sizes, or the "
+                    "repository's branches and tags (%s: %s)", what, type(e).__name__, e)
+        try:
+            return Path(await asyncio.to_thread(download, local_only=True)), None
+        except Exception:  # noqa: BLE001 - not cached: refused below
+            pass
+        raise SourceError("DownloadFailed",
+                          f"{what}: the hub did not list the files to fetch and their sizes "
+                          "(or the repository's branches and tags), so the download can't be "
+                          "checked; nothing was downloaded") from e
+    if not on_ref:
+        raise SourceError(SOURCE_REFUSED,
+                          f"{REFUSED}: {what}: commit {commit} is on no branch or tag of the "
+                          "repository (a pull request's commit, say), so the organisation may "
+                          "not have written it")
+    need = hub_need(((i.filename, i.file_size, i.will_download) for i in infos), what=what)
     await ensure_room(need, where=_existing(Path(cache or constants.HF_HUB_CACHE)),
-                      limits=limits, disk_usage=disk_usage, make_room=make_room, what=what)
+                      limits=limits, disk_usage=disk_usage, make_room=make_room, what=what,
+                      model_cache=model_cache)
+    return None, commit
 
 
 async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
@@ -149,7 +211,9 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
                      limits: DownloadLimits | None = None,
                      disk_usage: Callable[[str], Any] = shutil.disk_usage,
                      make_room: MakeRoom | None = None,
-                     use_token: bool = False) -> Path:
+                     use_token: bool = False, model_cache: Path | None = None) -> Path:
+    """Fetch ``uri`` (module docstring); ``model_cache``: given when ``cache_dir`` is the
+    agent's own Hugging Face cache, whose bytes count under ``limits``' cap."""
     repo_id, revision = parse_hf_uri(uri)
     is_offline = _hub_offline(offline)
     cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None
@@ -158,26 +222,46 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     bars: list[Any] = []
     tracker = _Progress(callback, interval)
 
-    def download(dry_run: bool = False) -> Any:
+    def download(dry_run: bool = False, local_only: bool = False,
+                 commit: str | None = None) -> Any:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                 local_files_only=is_offline, etag_timeout=stall_timeout_s,
+        return snapshot_download(repo_id, revision=commit or revision, cache_dir=cache,
+                                 local_files_only=is_offline or local_only,
+                                 etag_timeout=stall_timeout_s,
                                  endpoint=endpoint, token=None if use_token else False,
                                  allow_patterns=list(HUB_ALLOW_PATTERNS),
                                  tqdm_class=_hub_bar_class([] if dry_run else bars),
                                  dry_run=dry_run)
+
+    def reachable(commit: str) -> bool:
+        """True when ``commit`` is a branch's or tag's, or in one's history (huggingface_hub's
+        ``list_repo_refs``, then ``list_repo_commits`` of each branch and tag)."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=endpoint, token=None if use_token else False)
+        refs = api.list_repo_refs(repo_id)
+        heads = [*refs.branches, *refs.tags]
+        if any(r.target_commit == commit for r in heads):
+            return True
+        return any(c.commit_id == commit for r in heads
+                   for c in api.list_repo_commits(repo_id, revision=r.name))
 
     from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     task: asyncio.Future | None = None
     try:
+        cached = checked = None
         if not is_offline:  # offline, nothing is fetched
-            await _check_hub_room(download, cache=cache, what=f"hf://{shown}",
-                                  limits=limits or DownloadLimits(), disk_usage=disk_usage,
-                                  make_room=make_room)
-        task = asyncio.ensure_future(asyncio.to_thread(download))
+            cached, checked = await _check_hub_room(download, reachable, cache=cache,
+                                                    what=f"hf://{shown}",
+                                                    limits=limits or DownloadLimits(),
+                                                    disk_usage=disk_usage, make_room=make_room,
+                                                    model_cache=model_cache)
+        # the commit checked, not the branch again: it may have moved since the dry run
+        task = asyncio.ensure_future(asyncio.sleep(0, cached) if cached is not None
+                                     else asyncio.to_thread(download, commit=checked))
         while True:
             done, _ = await asyncio.wait({task}, timeout=interval)
             if done:
@@ -214,8 +298,13 @@ async def _fetch_hub(uri: str, *, callback: ProgressCallback, interval: float,
     finally:
         if task is not None and not task.done():
             task.cancel()  # the thread finishes on its own; huggingface_hub locks its blobs
+    if checked is not None and cached is None and not is_commit(revision):
+        # as huggingface_hub records a branch or tag it resolved: refs/<revision> → commit
+        await asyncio.to_thread(_record_ref, folder.parent.parent, revision or "main", checked)
     # snapshots/<commit>/ links into the repository folder's blobs/
     await asyncio.to_thread(check_model_dir, folder, root=folder.parent.parent)
+    with contextlib.suppress(OSError):  # its last use, for the garbage collector
+        os.utime(folder)
     size, count = await asyncio.to_thread(_tree_numbers, folder)
     tracker.override = (size, size, count, count)
     tracker.maybe_emit(force=True)

@@ -5,7 +5,9 @@ Modules, one job each: :mod:`.errors` (exceptions), :mod:`.types` (ModelInfo, Ch
 :mod:`.generation` (a request and its streaming handle), :mod:`.inbox` (a consumer's waiting
 events), :mod:`.admission` (queue limits and
 Retry-After, pure),
-:mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers),
+:mod:`.detokenize` (tokens → text and stop strings), :mod:`.sampling` (samplers, and the seeds
+of a request's ``n`` choices), :mod:`.logprobs` (per-token log-probabilities, gathered for the
+requests that ask),
 :mod:`.registry` (the resident revisions' thread-side state), :mod:`.engine` (the MLX thread's
 work on them), :mod:`.loading` (loads in chunks between decode steps: pacing, chunk planning),
 :mod:`.preload` (the loaders imported and frozen out of the collector's reach),
@@ -22,10 +24,11 @@ forward pass of embeddings runs, pure), :mod:`.embed_profile` (how an embedding 
 its directory), :mod:`.embedder` (the forward pass and pooling on the MLX thread).
 """
 
-from .core import ServingCore
+from .core import DEFAULT_MAX_CHOICES, ServingCore
 from .embeddings import DimensionsNotSupported, Embeddings, InputTooLong
 from .errors import (ContextLengthExceeded, GenerationAborted, InvalidConstraint, InvalidPrompt,
-                     ModelLoadError, ModelNotLoaded, Overloaded, StreamBufferOverflow, WrongTask)
+                     ModelLoadError, ModelNotLoaded, Overloaded, StreamBufferOverflow,
+                     TooManyChoices, WrongTask)
 from .generation import Generation
 from .loading import LoadPacing
 from .options import ServingOptions
@@ -38,4 +41,5 @@ __all__ = [
     "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
     "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES", "InvalidConstraint", "ToolFormat",
     "WrongTask", "Embeddings", "InputTooLong", "DimensionsNotSupported",
+    "TooManyChoices", "DEFAULT_MAX_CHOICES",
 ]

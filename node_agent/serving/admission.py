@@ -79,17 +79,22 @@ def waiting_requests(inflight: Mapping[K, int], batch_limits: Mapping[K, int]) -
 
 
 def admit(key: K, inflight: Mapping[K, int], batch_limits: Mapping[K, int],
-          max_queued: int) -> Refusal | None:
+          max_queued: int, sequences: int = 1) -> Refusal | None:
     """The ``count`` bound: ``None`` when one more request for ``key`` may be admitted, else
     the :class:`Refusal`.
 
-    ``inflight``: admitted, unfinished requests per revision; ``batch_limits``: each loaded
-    revision's max concurrent sequences (must contain ``key``)."""
+    ``inflight``: admitted, unfinished sequences per revision (a request for ``n`` choices
+    counts ``n``); ``batch_limits``: each loaded revision's max concurrent sequences (must
+    contain ``key``); ``sequences``: the new request's (its ``n``). It is refused when those of
+    its sequences that would wait, added to the ones waiting, exceed ``max_queued`` (for one
+    sequence: when ``max_queued`` already wait)."""
     limit = batch_limits[key]
-    if inflight.get(key, 0) < limit:
+    n = inflight.get(key, 0)
+    if n + sequences <= limit:
         return None
     waiting = waiting_requests(inflight, batch_limits)
-    if waiting < max_queued:
+    would_wait = max(0, n + sequences - limit) - max(0, n - limit)
+    if waiting + would_wait <= max_queued:
         return None
     return Refusal("count", waiting,
                    f"{waiting} requests are already waiting (limit {max_queued})")

@@ -38,6 +38,7 @@ from typing import Any
 
 from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities
 
+from ..api_models import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS_OPENAI
 from .constrain import ll_tokenizer
 from .types import ModelInfo, TokenizerFeatures
 
@@ -51,8 +52,8 @@ log = logging.getLogger(__name__)
 #: the ``n`` bound when the caller passes none.
 TOOL_CALLING_SERVED = True
 STRUCTURED_OUTPUTS_SERVED = True
-LOGPROBS_SERVED = False
-MAX_TOP_LOGPROBS = 0
+LOGPROBS_SERVED = True
+MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS_OPENAI
 MAX_N = 1
 EMBEDDINGS_SERVED = True
 

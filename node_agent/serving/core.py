@@ -99,19 +99,25 @@ from .coalesce import Coalescer, SharedGeneration, coalesce_key
 from .constrain import compile_grammar
 from .embeddings import _Embeddings
 from .engine import Engine, Events
-from .errors import GenerationAborted, Overloaded, StreamBufferOverflow, WrongTask
+from .errors import (GenerationAborted, Overloaded, StreamBufferOverflow, TooManyChoices,
+                     WrongTask)
 from .generation import Generation, Request
 from .inbox import Inbox
 from .loading import LoadPacing
 from .options import ServingOptions
 from .revisions import _Drain, _Load, _Revisions
+from .sampling import choice_seed
 from .step_loop import _StepLoop
 from .tokenize import (DEFAULT_MAX_PROMPT_BYTES, PromptTooLarge, default_tokenizer_threads,
                        limit_tokenizer_parallelism, prompt_bytes, tokenize)
 from .types import MemoryUsage, ModelInfo, ModelKey, ToolFormat
 from .worker import run_on_worker
 
-__all__ = ["ServingCore"]
+__all__ = ["ServingCore", "DEFAULT_MAX_CHOICES"]
+
+#: Most choices (``n``) one request may ask for unless the agent says otherwise
+#: (``--max-choices``): each is a sequence of its own in the batch.
+DEFAULT_MAX_CHOICES = 8
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +150,7 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
     :func:`~node_agent.serving.tokenize.default_tokenizer_threads`); the core also sets
     ``TOKENIZERS_PARALLELISM=false`` unless it is set
     (:func:`~node_agent.serving.tokenize.limit_tokenizer_parallelism`).
+    ``max_choices``: the largest ``n`` :meth:`generate` accepts (:data:`DEFAULT_MAX_CHOICES`).
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
@@ -151,7 +158,11 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
                  load_pacing: LoadPacing | None = None,
                  options: ServingOptions | None = None,
                  max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-                 tokenizer_threads: int | None = None) -> None:
+                 tokenizer_threads: int | None = None,
+                 max_choices: int = DEFAULT_MAX_CHOICES) -> None:
+        if max_choices < 1:
+            raise ValueError(f"max_choices must be >= 1, got {max_choices}")
+        self.max_choices = max_choices
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry)
         self.options = options if options is not None else ServingOptions()
@@ -313,7 +324,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
                        stop: str | Sequence[str] | None = None,
                        seed: int | None = None, tools: list[dict] | None = None,
                        grammar: str | None = None,
-                       grammar_param: str = "grammar") -> Generation:
+                       grammar_param: str = "grammar", n: int = 1,
+                       logprobs: int | None = None) -> Generation:
         """Admit one generation and return it for iteration.
 
         ``revision``: the revision of ``model_id`` to use; ``None``: the only loaded one, or if
@@ -350,17 +362,38 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
         for the others (the last one leaving cancels it). Counted in
         ``mlxfleet_agent_coalesced_requests_total``.
 
+        ``logprobs`` (``None``: off; else >= 0, at most the vocabulary counts; the HTTP API
+        bounds it by OpenAI's 20 and 5):
+        every chunk carries its token's log-probability and the ``logprobs`` most likely tokens
+        at its position (:attr:`Chunk.logprobs`; the model's distribution after any logits
+        processor, before temperature and top_p: see :mod:`node_agent.serving.logprobs`). Such
+        a request is coalesced only with requests asking the same ``logprobs`` (it is part of
+        the key), whose chunks are then the very same.
+
+        ``n`` (1 .. :attr:`max_choices`, and at most the revision's
+        ``max_concurrent_sequences``; else :class:`TooManyChoices`): ``n`` sequences of the same
+        prompt, tokenized once and prefilled once (``Engine._insert_group``), each with its own
+        sampler; with ``seed``, choice ``i`` samples with
+        :func:`~node_agent.serving.sampling.choice_seed` ``(seed, i)``. One handle streams all
+        of them (chunks carry their ``index``; see :class:`Generation`). Admission counts ``n``
+        sequences. Never coalesced.
+
         Raises :class:`ModelNotLoaded` (also for a draining revision), :class:`WrongTask` (a
         ``TextEmbedding`` model), :class:`Overloaded`,
         :class:`ContextLengthExceeded`, :class:`InvalidPrompt`, :class:`InvalidConstraint`,
-        ``ValueError`` for bad
-        arguments, :class:`GenerationAborted` when the core is not running or has failed (see
-        :attr:`failure`).
+        :class:`TooManyChoices`, ``ValueError`` for bad arguments, :class:`GenerationAborted`
+        when the core is not running or has failed (see :attr:`failure`).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+        if n > self.max_choices:
+            raise TooManyChoices(n, self.max_choices)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if self._failure is not None:
             raise GenerationAborted(self._failed_message())
@@ -369,6 +402,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
         info = self.model_info(model_id, revision)
         if info.task != TASK_TEXT_GENERATION:
             raise WrongTask(model_id, info.task, Capability.GENERATE)
+        if n > info.max_concurrent_sequences:
+            raise TooManyChoices(n, min(self.max_choices, info.max_concurrent_sequences))
         size = prompt_bytes(prompt, messages)
         if size > self.max_prompt_bytes:
             raise PromptTooLarge(size, self.max_prompt_bytes)
@@ -376,23 +411,31 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
         key = coalesce_key(info, prompt, messages, {
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "stop": stops, "seed": seed, "tools": tools, "grammar": grammar,
-        }) if self.options.request_coalescing else None
+            "logprobs": logprobs,
+        }) if self.options.request_coalescing and n == 1 else None
         shared = self._joinable(key)
         if shared is not None:
             self.metrics.coalesced_requests.labels(*info.key).inc()
             return await self._subscribe(shared)
-        self._admit(info)
+        self._admit(info, n)
         loop = asyncio.get_running_loop()
-        req = Request(info.key, prompt, messages, max_tokens, temperature, top_p,
-                      stops, seed, Inbox(), loop, tools=tools, grammar=grammar,
-                      grammar_param=grammar_param)
+        inbox = Inbox()
+        reqs = [Request(info.key, prompt, messages, max_tokens, temperature, top_p,
+                        stops, choice_seed(seed, i), inbox, loop, tools=tools, grammar=grammar,
+                        grammar_param=grammar_param, logprobs=logprobs, index=i)
+                for i in range(n)]
+        req = reqs[0]
+        if n > 1:
+            for r in reqs:
+                r.group = reqs
         if key is not None:
             return await self._lead(key, req)
         try:
             await self._tokenize(req)
             prompt_tokens, limit = await self._call(self._engine.submit, req)
         except BaseException as e:
-            self._cancel(req)
+            for r in reqs:
+                self._cancel(r)
             self._set_retry_after(e, req.key)
             raise
         return Generation(self._cancel, req, prompt_tokens, limit)
@@ -422,10 +465,11 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
             loop = asyncio.get_running_loop()
             req.prompt_ids = await loop.run_in_executor(
                 self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages, req.tools)
-            if req.grammar is not None:
-                req.constraint = await loop.run_in_executor(
-                    self._tokenize_pool, compile_grammar, tokenizer, req.grammar,
-                    req.grammar_param)
+            # each of a request's n sequences follows the grammar with a matcher of its own
+            for r in (req.group or [req]) if req.grammar is not None else ():
+                r.constraint = await loop.run_in_executor(
+                    self._tokenize_pool, compile_grammar, tokenizer, r.grammar,
+                    r.grammar_param)
 
     async def _lead(self, key: Any, req: Request) -> Generation:
         """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle.
@@ -464,16 +508,16 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
                  if (key is None or k == key) and r.per_second is not None]
         return sum(rates) if rates else None
 
-    def _admit(self, info: ModelInfo) -> None:
+    def _admit(self, info: ModelInfo, sequences: int = 1) -> None:
         limits = {k: i.max_concurrent_sequences for k, i in self._infos.items()}
-        refused = admit(info.key, self._inflight, limits, self.max_queued_requests)
+        refused = admit(info.key, self._inflight, limits, self.max_queued_requests, sequences)
         if refused is not None:
             # the queue is shared by all revisions: it drains at all revisions' rates
             raise Overloaded(refused.message, waiting=refused.waiting,
                              retry_after_seconds=retry_after_seconds(
                                  refused.waiting, self._drain_per_second(None)))
         n = self._inflight.get(info.key, 0)
-        self._inflight[info.key] = n + 1
+        self._inflight[info.key] = n + sequences
         self._drain_rates.setdefault(info.key, DrainRate()).busy(time.monotonic())
 
     def _release(self, req: Request, *, completed: bool = False) -> None:
@@ -513,7 +557,8 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
                 self._release(req)
             elif item.finish_reason is not None:
                 self._release(req, completed=True)
-            elif req.out.qsize() >= limit:
+            # the n choices of one request share one inbox: n times the bound
+            elif req.out.qsize() >= limit * (len(req.group) if req.group else 1):
                 # the consumer is `limit` chunks behind: stop the generation (it leaves the
                 # batch), hand over what is queued, then the error
                 self.metrics.stream_buffer_overflows.labels(*req.key).inc()

@@ -17,6 +17,7 @@ the event loop through the ``send`` callback as ``(request, Chunk | exception)``
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import time
@@ -33,6 +34,7 @@ from .embedder import embed_batch, has_body
 from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
                      ModelNotLoaded, Overloaded)
 from .generation import Request
+from .logprobs import TokenLogprob, TokenTexts, gather, raw_bytes
 from .options import PROMPT_CACHE_ENTRIES, ServingOptions
 from .prefill import MLX_LM_PREFILL_BATCH_SIZE, prefill_group_size
 from .registry import Registry, Resident, parameter_bytes
@@ -55,14 +57,15 @@ class _FirstToken:
     :meth:`Engine._token` reads): its prompt cache and tokens go to the prompt cache if the
     request ends with it."""
 
-    __slots__ = ("token", "finish_reason", "prompt_cache", "all_tokens")
+    __slots__ = ("token", "finish_reason", "prompt_cache", "all_tokens", "logprobs")
 
     def __init__(self, token: int, finish_reason: str | None, prompt_cache: Any,
-                 all_tokens: list[int]) -> None:
+                 all_tokens: list[int], logprobs: Any = None) -> None:
         self.token = token
         self.finish_reason = finish_reason
         self.prompt_cache = prompt_cache
         self.all_tokens = all_tokens
+        self.logprobs = logprobs
 
 
 class Engine:
@@ -81,6 +84,8 @@ class Engine:
         self.samplers = SamplerCache()
         self.stream: Any = None        # the MLX thread's stream, set before the first load
         self.load_stream: Any = None   # the CPU stream weights are read on (None: the default)
+        # the stream log-probabilities are gathered on, made on first use (see _entries)
+        self.logprobs_stream: Any = None
         self._send = send
         self._forget = forget
         # The wired-memory limit from before the first BatchGenerator raised it (see
@@ -319,7 +324,11 @@ class Engine:
         admission policy, its
         revision's KV budget (:func:`~node_agent.serving.admission.admit_kv`; raises
         :class:`Overloaded` with ``waiting`` set, the caller fills in ``Retry-After``), then
-        queue it; returns ``(prompt tokens, max tokens)``."""
+        queue it; returns ``(prompt tokens, max tokens)``.
+
+        A request for ``n`` choices is submitted through its first sequence (``req.group``: all
+        ``n``, in order): the prompt is tokenized once, the KV bound counts ``n`` sequences, and
+        all ``n`` are queued together (:meth:`step` inserts them together)."""
         res = self.registry.get(req.key)
         if res is None:
             raise ModelNotLoaded(*req.key)
@@ -328,8 +337,9 @@ class Engine:
         # only for a caller that hands in a raw request
         ids = (req.prompt_ids if req.prompt_ids is not None
                else tokenize(tok, req.prompt, req.messages, req.tools))
-        if req.grammar is not None and req.constraint is None:
-            req.constraint = compile_grammar(tok, req.grammar, req.grammar_param)
+        for r in req.group or [req]:   # a matcher per sequence
+            if r.grammar is not None and r.constraint is None:
+                r.constraint = compile_grammar(tok, r.grammar, r.grammar_param)
         limit = res.info.max_context_tokens
         if req.max_tokens is None:
             req.max_tokens = limit - len(ids)
@@ -339,19 +349,22 @@ class Engine:
             raise ContextLengthExceeded(len(ids), req.max_tokens, limit)
         req.kv_bytes = request_kv_bytes(res.info.kv_cache_bytes_per_token, len(ids),
                                         req.max_tokens)
+        group = req.group or [req]
         if self.options.admission_policy == "kv":
             cap = res.info.max_concurrent_sequences
             refused = admit_kv(
-                req.kv_bytes, (r.kv_bytes for r in res.active.values()),
+                req.kv_bytes * len(group), (r.kv_bytes for r in res.active.values()),
                 (r.kv_bytes for r in res.pending),
-                slot_free=len(res.active) + len(res.pending) < cap,
+                slot_free=len(res.active) + len(res.pending) + len(group) <= cap,
                 budget_bytes=kv_budget_bytes(res.info.kv_cache_bytes_per_token,
                                              res.info.max_context_tokens, cap))
             if refused is not None:
                 raise Overloaded(refused.message, waiting=refused.waiting)
-        req.tokens = ids
-        req.detok = tok.detokenizer
-        res.pending.append(req)
+        for r in group:
+            r.max_tokens, r.kv_bytes = req.max_tokens, req.kv_bytes
+            r.tokens = ids
+            r.detok = tok.detokenizer   # a new streaming detokenizer each
+            res.pending.append(r)
         self.metrics.prompt_tokens.labels(*req.key).inc(len(ids))
         self.update_gauges(res)
         return len(ids), req.max_tokens
@@ -383,19 +396,7 @@ class Engine:
         prompt. If the batch is empty (:mod:`node_agent.serving.fastpath`), its first token is
         computed and sent here, and the sequence joins the generator after it."""
         prompt = req.tokens
-        cache, cached = None, 0
-        if res.prompt_cache is not None and len(prompt) >= 2:
-            # Look up prompt[:-1] so that at least the last prompt token is always fed.
-            cache, rest = res.prompt_cache.fetch_nearest_cache(req.model_id, prompt[:-1])
-            cached = len(prompt) - 1 - len(rest)
-            if cache is None or cached <= 0:
-                cache, cached = None, 0
-        req.cached_tokens = cached
-        if cached:
-            self.metrics.prompt_cache_hits.labels(*req.key).inc()
-            self.metrics.prompt_cache_tokens.labels(*req.key).inc(cached)
-        elif res.prompt_cache is not None:
-            self.metrics.prompt_cache_misses.labels(*req.key).inc()
+        cache, cached = self._cached_prefix(res, req)
         sampler = self.samplers.get(req.temperature, req.top_p, req.seed)
         to_feed, max_tokens = prompt[cached:], req.max_tokens
         # a constrained sequence's every token is masked (node_agent.serving.constrain): its
@@ -406,14 +407,16 @@ class Engine:
             if cache is None:
                 from mlx_lm.models.cache import make_prompt_cache
                 cache = make_prompt_cache(res.model)
-            token = fastpath.first_token(res.model, to_feed, cache, sampler)
+            token, row = fastpath.first_token_logprobs(res.model, to_feed, cache, sampler)
             if token in res.tokenizer.eos_token_ids:
                 reason: str | None = "stop"
             else:
                 reason = "length" if max_tokens <= 1 else None
             series = self.metrics.series(*res.key)
+            lp = (self._entries(res, [(row, token, req.logprobs)])[0]
+                  if req.logprobs is not None and reason != "stop" else None)
             chunk = self._token(res, req, _FirstToken(token, reason, cache, prompt),
-                                time.perf_counter(), series)
+                                time.perf_counter(), series, lp)
             series.generated_tokens.inc()
             if not req.done:
                 # into the batch before the token goes out: whoever reads the stats or cancels
@@ -438,6 +441,68 @@ class Engine:
         res.active[uid] = req
         res.prefilling[uid] = len(to_feed)
 
+    def _cached_prefix(self, res: Resident, req: Request) -> tuple[Any, int]:
+        """The prompt cache's longest cached prefix of ``req``'s prompt but its last token:
+        ``(cache, cached tokens)``, ``(None, 0)`` on a miss; sets ``req.cached_tokens`` and
+        counts the hit or miss."""
+        prompt = req.tokens
+        cache, cached = None, 0
+        if res.prompt_cache is not None and len(prompt) >= 2:
+            # Look up prompt[:-1] so that at least the last prompt token is always fed.
+            cache, rest = res.prompt_cache.fetch_nearest_cache(req.model_id, prompt[:-1])
+            cached = len(prompt) - 1 - len(rest)
+            if cache is None or cached <= 0:
+                cache, cached = None, 0
+        req.cached_tokens = cached
+        if cached:
+            self.metrics.prompt_cache_hits.labels(*req.key).inc()
+            self.metrics.prompt_cache_tokens.labels(*req.key).inc(cached)
+        elif res.prompt_cache is not None:
+            self.metrics.prompt_cache_misses.labels(*req.key).inc()
+        return cache, cached
+
+    def _insert_group(self, res: Resident, group: list[Request]) -> None:
+        """Put the ``n`` sequences of a request for ``n`` choices (same prompt ids) into the
+        BatchGenerator sharing one prefill: the prompt but its last token is fed once (after
+        the prompt cache's hit; :func:`~node_agent.serving.fastpath.prefill`, in passes of at
+        most ``fastpath.MAX_PREFILL_TOKENS``, the largest pass mlx-lm makes) into one KV cache,
+        of which every sequence gets a copy, and each then feeds only the last prompt token —
+        like a prompt-cache hit of its whole prompt. A prefill longer than one such pass is left
+        to the BatchGenerator (the ``n`` sequences are prefilled together in its padded prompt
+        batch, between decode steps), so that no running sequence waits for more than one
+        pass. Each sequence samples with its own sampler (``seed`` derived per choice)."""
+        first = group[0]
+        prompt = first.tokens
+        cache, cached = self._cached_prefix(res, first)
+        for r in group[1:]:
+            r.cached_tokens = cached
+        feed = prompt[cached:]
+        if 1 < len(feed) <= fastpath.MAX_PREFILL_TOKENS + 1:
+            if cache is None:
+                from mlx_lm.models.cache import make_prompt_cache
+                cache = make_prompt_cache(res.model)
+            fastpath.prefill(res.model, feed[:-1], cache)
+            feed, in_cache = feed[-1:], len(prompt) - 1
+        else:
+            in_cache = cached
+        caches = (None if cache is None
+                  else [cache] + [copy.deepcopy(cache) for _ in group[1:]])
+        constrained = any(r.constraint is not None for r in group)
+        uids = res.generator.insert(
+            [list(feed) for _ in group],
+            max_tokens=[r.max_tokens for r in group],
+            caches=caches,
+            all_tokens=[list(prompt[:in_cache]) for _ in group],
+            samplers=[self.samplers.get(r.temperature, r.top_p, r.seed) for r in group],
+            # a constrained sequence's tokens are masked by its own grammar matcher
+            logits_processors=([[r.constraint.processor()] if r.constraint is not None else []
+                                for r in group] if constrained else None),
+        )
+        for r, uid in zip(group, uids):
+            r.uid = uid
+            res.active[uid] = r
+            res.prefilling[uid] = len(feed)
+
     def step(self, res: Resident) -> None:
         """Move waiting requests into free batch slots, run one batch step of ``res`` and send
         the resulting chunks. An error outside one request's post-processing propagates (the
@@ -445,15 +510,32 @@ class Engine:
         cap = res.info.max_concurrent_sequences
         inserted = False
         while res.pending and len(res.active) < cap:
-            req = res.pending.popleft()
+            req = res.pending[0]
+            # a request for n choices joins with all its sequences at once (into an empty
+            # batch even if n is above a cap lowered since it was admitted)
+            group = ([r for r in req.group if not r.done and r.uid is None]
+                     if req.group else [req])
+            if len(res.active) + len(group) > cap and res.active:
+                break
+            for r in group:
+                res.pending.remove(r)
             try:
-                self._insert(res, req)
+                if req.group:
+                    self._insert_group(res, group)
+                else:
+                    self._insert(res, req)
                 inserted = True
             except Exception as e:  # noqa: BLE001
                 log.exception("inserting a request failed")
-                req.done = True
-                self._send([(req, GenerationAborted(
-                    f"{type(e).__name__}: {e}", public="the request could not join the batch"))])
+                for r in group:
+                    if r.uid is not None:
+                        res.active.pop(r.uid, None)
+                        res.prefilling.pop(r.uid, None)
+                        res.generator.remove([r.uid])
+                    r.done = True
+                self._send([(r, GenerationAborted(
+                    f"{type(e).__name__}: {e}", public="the request could not join the batch"))
+                    for r in group])
         if inserted:
             self.trim_prompt_cache(res)   # the live batch grew: less room for the cache
         self.update_gauges(res)
@@ -468,13 +550,15 @@ class Engine:
         to_remove: list[int] = []                # sequences that ended here but not in mlx-lm
         n_tokens = 0
         try:
+            logprobs = self._logprobs(res, responses)
             for r in responses:
                 req = res.active.get(r.uid)
                 if req is None:
                     continue
                 n_tokens += 1
                 try:
-                    chunk: Any = self._token(res, req, r, now, series)
+                    chunk: Any = self._token(res, req, r, now, series,
+                                             logprobs.get(r.uid) if logprobs else None)
                 except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("processing a token of request %d (%s@%s) failed", req.rid,
                                   *req.key)
@@ -522,9 +606,46 @@ class Engine:
                 fed, total = p.progress
                 res.prefilling[p.uid] = max(1, total - fed)
 
+    def _logprobs(self, res: Resident, responses: Any) -> dict[int, TokenLogprob]:
+        """The log-probabilities of this step's tokens for the sequences that asked
+        (:mod:`node_agent.serving.logprobs`), by uid; ``{}`` (and no MLX op) when none did.
+        An end-of-sequence token (mlx-lm ``finish_reason`` ``"stop"``) has none: it is no part
+        of the text."""
+        asked = []
+        for r in responses:
+            req = res.active.get(r.uid)
+            if req is not None and req.logprobs is not None and r.finish_reason != "stop":
+                asked.append((r, req.logprobs))
+        if not asked:
+            return {}
+        return dict(zip((r.uid for r, _ in asked),
+                        self._entries(res, [(r.logprobs, r.token, k) for r, k in asked])))
+
+    def _entries(self, res: Resident, rows: list[tuple[Any, int, int]]) -> list[TokenLogprob]:
+        """:func:`~node_agent.serving.logprobs.gather` of ``rows`` as token entries, with the
+        revision's memoised token texts. On a GPU it is computed on a stream of its own
+        (:attr:`logprobs_stream`), so that its evaluation does not wait for the next step's
+        forward pass, which mlx-lm has already started (the host's work on this step's tokens
+        then still overlaps that pass). On the CPU it stays on the generation stream: a second
+        stream there competes with the forward pass for the same cores (measured: tokens/s of 8
+        streams with top_logprobs 5 fell 21–38 % with its own stream, 4–19 % without, on the
+        2-core development machine)."""
+        import mlx.core as mx
+
+        if self.logprobs_stream is None:
+            device = mx.default_device()
+            self.logprobs_stream = (mx.default_stream(device) if device == mx.cpu
+                                    else mx.new_stream(device))
+        if res.token_texts is None:
+            res.token_texts = TokenTexts(res.tokenizer.decode, raw_bytes(res.tokenizer))
+        texts = res.token_texts
+        return [texts.entry(token, lp, top)
+                for (_, token, _), (lp, top) in zip(rows, gather(rows, self.logprobs_stream))]
+
     def _token(self, res: Resident, req: Request, r: Any, now: float,
-               series: RevisionSeries) -> Chunk:
-        """One generated token of ``req`` → its chunk; marks ``req.done`` at its end."""
+               series: RevisionSeries, logprobs: TokenLogprob | None = None) -> Chunk:
+        """One generated token of ``req`` → its chunk (with ``logprobs``: the token's entry,
+        when the request asked); marks ``req.done`` at its end."""
         req.n_generated += 1
         if req.last_token_at is None:
             series.ttft.observe(now - req.submitted)
@@ -547,4 +668,4 @@ class Engine:
                     self.trim_prompt_cache(res)
                 except Exception:  # noqa: BLE001 - only a lost cache entry
                     log.exception("caching the prompt of request %d failed", req.rid)
-        return Chunk(text, req.n_generated, reason)
+        return Chunk(text, req.n_generated, reason, req.index, logprobs)

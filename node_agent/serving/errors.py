@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlx_fleet.capabilities import Capability, Missing, Need
 
-__all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
+__all__ = ["LOAD_FAILURE_TEXT", "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
            "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow", "WrongTask"]
 
 
@@ -12,15 +12,33 @@ __all__ = ["ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExcee
 LOAD_CANCELLED = "Cancelled"
 
 
+#: What an assignment report (so a resource's status and events) says for a load that failed
+#: with these reasons, instead of the message, which may carry a local path or an exception's
+#: text (issue 19: statuses name the problem without internal detail); the agent logs the
+#: message. Other reasons' messages are written for the status already.
+LOAD_FAILURE_TEXT = {
+    "LoadFailed": "loading the model failed (the agent's log has the error)",
+    "CoreFailed": "the serving core has failed (the agent's log has the error)",
+    "ModelNotFound": "no model (config.json) in the model directory",
+}
+
+
 class ModelLoadError(Exception):
     """Loading a model failed. ``reason``: CamelCase (``ModelNotFound``, ``LoadFailed``,
     ``NotStarted``, ``CoreFailed`` once the MLX thread has failed, ``Cancelled`` when an
-    unload of the revision called the load off); ``message``: human-readable detail."""
+    unload of the revision called the load off); ``message``: human-readable detail (for the
+    log); :attr:`public`: what a status may say."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
+
+    @property
+    def public(self) -> str:
+        """The message for a report: :data:`LOAD_FAILURE_TEXT` of the reason, else
+        ``message``."""
+        return LOAD_FAILURE_TEXT.get(self.reason, self.message)
 
 
 class Overloaded(Exception):
@@ -61,6 +79,17 @@ class ContextLengthExceeded(ValueError):
 
 class InvalidPrompt(ValueError):
     """The prompt or messages cannot be turned into tokens (e.g. the chat template fails)."""
+
+
+class TooManyChoices(ValueError):
+    """A request asks for more choices (``n``) than the agent allows (``--max-choices``) or than
+    its revision's batch holds (``max_concurrent_sequences``: its ``n`` sequences run
+    together). ``limit``: the smaller of the two."""
+
+    def __init__(self, n: int, limit: int) -> None:
+        super().__init__(f"n: at most {limit} choices per request on this model, got {n}")
+        self.n = n
+        self.limit = limit
 
 
 class InvalidConstraint(ValueError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-__all__ = ["applies", "first_token", "MAX_PREFILL_TOKENS"]
+__all__ = ["applies", "first_token", "first_token_logprobs", "prefill", "MAX_PREFILL_TOKENS"]
 
 #: The longest prefill the fast path does in one forward pass: mlx-lm's own prefill step
 #: (``BatchGenerator(prefill_step_size=2048)``). Longer prompts are prefilled by the
@@ -42,10 +42,30 @@ def first_token(model: Any, tokens: Sequence[int], cache: list[Any],
     """Prefill ``tokens`` into ``cache`` (mlx-lm per-layer caches, extended in place) with one
     forward pass of ``model`` and return the next token id, sampled by ``sampler`` from the
     last position's log-probabilities. MLX thread only; raises what the model raises."""
+    return first_token_logprobs(model, tokens, cache, sampler)[0]
+
+
+def first_token_logprobs(model: Any, tokens: Sequence[int], cache: list[Any],
+                         sampler: Callable[[Any], Any]) -> tuple[int, Any]:
+    """:func:`first_token`, also returning the log-probabilities it sampled from (an evaluated
+    ``mx.array`` of shape ``(vocab,)``, what mlx-lm's generation responses carry as
+    ``logprobs``)."""
     import mlx.core as mx
 
     logits = model(mx.array(list(tokens))[None], cache=cache)[:, -1, :]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     y = sampler(logprobs)
-    mx.eval(y, [c.state for c in cache])
-    return int(y.item())
+    mx.eval(y, logprobs, [c.state for c in cache])
+    return int(y.item()), logprobs[0]
+
+
+def prefill(model: Any, tokens: Sequence[int], cache: list[Any],
+            step_tokens: int = MAX_PREFILL_TOKENS) -> None:
+    """Feed ``tokens`` into ``cache`` (extended in place) in forward passes of at most
+    ``step_tokens``, evaluating the cache after each; no token is sampled. Used to prefill a
+    prompt once for the ``n`` sequences of a request for ``n`` choices. MLX thread only."""
+    import mlx.core as mx
+
+    for i in range(0, len(tokens), step_tokens):
+        model(mx.array(list(tokens[i:i + step_tokens]))[None], cache=cache)
+        mx.eval([c.state for c in cache])

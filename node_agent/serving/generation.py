@@ -26,7 +26,8 @@ class Request:
                  max_tokens: int | None, temperature: float, top_p: float,
                  stop: Sequence[str], seed: int | None, out: Any,
                  loop: asyncio.AbstractEventLoop, *, tools: list[dict] | None = None,
-                 grammar: str | None = None, grammar_param: str = "grammar") -> None:
+                 grammar: str | None = None, grammar_param: str = "grammar",
+                 logprobs: int | None = None, index: int = 0) -> None:
         self.rid = next(self._ids)
         self.key = key
         self.model_id, self.revision = key
@@ -42,6 +43,12 @@ class Request:
         self.grammar_param = grammar_param   # the request field the grammar came from
         self.out = out
         self.loop = loop
+        # top log-probabilities wanted per token (None: none; 0: the sampled token's only)
+        self.logprobs = logprobs
+        self.index = index             # the choice this sequence is, of a request for n
+        # every sequence of a request for n choices, this one included (None: n = 1); they
+        # share one tokenization and one prefill (Engine.submit / Engine.step)
+        self.group: list["Request"] | None = None
         self.submitted = time.perf_counter()
         self.finished = False          # loop side: final event delivered or cancelled
         # loop side, before submission: the prompt's ids (tokenized in the core's pool)
@@ -73,20 +80,26 @@ class Generation:
     ``out``: where this handle reads its events, when not ``req.out`` — a subscriber of a shared
     generation (:mod:`node_agent.serving.coalesce`): it gets an :attr:`id` of its own, and
     ``cancel`` then stands for leaving the shared generation.
+
+    A request for ``n`` choices (``req.group``: its ``n`` sequences, one inbox) is one handle:
+    its chunks carry their choice's ``index``; :attr:`completion_tokens` counts every choice's
+    tokens, :attr:`finish_reasons` holds each choice's (``finish_reason`` is choice 0's), and it
+    ends once every choice has; cancelling it cancels them all.
     """
 
     def __init__(self, cancel: Callable[[Request], None], req: Request, prompt_tokens: int,
                  max_tokens: int, *, out: Inbox | None = None) -> None:
         self._cancel_request = cancel
         self._req = req
+        self._reqs = req.group or [req]
         self._out = req.out if out is None else out
         self.id = req.rid if out is None else next(Request._ids)
         self.model_id = req.model_id
         self.revision = req.revision
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
+        self._tokens = [0] * len(self._reqs)       # per choice
+        self.finish_reasons: list[str | None] = [None] * len(self._reqs)
         self._ended = False
         self._error: BaseException | None = None   # an error after chunks (next_batch)
 
@@ -141,11 +154,27 @@ class Generation:
             self.cancel()
             raise
 
+    @property
+    def n(self) -> int:
+        """How many choices this request generates."""
+        return len(self._reqs)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far, over all choices."""
+        return sum(self._tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Choice 0's finish reason (``None`` until it finished)."""
+        return self.finish_reasons[0]
+
     def _took(self, item: Chunk) -> None:
-        self.completion_tokens = item.completion_tokens
+        self._tokens[item.index] = item.completion_tokens
         if item.finish_reason is not None:
-            self.finish_reason = item.finish_reason
-            self._ended = True
+            self.finish_reasons[item.index] = item.finish_reason
+            if all(r is not None for r in self.finish_reasons):
+                self._ended = True
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
@@ -163,7 +192,8 @@ class Generation:
     def cancel(self) -> None:
         """Stop generating (idempotent; a no-op after the end)."""
         self._ended = True
-        self._cancel_request(self._req)
+        for req in self._reqs:
+            self._cancel_request(req)
 
     async def __aenter__(self) -> "Generation":
         return self

@@ -64,6 +64,8 @@ class Resident:
         self.pending: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}
         self.prefilling: dict[int, int] = {}
+        # token id → (text, bytes) for logprobs (logprobs.TokenTexts), made on first use
+        self.token_texts: Any = None
 
     @property
     def key(self) -> ModelKey:

@@ -10,10 +10,11 @@ its seed, never from MLX's global random state. Called on the MLX thread only.
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 from typing import Any, Callable
 
-__all__ = ["SamplerCache", "seeded_sampler"]
+__all__ = ["SamplerCache", "seeded_sampler", "choice_seed"]
 
 _SAMPLER_CACHE_ENTRIES = 64
 
@@ -62,3 +63,14 @@ def seeded_sampler(temperature: float, top_p: float, seed: int) -> Callable[[Any
         return mx.random.categorical(logprobs * inv_temp, key=key)
 
     return sample
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request for ``n`` choices with ``seed``: ``seed``
+    itself for choice 0 (so ``n`` = 1 and the first of ``n`` choices draw alike), else the
+    first 63 bits of ``blake2b("<seed>:<index>")`` — distinct per choice, so the choices are
+    distinct draws, and the same for the same seed. ``None`` stays ``None``."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

@@ -63,11 +63,16 @@ class ModelInfo:
 class Chunk:
     """One piece of a generation: ``text`` (may be empty), ``tokens`` generated so far for the
     request, and ``finish_reason`` (``None`` until the last chunk, then ``"stop"`` or
-    ``"length"``)."""
+    ``"length"``). ``index``: the choice it belongs to (0 .. n-1 of a request for ``n``
+    choices); ``logprobs``: its token's log-probabilities when the request asked for them
+    (a :class:`node_agent.serving.logprobs.TokenLogprob`; ``None`` otherwise, and for an
+    end-of-sequence token, which is no part of the text)."""
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
+    index: int = 0
+    logprobs: Any = None   # a logprobs.TokenLogprob (not imported: this module stays pure)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from .analysis import AnalysisResult, analyze, window_from_reports
 from .canary import TERMINAL, CanaryState, Observation, Phase, step
 from .canary_spec import CanarySpec, CanarySpecError, parse_canary_spec, to_local_guard
 from .config import listed_namespaces
+from .holders import current_report, held_stats
 from .kube import CANARY_PLURAL, GROUP, PLURAL, VERSION, patch_object
 from .runtime import Runtime, runtime
 from .records import AnalysisWindow, CandidateIntent, DeploymentKey
@@ -86,8 +87,8 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
     def state_of(slot: tuple[str, str]) -> AssignmentState | None:
         """The slot's state for the stored record's generation; a standby replica (idle-
         unloaded, reloading on demand) counts as Ready: it serves on demand."""
-        r, a = reports.get(slot), placed.get(slot)
-        if r is None or a is None or r.generation != a.generation:
+        r = current_report(slot, reports, placed)
+        if r is None:
             return None
         return AssignmentState.READY if replicas.serves(r.state, r.reason) else r.state
 
@@ -95,7 +96,10 @@ def _observe(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployme
     stable_slots = [s for s in placed if s[1] == dspec.model.revision and s[1] != cand]
     failed = [f"{n}: {reports[(n, r)].reason}: {reports[(n, r)].message}" for n, r in cand_slots
               if state_of((n, r)) == AssignmentState.FAILED]
-    stats = {n: r for n, r in rt.stats.get(target, {}).items() if r.canary_uid == uid}
+    # only nodes holding a slot of the target count (another node's agent credential could
+    # write stats carrying this canary's uid: a forged guard trip or skewed windows)
+    stats = {n: r for n, r in held_stats(rt.stats.get(target, {}), placed).items()
+             if r.canary_uid == uid}
     tripped = next((f"node {n}: {r.guard_reason}" for n, r in sorted(stats.items())
                     if r.guard_tripped), None)
     analysis: AnalysisResult | None = None

@@ -62,6 +62,7 @@ from mlx_fleet.contract import (LATENCY_BOUNDS_SECONDS, TOKENS_PER_SECOND_BOUNDS
                                 NodeRecord, RevisionStats, StatsReport)
 from mlx_fleet.supervise import TaskHealth
 
+from .holders import current_report, held_stats
 from .analysis import merge
 from .placement import node_budget_bytes
 
@@ -337,8 +338,7 @@ class FleetCollector(Collector):
                 live_revisions.setdefault((ns, dep), set()).add(revision)
                 report = reports.get((ns, dep), {}).get((node, revision))
                 state = assignment_state(asg, report)
-                current = (report if report is not None and report.generation == asg.generation
-                           else None)
+                current = current_report((node, revision), reports.get((ns, dep), {}), slots)
                 labels = [ns, dep, revision, node, asg.role.value]
                 for s in AssignmentState:
                     fams["assignment_state"].add_metric(labels + [s.value],
@@ -375,7 +375,9 @@ class FleetCollector(Collector):
             if not live:
                 continue  # deployment deleted (or not reconciled by this operator yet)
             tripped = 0
-            for node, rep in sorted(by_node.items()):
+            # only nodes holding a slot of the deployment count (.holders: another Mac's
+            # agent credential could write stats for it)
+            for node, rep in sorted(held_stats(by_node, placed.get((ns, dep), {})).items()):
                 if not isinstance(rep, StatsReport):
                     continue
                 tripped += bool(rep.guard_tripped)

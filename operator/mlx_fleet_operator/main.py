@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from mlx_fleet.contract import ROOT
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
+from mlx_fleet.exposure import INSECURE_ETCD, etcd_exposure_check
 from mlx_fleet.source_policy import PolicyError, SourcePolicy
 from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 from mlx_fleet.store import check_endpoint, parse_endpoint
@@ -118,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "an equal priority)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="debug logging (kopf and mlx-fleet)")
+    g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
+    g.add_argument(INSECURE_ETCD, action="store_true",
+                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
+                        "or an etcd password over http://; without this flag the operator "
+                        "refuses to start")
     add_etcd_arguments(p)
     return p
 
@@ -166,14 +172,29 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def load_etcd_credentials(args: argparse.Namespace) -> EtcdCredentials:
-    """The ``--etcd-*`` TLS/auth flags read and checked against ``--etcd-endpoint``; raises
-    :class:`PreflightError` with one line naming the flag (never a file's contents)."""
+    """The ``--etcd-*`` TLS/auth flags read and checked against ``--etcd-endpoint`` and its
+    exposure (:func:`check_etcd_exposure`); raises :class:`PreflightError` with one line naming
+    the flag (never a file's contents)."""
     try:
         credentials = credentials_from_args(args)
         check_endpoint(args.etcd_endpoint, credentials)
     except ValueError as e:
         raise PreflightError(str(e)) from None
+    check_etcd_exposure(args, credentials)
     return credentials
+
+
+def check_etcd_exposure(args: argparse.Namespace, credentials: EtcdCredentials) -> tuple[str, ...]:
+    """:func:`mlx_fleet.exposure.etcd_exposure_check` of ``--etcd-endpoint`` and the password:
+    raises :class:`PreflightError` with the refusal (a non-loopback ``http://`` etcd, or a
+    password over ``http://``, without ``--insecure-etcd-http``); returns the accepted risks'
+    warnings, for the caller to log at start."""
+    exposure = etcd_exposure_check(
+        etcd_endpoint=args.etcd_endpoint, etcd_password=credentials.password is not None,
+        insecure=frozenset({INSECURE_ETCD} if args.insecure_etcd_http else ()))
+    if exposure.refusals:
+        raise PreflightError(exposure.refusals[0])
+    return exposure.warnings
 
 
 def kopf_run_kwargs(args: argparse.Namespace) -> dict:
@@ -215,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns the process exit code."""
     args = build_parser().parse_args(argv)
     try:
-        etcd_credentials = load_etcd_credentials(args)
+        etcd_credentials = load_etcd_credentials(args)  # refuses an exposed etcd
+        exposure_warnings = check_etcd_exposure(args, etcd_credentials)  # the accepted risks
         source_policy = _source_policy(args.source_policy)
         preflight(args)
     except PreflightError as e:
@@ -247,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 priority=run_kwargs["priority"], clusterwide=run_kwargs["clusterwide"]))
     kopf.configure(verbose=args.verbose)
     logging.getLogger("mlx_fleet_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for warning in exposure_warnings:
+        logging.getLogger("mlx_fleet_operator").warning("%s", warning)
     liveness = (f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None)
     try:
         # the configuration reaches the start-up handler in kopf's operator memo

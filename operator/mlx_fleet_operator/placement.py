@@ -49,7 +49,9 @@ Memory per replica (:func:`resolve_memory`)
 needs the **largest estimate any agent reported** for the revision (``AssignmentReport.
 estimated_bytes``: weights from the safetensors headers plus the KV cache at the assignment's
 serving limits, :mod:`node_agent.memory_estimate`; the largest, so a node that computed a
-bigger KV cache is believed). Before any estimate exists (``estimate_pending``), one replica is
+bigger KV cache is believed; only agents whose node holds an assignment of the revision are
+asked — :func:`.holders.held_reports` — so another Mac's agent credential cannot inflate it).
+Before any estimate exists (``estimate_pending``), one replica is
 placed — on the node with the most free budget, whatever the strategy — and the others wait
 (``PlacementDecision.waiting``) for its agent's estimate; replicas already placed stay. An agent
 report that carries an estimate counts whatever its state, so a load refused or failed for lack
@@ -62,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentReport, NodeHealth,
@@ -70,6 +72,7 @@ from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentRepor
 from mlx_fleet.contract import node_budget_bytes as contract_budget
 from mlx_fleet.quantity import format_bytes
 
+from .holders import held_reports
 from .node_claims import node_label, trusted_generation, trusted_memory_bytes
 
 
@@ -147,11 +150,15 @@ def resolve_memory(override: int | None, estimates: Iterable[int]) -> int | None
     return max((e for e in estimates if e > 0), default=None)
 
 
-def revision_estimates(reports: Mapping[tuple[str, str], AssignmentReport]) -> dict[str, int]:
+def revision_estimates(reports: Mapping[tuple[str, str], AssignmentReport],
+                       placed: Collection[tuple[str, str]]) -> dict[str, int]:
     """Revision → the largest ``estimated_bytes`` in one deployment's reports ((node, revision)
-    → report, any state; revisions with no estimate are absent)."""
+    → report, any state; revisions with no estimate are absent), counting only the reports of
+    slots in ``placed`` — the deployment's stored (node, revision) slots
+    (:func:`.holders.held_reports`: another node's agent credential may write a report for
+    it)."""
     out: dict[str, int] = {}
-    for (_node, revision), r in reports.items():
+    for (_node, revision), r in held_reports(reports, placed).items():
         if r.estimated_bytes > 0:
             out[revision] = max(out.get(revision, 0), r.estimated_bytes)
     return out

@@ -41,6 +41,7 @@ from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, K
 from mlx_fleet.routing import replicas
 from mlx_fleet.store import KV, Compare, Delete, Put, Store
 
+from .holders import current_report
 from .placement import PlacementDecision
 from .view import AssignmentsView
 from .rollout import (DeploymentPlan, DrainState, RevisionTarget, RolloutState, Slot,
@@ -261,9 +262,10 @@ def report_slots(view: FleetView, namespace: str, name: str,
     *for the stored record's generation* (an older report describes an older record)."""
     ready: set[Slot] = set()
     failed: set[Slot] = set()
-    for slot, stored in view.of(namespace, name).items():
-        r = reports.get(slot)
-        if r is None or stored.assignment is None or r.generation != stored.assignment.generation:
+    mine = {slot: s.assignment for slot, s in view.of(namespace, name).items()}
+    for slot in mine:
+        r = current_report(slot, reports, mine)
+        if r is None:
             continue
         if replicas.serves(r.state, r.reason):
             ready.add(slot)  # a standby replica (idle-unloaded) serves on demand

@@ -30,6 +30,7 @@ from mlx_fleet.store import StoreError
 
 from . import metrics, served_names
 from .admission import source_refusal
+from .holders import held_reports
 from .placement import PlacementRequest, resolve_memory, revision_estimates
 from .records import CandidateIntent, DeploymentKey, SyncedSpec
 from .reconcile import ConflictError, Intent, read_fleet, reconcile
@@ -101,12 +102,22 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             raise kopf.PermanentError(refused)
 
         rec.observe_spec(SyncedSpec(spec, generation, meta.get("uid", "")))
-        intent = deployment_intent(spec, key, uid=meta.get("uid", ""), generation=generation,
-                                   candidate=rt.candidate(key), cordoned=rt.cordoned,
-                                   draining=rt.draining, node_labels=rt.node_labels,
-                                   estimates=revision_estimates(rt.reports.get(key, {})))
         released = rec.released(time.monotonic(), ENDPOINT_GRACE_SECONDS)
         try:
+            estimates: dict[str, int] = {}
+            if not spec.resources.memory_bytes:  # else the override wins: no estimate needed
+                # only the estimates of nodes holding a slot of this deployment (.holders):
+                # its stored assignments, from the followed view when current (no listing;
+                # under the placement lock, like every reader that may reset that view)
+                async with rt.placement_lock:
+                    held = (await read_fleet(rt.store, rt.keys, rt.fleet_memo,
+                                             nodes=rt.placement_nodes(),
+                                             assignments=rt.assignments)).of(*key)
+                estimates = revision_estimates(rt.reports.get(key, {}), held)
+            intent = deployment_intent(
+                spec, key, uid=meta.get("uid", ""), generation=generation,
+                candidate=rt.candidate(key), cordoned=rt.cordoned, draining=rt.draining,
+                node_labels=rt.node_labels, estimates=estimates)
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
                                      serialize=rt.placement_lock, memo=rt.fleet_memo,
@@ -136,7 +147,7 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         rivals = served_names.rivals(key, rt.placed)
         rt.wake(served_names.to_wake(rivals_before, rivals))  # their condition changes too
 
-        reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in result.assignments}
+        reports = held_reports(rt.reports.get(key, {}), result.assignments)
         status, events = compute_status(StatusInput(
             generation=generation, replicas=spec.replicas, assignments=result.assignments,
             reports=reports, nodes=dict(rt.nodes), unplaced=result.decision.unplaced,
@@ -178,7 +189,7 @@ async def _hold(rt: Runtime, body: Mapping[str, Any], key: DeploymentKey,
         metrics.RECONCILE_TOTAL.labels(result="error").inc()
         metrics.observe_reconcile(time.perf_counter() - started, success=False)
         raise kopf.TemporaryError(f"etcd: {se}", delay=5) from se
-    reports = {n: r for n, r in rt.reports.get(key, {}).items() if n in placed}
+    reports = held_reports(rt.reports.get(key, {}), placed)
     status, events = compute_status(StatusInput(
         generation=generation, replicas=replicas, assignments=placed, reports=reports,
         nodes=dict(rt.nodes), spec_error=spec_error, source_refused=source_refused,
