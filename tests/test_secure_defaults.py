@@ -121,6 +121,30 @@ def test_agent_refuses_an_exposed_setting_in_one_line(argv: list[str], flag: str
     assert flag in err[0]
 
 
+def test_keyed_agent_beyond_loopback_needs_https(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """Review of issue 19: keys over plain http beyond loopback are refused (the keys and the
+    prompts would cross the LAN in cleartext) unless --insecure-http-listen; with a TLS
+    certificate the agent's check passes."""
+    from etcd_tls import make_pki
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-secure-defaults-0123456789\n")
+    argv = ["--node-name", "n", "--listen", "0.0.0.0:0", "--api-key-file", str(keys)]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert INSECURE_HTTP_LISTEN in line and "cleartext" in line
+    config = config_from_args(build_parser().parse_args([*argv, INSECURE_HTTP_LISTEN]))
+    assert config.insecure == {INSECURE_HTTP_LISTEN}
+    pki = make_pki(tmp_path / "pki", [])
+    tls = config_from_args(build_parser().parse_args([
+        *argv, "--tls-cert-file", str(pki.server.cert), "--tls-key-file", str(pki.server.key)]))
+    from node_agent.main import check_exposure
+
+    assert check_exposure(tls) == ()  # the agent's own check: nothing refused or warned
+    assert len(check_exposure(config)) == 1  # the opt-out: one INSECURE warning
+
+
 def test_agent_refuses_an_etcd_password_over_http(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     pw = tmp_path / "pw"
