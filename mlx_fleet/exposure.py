@@ -12,6 +12,9 @@ The rules (the model: Ollama binds to 127.0.0.1 unless told otherwise):
 
 * listening on an address other than loopback without API keys → refused unless
   :data:`INSECURE_LISTEN` (anyone on the LAN could use every model);
+* listening on an address other than loopback over plain HTTP (no ``--tls-cert-file``) with API
+  keys → refused unless :data:`INSECURE_HTTP_LISTEN` (client keys and prompts would cross the
+  network in cleartext; whoever reads one key uses the API as that client);
 * an ``http://`` etcd endpoint whose host is not loopback → refused unless :data:`INSECURE_ETCD`
   (whoever reaches etcd on the path can read and write every assignment);
 * an etcd password over ``http://`` (any host: it travels in cleartext) → refused unless
@@ -29,11 +32,13 @@ import dataclasses
 import ipaddress
 from urllib.parse import urlsplit
 
-__all__ = ["INSECURE_LISTEN", "INSECURE_ETCD", "INSECURE_FORWARD", "Exposure", "is_loopback",
-           "exposure_check", "etcd_exposure_check", "may_send_key"]
+__all__ = ["INSECURE_LISTEN", "INSECURE_HTTP_LISTEN", "INSECURE_ETCD", "INSECURE_FORWARD",
+           "Exposure", "is_loopback", "exposure_check", "etcd_exposure_check", "may_send_key"]
 
 INSECURE_LISTEN = "--insecure-listen-without-keys"
 """Flag: accept listening on a non-loopback address with no ``--api-key-file``."""
+INSECURE_HTTP_LISTEN = "--insecure-http-listen"
+"""Flag: accept plain HTTP (no ``--tls-cert-file``) on a non-loopback address with API keys."""
 INSECURE_ETCD = "--insecure-etcd-http"
 """Flag: accept a non-loopback ``http://`` etcd endpoint, or an etcd password over ``http://``."""
 INSECURE_FORWARD = "--insecure-forward-http"
@@ -70,19 +75,27 @@ class Exposure:
 
 
 def exposure_check(*, listen_host: str, api_keys: bool, etcd_endpoint: str,
-                   etcd_password: bool, insecure: frozenset[str] = frozenset()) -> Exposure:
+                   etcd_password: bool, tls: bool = False,
+                   insecure: frozenset[str] = frozenset()) -> Exposure:
     """Check a process's start-up settings against the rules of this module.
 
     ``listen_host``: the host of ``--listen``; ``api_keys``: an ``--api-key-file`` is given;
     ``etcd_endpoint``: the etcd client URL; ``etcd_password``: an etcd password is configured;
-    ``insecure``: the ``--insecure-…`` flags given (:data:`INSECURE_LISTEN`,
-    :data:`INSECURE_ETCD`). Returns an :class:`Exposure`; never raises."""
+    ``tls``: the listener serves HTTPS (``--tls-cert-file``); ``insecure``: the ``--insecure-…``
+    flags given (:data:`INSECURE_LISTEN`, :data:`INSECURE_HTTP_LISTEN`, :data:`INSECURE_ETCD`).
+    Returns an :class:`Exposure`; never raises."""
     found: list[tuple[str, str]] = []  # (flag, problem)
     if not api_keys and not is_loopback(listen_host):
         shown = listen_host or "every address"
         found.append((INSECURE_LISTEN,
                       f"--listen {shown} is not a loopback address and no --api-key-file is "
                       f"given: anyone who can reach it may use every model"))
+    elif not tls and not is_loopback(listen_host):
+        shown = listen_host or "every address"
+        found.append((INSECURE_HTTP_LISTEN,
+                      f"--listen {shown} is not a loopback address and serves plain http: "
+                      f"client keys and prompts would cross the network in cleartext (give "
+                      f"--tls-cert-file and --tls-key-file)"))
     found += _etcd_problems(etcd_endpoint, etcd_password)
     return _judged(found, insecure)
 

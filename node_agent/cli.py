@@ -15,9 +15,12 @@ import socket
 
 from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, check_watermark
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
-from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN,
+from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
+                                INSECURE_LISTEN,
                                 exposure_check, is_loopback)
-from mlx_fleet.http_hygiene import HttpLimits, add_http_arguments, http_limits_from_args
+from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, add_metrics_auth_argument,
+                                   add_tls_arguments, check_tls_arguments,
+                                   http_limits_from_args, metrics_auth)
 from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 from mlx_fleet.store import check_endpoint, parse_endpoint
@@ -429,15 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "sent with requests this agent forwards to another node (canary "
                         "candidates held elsewhere), and with --api-key-file its keys are "
                         "accepted like client keys; re-read when it changes")
-    p.add_argument("--metrics-auth", choices=["open", "api-key"], default="open",
-                   help="GET /metrics open to anyone, or needing a key like the API "
-                        "(api-key needs --api-key-file); /health is always open "
-                        "(default: %(default)s)")
-    p.add_argument("--tls-cert-file", default=None, metavar="PATH",
-                   help="serve HTTPS with this PEM certificate (chain); needs --tls-key-file; "
-                        "the default advertise URL becomes https://")
-    p.add_argument("--tls-key-file", default=None, metavar="PATH",
-                   help="the PEM private key of --tls-cert-file")
+    add_metrics_auth_argument(p)
+    add_tls_arguments(p, cert_help="the default advertise URL becomes https://")
     p.add_argument("--forward-ca-file", default=None, metavar="PATH",
                    help="PEM CA bundle that verifies other agents' HTTPS certificates when "
                         "forwarding to them (agents with --tls-cert-file from a private CA); "
@@ -455,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a --listen address that is not loopback without "
                         "--api-key-file (anyone who reaches it may use every model); without "
                         "this flag the agent refuses to start")
+    g.add_argument(INSECURE_HTTP_LISTEN, action="store_true",
+                   help="accept a --listen address that is not loopback over plain http with "
+                        "--api-key-file (client keys and prompts cross the network in "
+                        "cleartext); without this flag the agent refuses to start unless "
+                        "--tls-cert-file is given")
     g.add_argument(INSECURE_ETCD, action="store_true",
                    help="accept a plain http:// etcd endpoint on a host that is not loopback, "
                         "or an etcd password over http://; without this flag the agent refuses "
@@ -474,10 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     host, port = args.listen
     credentials = credentials_from_args(args)  # CredentialsError (a ValueError): one line
-    if args.metrics_auth == "api-key" and not args.api_key_file:
-        raise ValueError("--metrics-auth api-key needs --api-key-file")
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
-        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    metrics = metrics_auth(args.metrics_auth, api_keys=args.api_key_file is not None)
+    check_tls_arguments(args)
     check_endpoint(args.etcd_endpoint, credentials)
     policy = load_policy(args.source_policy)  # PolicyError (a ValueError): one line
     return AgentConfig(source_policy=policy, node_name=args.node_name, etcd_endpoint=args.etcd_endpoint,
@@ -493,10 +492,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        max_loaded_models=args.max_loaded_models,
                        memory_watermark=args.memory_watermark,
                        api_key_file=args.api_key_file, forward_key_file=args.forward_key_file,
-                       metrics_auth=args.metrics_auth, tls_cert_file=args.tls_cert_file,
+                       metrics_auth=metrics, tls_cert_file=args.tls_cert_file,
                        tls_key_file=args.tls_key_file, forward_ca_file=args.forward_ca_file,
                        insecure=frozenset(flag for flag in (INSECURE_LISTEN, INSECURE_ETCD,
-                                                            INSECURE_FORWARD)
+                                                            INSECURE_FORWARD,
+                                                            INSECURE_HTTP_LISTEN)
                                           if getattr(args, flag[2:].replace("-", "_"))),
                        http=http_limits_from_args(args),
                        downloads=download_limits_from_args(args),

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from mlx_fleet.contract import AGENT_LABEL_PREFIX, Keys, NodeHealth, check_watermark
 from mlx_fleet.exposure import INSECURE_FORWARD, exposure_check, is_loopback
-from mlx_fleet.http_hygiene import allowed_hosts, start_server
+from mlx_fleet.http_hygiene import allowed_hosts, server_tls_context, start_server
 from mlx_fleet.routing.api_keys import KeyFile, KeyFileError
 from mlx_fleet.store import EtcdStore, StoreError
 
@@ -45,16 +45,12 @@ EXIT_CORE_FAILED = 3
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """The server side of HTTPS (TLS 1.2 or newer, Python's defaults for server sockets).
-    Raises :class:`StartupError` naming the flags and paths (never the files' content)."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    """The server side of HTTPS (:func:`mlx_fleet.http_hygiene.server_tls_context`). Raises
+    :class:`StartupError` naming the flags and paths (never the files' content)."""
     try:
-        ctx.load_cert_chain(cert_file, key_file)
-    except (OSError, ssl.SSLError) as e:
-        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or type(e).__name__
-        raise StartupError(f"--tls-cert-file {cert_file!r} / --tls-key-file {key_file!r}: "
-                           f"cannot use ({reason})") from None
-    return ctx
+        return server_tls_context(cert_file, key_file)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
 
 
 def forward_tls_context(ca_file: str) -> ssl.SSLContext:
@@ -76,7 +72,7 @@ def check_exposure(config: AgentConfig) -> tuple[str, ...]:
         etcd_endpoint=config.etcd_endpoint,
         etcd_password=(config.etcd_credentials is not None
                        and config.etcd_credentials.password is not None),
-        insecure=config.insecure)
+        tls=config.tls_cert_file is not None, insecure=config.insecure)
     if exposure.refusals:
         raise StartupError(exposure.refusals[0])
     return exposure.warnings

@@ -154,8 +154,10 @@ def build_app(core: ServingCore, *, health: Callable[[], tuple[bool, dict]],
     # errors outermost: a 401 is counted in the request metrics like any other answer; the
     # hygiene checks (Host, CORS, Content-Type) come before authentication, the body read
     # (under its timeout) after it
+    # an open /metrics keeps its Host check with keys too (DNS rebinding would read it)
     before_auth, after_auth = hygiene_middlewares(limits, check_host=api_keys is None,
-                                                  hosts=hosts, error=_error)
+                                                  hosts=hosts, error=_error,
+                                                  host_paths=frozenset({"/metrics"}) & open_paths)
     # a body may hold a prompt of max_prompt_bytes plus its JSON (the router's rule too)
     app = web.Application(middlewares=[request_errors(core.metrics.requests), before_auth,
                                        authentication(api_keys, forward_keys, open_paths),

@@ -266,7 +266,8 @@ mlx-fleet is up on kind cluster "$cluster" (namespace $namespace).
 
 On every Mac, run the node agent pointed at the same etcd:
   mlx-fleet-agent --etcd-endpoint $agent_etcd$agent_insecure --api-key-file <keys> \
-    --listen 0.0.0.0:<port> --advertise-url http://<the-mac's-address>:<port>$agent_policy
+    --listen 0.0.0.0:<port> --insecure-http-listen \
+    --advertise-url http://<the-mac's-address>:<port>$agent_policy
 (see docs/kind.md and mlx-fleet-agent --help).
 Tear down: scripts/kind-up.sh --name $cluster --down
 EOF

@@ -262,6 +262,12 @@ def test_flags(tmp_path: Path) -> None:
     cfg = config_from_args(p.parse_args(["--api-key-file", str(keys), "--metrics-auth",
                                          "api-key"]))
     assert (cfg.api_key_file, cfg.metrics_auth) == (str(keys), "api-key")
+    # review of issue 19: /metrics needs a key by default once there are keys; open explicitly
+    assert config_from_args(p.parse_args(["--api-key-file", str(keys)])).metrics_auth == \
+        "api-key"
+    assert config_from_args(p.parse_args(["--api-key-file", str(keys), "--metrics-auth",
+                                          "open"])).metrics_auth == "open"
+    assert config_from_args(p.parse_args([])).metrics_auth == "open"
     for argv, message in (
             (["--metrics-auth", "api-key"], "--metrics-auth api-key needs --api-key-file"),
             (["--tls-cert-file", "c.pem"], "--tls-cert-file and --tls-key-file go together")):

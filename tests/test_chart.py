@@ -470,7 +470,9 @@ def test_router_deployment(default_docs: list[dict[str, Any]]) -> None:
                          "--etcd-ca-file=/etc/mlx-fleet/etcd-tls/ca.crt",
                          "--etcd-cert-file=/etc/mlx-fleet/etcd-tls/tls.crt",
                          "--etcd-key-file=/etc/mlx-fleet/etcd-tls/tls.key",
-                         "--api-key-file=/etc/mlx-fleet/api-keys/keys"]
+                         "--metrics-auth=open", "--insecure-http-listen",
+                         "--api-key-file=/etc/mlx-fleet/api-keys/keys",
+                         "--allowed-host=$(POD_IP)"]
     assert c["ports"] == [{"name": "http", "containerPort": 8090, "protocol": "TCP"}]
     values = yaml.safe_load((CHART / "values.yaml").read_text())["router"]
     for kind in ("startup", "liveness", "readiness"):
@@ -583,24 +585,63 @@ def test_router_args_parse_with_the_routers_own_cli(helm: Path) -> None:
 def _router_exposure(docs: list[dict[str, Any]]) -> Any:
     """The router's own start-up check (:func:`mlx_fleet.exposure.exposure_check`, as
     ``mlx_fleet_router.main.configure`` runs it) of its rendered arguments."""
-    from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_LISTEN, exposure_check
+    from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_HTTP_LISTEN, INSECURE_LISTEN,
+                                    exposure_check)
     from mlx_fleet_router.main import parse_args
 
     args = parse_args(_router_container(docs)["args"])
     return exposure_check(
         listen_host=args.listen, api_keys=args.api_key_file is not None,
         etcd_endpoint=args.etcd_endpoint, etcd_password=args.etcd_username is not None,
-        insecure=frozenset(f for f in (INSECURE_LISTEN, INSECURE_ETCD)
+        tls=args.tls_cert_file is not None,
+        insecure=frozenset(f for f in (INSECURE_LISTEN, INSECURE_ETCD, INSECURE_HTTP_LISTEN)
                            if getattr(args, f[2:].replace("-", "_"))))
 
 
 def test_default_install_is_closed(default_docs: list[dict[str, Any]]) -> None:
     """Defaults: https etcd with a client certificate, a router with keys; the router's own
-    check finds nothing to refuse or warn about, and no --insecure flag is rendered."""
+    check refuses nothing. Its port is plain http (no certificate to default to): that one
+    opt-out, --insecure-http-listen (insecure.httpListen), is rendered and warned about at
+    start; nothing else."""
     exposure = _router_exposure(default_docs)
+    assert exposure.refusals == ()
+    assert [w.split(")")[0] for w in exposure.warnings] == ["INSECURE (--insecure-http-listen"]
+    assert not [a for a in _container(default_docs)["args"] if a.startswith("--insecure")]
+    assert [a for a in _router_container(default_docs)["args"]
+            if a.startswith("--insecure")] == ["--insecure-http-listen"]
+
+
+def test_router_tls_closes_the_last_opt_out(helm: Path) -> None:
+    """router.tls.secretName: HTTPS on the router's port (the Secret's tls.crt/tls.key), HTTPS
+    probes and scrape, no opt-out and nothing to warn about; without it and without
+    insecure.httpListen the chart refuses to render a keyed plain-http router."""
+    docs = render(helm, "--set", "router.tls.secretName=router-tls",
+                  "--set", "insecure.httpListen=false")
+    exposure = _router_exposure(docs)
     assert exposure.refusals == () and exposure.warnings == ()
-    for c in (_container(default_docs), _router_container(default_docs)):
-        assert not [a for a in c["args"] if a.startswith("--insecure")]
+    c = _router_container(docs)
+    assert "--tls-cert-file=/etc/mlx-fleet/tls/tls.crt" in c["args"]
+    assert "--tls-key-file=/etc/mlx-fleet/tls/tls.key" in c["args"]
+    assert not [a for a in c["args"] if a.startswith("--insecure")]
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    volumes = {v["name"]: v for v in router_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "router-tls"
+    failed = run_helm(helm, "template", RELEASE, str(CHART), "--set", "insecure.httpListen=false")
+    assert failed.returncode != 0 and "insecure.httpListen" in failed.stderr
+
+
+def test_router_metrics_auth_renders_and_open_metrics_allow_the_pod_ip(helm: Path) -> None:
+    """router.metricsAuth: `open` by default (the ServiceMonitor scrapes without a key, by the
+    Pod's IP, which the open /metrics's Host check then accepts); `api-key` renders the flag."""
+    from mlx_fleet_router.main import parse_args
+
+    default = _router_container(render(helm))
+    args = parse_args(default["args"])
+    assert args.metrics_auth == "open" and "$(POD_IP)" in args.allowed_host
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} \
+        in default["env"]
+    keyed = parse_args(_router_container(render(helm, "--set", "router.metricsAuth=api-key"))["args"])
+    assert keyed.metrics_auth == "api-key" and "$(POD_IP)" not in keyed.allowed_host
 
 
 def test_insecure_opt_outs_render_the_routers_flags(helm: Path) -> None:
@@ -839,7 +880,8 @@ def test_values_defaults() -> None:
     assert values["etcd"]["endpoints"] == ["https://etcd.mlx-fleet.svc:2379"]
     assert values["etcd"]["tls"]["secretName"] == "mlx-fleet-etcd-client"
     assert values["etcd"]["auth"]["username"] == ""
-    assert values["insecure"] == {"etcdHttp": False, "listenWithoutKeys": False, "forwardHttp": False}
+    assert values["insecure"] == {"etcdHttp": False, "listenWithoutKeys": False, "forwardHttp": False,
+                                  "httpListen": True}  # the router's port: plain http in-cluster
     assert values["operator"]["peering"] is False
     assert set(values["image"]) == {"repository", "tag", "pullPolicy"}
     router = values["router"]

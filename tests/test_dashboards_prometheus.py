@@ -76,7 +76,9 @@ def fleet(control_plane: ControlPlane, namespace: str, tmp_path_factory: pytest.
     agent = start_agent(control_plane, NODE, etcd_prefix=keys.root, memory="64Gi", lease_ttl=3,
                         extra_args=("--stats-interval-seconds", "1"))  # a 1 s scrape's resolution
     router = start_router(control_plane, etcd_prefix=keys.root, namespaces=(namespace,),
-                          extra_args=("--api-key-file", str(key_file),
+                          # keyed, so /metrics would need a key by default: the scrape
+                          # carries none, --metrics-auth open is the explicit choice
+                          extra_args=("--api-key-file", str(key_file), "--metrics-auth", "open",
                                       "--tenant-limits", "tight:rpm=1"))
     prom = start_prometheus(tmp_path_factory.mktemp("prometheus"), [
         ScrapeTarget(f"127.0.0.1:{metrics_port}"),

@@ -176,8 +176,9 @@ async def test_connections_over_the_cap_get_503_and_are_closed(serve: Serve) -> 
 
 async def test_failed_tls_handshakes_do_not_use_up_the_cap(agent: Agent,  # noqa: F811
                                                            tmp_path: Path) -> None:
-    """Over HTTPS a connection counts once its handshake is done: clients that fail the
-    handshake (a port scanner, plain HTTP to the TLS port) never fill the cap."""
+    """Over HTTPS a connection counts from its TCP open, and a failed handshake (a port
+    scanner, plain HTTP to the TLS port) frees its slot at once: such clients never fill the
+    cap."""
     import ssl
 
     from etcd_tls import make_pki
@@ -208,6 +209,133 @@ async def test_failed_tls_handshakes_do_not_use_up_the_cap(agent: Agent,  # noqa
             assert await asyncio.wait_for(healthy(), BOUND) == 200
         assert site.refused_connections == 0
     finally:
+        await runner.cleanup()
+
+
+def _bare_app() -> web.Application:
+    app = web.Application()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+    app.router.add_get("/health", health)
+    return app
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+async def _one_response(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    return head + await asyncio.wait_for(reader.readexactly(length), BOUND)
+
+
+async def test_one_client_address_cannot_take_every_slot() -> None:
+    """The review's probe: one peer keeps every slot of the cap busy with GET /health (each
+    answer restarts the idle timer). With a per-client cap it holds only its share: its next
+    connection is refused, a client from another address is served."""
+    limits = HttpLimits(max_connections=8, max_connections_per_client=4)
+    runner, site = await start_server(_bare_app(), "127.0.0.1", 0, limits=limits)
+    held = []
+    try:
+        for _ in range(4):
+            r, w = await asyncio.open_connection("127.0.0.1", site.port)
+            held.append((r, w))
+            w.write(HEALTH)
+            assert (await _one_response(r)).startswith(b"HTTP/1.1 200")
+        r, w = await asyncio.open_connection("127.0.0.1", site.port)
+        answer = await asyncio.wait_for(r.read(), BOUND)
+        w.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+            "too_many_connections_from_client"
+        for r, w in held:  # the peer's held connections still work (and stay busy)
+            w.write(HEALTH)
+            assert (await _one_response(r)).startswith(b"HTTP/1.1 200")
+        # another client address (127.0.0.2 reaches 127.0.0.1 over lo) is served
+        r, w = await asyncio.open_connection("127.0.0.1", site.port,
+                                             local_addr=("127.0.0.2", 0))
+        w.write(HEALTH)
+        assert (await _one_response(r)).startswith(b"HTTP/1.1 200")
+        w.close()
+        assert site.per_client == {"127.0.0.1": 4, "127.0.0.2": 1} or \
+            site.per_client == {"127.0.0.1": 4}  # the last close may already be seen
+    finally:
+        for _, w in held:
+            w.close()
+        await runner.cleanup()
+
+
+async def test_connection_closes_after_its_request_budget(serve: Serve) -> None:
+    """nginx's keepalive_requests: the response to the last request a connection may carry
+    says Connection: close and the server closes it, so busy connections are recycled."""
+    port = await serve(HttpLimits(max_requests_per_connection=2))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(HEALTH)
+        first = await _one_response(reader)
+        assert first.startswith(b"HTTP/1.1 200") and b"Connection: close" not in first
+        writer.write(HEALTH)
+        second = await _one_response(reader)
+        assert second.startswith(b"HTTP/1.1 200")
+        assert b"connection: close" in second.lower(), second
+        assert await asyncio.wait_for(_closed_by_server(reader), BOUND) == b""
+    finally:
+        writer.close()
+
+
+async def test_connection_closes_after_its_age(serve: Serve) -> None:
+    """nginx's keepalive_time: the first response after the connection's age limit closes it."""
+    port = await serve(HttpLimits(max_connection_age_seconds=0.2))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(HEALTH)
+        young = await _one_response(reader)
+        assert young.startswith(b"HTTP/1.1 200") and b"connection: close" not in young.lower()
+        await asyncio.sleep(0.25)  # the connection ages past its limit (what is tested)
+        writer.write(HEALTH)
+        answer = await _one_response(reader)
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower()
+        assert await asyncio.wait_for(_closed_by_server(reader), BOUND) == b""
+    finally:
+        writer.close()
+
+
+async def test_silent_tls_connections_count_and_time_out(tmp_path: Path) -> None:
+    """The review's probe: TCP connections that never send a ClientHello. They count against
+    the cap from the moment they open (the rest are refused: no file descriptors beyond the
+    cap), and the handshake timeout (the header timeout) closes them and frees their slots."""
+    import ssl
+
+    from etcd_tls import make_pki
+    from node_agent.main import forward_tls_context, tls_context
+
+    pki = make_pki(tmp_path / "pki", [])
+    limits = HttpLimits(max_connections=4, header_timeout_seconds=1.0)
+    runner, site = await start_server(_bare_app(), "127.0.0.1", 0, limits=limits,
+                                      ssl_context=tls_context(str(pki.server.cert),
+                                                              str(pki.server.key)))
+    held = [await asyncio.open_connection("127.0.0.1", site.port) for _ in range(12)]
+    try:
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(_closed_by_server(r) for r, _ in held)), BOUND)
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(refused) == 8 and site.refused_connections == 8
+        assert [a for a in answers if a not in refused] == [b""] * 4  # timed out, unanswered
+        trusting: ssl.SSLContext = forward_tls_context(str(pki.ca))
+        async with aiohttp.ClientSession() as http:
+            async def healthy() -> int:
+                while True:  # the server sees the timed-out handshakes end asynchronously
+                    async with http.get(f"https://localhost:{site.port}/health",
+                                        ssl=trusting) as resp:
+                        if resp.status != 503:
+                            return resp.status
+                    await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(healthy(), BOUND) == 200
+    finally:
+        for _, w in held:
+            w.close()
         await runner.cleanup()
 
 

@@ -62,10 +62,10 @@ def test_launchd_arguments_parse_with_the_agents_own_cli_and_raise_no_exposure()
     assert args.api_key_file and args.forward_key_file and args.metrics_auth == "api-key"
     assert args.tls_cert_file and args.tls_key_file and args.forward_ca_file
     assert not (args.insecure_listen_without_keys or args.insecure_etcd_http
-                or args.insecure_forward_http)
+                or args.insecure_forward_http or args.insecure_http_listen)
     found = exposure_check(listen_host=args.listen[0], api_keys=bool(args.api_key_file),
                            etcd_endpoint=job["EnvironmentVariables"]["MLX_FLEET_ETCD_ENDPOINT"],
-                           etcd_password=False)
+                           etcd_password=False, tls=bool(args.tls_cert_file))
     assert found.refusals == () and found.warnings == ()
 
 
@@ -89,7 +89,8 @@ def test_router_launchd_job_is_closed_by_default() -> None:
     """Issue 19: the router's job as the agent's — a dedicated user, keys, an https:// etcd
     with the router's own client certificate — and the router's own exposure check (what makes
     it refuse to start, or warn) finds nothing."""
-    from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN, exposure_check
+    from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
+                                    INSECURE_LISTEN, exposure_check)
     from mlx_fleet_router.main import parse_args
 
     with ROUTER_PLIST.open("rb") as f:
@@ -104,11 +105,28 @@ def test_router_launchd_job_is_closed_by_default() -> None:
     assert "MLX_FLEET_ETCD_PASSWORD" not in env
     args = parse_args(job["ProgramArguments"][1:])
     assert args.api_key_file and args.forward_key_file and args.upstream_ca_file
+    assert args.tls_cert_file and args.tls_key_file  # HTTPS: keys and prompts never in clear
     assert not any(getattr(args, f[2:].replace("-", "_"))
-                   for f in (INSECURE_LISTEN, INSECURE_ETCD, INSECURE_FORWARD))
+                   for f in (INSECURE_LISTEN, INSECURE_ETCD, INSECURE_FORWARD,
+                             INSECURE_HTTP_LISTEN))
     found = exposure_check(listen_host=args.listen, api_keys=bool(args.api_key_file),
-                           etcd_endpoint=env["MLX_FLEET_ETCD_ENDPOINT"], etcd_password=False)
+                           etcd_endpoint=env["MLX_FLEET_ETCD_ENDPOINT"], etcd_password=False,
+                           tls=bool(args.tls_cert_file))
     assert found.refusals == () and found.warnings == ()
+
+
+@pytest.mark.parametrize("plist", [PLIST, ROUTER_PLIST])
+def test_launchd_jobs_may_open_more_files_than_the_connection_cap(plist: Path) -> None:
+    """Review of issue 19: launchd's default soft open-file limit (256) is below the servers'
+    --max-connections (512): each job raises it above the cap plus the servers' headroom."""
+    from mlx_fleet.connection_limits import FD_HEADROOM
+    from mlx_fleet.http_hygiene import HttpLimits
+
+    with plist.open("rb") as f:
+        job = plistlib.load(f)
+    need = HttpLimits().max_connections + FD_HEADROOM
+    assert job["SoftResourceLimits"]["NumberOfFiles"] >= need
+    assert job["HardResourceLimits"]["NumberOfFiles"] >= job["SoftResourceLimits"]["NumberOfFiles"]
 
 
 def test_plistlib_refuses_a_broken_plist() -> None:

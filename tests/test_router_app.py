@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -153,7 +154,8 @@ async def router(memory_store: MemoryStore) -> AsyncIterator[Callable[..., Await
 
     async def make(*, settings: RouterSettings | None = None, api_keys: KeyFile | None = None,
                    forward_key: KeyFile | None = None, macs: int = 0,
-                   upstream_ssl: ssl.SSLContext | None = None) -> Rig:
+                   upstream_ssl: ssl.SSLContext | None = None,
+                   metrics_auth: bool = False) -> Rig:
         follower = Follower(memory_store, KEYS, namespaces={NS})
         task = asyncio.create_task(follower.run())
         await follower.wait_until(
@@ -163,7 +165,7 @@ async def router(memory_store: MemoryStore) -> AsyncIterator[Callable[..., Await
                         synced=lambda: follower.synced,
                         settings=settings or RouterSettings(probe_interval_seconds=0),
                         api_keys=api_keys, forward_key=forward_key,
-                        upstream_ssl=upstream_ssl)
+                        upstream_ssl=upstream_ssl, metrics_auth=metrics_auth)
         client = TestClient(TestServer(app, host="127.0.0.1"))
         await client.start_server()
         made.append((task, client))
@@ -287,11 +289,14 @@ async def test_split_pins_the_revision_with_the_forward_key(memory_store, stubs,
     assert b.seen[0]["Authorization"] == f"Bearer {FORWARD}"  # never the client's key
 
 
-async def test_forward_key_only_over_tls_or_to_loopback(memory_store, stubs, router,
-                                                        tmp_path: Path, monkeypatch) -> None:
-    """An ``http://`` agent on another host gets the client's Authorization, never the fleet's
-    forward key (:func:`mlx_fleet.exposure.may_send_key`, the agents' own rule). The other host
-    is a name resolved to 127.0.0.1: no traffic leaves loopback."""
+async def test_no_key_to_a_plain_http_agent_on_another_host(memory_store, stubs, router,
+                                                             tmp_path: Path, monkeypatch,
+                                                             caplog) -> None:
+    """An ``http://`` agent on another host gets neither the fleet's forward key nor the
+    client's own Authorization (review of issue 19: that would put a client key on the LAN in
+    cleartext; :func:`mlx_fleet.exposure.may_send_key`, the agents' own rule); the router says
+    so once per agent. The other host is a name resolved to 127.0.0.1: no traffic leaves
+    loopback."""
     class Loopback(aiohttp.abc.AbstractResolver):
         def __init__(self, *args: object, **kwargs: object) -> None:
             pass
@@ -308,6 +313,41 @@ async def test_forward_key_only_over_tls_or_to_loopback(memory_store, stubs, rou
     await publish(memory_store, "mac-a", a.url.replace("127.0.0.1", "studio-1.example"))
     (tmp_path / "fwd").write_text(FORWARD + "\n")
     rig = await router(macs=1, forward_key=KeyFile(tmp_path / "fwd"))
+    with caplog.at_level(logging.WARNING, logger="mlx_fleet_router.app"):
+        for _ in range(2):
+            assert (await rig.chat(headers={"Authorization": "Bearer client-key"})).status == 200
+    assert len(a.seen) == 2 and not any("Authorization" in seen for seen in a.seen)
+    said = [r.getMessage() for r in caplog.records if "not relaying" in r.getMessage()]
+    assert len(said) == 1 and "studio-1.example" in said[0] and "client-key" not in said[0]
+
+
+async def test_metrics_auth_and_the_host_check_of_an_open_metrics(memory_store, stubs, router,
+                                                                   tmp_path: Path) -> None:
+    """Review of issue 19: with metrics_auth /metrics needs a key like the API; left open on a
+    keyed router, its Host is still checked (a DNS-rebinding page would read it otherwise)."""
+    await publish(memory_store, "mac-a", (await stubs(ok)).url)
+    (tmp_path / "keys").write_text("sk-router-metrics-0123456789\n")
+    keys = KeyFile(tmp_path / "keys")
+    keyed = await router(api_keys=keys, metrics_auth=True)
+    assert (await keyed.client.get("/metrics")).status == 401
+    keyed_read = await keyed.client.get("/metrics", headers={
+        "Authorization": "Bearer sk-router-metrics-0123456789"})
+    assert keyed_read.status == 200 and "mlxfleet_router" in await keyed_read.text()
+    assert (await keyed.client.get("/health")).status == 200  # probes stay open
+    open_ = await router(api_keys=keys)
+    assert (await open_.client.get("/metrics")).status == 200
+    rebound = await open_.client.get("/metrics", headers={"Host": "attacker.example"})
+    assert rebound.status == 421
+    assert (await open_.client.get("/health", headers={"Host": "pod-ip.example"})).status == 200
+
+
+async def test_client_key_is_relayed_over_loopback_without_a_forward_key(memory_store, stubs,
+                                                                          router) -> None:
+    """Without --forward-key-file the client's own Authorization goes to an agent where a key
+    may go (loopback here, or https://)."""
+    a = await stubs(ok)
+    await publish(memory_store, "mac-a", a.url)
+    rig = await router(macs=1)
     assert (await rig.chat(headers={"Authorization": "Bearer client-key"})).status == 200
     assert a.seen[0]["Authorization"] == "Bearer client-key"
 

@@ -21,7 +21,7 @@ import pytest_asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_LISTEN
+from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_HTTP_LISTEN, INSECURE_LISTEN
 from mlx_fleet.http_hygiene import HttpLimits, allowed_hosts, start_server
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.body_size import max_body_bytes
@@ -287,11 +287,41 @@ def test_etcd_password_over_http_is_refused(tmp_path: Path, capsys) -> None:
     assert INSECURE_ETCD in err and "s3cret" not in err
 
 
-def test_keyed_router_may_listen_beyond_loopback(tmp_path: Path) -> None:
+def test_keyed_router_may_listen_beyond_loopback_over_https(tmp_path: Path, capsys) -> None:
+    """Review of issue 19: keys alone are not enough beyond loopback — over plain http they
+    and the prompts cross the network in cleartext. With a TLS certificate it starts quietly;
+    over http only with --insecure-http-listen (and a warning)."""
+    from etcd_tls import make_pki
+
     (tmp_path / "keys").write_text(KEY + "\n")
-    setup = configure(parse_args(["--listen", "0.0.0.0", "--api-key-file",
-                                  str(tmp_path / "keys")]))
-    assert setup.warnings == ()
+    keyed = ["--listen", "0.0.0.0", "--api-key-file", str(tmp_path / "keys")]
+    assert main(keyed) == 2
+    assert INSECURE_HTTP_LISTEN in capsys.readouterr().err
+    setup = configure(parse_args([*keyed, INSECURE_HTTP_LISTEN]))
+    assert len(setup.warnings) == 1 and setup.warnings[0].startswith(
+        f"INSECURE ({INSECURE_HTTP_LISTEN})")
+    assert setup.tls is None
+    pki = make_pki(tmp_path / "pki", [])
+    setup = configure(parse_args([*keyed, "--tls-cert-file", str(pki.server.cert),
+                                  "--tls-key-file", str(pki.server.key)]))
+    assert setup.warnings == () and setup.tls is not None
+    with pytest.raises(ValueError, match="go together"):
+        configure(parse_args([*keyed, "--tls-cert-file", str(pki.server.cert)]))
+    with pytest.raises(ValueError, match="--tls-cert-file"):
+        configure(parse_args([*keyed, "--tls-cert-file", str(tmp_path / "nope"),
+                              "--tls-key-file", str(tmp_path / "nope")]))
+
+
+def test_metrics_need_a_key_by_default_when_the_router_has_keys(tmp_path: Path) -> None:
+    """Review of issue 19: /metrics defaults to api-key with --api-key-file; open stays an
+    explicit choice, and api-key without keys is refused."""
+    (tmp_path / "keys").write_text(KEY + "\n")
+    keyed = ["--api-key-file", str(tmp_path / "keys")]
+    assert configure(parse_args(keyed)).metrics_auth is True
+    assert configure(parse_args([*keyed, "--metrics-auth", "open"])).metrics_auth is False
+    assert configure(parse_args([])).metrics_auth is False
+    with pytest.raises(ValueError, match="--metrics-auth api-key needs --api-key-file"):
+        configure(parse_args(["--metrics-auth", "api-key"]))
 
 
 def test_http_flags_reach_the_limits() -> None:

@@ -19,9 +19,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
-from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN, Exposure,
-                                etcd_exposure_check, exposure_check, is_loopback,
-                                may_send_key)
+from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
+                                INSECURE_LISTEN, Exposure, etcd_exposure_check, exposure_check,
+                                is_loopback, may_send_key)
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.route import Route
 from node_agent import openai_api
@@ -51,8 +51,12 @@ LOOPBACK_ETCD = "http://127.0.0.1:2379"
     # LAN without keys: refused, or a warning with the flag
     ("0.0.0.0", False, LOOPBACK_ETCD, False, set(), [INSECURE_LISTEN], []),
     ("studio-1.lan", False, LOOPBACK_ETCD, False, {INSECURE_LISTEN}, [], [INSECURE_LISTEN]),
-    # LAN with keys: fine
-    ("0.0.0.0", True, LOOPBACK_ETCD, False, set(), [], []),
+    # LAN with keys over plain http: keys and prompts in cleartext, refused (review of issue
+    # 19); with the flag a warning; over HTTPS (tls below) fine
+    ("0.0.0.0", True, LOOPBACK_ETCD, False, set(), [INSECURE_HTTP_LISTEN], []),
+    ("studio-1.lan", True, LOOPBACK_ETCD, False, {INSECURE_HTTP_LISTEN}, [],
+     [INSECURE_HTTP_LISTEN]),
+    ("127.0.0.1", True, LOOPBACK_ETCD, False, set(), [], []),
     # plain http etcd on another host: refused; https fine
     ("127.0.0.1", False, "http://etcd.lan:2379", False, set(), [INSECURE_ETCD], []),
     ("127.0.0.1", False, "etcd.lan:2379", False, set(), [INSECURE_ETCD], []),
@@ -69,14 +73,26 @@ def test_exposure_check(listen: str, keys: bool, etcd: str, password: bool, flag
                         refused: list[str], warned: list[str]) -> None:
     got = exposure_check(listen_host=listen, api_keys=keys, etcd_endpoint=etcd,
                          etcd_password=password, insecure=frozenset(flags))
-    assert [flag for r in got.refusals for flag in (INSECURE_LISTEN, INSECURE_ETCD)
-            if flag in r] == refused
-    assert [flag for w in got.warnings for flag in (INSECURE_LISTEN, INSECURE_ETCD)
-            if flag in w] == warned
+    flags_named = (INSECURE_LISTEN, INSECURE_HTTP_LISTEN, INSECURE_ETCD)
+    assert [flag for r in got.refusals for flag in flags_named if f"{flag})" in r] == refused
+    assert [flag for w in got.warnings for flag in flags_named if f"({flag})" in w] == warned
     for line in (*got.refusals, *got.warnings):
         assert "\n" not in line
     if not refused and not warned:
         assert got == Exposure()
+
+
+@pytest.mark.parametrize("listen, keys, refused", [
+    ("0.0.0.0", True, ()),  # keys over HTTPS beyond loopback: the closed setup
+    ("studio-1.lan", True, ()),
+    ("0.0.0.0", False, (INSECURE_LISTEN,)),  # HTTPS does not replace keys
+    ("127.0.0.1", False, ()),
+])
+def test_exposure_check_over_tls(listen: str, keys: bool, refused: tuple[str, ...]) -> None:
+    got = exposure_check(listen_host=listen, api_keys=keys, etcd_endpoint=LOOPBACK_ETCD,
+                         etcd_password=False, tls=True)
+    assert tuple(f for r in got.refusals for f in (INSECURE_LISTEN, INSECURE_HTTP_LISTEN)
+                 if f"{f})" in r) == refused and got.warnings == ()
 
 
 @pytest.mark.parametrize("url, insecure, ok", [
@@ -103,6 +119,30 @@ def test_agent_refuses_an_exposed_setting_in_one_line(argv: list[str], flag: str
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlx-fleet-agent: error: "), err
     assert flag in err[0]
+
+
+def test_keyed_agent_beyond_loopback_needs_https(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """Review of issue 19: keys over plain http beyond loopback are refused (the keys and the
+    prompts would cross the LAN in cleartext) unless --insecure-http-listen; with a TLS
+    certificate the agent's check passes."""
+    from etcd_tls import make_pki
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-secure-defaults-0123456789\n")
+    argv = ["--node-name", "n", "--listen", "0.0.0.0:0", "--api-key-file", str(keys)]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert INSECURE_HTTP_LISTEN in line and "cleartext" in line
+    config = config_from_args(build_parser().parse_args([*argv, INSECURE_HTTP_LISTEN]))
+    assert config.insecure == {INSECURE_HTTP_LISTEN}
+    pki = make_pki(tmp_path / "pki", [])
+    tls = config_from_args(build_parser().parse_args([
+        *argv, "--tls-cert-file", str(pki.server.cert), "--tls-key-file", str(pki.server.key)]))
+    from node_agent.main import check_exposure
+
+    assert check_exposure(tls) == ()  # the agent's own check: nothing refused or warned
+    assert len(check_exposure(config)) == 1  # the opt-out: one INSECURE warning
 
 
 def test_agent_refuses_an_etcd_password_over_http(tmp_path: Path,

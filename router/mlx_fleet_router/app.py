@@ -112,8 +112,11 @@ _CUT: Any = _RequestKey("mlxfleet_router_cut", bool) if _RequestKey else "mlxfle
 
 
 STATE_KEY = web.AppKey("mlxfleet_router_state", RouterState)
-#: Paths answered without a key when the router has keys (probes and Prometheus).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: Paths answered without a key when the router has keys (probes); ``/metrics`` too with
+#: ``metrics_auth`` off (``--metrics-auth open``).
+OPEN_PATHS = frozenset({"/health"})
+#: The open path whose Host is checked even with keys (DNS rebinding would read it).
+_METRICS = "/metrics"
 
 #: ``"total_tokens": N`` in an OpenAI ``usage`` object (the last one in the bytes wins).
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
@@ -169,7 +172,7 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
               api_keys: KeyFile | None = None, forward_key: KeyFile | None = None,
               upstream_ssl: ssl.SSLContext | None = None, insecure_forward: bool = False,
               http_limits: HttpLimits = HttpLimits(), hosts: frozenset[str] = frozenset(),
-              max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+              max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, metrics_auth: bool = False,
               clock: Callable[[], float] = time.monotonic) -> web.Application:
     """The router's app over ``table()`` (the current routing table, e.g.
     :attr:`mlx_fleet_router.follow.Follower.table`). ``registry``: where its metrics go (and
@@ -177,7 +180,11 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     ``api_keys``: client keys with their tenants (None: open API); ``forward_key``: the fleet's
     forward key file (its first key is presented to agents, so they honour the pin — only over
     ``https://`` or to loopback, unless ``insecure_forward``: the agent's own rule,
-    :func:`mlx_fleet.exposure.may_send_key`);
+    :func:`mlx_fleet.exposure.may_send_key`); without the forward key the client's own
+    ``Authorization`` is relayed, by the same rule and never with ``insecure_forward`` (a client
+    key does not go to a plain-http agent on another host; logged once per agent);
+    ``metrics_auth``: ``GET /metrics`` needs a key (with ``api_keys``; else it is open, and its
+    ``Host`` is checked like a keyless server's);
     ``upstream_ssl``: how ``https://`` agents are verified (default: the system's CAs);
     ``http_limits``: the server's HTTP hygiene (:class:`mlx_fleet.http_hygiene.HttpLimits`);
     without ``api_keys`` a request's ``Host`` must be loopback or one of ``hosts`` (421 otherwise);
@@ -188,6 +195,8 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     metrics = RouterMetrics(registry)
     state = RouterState(settings, metrics, clock)
     sessions: dict[str, aiohttp.ClientSession] = {}
+    open_paths = OPEN_PATHS if metrics_auth and api_keys is not None else OPEN_PATHS | {_METRICS}
+    withheld: set[str] = set()  # agents a client key was not relayed to (logged once each)
 
     def session() -> aiohttp.ClientSession:
         if "s" not in sessions:  # created on the running loop, by the first use
@@ -209,11 +218,12 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
     async def authenticate(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
-        """Every path but :data:`OPEN_PATHS` needs a key of ``api_keys`` when there is a key
+        """Every path but the open ones (:data:`OPEN_PATHS`, ``/metrics`` unless
+        ``metrics_auth``) needs a key of ``api_keys`` when there is a key
         file (401 otherwise); the key's tenant (``default`` without a key file) is noted."""
         if api_keys is None:
             request[_TENANT] = DEFAULT_TENANT
-        elif request.path not in OPEN_PATHS:
+        elif request.path not in open_paths:
             presented = bearer_token(request.headers.get("Authorization"))
             found = api_keys.tenant_of(presented)
             if found is None:
@@ -326,7 +336,13 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
             forward_key.current()  # a rotated file is in force for this request already
             headers["Authorization"] = f"Bearer {forward_key.first}"
         elif request.headers.get("Authorization"):
-            headers["Authorization"] = request.headers["Authorization"]
+            if may_send_key(target.endpoint):
+                headers["Authorization"] = request.headers["Authorization"]
+            elif target.endpoint not in withheld:
+                withheld.add(target.endpoint)
+                log.warning("not relaying clients' Authorization to %s: plain http to a host "
+                            "that is not loopback (give the agents --tls-cert-file, or the "
+                            "router --forward-key-file)", target.endpoint)
         return headers
 
     async def attempt_all(request: web.Request, served: Served, targets: tuple[Target, ...],
@@ -461,8 +477,9 @@ def build_app(table: Callable[[], Table], *, registry: CollectorRegistry,
 
     # errors outermost (a 401, 415 or 421 is counted like any other answer); the hygiene checks
     # (Host, CORS, Content-Type) before authentication, the body read (under its timeout) after
-    before_auth, after_auth = hygiene_middlewares(http_limits, check_host=api_keys is None,
-                                                  hosts=hosts, error=error_response)
+    before_auth, after_auth = hygiene_middlewares(
+        http_limits, check_host=api_keys is None, hosts=hosts, error=error_response,
+        host_paths=frozenset({_METRICS}) & open_paths)
     app = web.Application(middlewares=[errors, before_auth, authenticate, after_auth],
                           client_max_size=max_body_bytes(max_prompt_bytes))
     app[STATE_KEY] = state

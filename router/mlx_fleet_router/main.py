@@ -5,11 +5,12 @@ operator's TLS/auth flags: :func:`mlx_fleet.etcd_credentials.add_etcd_arguments`
 fleet (:class:`~mlx_fleet_router.follow.Follower`) and serves the app
 (:func:`~mlx_fleet_router.app.build_app`) with the agent's HTTP hygiene and
 ``handler_cancellation=True`` (:func:`mlx_fleet.http_hygiene.start_server`: a client that
-disconnects cancels its upstream request). Logs ``router listening on http://HOST:PORT`` once
+disconnects cancels its upstream request), over HTTPS with ``--tls-cert-file``. Logs
+``router listening on http(s)://HOST:PORT`` once
 serving; SIGTERM/SIGINT stop it.
 
 Secure defaults (:func:`mlx_fleet.exposure.exposure_check`, the agent's rule): listening beyond
-loopback without ``--api-key-file``, a plain ``http://`` etcd on another host or an etcd
+loopback without ``--api-key-file`` or, with keys, over plain http, a plain ``http://`` etcd on another host or an etcd
 password over ``http://`` stop it at start (exit status 2, one line naming the
 ``--insecure-…`` flag that accepts the risk); with that flag it logs ``INSECURE (…)`` instead.
 """
@@ -31,9 +32,12 @@ from prometheus_client import CollectorRegistry
 from mlx_fleet.contract import ROOT, Keys
 from mlx_fleet.etcd_credentials import (EtcdCredentials, add_etcd_arguments,
                                         credentials_from_args)
-from mlx_fleet.exposure import INSECURE_ETCD, INSECURE_FORWARD, INSECURE_LISTEN, exposure_check
+from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
+                                INSECURE_LISTEN, exposure_check)
 from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, allowed_hosts,
                                     http_limits_from_args, start_server)
+from mlx_fleet.http_hygiene import (add_metrics_auth_argument, add_tls_arguments,
+                                    check_tls_arguments, metrics_auth, server_tls_context)
 from mlx_fleet.quantity import parse_quantity
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES
@@ -73,7 +77,7 @@ queue, then get 429 with Retry-After. With --api-key-file each key names its ten
 concurrency. Errors use OpenAI's error object; an unknown model is a 404 naming it.
 
 Closed by default (docs/security.md): it refuses to listen beyond loopback without
---api-key-file, to use a plain http:// etcd on another host or an etcd password over http://,
+--api-key-file, or over plain http (no --tls-cert-file) with keys, to use a plain http:// etcd on another host or an etcd password over http://,
 unless the matching --insecure-... flag accepts the risk. POST bodies must be JSON; without keys
 only loopback and --allowed-host names are answered (DNS rebinding); slow clients are cut off.
 """
@@ -147,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "client's Authorization header instead")
     p.add_argument("--upstream-ca-file", default=None, metavar="PATH",
                    help="PEM CA bundle that verifies https:// agents (default: the system's)")
+    add_tls_arguments(p)
+    add_metrics_auth_argument(p)
     p.add_argument("--tenant-limits", type=_tenant_limits, action="append", default=[],
                    metavar="NAME:rpm=N,tpm=N,concurrent=N",
                    help="limits of one tenant (repeatable); tenant 'default' is keys without a "
@@ -181,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a --listen address that is not loopback without "
                         "--api-key-file (anyone who reaches it may use every model); without "
                         "this flag the router refuses to start")
+    g.add_argument(INSECURE_HTTP_LISTEN, action="store_true",
+                   help="accept a --listen address that is not loopback over plain http with "
+                        "--api-key-file (client keys and prompts cross the network in "
+                        "cleartext); without this flag the router refuses to start unless "
+                        "--tls-cert-file is given")
     g.add_argument(INSECURE_ETCD, action="store_true",
                    help="accept a plain http:// etcd endpoint on a host that is not loopback, "
                         "or an etcd password over http://; without this flag the router "
@@ -217,6 +228,10 @@ class Setup:
     forward_key: KeyFile | None
     upstream_ssl: ssl.SSLContext | None
     http: HttpLimits
+    #: HTTPS of the listener (``--tls-cert-file``/``--tls-key-file``), else plain http
+    tls: ssl.SSLContext | None = None
+    #: ``GET /metrics`` needs a key (``--metrics-auth``, :func:`mlx_fleet.http_hygiene.metrics_auth`)
+    metrics_auth: bool = False
     #: accepted exposures (``INSECURE (--insecure-…): …``), logged at start
     warnings: tuple[str, ...] = ()
 
@@ -232,10 +247,14 @@ def configure(args: argparse.Namespace) -> Setup:
     flag."""
     credentials = credentials_from_args(args)
     check_endpoint(args.etcd_endpoint, credentials)
+    check_tls_arguments(args)
+    metrics = metrics_auth(args.metrics_auth, api_keys=args.api_key_file is not None)
     exposure = exposure_check(
         listen_host=args.listen, api_keys=args.api_key_file is not None,
         etcd_endpoint=args.etcd_endpoint, etcd_password=credentials.password is not None,
-        insecure=frozenset(f for f in (INSECURE_LISTEN, INSECURE_ETCD) if _flag(args, f)))
+        tls=args.tls_cert_file is not None,
+        insecure=frozenset(f for f in (INSECURE_LISTEN, INSECURE_ETCD, INSECURE_HTTP_LISTEN)
+                           if _flag(args, f)))
     if exposure.refusals:
         raise ValueError(exposure.refusals[0])
     api_keys = KeyFile(args.api_key_file, flag="--api-key-file") if args.api_key_file else None
@@ -246,8 +265,10 @@ def configure(args: argparse.Namespace) -> Setup:
                         if args.upstream_ca_file else None)
     except (OSError, ssl.SSLError) as e:
         raise ValueError(f"--upstream-ca-file {args.upstream_ca_file!r}: {e}") from None
+    tls = (server_tls_context(args.tls_cert_file, args.tls_key_file)
+           if args.tls_cert_file else None)
     return Setup(credentials, api_keys, forward_key, upstream_ssl, http_limits_from_args(args),
-                 exposure.warnings)
+                 warnings=exposure.warnings, tls=tls, metrics_auth=metrics == "api-key")
 
 
 async def serve(args: argparse.Namespace, setup: Setup) -> None:
@@ -263,7 +284,7 @@ async def serve(args: argparse.Namespace, setup: Setup) -> None:
                     api_keys=api_keys, forward_key=forward_key, upstream_ssl=upstream_ssl,
                     insecure_forward=_flag(args, INSECURE_FORWARD), http_limits=setup.http,
                     hosts=allowed_hosts(args.listen, extra=setup.http.allowed_hosts),
-                    max_prompt_bytes=args.max_prompt_bytes)
+                    max_prompt_bytes=args.max_prompt_bytes, metrics_auth=setup.metrics_auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -271,9 +292,12 @@ async def serve(args: argparse.Namespace, setup: Setup) -> None:
     runner = None
     follow = asyncio.create_task(follower.run(), name="router follower")
     try:
-        runner, _ = await start_server(app, args.listen, args.port, limits=setup.http)
-        log.info("router listening on http://%s:%d (scope: %s)", args.listen, args.port,
-                 ", ".join(args.namespace) or "every namespace")
+        runner, _ = await start_server(app, args.listen, args.port, limits=setup.http,
+                                       ssl_context=setup.tls)
+        log.info("router listening on %s://%s:%d (scope: %s; /metrics %s)",
+                 "https" if setup.tls else "http", args.listen, args.port,
+                 ", ".join(args.namespace) or "every namespace",
+                 "needs a key" if setup.metrics_auth else "is open")
         done, _ = await asyncio.wait([follow, asyncio.create_task(stop.wait())],
                                      return_when=asyncio.FIRST_COMPLETED)
         if follow in done:
