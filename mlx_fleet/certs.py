@@ -175,7 +175,11 @@ def jwt_keys(algorithm: JwtAlgorithm = "ES256") -> tuple[bytes, bytes]:
 def write_private(files: Mapping[Path, bytes], *, force: bool = False) -> None:
     """Write each file with mode 0600 (created so: never readable by others, not even for a
     moment). Without ``force`` nothing is written when any of them exists
-    (``FileExistsError`` naming it); with it they are replaced. The directories must exist."""
+    (``FileExistsError`` naming it); with it they are replaced. A missing directory is created
+    with mode 0700 (its parents as usual)."""
+    for directory in {path.parent for path in files}:
+        if not directory.exists():
+            directory.mkdir(mode=0o700, parents=True)
     if not force:
         for path in files:
             if path.exists() or path.is_symlink():

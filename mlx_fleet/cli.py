@@ -206,6 +206,7 @@ def _start_dev_node(console, cp, node) -> None:  # noqa: ANN001 - Console, Contr
                   f"--set router.replicaCount=1 "
                   # a development node: the router without keys, explicitly (docs/security.md)
                   f"--set router.apiKeys.secretName= --set insecure.listenWithoutKeys=true "
+                  f"--set router.tls.secretName= "
                   # the dev agents' policy, said explicitly (docs/security.md, Source policy)
                   f"--set-json 'sourcePolicy={DEV_POLICY.to_json()}'", highlight=False)
 

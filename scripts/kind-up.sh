@@ -226,12 +226,15 @@ fi
 # (docs/security.md, "Source policy"); the agents need the same --source-policy
 policy=()
 [ -z "$model_dir" ] || policy=(--set-json "sourcePolicy={\"fileRoots\": [\"$model_dir\"]}")
+# The router's port is plain http here (reached through kubectl port-forward on loopback): the
+# chart's explicit opt-out insecure.httpListen; a real cluster names a TLS Secret instead.
 helm upgrade --install mlx-fleet "$repo/charts/mlx-fleet" \
   --namespace "$namespace" \
   --set "image.repository=${image%:*}" --set "image.tag=${image##*:}" \
   --set "image.pullPolicy=IfNotPresent" \
   --set "etcd.endpoints={${etcd_endpoint}}" \
   --set "etcd.tls.secretName=" --set "insecure.etcdHttp=$insecure_http" \
+  --set "router.tls.secretName=" --set "insecure.httpListen=true" \
   ${policy[@]+"${policy[@]}"} \
   --wait --timeout 5m
 # Helm installs crds/ on first install only; the kubectl apply above keeps them current.

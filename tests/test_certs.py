@@ -79,6 +79,13 @@ def test_nothing_is_replaced_without_force(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "ca.key").read_bytes() != before and _mode(tmp_path / "ca.key") == 0o600
 
 
+def test_a_missing_output_directory_is_created_private(tmp_path: Path) -> None:
+    """docs/security.md's first step writes into a directory that does not exist yet."""
+    out = tmp_path / "pki"
+    assert main(["certs", "ca", "--out", str(out)]) == 0
+    assert (out / "ca.crt").exists() and _mode(out) == 0o700 and _mode(out / "ca.key") == 0o600
+
+
 def test_a_ca_the_operator_gives(tmp_path: Path, capsys) -> None:
     """Any PEM CA with its unencrypted key signs; a certificate that is no CA, or a key of
     another certificate, is refused naming the file."""

@@ -470,7 +470,9 @@ def test_router_deployment(default_docs: list[dict[str, Any]]) -> None:
                          "--etcd-ca-file=/etc/mlx-fleet/etcd-tls/ca.crt",
                          "--etcd-cert-file=/etc/mlx-fleet/etcd-tls/tls.crt",
                          "--etcd-key-file=/etc/mlx-fleet/etcd-tls/tls.key",
-                         "--metrics-auth=open", "--insecure-http-listen",
+                         "--metrics-auth=open",
+                         "--tls-cert-file=/etc/mlx-fleet/tls/tls.crt",
+                         "--tls-key-file=/etc/mlx-fleet/tls/tls.key",
                          "--api-key-file=/etc/mlx-fleet/api-keys/keys",
                          "--allowed-host=$(POD_IP)"]
     assert c["ports"] == [{"name": "http", "containerPort": 8090, "protocol": "TCP"}]
@@ -478,8 +480,8 @@ def test_router_deployment(default_docs: list[dict[str, Any]]) -> None:
     for kind in ("startup", "liveness", "readiness"):
         probe = c[f"{kind}Probe"]
         # a loopback Host: a router without keys answers only such names (421 otherwise)
-        assert probe.pop("httpGet") == {"path": "/health", "port": "http", "httpHeaders": [
-            {"name": "Host", "value": "localhost"}]}
+        assert probe.pop("httpGet") == {"path": "/health", "port": "http", "scheme": "HTTPS",
+                                        "httpHeaders": [{"name": "Host", "value": "localhost"}]}
         assert probe == values["probes"][kind]
     assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
@@ -496,7 +498,8 @@ def test_router_runs_with_the_operators_hardening(default_docs: list[dict[str, A
     assert (sc["readOnlyRootFilesystem"], sc["allowPrivilegeEscalation"], sc["capabilities"]) == (
         True, False, {"drop": ["ALL"]})
     mounts = {m["mountPath"]: m for m in _router_container(default_docs)["volumeMounts"]}
-    assert set(mounts) == {"/tmp", "/etc/mlx-fleet/etcd-tls", "/etc/mlx-fleet/api-keys"}
+    assert set(mounts) == {"/tmp", "/etc/mlx-fleet/etcd-tls", "/etc/mlx-fleet/api-keys",
+                           "/etc/mlx-fleet/tls"}
     assert all(m["readOnly"] for path, m in mounts.items() if path != "/tmp")
     assert {"name": "HOME", "value": "/tmp"} in _router_container(default_docs)["env"]
 
@@ -568,7 +571,7 @@ def test_router_args_parse_with_the_routers_own_cli(helm: Path) -> None:
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert all(m["readOnly"] for path, m in mounts.items() if path != "/tmp")
     assert set(mounts) == {"/tmp", "/etc/mlx-fleet/etcd-tls", "/etc/mlx-fleet/etcd-auth",
-                           "/etc/mlx-fleet/api-keys", "/etc/mlx-fleet/forward-key"}
+                           "/etc/mlx-fleet/api-keys", "/etc/mlx-fleet/forward-key", "/etc/mlx-fleet/tls"}
     volumes = {v["name"]: v for v in router_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["etcd-tls"]["secret"]["secretName"] == "etcd-router-tls"  # its own, not the operator's
     assert volumes["etcd-auth"]["secret"]["secretName"] == "etcd-router-password"
@@ -599,24 +602,22 @@ def _router_exposure(docs: list[dict[str, Any]]) -> Any:
 
 
 def test_default_install_is_closed(default_docs: list[dict[str, Any]]) -> None:
-    """Defaults: https etcd with a client certificate, a router with keys; the router's own
-    check refuses nothing. Its port is plain http (no certificate to default to): that one
-    opt-out, --insecure-http-listen (insecure.httpListen), is rendered and warned about at
-    start; nothing else."""
+    """Defaults: https etcd with a client certificate, a router with keys serving HTTPS (the
+    Secret mlx-fleet-router-tls); the router's own check refuses nothing and warns about
+    nothing; no --insecure flag anywhere."""
     exposure = _router_exposure(default_docs)
-    assert exposure.refusals == ()
-    assert [w.split(")")[0] for w in exposure.warnings] == ["INSECURE (--insecure-http-listen"]
+    assert exposure.refusals == () and exposure.warnings == ()
     assert not [a for a in _container(default_docs)["args"] if a.startswith("--insecure")]
-    assert [a for a in _router_container(default_docs)["args"]
-            if a.startswith("--insecure")] == ["--insecure-http-listen"]
+    c = _router_container(default_docs)
+    assert not [a for a in c["args"] if a.startswith("--insecure")]
+    assert "--tls-cert-file=/etc/mlx-fleet/tls/tls.crt" in c["args"]
 
 
 def test_router_tls_closes_the_last_opt_out(helm: Path) -> None:
     """router.tls.secretName: HTTPS on the router's port (the Secret's tls.crt/tls.key), HTTPS
     probes and scrape, no opt-out and nothing to warn about; without it and without
     insecure.httpListen the chart refuses to render a keyed plain-http router."""
-    docs = render(helm, "--set", "router.tls.secretName=router-tls",
-                  "--set", "insecure.httpListen=false")
+    docs = render(helm, "--set", "router.tls.secretName=router-tls")
     exposure = _router_exposure(docs)
     assert exposure.refusals == () and exposure.warnings == ()
     c = _router_container(docs)
@@ -626,8 +627,12 @@ def test_router_tls_closes_the_last_opt_out(helm: Path) -> None:
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     volumes = {v["name"]: v for v in router_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "router-tls"
-    failed = run_helm(helm, "template", RELEASE, str(CHART), "--set", "insecure.httpListen=false")
+    failed = run_helm(helm, "template", RELEASE, str(CHART), "--set", "router.tls.secretName=")
     assert failed.returncode != 0 and "insecure.httpListen" in failed.stderr
+    # the explicit opt-out: plain http, rendered and warned about at start
+    opened = _router_exposure(render(helm, "--set", "router.tls.secretName=",
+                                     "--set", "insecure.httpListen=true"))
+    assert [w.split(")")[0] for w in opened.warnings] == ["INSECURE (--insecure-http-listen"]
 
 
 def test_router_metrics_auth_renders_and_open_metrics_allow_the_pod_ip(helm: Path) -> None:
@@ -752,8 +757,8 @@ def test_router_service_monitor_scrapes_its_http_port(helm: Path) -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service", ROUTER)["metadata"]["labels"].items()
     assert not sm["spec"]["selector"]["matchLabels"].items() <= one(
         docs, "Service", f"{FULLNAME}-metrics")["metadata"]["labels"].items()
-    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s",
-                                        "scrapeTimeout": "10s"}]
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "scheme": "https",
+                                        "interval": "30s", "scrapeTimeout": "10s"}]
 
 
 def test_router_options(helm: Path) -> None:
@@ -881,7 +886,8 @@ def test_values_defaults() -> None:
     assert values["etcd"]["tls"]["secretName"] == "mlx-fleet-etcd-client"
     assert values["etcd"]["auth"]["username"] == ""
     assert values["insecure"] == {"etcdHttp": False, "listenWithoutKeys": False, "forwardHttp": False,
-                                  "httpListen": True}  # the router's port: plain http in-cluster
+                                  "httpListen": False}
+    assert values["router"]["tls"]["secretName"] == "mlx-fleet-router-tls"
     assert values["operator"]["peering"] is False
     assert set(values["image"]) == {"repository", "tag", "pullPolicy"}
     router = values["router"]

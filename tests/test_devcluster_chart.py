@@ -48,6 +48,7 @@ def test_local_values_use_the_local_image_host_network_and_dev_etcd() -> None:
         "router.hostNetwork": "true", "router.port": "3", "router.replicaCount": "1",
         "router.url": "http://127.0.0.1:3",
         "router.apiKeys.secretName": "", "insecure.listenWithoutKeys": "true",
+        "router.tls.secretName": "",
         "sourcePolicy": DEV_POLICY.to_json()}  # explicitly the dev policy (local models)
 
 

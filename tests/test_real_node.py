@@ -273,6 +273,8 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
               "--set", f"operator.watchNamespaces={{{rc.namespace}}}",
               "--set", "router.hostNetwork=true", "--set", f"router.port={router_port}",
               "--set", "router.replicaCount=1", "--set", "router.apiKeys.secretName=router-keys",
+              # keys over plain http on the node's loopback: the explicit opt-out
+              "--set", "router.tls.secretName=", "--set", "insecure.httpListen=true",
               # the dev policy, explicitly: the test model is a local directory on the host
               "--set-json", f"sourcePolicy={DEV_POLICY.to_json()}"]
     # The router's client keys, from a Secret mounted read-only under the chart's security

@@ -76,6 +76,7 @@ def local_values(cp: ControlPlane, node: Node, *, namespace: str, etcd_prefix: s
               # no API keys on this development node: the explicit opt-out (the router then
               # answers only loopback Host names and its Service's)
               "--set", "router.apiKeys.secretName=", "--set", "insecure.listenWithoutKeys=true",
+              "--set", "router.tls.secretName=",  # no keys to protect: plain http on loopback
               # the URL clients on this host use (the operator shows it in status.router): the
               # chart's default, the router Service's cluster DNS name, has no DNS here
               "--set", f"router.url=http://127.0.0.1:{router_port}",
