@@ -47,7 +47,8 @@ __all__ = ["Task", "TASK_TEXT_GENERATION", "TASK_TEXT_EMBEDDING", "TASKS", "Capa
            "UNSUPPORTED_PARAMETER", "UNSUPPORTED_VALUE", "INVALID_VALUE", "REQUEST_FIELDS",
            "OPENAI_MAX_TOP_LOGPROBS", "OPENAI_MAX_LEGACY_LOGPROBS", "LEGACY_REFUSED",
            "legacy_refused_message",
-           "required_capabilities", "satisfies", "missing_everywhere", "FieldRule", "FIELD_RULES",
+           "required_capabilities", "satisfies", "missing_everywhere", "may_serve",
+           "beyond_task", "FieldRule", "FIELD_RULES",
            "rules_markdown"]
 
 #: What a model is served for (the ModelDeployment's task): text generation (chat,
@@ -371,11 +372,45 @@ def satisfies(caps: ModelCapabilities, needs: Iterable[Need]) -> Missing | None:
     return None
 
 
-def missing_everywhere(replicas: Iterable[ModelCapabilities | None],
+_TASK_CAPABILITIES = (Capability.GENERATE, Capability.EMBEDDINGS)
+
+
+def beyond_task(needs: Iterable[Need]) -> bool:
+    """``needs`` ask more than the endpoint's task (plain generate / embeddings): a capability
+    that only a replica's reported capabilities can promise."""
+    return any(n.capability not in _TASK_CAPABILITIES or n.refused for n in needs)
+
+
+def may_serve(caps: ModelCapabilities | None, needs: Iterable[Need],
+              task: Task | None = None) -> bool:
+    """Whether a replica may serve ``needs``: its capabilities :func:`satisfies` them; when they
+    are unknown (None: an agent older than them, a standby never loaded), whether its ``task``
+    (the assignment's; None: unknown too) fits the endpoint — the rest its agent decides. A
+    :attr:`Need.refused` need is served by none."""
+    needs = list(needs)
+    if caps is not None:
+        return satisfies(caps, needs) is None
+    if any(n.refused for n in needs):
+        return False
+    if task is None:
+        return True
+    return satisfies(_task_view(task),
+                     [n for n in needs if n.capability in _TASK_CAPABILITIES]) is None
+
+
+def _task_view(task: Task) -> ModelCapabilities:
+    """What a replica of ``task`` whose capabilities are unknown is known to serve: its task's
+    endpoint (nothing else is claimed)."""
+    return ModelCapabilities(task=task, embeddings=task == TASK_TEXT_EMBEDDING)
+
+
+def missing_everywhere(replicas: Iterable[ModelCapabilities | Task | None],
                        needs: Iterable[Need]) -> Missing | None:
-    """The router's check over one model's replicas (``None``: a replica whose capabilities are
-    unknown). None when some replica may serve ``needs`` (one that :func:`satisfies` them, or
-    an unknown one), or when there are no replicas (then nothing is known: 503, not 400).
+    """The router's check over one model's replicas (a :data:`Task` name: a replica whose
+    capabilities are unknown but whose assignment's task is that; ``None``: one of which
+    nothing is known). None when some replica may serve ``needs`` (:func:`may_serve`: one that
+    :func:`satisfies` them, or an unknown one of the endpoint's task), or when there are no
+    replicas (then nothing is known: 503, not 400).
     Otherwise the :class:`Missing` to answer: the first need (in :class:`Capability` order)
     that no replica serves, with the largest bound any replica offers for it; when each need
     is served by some replica but no replica serves them all, the first replica's (in the given
@@ -388,6 +423,10 @@ def missing_everywhere(replicas: Iterable[ModelCapabilities | None],
     for caps in replicas:
         if caps is None:
             return None
+        if isinstance(caps, str):  # unknown capabilities of a known task
+            if may_serve(None, ordered, caps):
+                return None
+            caps = _task_view(caps)  # refuses on the task: the message names it
         known.append(caps)
     if not known or any(satisfies(c, ordered) is None for c in known):
         return None

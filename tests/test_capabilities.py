@@ -15,7 +15,7 @@ from mlx_fleet.capabilities import (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH
                                     UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE, WRONG_MODEL_TASK,
                                     Capability,
                                     ModelCapabilities, Need, missing_everywhere,
-                                    required_capabilities, satisfies)
+                                    required_capabilities, satisfies, may_serve, beyond_task)
 from mlx_fleet.contract import AssignmentReport, AssignmentState
 
 C = Capability
@@ -307,3 +307,43 @@ def test_the_agents_docs_and_openapi_document_show_that_table() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "node-agent.md").read_text()
     assert rules_markdown() in doc
     assert rules_markdown() in openapi_document()["info"]["description"]
+
+
+@pytest.mark.parametrize(("caps", "task", "path", "body", "ok"), [
+    # known capabilities decide
+    (FULL, None, CHAT_PATH, {"tools": [TOOL]}, True),
+    (BASE, None, CHAT_PATH, {"tools": [TOOL]}, False),
+    # unknown: the agent decides, but only for the endpoint of its task
+    (None, None, CHAT_PATH, {"tools": [TOOL]}, True),
+    (None, "TextGeneration", CHAT_PATH, {"tools": [TOOL], "n": 8}, True),
+    (None, "TextEmbedding", CHAT_PATH, {}, False),
+    (None, "TextEmbedding", EMBEDDINGS_PATH, {"input": "x"}, True),
+    (None, "TextGeneration", EMBEDDINGS_PATH, {"input": "x"}, False),
+    # refused whatever the model: even an unknown one
+    (None, None, CHAT_PATH, {"logprobs": True, "top_logprobs": 21}, False),
+])
+def test_may_serve(caps, task, path: str, body: dict, ok: bool) -> None:
+    assert may_serve(caps, required_capabilities(path, body), task) is ok
+
+
+@pytest.mark.parametrize(("path", "body", "beyond"), [
+    (CHAT_PATH, {}, False), (EMBEDDINGS_PATH, {"input": "x"}, False),
+    (CHAT_PATH, {"response_format": {"type": "text"}}, False),
+    (CHAT_PATH, {"tools": [TOOL]}, True), (CHAT_PATH, {"n": 2}, True),
+    (CHAT_PATH, {"logprobs": True}, True),
+])
+def test_beyond_task(path: str, body: dict, beyond: bool) -> None:
+    assert beyond_task(required_capabilities(path, body)) is beyond
+
+
+@pytest.mark.parametrize(("replicas", "path", "body", "missing"), [
+    (["TextGeneration"], CHAT_PATH, {"tools": [TOOL]}, None),
+    (["TextEmbedding"], CHAT_PATH, {}, ("model", WRONG_MODEL_TASK)),
+    (["TextEmbedding", BASE], CHAT_PATH, {"tools": [TOOL]}, ("tools", UNSUPPORTED_PARAMETER)),
+    (["TextEmbedding", TOOLS_ONLY], CHAT_PATH, {"tools": [TOOL]}, None),
+    (["TextGeneration"], EMBEDDINGS_PATH, {"input": "x"}, ("model", WRONG_MODEL_TASK)),
+])
+def test_missing_everywhere_with_unknown_replicas_of_a_known_task(replicas, path: str,
+                                                                   body: dict, missing) -> None:
+    got = missing_everywhere(replicas, required_capabilities(path, body))
+    assert (None if got is None else (got.param, got.code)) == missing
