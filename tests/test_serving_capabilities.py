@@ -201,3 +201,11 @@ async def test_a_model_whose_tokenizer_llguidance_cannot_take(
         assert e.value.param == "response_format" and "not available" in str(e.value)
     finally:
         await close_agent(a)
+
+
+@pytest.mark.parametrize(("embeddings", "tasks"), [
+    (True, ["TextGeneration", "TextEmbedding"]), (False, ["TextGeneration"])])
+def test_the_agent_advertises_the_tasks_it_serves(embeddings: bool, tasks: list[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(caps_mod, "EMBEDDINGS_SERVED", embeddings)
+    assert caps_mod.served_tasks() == tasks

@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities
+from mlx_fleet.capabilities import (TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities,
+                                    Task)
 
 from ..api_models import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS_OPENAI
 from .constrain import ll_tokenizer
@@ -45,7 +46,7 @@ from .types import ModelInfo, TokenizerFeatures
 
 __all__ = ["TOOL_CALLING_SERVED", "STRUCTURED_OUTPUTS_SERVED", "LOGPROBS_SERVED",
            "MAX_TOP_LOGPROBS", "MAX_N", "EMBEDDINGS_SERVED", "tool_parser_name",
-           "grammar_tokenizer_ok", "tokenizer_features", "model_capabilities"]
+           "grammar_tokenizer_ok", "tokenizer_features", "model_capabilities", "served_tasks"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ LOGPROBS_SERVED = True
 MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS_OPENAI
 MAX_N = 1
 EMBEDDINGS_SERVED = True
+
+
+def served_tasks() -> list[Task]:
+    """The model tasks this build serves (``NodeRecord.tasks``, read by placement):
+    ``TextGeneration`` always, ``TextEmbedding`` while :data:`EMBEDDINGS_SERVED`."""
+    return [TASK_TEXT_GENERATION] + ([TASK_TEXT_EMBEDDING] if EMBEDDINGS_SERVED else [])
 
 
 def tool_parser_name(tokenizer: Any) -> str | None:
