@@ -69,8 +69,6 @@ def _number(v: Any) -> Any:
     return v
 
 
-#: A number field: a JSON number, not a string or a boolean.
-Number = Annotated[float, BeforeValidator(_number)]
 #: ``presence_penalty`` / ``frequency_penalty``: OpenAI's range, -2.0 to 2.0.
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), BeforeValidator(_number)]
 #: A ``logit_bias`` key: a token id as a string (OpenAI's shape); its value -100 to 100.

@@ -11,12 +11,12 @@ generated model: the review's probes (``echo`` with ``logprobs``, ``best_of``, `
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
 import pytest_asyncio
-from collections.abc import AsyncIterator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
