@@ -94,7 +94,8 @@ NOT_APPLIED: dict[str, tuple[Callable[[Any, int], bool], str]] = {
         ("web_search_options", "null"),
         ("moderation", "null"),
         ("prompt_cache_retention", "null"),
-        ("prompt_cache_options", "null"))},
+        ("prompt_cache_options", "null"),
+        ("stream_options.include_obfuscation", "null or false: events are not padded"))},
     # best_of = n generates n and returns them: what no best_of does (below n: invalid)
     "best_of": (lambda value, n: value is None or value == n, "null or equal to n"),
 }

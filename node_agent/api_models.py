@@ -121,7 +121,13 @@ class _Option(BaseModel):
 
 
 class StreamOptions(_Option):
+    """``stream_options``: ``include_usage`` adds a last event with the usage;
+    ``include_obfuscation`` (OpenAI pads its events with an ``obfuscation`` field against
+    size side channels) is not applied: only null or false."""
+
     include_usage: Annotated[bool, Field(strict=True)] = False
+    include_obfuscation: Annotated[Annotated[bool, Field(strict=True)] | None, Field(
+        description=_not_applied("null or false (events are not padded)"))] = None
 
 
 class ContentPart(_Request):

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from mlx_fleet.openai_fields import (LEGACY_REFUSAL, LEGACY_REFUSED, NO_EFFECT, NOT_APPLIED,
                                      is_off, not_applied)
 from node_agent.api.parse import unsupported, validation_error
-from node_agent.api_models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from node_agent.api_models import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                   StreamOptions)
 from serving_fixtures import MODEL_ID, Agent, agent, tiny_model_path  # noqa: F401
 
 CHAT = "/v1/chat/completions"
@@ -78,13 +79,19 @@ def test_every_openai_field_is_declared() -> None:
     refused unless off): none is unknown, so none reaches the "unrecognized" 400 by accident."""
     from openai.types import completion_create_params as legacy
     from openai.types.chat import completion_create_params as chat
+    from openai.types.chat.chat_completion_stream_options_param import (
+        ChatCompletionStreamOptionsParam)
+
+    assert set(ChatCompletionStreamOptionsParam.__annotations__) <= set(
+        StreamOptions.model_fields)
 
     for params, model in ((chat.CompletionCreateParamsBase, ChatCompletionRequest),
                           (legacy.CompletionCreateParamsBase, CompletionRequest)):
         assert set(params.__annotations__) - set(model.model_fields) == set()
     for field in NOT_APPLIED:
-        assert field in ChatCompletionRequest.model_fields or field in (
-            CompletionRequest.model_fields)
+        assert field.startswith("stream_options.") or (
+            field in ChatCompletionRequest.model_fields
+            or field in CompletionRequest.model_fields)
 
 
 # -- property tests of the request models ----------------------------------------------------
@@ -206,7 +213,13 @@ def test_option_objects_refuse_unknown_keys_messages_ignore_them() -> None:
         "type": "json_object", "strict": True}}) == ("response_format.strict",
                                                      "unsupported_parameter")
     assert _verdict(ChatCompletionRequest, {**base, "stream": True, "stream_options": {
-        "include_usage": True, "include_obfuscation": False}}) == (
+        "include_usage": True, "continuous_usage_stats": True}}) == (
+        "stream_options.continuous_usage_stats", "unsupported_parameter")
+    # OpenAI's own: off accepted, on (padded events) refused
+    assert _verdict(ChatCompletionRequest, {**base, "stream": True, "stream_options": {
+        "include_usage": True, "include_obfuscation": False}}) is None
+    assert _verdict(CompletionRequest, {"model": "m", "prompt": "x", "stream": True,
+                                        "stream_options": {"include_obfuscation": True}}) == (
         "stream_options.include_obfuscation", "unsupported_parameter")
     assert _verdict(ChatCompletionRequest, {**base, "tools": [{"type": "function", "function": {
         "name": "f", "parameter": {}}}]}) == ("tools.0.function.parameter",

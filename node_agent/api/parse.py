@@ -84,6 +84,8 @@ def unsupported(req: SamplingRequest) -> web.Response | None:
                                   "supported by this server (text parts only)", param=param,
                                   code="unsupported_parameter")
     fields = {f: getattr(req, f) for f in type(req).model_fields}
+    if req.stream_options is not None:
+        fields["stream_options.include_obfuscation"] = req.stream_options.include_obfuscation
     refused = not_applied(fields, req.n)
     if refused is not None:
         return _error(400, refused[1], param=refused[0], code="unsupported_parameter")
