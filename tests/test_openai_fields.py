@@ -78,6 +78,7 @@ def test_every_openai_field_is_declared() -> None:
     """The ``openai`` client's own request fields are all declared (served, no effect, or
     refused unless off): none is unknown, so none reaches the "unrecognized" 400 by accident."""
     from openai.types import completion_create_params as legacy
+    from openai.types import embedding_create_params as embeddings
     from openai.types.chat import completion_create_params as chat
     from openai.types.chat.chat_completion_stream_options_param import (
         ChatCompletionStreamOptionsParam)
@@ -88,6 +89,8 @@ def test_every_openai_field_is_declared() -> None:
     for params, model in ((chat.CompletionCreateParamsBase, ChatCompletionRequest),
                           (legacy.CompletionCreateParamsBase, CompletionRequest)):
         assert set(params.__annotations__) - set(model.model_fields) == set()
+    assert set(embeddings.EmbeddingCreateParams.__annotations__) == set(
+        EmbeddingRequest.model_fields)
     for field in NOT_APPLIED:
         assert field.startswith("stream_options.") or (
             field in ChatCompletionRequest.model_fields
