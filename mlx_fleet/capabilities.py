@@ -41,6 +41,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .openai_fields import LEGACY_REFUSAL, LEGACY_REFUSED
+
 __all__ = ["Task", "TASK_TEXT_GENERATION", "TASK_TEXT_EMBEDDING", "TASKS", "Capability", "Need",
            "Missing", "WRONG_MODEL_TASK",
            "ModelCapabilities", "CHAT_PATH", "COMPLETIONS_PATH", "EMBEDDINGS_PATH",
@@ -76,16 +78,11 @@ INVALID_VALUE = "invalid_value"
 OPENAI_MAX_TOP_LOGPROBS = 20
 OPENAI_MAX_LEGACY_LOGPROBS = 5
 
-#: Chat-completions fields OpenAI's legacy ``/v1/completions`` does not have: refused there
-#: (:func:`legacy_refused_message`), by the agent and the router alike, never ignored.
-LEGACY_REFUSED = ("tools", "tool_choice", "response_format")
-
-
 def legacy_refused_message(param: str) -> str:
-    """The 400's message (code ``unsupported_parameter``) for :data:`LEGACY_REFUSED` field
-    ``param`` sent to ``/v1/completions``."""
-    return (f"{param}: {param} is not supported on {COMPLETIONS_PATH} (OpenAI's legacy "
-            f"endpoint has none: use {CHAT_PATH})")
+    """The 400's message (code ``unsupported_parameter``) for
+    :data:`~mlx_fleet.openai_fields.LEGACY_REFUSED` field ``param`` sent to ``/v1/completions``
+    (:data:`~mlx_fleet.openai_fields.LEGACY_REFUSAL`, the agent's own words)."""
+    return LEGACY_REFUSAL.format(param=param)
 
 
 def _above_bound_message(param: str, bound: int) -> str:

@@ -5,8 +5,16 @@ the request models and builds its JSON responses through the response models, an
 :mod:`node_agent.openapi` turns both into the ``GET /openapi.json`` document
 (``model_json_schema``), so the published schema cannot drift from what the server does.
 
-Request models follow OpenAI's Chat Completions, (legacy) Completions and Embeddings APIs;
-unknown fields are ignored, as OpenAI's own server does. Response models follow OpenAI's objects
+Request models follow OpenAI's Chat Completions, (legacy) Completions and Embeddings APIs.
+A body's unknown top-level field is a 400 naming it, as OpenAI answers ("Unrecognized request
+argument supplied"), and so is an unknown key of a request option object (``stream_options``,
+``tools``, ``tool_choice``, ``response_format``); the keys of a message in ``messages`` that this
+server does not render (OpenAI's ``refusal``, ``audio``, ...) are ignored: they are history,
+not options. OpenAI's fields that this server does not apply are declared, typed and bounded,
+and accepted only in the spelling that asks for nothing (:data:`mlx_fleet.openai_fields.
+NOT_APPLIED`, checked by :func:`node_agent.api.parse.unsupported`); a few metadata fields are
+accepted and change nothing (:data:`mlx_fleet.openai_fields.NO_EFFECT`).
+Response models follow OpenAI's objects
 (``chat.completion``, ``text_completion``, ``list`` of ``model`` or of ``embedding``) plus this
 server's additions to a model card (``revision``, ``max_context_tokens``, ``status``,
 ``standby_reason``, ``capabilities``). Errors
@@ -20,7 +28,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       WithJsonSchema, field_validator, model_validator)
 
-from mlx_fleet.capabilities import ModelCapabilities
+from mlx_fleet.capabilities import (OPENAI_MAX_LEGACY_LOGPROBS, OPENAI_MAX_TOP_LOGPROBS,
+                                    ModelCapabilities)
 from mlx_fleet.openai_errors import ErrorDetail, ErrorResponse
 from mlx_fleet.routing.headers import SESSION_HEADER
 
@@ -53,10 +62,40 @@ def _whole_number(v: Any) -> Any:
 StrictInt = Annotated[int, Field(strict=True), BeforeValidator(_whole_number)]
 #: :data:`StrictInt`, at least 1.
 PositiveInt = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_whole_number)]
-#: Most ``top_logprobs`` a chat completion may ask for (OpenAI's bound).
-MAX_TOP_LOGPROBS = 20
+
+
+def _number(v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("must be a number")
+    return v
+
+
+#: ``presence_penalty`` / ``frequency_penalty``: OpenAI's range, -2.0 to 2.0.
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0), BeforeValidator(_number)]
+#: A ``logit_bias`` key: a token id as a string (OpenAI's shape); its value -100 to 100.
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0), BeforeValidator(_number)]
+#: Most ``metadata`` pairs, and the longest key and value (OpenAI's bounds).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+#: The longest ``safety_identifier`` (OpenAI's bound).
+MAX_SAFETY_IDENTIFIER = 128
+
+
+def _not_applied(off: str) -> str:
+    """The description of an OpenAI field this server does not apply."""
+    return (f"Not applied by this server: accepted only as {off} (asking for nothing); "
+            "anything else is a 400 unsupported_parameter naming it.")
+
+
+def _no_effect(what: str) -> str:
+    """The description of an OpenAI metadata field accepted without effect on the output."""
+    return f"Accepted{what}; changes nothing in the output (OpenAI-side metadata)."
+
+
+#: Most ``top_logprobs`` a chat completion may ask for (OpenAI's bound, one source with the router).
+MAX_TOP_LOGPROBS = OPENAI_MAX_TOP_LOGPROBS
 #: Most ``logprobs`` a legacy completion may ask for (OpenAI's bound).
-MAX_LEGACY_LOGPROBS = 5
+MAX_LEGACY_LOGPROBS = OPENAI_MAX_LEGACY_LOGPROBS
 #: Why a generation ended: ``stop`` (end-of-sequence token or a stop sequence), ``length``
 #: (``max_tokens`` or the context reached), ``tool_calls`` (a chat answer that ended with tool
 #: calls).
@@ -64,16 +103,32 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Requests (unknown fields are ignored)
+# Requests (a body's unknown fields are a 400; a message's unknown keys are ignored)
 # ---------------------------------------------------------------------------------------------
 
 
 class _Request(BaseModel):
+    """A part of the message history: keys it does not know are ignored (they are not
+    rendered into the prompt; OpenAI's history may hold ``refusal``, ``audio``, ...)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
+class _Option(BaseModel):
+    """A request body or one of its option objects: an unknown key is a 400 naming it
+    (:func:`node_agent.api.parse.validation_error`, ``unsupported_parameter``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Option):
+    """``stream_options``: ``include_usage`` adds a last event with the usage;
+    ``include_obfuscation`` (OpenAI pads its events with an ``obfuscation`` field against
+    size side channels) is not applied: only null or false."""
+
     include_usage: Annotated[bool, Field(strict=True)] = False
+    include_obfuscation: Annotated[Annotated[bool, Field(strict=True)] | None, Field(
+        description=_not_applied("null or false (events are not padded)"))] = None
 
 
 class ContentPart(_Request):
@@ -129,7 +184,7 @@ _OFF = ("Served only by a model whose capabilities (GET /v1/models `capabilities
         "unsupported_parameter (unsupported_value for a bound) naming it.")
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Option):
     """The fields both request bodies share. ``temperature`` 0 is greedy; ``seed`` is honoured
     best-effort (see :mod:`node_agent.openai_api`)."""
 
@@ -165,18 +220,25 @@ class SamplingRequest(_Request):
     function_call: Any = Field(None, description=_OFF)
     response_format: Any = Field(None, description=_OFF)
 
+    # OpenAI's fields that change the output and that no model here applies (yet): typed and
+    # bounded, accepted only off (mlx_fleet.openai_fields.NOT_APPLIED), else a 400
+    logit_bias: Annotated[dict[TokenIdKey, LogitBias] | None, Field(
+        description=_not_applied("null or {}"))] = None
+    presence_penalty: Annotated[Penalty | None, Field(
+        description=_not_applied("null or 0"))] = None
+    frequency_penalty: Annotated[Penalty | None, Field(
+        description=_not_applied("null or 0"))] = None
+
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
     def _number(cls, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError("must be a number")
-        return v
+        return _number(v)
 
 
 _LOGPROBS = ("Log-probabilities of the model's distribution at each position: after any "
              "logits processor, before temperature and top_p (so at temperature 0 the chosen "
              "token is the most likely).")
-class FunctionDefinition(_Request):
+class FunctionDefinition(_Option):
     """A function the model may call: ``parameters`` is the JSON Schema of its arguments
     (absent: any JSON object); enforced by constrained decoding under ``tool_choice``
     ``required`` or a named function (then an unsupported keyword is a 400 naming ``tools``)."""
@@ -187,28 +249,28 @@ class FunctionDefinition(_Request):
     strict: Annotated[bool, Field(strict=True)] | None = None
 
 
-class Tool(_Request):
+class Tool(_Option):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Request):
+class NamedFunction(_Option):
     name: FunctionName
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(_Option):
     """``tool_choice`` naming one function: the answer is one call of it."""
 
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(_Option):
     """``response_format.json_schema``: ``schema`` (a JSON Schema object) is enforced by
     constrained decoding whatever ``strict`` says (a schema keyword the decoder cannot enforce
     is a 400 naming ``response_format.json_schema.schema``, never ignored)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: str | None = None
@@ -216,7 +278,7 @@ class JsonSchemaFormat(_Request):
     strict: Annotated[bool, Field(strict=True)] | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(_Option):
     """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
     ``json_schema`` (JSON valid against ``json_schema.schema``)."""
 
@@ -271,6 +333,39 @@ class ChatCompletionRequest(SamplingRequest):
                   BeforeValidator(_whole_number)] | None,
         Field(description="The most likely tokens listed at each position (needs "
                           "logprobs: true).")] = None
+    # OpenAI's metadata: accepted, no effect on the output (NO_EFFECT)
+    metadata: Annotated[
+        Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+                       Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
+                  Field(max_length=MAX_METADATA_PAIRS)] | None,
+        Field(description=_no_effect(f" (at most {MAX_METADATA_PAIRS} string pairs, keys of "
+                                     f"at most {MAX_METADATA_KEY} characters, values "
+                                     f"{MAX_METADATA_VALUE})"))] = None
+    prompt_cache_key: Annotated[str | None, Field(description=_no_effect(
+        " (the agent's prefix cache serves every request)"))] = None
+    safety_identifier: Annotated[
+        Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER)] | None,
+        Field(description=_no_effect(""))] = None
+    # OpenAI's fields not applied here: accepted only off (mlx_fleet.openai_fields.NOT_APPLIED)
+    store: Annotated[Annotated[bool, Field(strict=True)] | None, Field(
+        description=_not_applied("null or false (nothing is stored)"))] = None
+    service_tier: Annotated[str | None, Field(
+        description=_not_applied('null, "auto" or "default" (one tier)'))] = None
+    modalities: Annotated[list[str] | None, Field(
+        description=_not_applied('null or ["text"]'))] = None
+    audio: Annotated[dict[str, Any] | None, Field(description=_not_applied("null"))] = None
+    prediction: Annotated[dict[str, Any] | None, Field(
+        description=_not_applied("null"))] = None
+    reasoning_effort: Annotated[str | None, Field(description=_not_applied("null"))] = None
+    verbosity: Annotated[str | None, Field(description=_not_applied("null"))] = None
+    web_search_options: Annotated[dict[str, Any] | None, Field(
+        description=_not_applied("null"))] = None
+    moderation: Annotated[dict[str, Any] | None, Field(
+        description=_not_applied("null"))] = None
+    prompt_cache_retention: Annotated[str | None, Field(
+        description=_not_applied("null"))] = None
+    prompt_cache_options: Annotated[dict[str, Any] | None, Field(
+        description=_not_applied("null"))] = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -288,6 +383,13 @@ class CompletionRequest(SamplingRequest):
     top_logprobs: Any = Field(None, description=(
         "Not a field of the legacy API (logprobs says how many): anything but null or 0 is a "
         "400 unsupported_parameter."))
+    # OpenAI legacy fields not applied here: accepted only off (openai_fields.NOT_APPLIED)
+    echo: Annotated[Annotated[bool, Field(strict=True)] | None, Field(
+        description=_not_applied("null or false (the prompt is never echoed, nor its "
+                                 "logprobs)"))] = None
+    best_of: Annotated[PositiveInt | None, Field(
+        description=_not_applied("null or equal to n (less than n: 400 invalid_value)"))] = None
+    suffix: Annotated[str | None, Field(description=_not_applied('null or ""'))] = None
 
 
 #: Most inputs one ``POST /v1/embeddings`` request may hold (OpenAI's limit: 2048).
@@ -340,7 +442,7 @@ def _embedding_input(v: Any) -> list[str] | list[list[int]]:
     return shape
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_Option):
     """``POST /v1/embeddings`` body (OpenAI's Embeddings API). ``input`` is normalised to a list
     of texts or a list of token-id lists, in input order."""
 

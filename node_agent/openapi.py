@@ -65,7 +65,14 @@ _RETRY_AFTER = {"description": "Seconds to wait before retrying.",
 #: ``info.description``: what the API accepts beyond the schemas, with the capability table.
 _DESCRIPTION = (
     "OpenAI-compatible API of one Mac's node agent. Every accepted field is in the request "
-    "schemas below; unknown fields are ignored, as OpenAI's server does.\n\n"
+    "schemas below; any other field of a request body (or of its `stream_options`, `tools`, "
+    "`tool_choice`, `response_format`) is a 400 `invalid_request_error` with `code` "
+    "`unsupported_parameter` naming it (\"Unrecognized request argument supplied\", as "
+    "OpenAI answers). OpenAI fields this server does not apply (penalties, `logit_bias`, "
+    "`echo`, `best_of`, `suffix`, `store`, ...) are accepted only in the spelling that asks "
+    "for nothing, as each one's description says, else the same 400; `metadata`, "
+    "`prompt_cache_key` and `safety_identifier` are accepted and change nothing. Nothing is "
+    "accepted and then ignored.\n\n"
     "**Capabilities.** Some fields need a capability of the model revision that serves the "
     "request; `GET /v1/models` shows each revision's `capabilities`. A request that needs one "
     "the revision lacks is answered 400 `invalid_request_error` with `param` naming the field "

@@ -258,7 +258,8 @@ async def test_invalid_field_is_400_naming_it(agent: Agent, body: dict, param: s
 ])
 async def test_unsupported_options_are_400_naming_them(agent: Agent, path: str, body: dict,  # noqa: F811
                                                        param: str) -> None:
-    base = {"model": MODEL_ID, "max_tokens": 1, "messages": msgs(), "prompt": "x"}
+    base = {"model": MODEL_ID, "max_tokens": 1,
+            **({"messages": msgs()} if path == CHAT else {"prompt": "x"})}
     resp = await agent.client.post(path, json={**base, **body})
     assert resp.status == 400
     err = await error_of(resp)
@@ -342,9 +343,19 @@ async def test_hangup_counts_499_and_logs_one_info_line(agent: Agent, caplog,  #
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
-async def test_unknown_fields_are_ignored(agent: Agent) -> None:  # noqa: F811
+async def test_unknown_fields_are_refused_and_off_spellings_accepted(
+        agent: Agent) -> None:  # noqa: F811
+    # a field OpenAI's API does not have: 400 naming it, as OpenAI answers (it used to be
+    # ignored, issue 20: never accept and quietly not apply)
     resp = await agent.client.post(COMPLETIONS, json={
         "model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "logit_bias": {}, "whatever": [1]})
+    assert resp.status == 400
+    err = await error_of(resp)
+    assert (err["param"], err["code"]) == ("whatever", "unsupported_parameter")
+    assert err["message"] == "whatever: Unrecognized request argument supplied: whatever"
+    # OpenAI's fields in the spelling that asks for nothing: served
+    resp = await agent.client.post(COMPLETIONS, json={
+        "model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "logit_bias": {}})
     assert resp.status == 200
 
 
@@ -370,14 +381,17 @@ async def test_unknown_models_add_no_metric_series(agent: Agent) -> None:  # noq
         return {labels for (name, labels) in parse_metrics(text)
                 if name == "mlxfleet_agent_requests_total"}
 
+    def body(path: str, model: str) -> dict:   # each endpoint's own fields (others: 400)
+        return ({"model": model, "prompt": "x"} if path == COMPLETIONS
+                else {"model": model, "messages": msgs()})
+
     for path in (CHAT, COMPLETIONS):
-        await agent.client.post(path, json={"model": "warm-up", "prompt": "x",
-                                            "messages": msgs()})
+        await agent.client.post(path, json=body(path, "warm-up"))
     await agent.client.post(CHAT, data=b"{bad json", headers={"Content-Type": "application/json"})
     before = series()
     for i in range(40):
-        resp = await agent.client.post(COMPLETIONS if i % 2 else CHAT, json={
-            "model": uuid.uuid4().hex * 4, "prompt": "x", "messages": msgs()})
+        path = COMPLETIONS if i % 2 else CHAT
+        resp = await agent.client.post(path, json=body(path, uuid.uuid4().hex * 4))
         assert resp.status == 404
     after = series()
     assert after == before
