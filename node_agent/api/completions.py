@@ -40,9 +40,8 @@ from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
-                          ChoiceLogprobs, CompletionLogprobs, CompletionRequest, ErrorDetail,
-                          ErrorResponse, PromptTokensDetails, SamplingRequest, TextChoice,
-                          TextCompletion, ToolCall, Usage, chat_logprobs, completion_logprobs)
+                          CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
+                          SamplingRequest, TextChoice, TextCompletion, ToolCall, Usage)
 from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
                        InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
                        StreamBufferOverflow, TooManyChoices, WrongTask)
@@ -50,6 +49,7 @@ from ..sse import DONE, StreamEncoder, data_event
 from .context import HUNG_UP
 from .forward import Forwarder
 from .parse import parse
+from .render import ChoiceLogprobsJson, completion_answer, json_answer
 from .routing import Outcome, Served, refusal, serve_on, wrong_task
 from .structured import OutputPlan, PlanError, plan_output, template_messages
 from .tool_calls import ToolCallReader, finish_reason
@@ -176,14 +176,17 @@ class Completions:
                 return await self._stream(request, req, kind, gen, rid, created, headers,
                                           outcome, plan)
             parts: list[list[str]] = [[] for _ in range(gen.n)]
-            entries: list[list[Any]] = [[] for _ in range(gen.n)]
+            # each token's log-probabilities encoded as it comes (.render): megabytes with n,
+            # max_tokens and top_logprobs, never built or encoded at once on the event loop
+            logprobs = ([ChoiceLogprobsJson(kind) for _ in range(gen.n)]
+                        if logprobs_wanted(req) is not None else None)
             try:
                 while batch := await gen.next_batch():
                     outcome.token(gen.completion_tokens)
                     for chunk in batch:
                         parts[chunk.index].append(chunk.text)
-                        if chunk.logprobs is not None:
-                            entries[chunk.index].append(chunk.logprobs)
+                        if logprobs is not None and chunk.logprobs is not None:
+                            logprobs[chunk.index].add(chunk.logprobs)
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
@@ -194,7 +197,6 @@ class Completions:
         outcome.done(failed=False)
         texts = ["".join(p) for p in parts]
         usage = usage_of(gen)
-        want = logprobs_wanted(req) is not None
         body: ChatCompletion | TextCompletion
         if kind == "chat":
             choices, with_calls = [], []
@@ -211,9 +213,7 @@ class Completions:
                     role="assistant", content=content,
                     tool_calls=[ToolCall.model_validate(c) for c in calls] if calls else None)
                 choices.append(ChatChoice(
-                    index=i, message=message,
-                    logprobs=(ChoiceLogprobs.model_validate(chat_logprobs(entries[i]))
-                              if want else None),
+                    index=i, message=message, logprobs=None,
                     finish_reason=finish_reason(gen.finish_reasons[i], bool(calls))))
                 with_calls.append(bool(calls))
             body = ChatCompletion(id=rid, object="chat.completion", created=created,
@@ -222,17 +222,16 @@ class Completions:
             for choice, called in zip(payload["choices"], with_calls):
                 if not called:   # tool_calls only when there are some (as OpenAI answers)
                     choice["message"].pop("tool_calls", None)
-            return web.json_response(payload, headers=headers)
         else:
             body = TextCompletion(
                 id=rid, object="text_completion", created=created, model=req.model,
-                choices=[TextChoice(
-                    index=i, text=texts[i],
-                    logprobs=(CompletionLogprobs.model_validate(completion_logprobs(entries[i]))
-                              if want else None),
-                    finish_reason=gen.finish_reasons[i]) for i in range(gen.n)],
+                choices=[TextChoice(index=i, text=texts[i], logprobs=None,
+                                    finish_reason=gen.finish_reasons[i])
+                         for i in range(gen.n)],
                 usage=usage)
-        return web.json_response(body.model_dump(), headers=headers)
+            payload = body.model_dump()
+        # joined off the event loop
+        return await json_answer(completion_answer, payload, logprobs, headers=headers)
 
     async def _stream(self, request: web.Request, req: SamplingRequest, kind: Kind,
                       gen: Any, rid: str, created: int, headers: dict[str, str],
