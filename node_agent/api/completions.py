@@ -20,7 +20,9 @@ answer, word for word, ``param`` naming the field), 400 ``context_length_exceede
 ``tools`` / ``tool_choice`` / ``response_format`` that cannot be served as asked
 (:mod:`.structured`) or whose schema the constrained decoder cannot enforce (``code``
 ``invalid_schema``, ``param`` ``response_format.json_schema.schema`` or ``tools``, the message
-naming the keyword), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
+naming the keyword; the same when the grammar's matcher stops on one of its limits mid-generation,
+:class:`~node_agent.serving.ConstraintFailed`: then, once a stream's 200 is out, an error event
+with that ``type``, ``code`` and ``param``; not counted as a failure of the revision), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
 (``ServingCore.generate``'s ``TooManyChoices``; the capabilities answer first), 404
 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
@@ -42,7 +44,8 @@ from mlx_fleet.http_errors import error_response as _error
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
                           CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
                           SamplingRequest, TextChoice, TextCompletion, ToolCall, Usage)
-from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
+from ..serving import (ConstraintFailed, ContextLengthExceeded, GenerationAborted,
+                       InvalidConstraint,
                        InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
                        StreamBufferOverflow, TooManyChoices, WrongTask)
 from ..sse import DONE, StreamEncoder, data_event
@@ -162,7 +165,7 @@ class Completions:
         except InvalidPrompt as e:
             return _error(400, str(e), param=prompt_param,
                           code="invalid_prompt", headers=headers)
-        except InvalidConstraint as e:
+        except (InvalidConstraint, ConstraintFailed) as e:
             return _error(400, str(e), param=e.param, code="invalid_schema", headers=headers)
         except GenerationAborted as e:
             outcome.done(failed=True)
@@ -190,6 +193,9 @@ class Completions:
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
+            except ConstraintFailed as e:   # the client's grammar: not the revision's failure
+                return _error(400, str(e), param=e.param, code="invalid_schema",
+                              headers=headers)
             except GenerationAborted as e:
                 outcome.done(failed=True)
                 return _error(503, self._aborted(e), type_="server_error",
@@ -258,6 +264,13 @@ class Completions:
                             else _tool_events(events, readers, batch))
                     if data:
                         await resp.write(data)
+            except ConstraintFailed as e:   # the client's grammar: not the revision's failure
+                err = ErrorResponse(error=ErrorDetail(
+                    message=str(e), type="invalid_request_error", param=e.param,
+                    code="invalid_schema"))
+                await resp.write(data_event(err.model_dump_json().encode()))
+                await resp.write_eof()
+                return resp
             except GenerationAborted as e:
                 slow = isinstance(e, StreamBufferOverflow)
                 if not slow:  # a slow client is not a failure of the revision
