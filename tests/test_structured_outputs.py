@@ -222,6 +222,24 @@ async def test_unsupported_schema_feature_is_a_400_naming_it(agent: Agent, schem
     assert fragment in err["message"]
 
 
+def test_unknown_keywords_are_ignored_unimplemented_ones_refused(
+        tiny_model_path: Path) -> None:  # noqa: F811
+    """What node_agent/serving/grammar.py and docs/node-agent.md say: a keyword llguidance does
+    not know (a typo'd ``maxlength``) is ignored, as JSON Schema allows, even with ``strict``;
+    one it knows but does not implement is refused naming it."""
+    from mlx_lm.utils import load_tokenizer
+
+    from node_agent.serving.constrain import compile_grammar
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    typo = {"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}},
+            "required": ["a"], "additionalProperties": False}
+    assert compile_grammar(tokenizer, json_schema_grammar(typo), "p").error() is None
+    with pytest.raises(InvalidConstraint, match="dependentSchemas"):
+        compile_grammar(tokenizer, json_schema_grammar(
+            {"type": "object", "dependentSchemas": {"a": {}}}), "p")
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b",
