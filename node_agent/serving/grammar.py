@@ -17,11 +17,12 @@ JSON is compact (llguidance ``whitespace_flexible: false``: no whitespace betwee
 small or random-weight model would otherwise spend its tokens on whitespace. Keywords llguidance
 knows but does not implement (``if``/``then``/``else``, ``not``, ``dependentSchemas``, …) are
 refused (``lenient: false``), so none is silently unenforced. Keywords it does not know (a
-typo'd ``maxlength``, a vendor ``x-…`` key) are ignored, as JSON Schema allows unknown keywords
-(JSON Schema 2020-12 Core treats them as annotations, not errors); unlike OpenAI's ``strict: true`` they are not refused:
-llguidance (1.9) has no option to refuse them (its ``JsonCompileOptions``: ``lenient`` only
-turns the refusal of unimplemented keywords off), and telling a misspelt keyword from a vendor
-extension or an annotation needs a schema walker of our own. Compiling (and so finding an
+typo'd ``maxlength``, a vendor ``x-…`` key) are ignored, as JSON Schema allows (its 2020-12
+Core treats unknown keywords as annotations, not errors). Unlike OpenAI's ``strict: true``,
+they are not refused: llguidance (1.9) has no option to refuse them (its
+``JsonCompileOptions``: ``lenient`` only turns the refusal of unimplemented keywords off), and
+telling a misspelt keyword from a vendor extension or an annotation needs a schema walker of
+our own. Compiling (and so finding an
 unimplemented keyword) happens in :mod:`~node_agent.serving.constrain`; here nothing is validated
 but the shapes.
 """
