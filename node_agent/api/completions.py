@@ -20,9 +20,10 @@ answer, word for word, ``param`` naming the field), 400 ``context_length_exceede
 ``tools`` / ``tool_choice`` / ``response_format`` that cannot be served as asked
 (:mod:`.structured`) or whose schema the constrained decoder cannot enforce (``code``
 ``invalid_schema``, ``param`` ``response_format.json_schema.schema`` or ``tools``, the message
-naming the keyword; the same when the grammar's matcher stops on one of its limits mid-generation,
-:class:`~node_agent.serving.ConstraintFailed`: then, once a stream's 200 is out, an error event
-with that ``type``, ``code`` and ``param``; not counted as a failure of the revision), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
+naming the keyword; the same when the grammar's matcher stops on one of its limits
+mid-generation, :class:`~node_agent.serving.ConstraintFailed`: then, once a stream's 200 is out,
+an error event with that ``type``, ``code`` and ``param``; not counted as a failure of the
+revision), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
 (``ServingCore.generate``'s ``TooManyChoices``; the capabilities answer first), 404
 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
