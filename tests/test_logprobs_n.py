@@ -20,10 +20,11 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from node_agent.api.parse import unsupported
-from node_agent.api.render import ChoiceLogprobsJson, completion_answer
+from node_agent.api.render import completion_answer
 from node_agent.api_models import (MAX_LEGACY_LOGPROBS, MAX_TOP_LOGPROBS, ChatCompletionRequest,
                                    ChoiceLogprobs, CompletionLogprobs, CompletionRequest,
                                    chat_logprobs, completion_logprobs)
+from node_agent.logprobs_json import ChoiceLogprobsJson
 from node_agent.serving import ServingCore, TooManyChoices
 from node_agent.serving.logprobs import MIN_LOGPROB, TokenLogprob, TopLogprob, gather
 from node_agent.serving.sampling import choice_seed

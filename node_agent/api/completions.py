@@ -49,11 +49,12 @@ from ..serving import (ConstraintFailed, ContextLengthExceeded, GenerationAborte
                        InvalidConstraint,
                        InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
                        StreamBufferOverflow, TooManyChoices, WrongTask)
+from ..logprobs_json import ChoiceLogprobsJson
 from ..sse import DONE, StreamEncoder, data_event
 from .context import HUNG_UP
 from .forward import Forwarder
 from .parse import parse
-from .render import ChoiceLogprobsJson, completion_answer, json_answer
+from .render import completion_answer, json_answer
 from .routing import Outcome, Served, refusal, serve_on, wrong_task
 from .structured import OutputPlan, PlanError, plan_output, template_messages
 from .tool_calls import ToolCallReader, finish_reason

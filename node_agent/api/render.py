@@ -5,7 +5,7 @@ An answer can be megabytes of JSON (``n`` choices × ``max_tokens`` token log-pr
 40 MB). Validating and encoding it at once on the event loop stalled every other request of the
 agent for seconds (8 × 2,000 × 20 through pydantic: 1.5 to 7 s on the development CPU). So a
 non-streamed completion's log-probabilities are encoded token by token as the tokens arrive
-(:class:`ChoiceLogprobsJson`, as a stream encodes them per event: no object graph of all the
+(:class:`~node_agent.logprobs_json.ChoiceLogprobsJson`, as a stream encodes them per event: no object graph of all the
 entries is kept, which also spares the cyclic garbage collector), and :func:`json_answer` joins
 the answer in the loop's default executor. Render functions run there encode in small calls (a
 C ``json.dumps`` call holds the GIL until it returns, so one call over a whole large answer
@@ -18,52 +18,13 @@ the shapes those of :mod:`node_agent.api_models`.
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from aiohttp import web
 
-from ..api_models import chat_logprobs, completion_logprobs
+from ..logprobs_json import ChoiceLogprobsJson, dumps, obj
 
-__all__ = ["ChoiceLogprobsJson", "completion_answer", "dumps", "json_answer", "obj"]
-
-
-def dumps(value: Any) -> bytes:
-    """``value``'s compact JSON (``json.dumps``, ``separators=(",", ":")``), as bytes."""
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def obj(members: Iterable[tuple[str, bytes]]) -> bytes:
-    """The JSON object of ``(key, already encoded value)`` pairs, in their order."""
-    return b"{" + b",".join(dumps(k) + b":" + v for k, v in members) + b"}"
-
-
-class ChoiceLogprobsJson:
-    """One choice's ``logprobs`` object of a non-streamed answer, encoded token by token as the
-    tokens arrive (:meth:`add`), so that no object graph of every token's entries is kept and
-    no single call encodes them all: chat ``{"content": [...]}``
-    (:func:`~node_agent.api_models.chat_logprobs`), legacy ``{"tokens", "token_logprobs",
-    "top_logprobs", "text_offset"}`` (:func:`~node_agent.api_models.completion_logprobs`)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._columns: dict[str, list[bytes]] = {}
-        self._offset = 0     # legacy text_offset of the next token
-
-    def add(self, entry: Any) -> None:
-        """Encode one token's entry (:class:`node_agent.serving.logprobs.TokenLogprob`)."""
-        if self.kind == "chat":
-            value = chat_logprobs((entry,))
-        else:
-            value = completion_logprobs((entry,), self._offset)
-            self._offset += len(entry.text)
-        for key, column in value.items():
-            self._columns.setdefault(key, []).extend(dumps(x) for x in column)
-
-    def json(self) -> bytes:
-        """The ``logprobs`` object's JSON (every key, its lists empty for no token)."""
-        keys = (chat_logprobs(()) if self.kind == "chat" else completion_logprobs(()))
-        return obj((k, b"[" + b",".join(self._columns.get(k, ())) + b"]") for k in keys)
+__all__ = ["completion_answer", "json_answer"]
 
 
 def completion_answer(payload: dict[str, Any],
