@@ -20,7 +20,10 @@ an older agent does not write, never promises what the agent does not do. A repo
 is *unknown*: the router still sends it requests, and that agent refuses what it cannot do.
 
 Codes (OpenAI's own, as its API answers a parameter a model does not support):
-``unsupported_parameter`` when the model lacks the capability, ``unsupported_value`` when it has
+``unsupported_parameter`` when the model lacks the capability (or the endpoint lacks the field:
+``tools`` / ``tool_choice`` / ``response_format`` on legacy ``/v1/completions``,
+:func:`legacy_refused_message`), ``invalid_value`` for a value above OpenAI's own bound
+(``top_logprobs`` > 20, legacy ``logprobs`` > 5: the agent's request validation, word for word), ``unsupported_value`` when it has
 it with a smaller bound (``n``, ``top_logprobs``); ``wrong_model_task`` (``param`` ``model``)
 when the model is served for another task than the endpoint's (a chat request to a
 ``TextEmbedding`` model, embeddings from a ``TextGeneration`` one). ``type`` is always
@@ -41,8 +44,11 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["Task", "TASK_TEXT_GENERATION", "TASK_TEXT_EMBEDDING", "TASKS", "Capability", "Need",
            "Missing", "WRONG_MODEL_TASK",
            "ModelCapabilities", "CHAT_PATH", "COMPLETIONS_PATH", "EMBEDDINGS_PATH",
-           "UNSUPPORTED_PARAMETER", "UNSUPPORTED_VALUE", "REQUEST_FIELDS",
-           "required_capabilities", "satisfies", "missing_everywhere", "FieldRule", "FIELD_RULES",
+           "UNSUPPORTED_PARAMETER", "UNSUPPORTED_VALUE", "INVALID_VALUE", "REQUEST_FIELDS",
+           "OPENAI_MAX_TOP_LOGPROBS", "OPENAI_MAX_LEGACY_LOGPROBS", "LEGACY_REFUSED",
+           "legacy_refused_message",
+           "required_capabilities", "satisfies", "missing_everywhere", "may_serve",
+           "beyond_task", "FieldRule", "FIELD_RULES",
            "rules_markdown"]
 
 #: What a model is served for (the ModelDeployment's task): text generation (chat,
@@ -62,6 +68,30 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 UNSUPPORTED_VALUE = "unsupported_value"
 WRONG_MODEL_TASK = "wrong_model_task"
+INVALID_VALUE = "invalid_value"
+
+#: OpenAI's bounds on the number of top logprobs: chat's ``top_logprobs`` and legacy
+#: completions' ``logprobs`` (API reference). Above them a request is invalid whatever the
+#: model (400 ``invalid_value``, :func:`required_capabilities`).
+OPENAI_MAX_TOP_LOGPROBS = 20
+OPENAI_MAX_LEGACY_LOGPROBS = 5
+
+#: Chat-completions fields OpenAI's legacy ``/v1/completions`` does not have: refused there
+#: (:func:`legacy_refused_message`), by the agent and the router alike, never ignored.
+LEGACY_REFUSED = ("tools", "tool_choice", "response_format")
+
+
+def legacy_refused_message(param: str) -> str:
+    """The 400's message (code ``unsupported_parameter``) for :data:`LEGACY_REFUSED` field
+    ``param`` sent to ``/v1/completions``."""
+    return (f"{param}: {param} is not supported on {COMPLETIONS_PATH} (OpenAI's legacy "
+            f"endpoint has none: use {CHAT_PATH})")
+
+
+def _above_bound_message(param: str, bound: int) -> str:
+    """The agent's request validation's message for ``param`` above ``bound`` (pydantic's
+    ``less_than_equal`` text, as ``node_agent.api.parse.validation_error`` answers it)."""
+    return f"{param}: Input should be less than or equal to {bound}"
 
 #: The endpoints that serve each task (named in a ``wrong_model_task`` message).
 _ENDPOINTS = {TASK_TEXT_GENERATION: f"POST {CHAT_PATH} or {COMPLETIONS_PATH}",
@@ -80,6 +110,7 @@ class Capability(str, enum.Enum):
     GENERATE = "generate"                      # chat / completions: a generate model
     EMBEDDINGS = "embeddings"                  # /v1/embeddings
     TOOL_CALLING = "tool_calling"              # tools with tool_choice other than "none"
+    TOOL_CHOICE = "tool_choice"                # tool_choice required / a named function
     STRUCTURED_OUTPUTS = "structured_outputs"  # response_format json_object / json_schema
     LOGPROBS = "logprobs"                      # logprobs / top_logprobs (amount: top k)
     N = "n"                                    # n > 1 (amount: n)
@@ -91,6 +122,8 @@ _RANK = {c: i for i, c in enumerate(Capability)}
 _WHAT = {Capability.GENERATE: "text generation (chat and completions)",
          Capability.EMBEDDINGS: "embeddings",
          Capability.TOOL_CALLING: "tool calling",
+         Capability.TOOL_CHOICE: "an enforced tool choice (required or a named function; "
+                                 "use auto)",
          Capability.STRUCTURED_OUTPUTS: "structured outputs (response_format json_object / "
                                         "json_schema)",
          Capability.LOGPROBS: "logprobs",
@@ -102,14 +135,20 @@ class Need:
     """A capability a request needs: ``capability``, the request field that asks for it
     (``param``: ``model``, ``tools``, ``tool_choice``, ``response_format``, ``logprobs``,
     ``top_logprobs``, ``n``) and, for bounded ones, the ``amount`` asked (``n``; the number of
-    top logprobs, 0 for the chosen token's only)."""
+    top logprobs, 0 for the chosen token's only).
+
+    ``refused`` / ``refused_code``: a request no model serves (a field the endpoint lacks, a
+    value above OpenAI's bound): the 400's message and code, answered before any capability
+    (as the agent validates the request before it looks at the model)."""
 
     capability: Capability
     param: str
     amount: int = 0
+    refused: str = ""
+    refused_code: str = ""
 
-    def sort_key(self) -> tuple[int, str, int]:
-        return (_RANK[self.capability], self.param, self.amount)
+    def sort_key(self) -> tuple[int, int, str, int]:
+        return (0 if self.refused else 1, _RANK[self.capability], self.param, self.amount)
 
 
 class ModelCapabilities(BaseModel):
@@ -119,7 +158,9 @@ class ModelCapabilities(BaseModel):
     (``/v1/embeddings``), the deployment's task. ``tool_calling``: ``tools`` are rendered into the prompt and the model's
     tool calls parsed into ``tool_calls``; ``tool_parser``: mlx-lm's parser for it
     (``mlx_lm.tool_parsers.<name>``, e.g. ``json_tools``, ``qwen3_coder``; null without tool
-    calling). ``structured_outputs``: ``response_format`` ``json_object`` / ``json_schema`` by
+    calling). ``tool_choice_enforced``: ``tool_choice`` ``required`` / a named function served
+    (the call constrained to the tools' schemas: needs a tool-call envelope constrained decoding
+    can write for the parser, and structured outputs). ``structured_outputs``: ``response_format`` ``json_object`` / ``json_schema`` by
     constrained decoding. ``logprobs``: ``logprobs`` answered; ``max_top_logprobs``: the most
     ``top_logprobs`` (chat) or ``logprobs`` (legacy completions) it answers (OpenAI's bound is
     20). ``max_n``: the most choices per request (``n``). ``embeddings``: ``/v1/embeddings``
@@ -131,6 +172,7 @@ class ModelCapabilities(BaseModel):
     task: Task = TASK_TEXT_GENERATION
     tool_calling: bool = False
     tool_parser: str | None = None
+    tool_choice_enforced: bool = False
     structured_outputs: bool = False
     logprobs: bool = False
     max_top_logprobs: Annotated[int, Field(ge=0)] = 0
@@ -155,8 +197,12 @@ class ModelCapabilities(BaseModel):
             return self.task == TASK_TEXT_GENERATION
         if c is Capability.EMBEDDINGS:
             return self.task == TASK_TEXT_EMBEDDING and self.embeddings
+        if need.refused:
+            return False
         if c is Capability.TOOL_CALLING:
             return self.tool_calling
+        if c is Capability.TOOL_CHOICE:
+            return self.tool_calling and self.structured_outputs and self.tool_choice_enforced
         if c is Capability.STRUCTURED_OUTPUTS:
             return self.structured_outputs
         if c is Capability.LOGPROBS:
@@ -178,7 +224,7 @@ class Missing:
     def wrong_task(self) -> bool:
         """The model is served for another task than the request's endpoint."""
         c = self.need.capability
-        return ((c is Capability.GENERATE and self.task != TASK_TEXT_GENERATION)
+        return not self.need.refused and ((c is Capability.GENERATE and self.task != TASK_TEXT_GENERATION)
                 or (c is Capability.EMBEDDINGS and self.task != TASK_TEXT_EMBEDDING))
 
     @property
@@ -190,7 +236,9 @@ class Missing:
     def code(self) -> str:
         """``wrong_model_task`` when the model is served for another task,
         ``unsupported_value`` for a bound exceeded, else ``unsupported_parameter`` (module
-        docstring)."""
+        docstring); a :attr:`Need.refused` need's own code."""
+        if self.need.refused:
+            return self.need.refused_code
         if self.wrong_task:
             return WRONG_MODEL_TASK
         bounded = self.limit is not None and self.need.capability in (Capability.N,
@@ -203,6 +251,8 @@ class Missing:
         """The 400's message for a request to ``model`` (the served name), naming the field."""
         need = self.need
         p = need.param
+        if need.refused:
+            return need.refused
         if self.wrong_task:
             return (f"model: the model '{model}' is served for {self.task}: use "
                     f"{_ENDPOINTS[self.task]}")
@@ -240,12 +290,21 @@ def required_capabilities(path: str, body: Mapping[str, Any]) -> frozenset[Need]
 
       - ``tools`` non-empty and ``tool_choice`` other than ``"none"`` → tool calling
         (``tools``); ``tool_choice`` other than ``"none"`` without tools → tool calling
-        (``tool_choice``);
-      - ``response_format`` other than absent/null/``{"type": "text"}`` → structured outputs;
+        (``tool_choice``); with tools, ``tool_choice`` ``"required"`` or a named function
+        (an object) → also :attr:`Capability.TOOL_CHOICE` (``tool_choice``);
+      - ``response_format`` whose ``type`` is other than absent/null/``"text"`` → structured
+        outputs (a dumped ``{"type": "text", "json_schema": None}`` is off too);
       - ``logprobs`` other than absent/null/false/0 → logprobs (``logprobs``; ``amount``: its
         value when it is a number — legacy completions' top-k — else 0); ``top_logprobs`` other
         than absent/null/0 → logprobs (``top_logprobs``, ``amount`` its value);
       - ``n`` a whole number > 1 → :attr:`Capability.N` (``amount`` n).
+
+    Refused whatever the model (:attr:`Need.refused`, answered first): on
+    ``/v1/completions``, a :data:`LEGACY_REFUSED` field in another than its off spelling
+    (``unsupported_parameter``, :func:`legacy_refused_message`) instead of its capability
+    need; a whole ``top_logprobs`` above :data:`OPENAI_MAX_TOP_LOGPROBS` (chat) or legacy
+    ``logprobs`` above :data:`OPENAI_MAX_LEGACY_LOGPROBS` (``invalid_value``, the agent's
+    validation message).
 
     * any other path → nothing.
 
@@ -256,26 +315,48 @@ def required_capabilities(path: str, body: Mapping[str, Any]) -> frozenset[Need]
         return frozenset({Need(Capability.EMBEDDINGS, "model")})
     if path not in (CHAT_PATH, COMPLETIONS_PATH):
         return frozenset()
+    legacy = path == COMPLETIONS_PATH
     needs = {Need(Capability.GENERATE, "model")}
     tools, choice = body.get("tools"), body.get("tool_choice")
     choice_on = choice is not None and choice != "none"
+    field_needs: list[Need] = []
     if tools and choice != "none":
-        needs.add(Need(Capability.TOOL_CALLING, "tools"))
+        field_needs.append(Need(Capability.TOOL_CALLING, "tools"))
+        if choice == "required" or isinstance(choice, Mapping):
+            field_needs.append(Need(Capability.TOOL_CHOICE, "tool_choice"))
     elif choice_on:
-        needs.add(Need(Capability.TOOL_CALLING, "tool_choice"))
-    if body.get("response_format") not in (None, {"type": "text"}):
-        needs.add(Need(Capability.STRUCTURED_OUTPUTS, "response_format"))
+        field_needs.append(Need(Capability.TOOL_CALLING, "tool_choice"))
+    rf = body.get("response_format")
+    if (rf.get("type") not in (None, "text")) if isinstance(rf, Mapping) else rf is not None:
+        field_needs.append(Need(Capability.STRUCTURED_OUTPUTS, "response_format"))
+    if legacy:
+        field_needs = [Need(n.capability, n.param, refused=legacy_refused_message(n.param),
+                            refused_code=UNSUPPORTED_PARAMETER)
+                       for n in field_needs if n.capability is not Capability.TOOL_CHOICE]
+    needs.update(field_needs)
     logprobs = body.get("logprobs")
     if logprobs is not None and logprobs is not False and logprobs != 0:
-        amount = _whole(logprobs)
-        needs.add(Need(Capability.LOGPROBS, "logprobs", max(amount or 0, 0)))
+        amount = max(_whole(logprobs) or 0, 0)
+        needs.add(_logprobs_need("logprobs", amount, OPENAI_MAX_LEGACY_LOGPROBS if legacy
+                                 else None))
     top = body.get("top_logprobs")
     if top is not None and top is not False and top != 0:
-        needs.add(Need(Capability.LOGPROBS, "top_logprobs", max(_whole(top) or 0, 0)))
+        needs.add(_logprobs_need("top_logprobs", max(_whole(top) or 0, 0),
+                                 None if legacy else OPENAI_MAX_TOP_LOGPROBS))
     n = _whole(body.get("n"))
     if n is not None and n > 1:
         needs.add(Need(Capability.N, "n", n))
     return frozenset(needs)
+
+
+def _logprobs_need(param: str, amount: int, openai_bound: int | None) -> Need:
+    """The logprobs need of ``param`` asking ``amount``; refused (``invalid_value``) above
+    ``openai_bound`` (None: no bound of OpenAI's applies to the field here)."""
+    if openai_bound is not None and amount > openai_bound:
+        return Need(Capability.LOGPROBS, param, amount,
+                    refused=_above_bound_message(param, openai_bound),
+                    refused_code=INVALID_VALUE)
+    return Need(Capability.LOGPROBS, param, amount)
 
 
 def _ordered(needs: Iterable[Need]) -> list[Need]:
@@ -291,21 +372,62 @@ def satisfies(caps: ModelCapabilities, needs: Iterable[Need]) -> Missing | None:
     return None
 
 
-def missing_everywhere(replicas: Iterable[ModelCapabilities | None],
+_TASK_CAPABILITIES = (Capability.GENERATE, Capability.EMBEDDINGS)
+
+
+def beyond_task(needs: Iterable[Need]) -> bool:
+    """``needs`` ask more than the endpoint's task (plain generate / embeddings): a capability
+    that only a replica's reported capabilities can promise."""
+    return any(n.capability not in _TASK_CAPABILITIES or n.refused for n in needs)
+
+
+def may_serve(caps: ModelCapabilities | None, needs: Iterable[Need],
+              task: Task | None = None) -> bool:
+    """Whether a replica may serve ``needs``: its capabilities :func:`satisfies` them; when they
+    are unknown (None: an agent older than them, a standby never loaded), whether its ``task``
+    (the assignment's; None: unknown too) fits the endpoint — the rest its agent decides. A
+    :attr:`Need.refused` need is served by none."""
+    needs = list(needs)
+    if caps is not None:
+        return satisfies(caps, needs) is None
+    if any(n.refused for n in needs):
+        return False
+    if task is None:
+        return True
+    return satisfies(_task_view(task),
+                     [n for n in needs if n.capability in _TASK_CAPABILITIES]) is None
+
+
+def _task_view(task: Task) -> ModelCapabilities:
+    """What a replica of ``task`` whose capabilities are unknown is known to serve: its task's
+    endpoint (nothing else is claimed)."""
+    return ModelCapabilities(task=task, embeddings=task == TASK_TEXT_EMBEDDING)
+
+
+def missing_everywhere(replicas: Iterable[ModelCapabilities | Task | None],
                        needs: Iterable[Need]) -> Missing | None:
-    """The router's check over one model's replicas (``None``: a replica whose capabilities are
-    unknown). None when some replica may serve ``needs`` (one that :func:`satisfies` them, or
-    an unknown one), or when there are no replicas (then nothing is known: 503, not 400).
+    """The router's check over one model's replicas (a :data:`Task` name: a replica whose
+    capabilities are unknown but whose assignment's task is that; ``None``: one of which
+    nothing is known). None when some replica may serve ``needs`` (:func:`may_serve`: one that
+    :func:`satisfies` them, or an unknown one of the endpoint's task), or when there are no
+    replicas (then nothing is known: 503, not 400).
     Otherwise the :class:`Missing` to answer: the first need (in :class:`Capability` order)
     that no replica serves, with the largest bound any replica offers for it; when each need
     is served by some replica but no replica serves them all, the first replica's (in the given
-    order) first missing need."""
+    order) first missing need. A :attr:`Need.refused` need is answered first, whatever the
+    replicas (no model serves it)."""
+    ordered = _ordered(needs)
+    if ordered and ordered[0].refused:
+        return Missing(ordered[0])
     known: list[ModelCapabilities] = []
     for caps in replicas:
         if caps is None:
             return None
+        if isinstance(caps, str):  # unknown capabilities of a known task
+            if may_serve(None, ordered, caps):
+                return None
+            caps = _task_view(caps)  # refuses on the task: the message names it
         known.append(caps)
-    ordered = _ordered(needs)
     if not known or any(satisfies(c, ordered) is None for c in known):
         return None
     for need in ordered:
@@ -341,6 +463,11 @@ FIELD_RULES: tuple[FieldRule, ...] = (
               {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     FieldRule("tool_choice", "not `\"none\"` without `tools`", Capability.TOOL_CALLING,
               "`tool_calling`", CHAT_PATH, {"tool_choice": "auto"}),
+    FieldRule("tool_choice", "`\"required\"` or a named function, with `tools`",
+              Capability.TOOL_CHOICE,
+              "`tool_choice_enforced` (with `tool_calling`, `structured_outputs`)", CHAT_PATH,
+              {"tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": "required"}),
     FieldRule("response_format", "`json_object` or `json_schema` (anything but `text`)",
               Capability.STRUCTURED_OUTPUTS, "`structured_outputs`", CHAT_PATH,
               {"response_format": {"type": "json_object"}}),

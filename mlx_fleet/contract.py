@@ -275,6 +275,10 @@ class NodeRecord(_Record):
     ``stream_buffer_chunks``, ``request_coalescing`` ``on``/``off``; the agent's
     ``node_agent.serving.options.ServingOptions.as_record``); informational, empty in records of
     agents older than the field (they still parse).
+    ``tasks``: the model tasks this agent serves (:data:`mlx_fleet.capabilities.TASKS`; the
+    agent's ``node_agent.serving.capabilities.served_tasks``); placement puts a deployment of
+    another task than ``TextGeneration`` only on a node that lists it. A record of an agent
+    older than the field reads as ``["TextGeneration"]``: it served text generation only.
     """
 
     name: str
@@ -284,6 +288,7 @@ class NodeRecord(_Record):
     health: NodeHealth = NodeHealth.HEALTHY
     agent_version: str = ""
     serving_options: dict[str, str] = Field(default_factory=dict)
+    tasks: list[Task] = Field(default_factory=lambda: [TASK_TEXT_GENERATION])
     heartbeat_unix: float = Field(default_factory=time.time)
 
 

@@ -34,6 +34,7 @@ from mlx_fleet.store import EtcdStore, StoreError
 from .capacity import CapacityConfig, CapacityProbe, format_bytes
 from .cli import AgentConfig, StartupError, agent_version, build_parser, config_from_args
 from .registration import Registration
+from .serving.capabilities import served_tasks
 
 log = logging.getLogger("node_agent")
 
@@ -256,7 +257,7 @@ class Agent:
             capacity=self.probe.read, health=self._node_health, labels=self.config.labels,
             ttl=self.config.lease_ttl,
             agent_version=agent_version(),
-            serving_options=self.core.options.as_record())
+            serving_options=self.core.options.as_record(), tasks=served_tasks())
         delay = 0.5
         while True:
             try:

@@ -49,6 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from mlx_fleet.capabilities import Task
 from mlx_fleet.contract import (AssignmentReport, Keys, NodeCapacity, NodeHealth, NodeRecord,
                                 StatsReport)
 
@@ -99,7 +100,8 @@ class Registration:
     ``capacity`` (the agent reports Degraded while its serving core has failed, so the operator
     places nothing new there); a change rewrites the record on that beat.
     ``serving_options``: the serving core's switches (``ServingOptions.as_record()``), written
-    into the record as ``serving_options``.
+    into the record as ``serving_options``. ``tasks``: the model tasks the agent serves
+    (``NodeRecord.tasks``; None: the record's default, text generation only).
     ``ttl``: lease TTL in whole seconds (≥ 1; default :data:`DEFAULT_LEASE_TTL`).
     ``available_threshold_bytes``: how far available memory must move before the record is
     rewritten (default: see :func:`~node_agent.capacity.materially_different`).
@@ -114,6 +116,7 @@ class Registration:
                  labels: dict[str, str] | None = None, ttl: int = DEFAULT_LEASE_TTL,
                  agent_version: str = "",
                  serving_options: dict[str, str] | None = None,
+                 tasks: list[Task] | None = None,
                  available_threshold_bytes: int | None = None) -> None:
         if ttl < 1:
             raise ValueError(f"lease TTL must be at least 1 second, got {ttl}")
@@ -126,6 +129,7 @@ class Registration:
         self.ttl = ttl
         self.agent_version = agent_version
         self.serving_options = dict(serving_options or {})
+        self.model_tasks = None if tasks is None else list(tasks)
         self._capacity_fn = capacity
         self._health_fn = health
         self._threshold = available_threshold_bytes
@@ -307,7 +311,8 @@ class Registration:
         return NodeRecord(name=self.node_name, address=self.address, labels=self.labels,
                           capacity=self._capacity, health=self._health,
                           agent_version=self.agent_version,
-                          serving_options=self.serving_options)
+                          serving_options=self.serving_options,
+                          **({} if self.model_tasks is None else {"tasks": self.model_tasks}))
 
     async def _register(self) -> None:
         """Grant a new lease and (re)write the record and every report under it, atomically."""

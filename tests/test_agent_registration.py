@@ -42,7 +42,8 @@ def store(memory_store: MemoryStore) -> MemoryStore:
 async def reg(store: MemoryStore, keys: Keys) -> AsyncIterator[Registration]:
     r = Registration(store, keys, node_name="mac-1", address="http://127.0.0.1:8000",
                      capacity=Capacity(), labels={"rack": "a"}, ttl=2, agent_version="test",
-                     serving_options={"prompt_cache": "off", "admission_policy": "count"})
+                     serving_options={"prompt_cache": "off", "admission_policy": "count"},
+                     tasks=["TextGeneration", "TextEmbedding"])
     yield r
     await r.stop()
 
@@ -71,6 +72,7 @@ async def test_registers_record_under_lease_and_stop_removes_it(
     assert rec.name == "mac-1" and rec.address == "http://127.0.0.1:8000"
     assert rec.labels == {"rack": "a"} and rec.capacity.simulated and rec.agent_version == "test"
     assert rec.serving_options == {"prompt_cache": "off", "admission_policy": "count"}
+    assert rec.tasks == ["TextGeneration", "TextEmbedding"]  # what placement filters on
     assert reg.healthy
 
     await reg.stop()

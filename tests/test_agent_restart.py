@@ -152,7 +152,10 @@ async def test_agent_restart_readopts_the_download_without_contacting_the_mirror
         assert last is not None and last.state is AssignmentState.READY, (how, last)
         assert last.generation == 1 and last.endpoint == agent.url
         loading = [r for r in reports if r is not None and r.state is AssignmentState.LOADING]
-        assert loading and str(on_disk) in loading[-1].message, (how, loading)
+        # the weights came from the cache (no request above); the status names the source,
+        # never the Mac's local path (issue 19: statuses without paths)
+        assert loading and mirror.url.rstrip("/") in loading[-1].message, (how, loading)
+        assert str(cache) not in loading[-1].message, (how, loading)
         assert all(r.progress is None or r.progress.rate_bytes_per_second == 0
                    for r in reports if r is not None), (how, reports)  # no bytes arrived
         kv = await store.get(report_key)

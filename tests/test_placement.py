@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mlx_fleet.contract import (WATERMARK, Assignment, ModelSource, NodeCapacity, NodeHealth,
                                 NodeRecord)
-from mlx_fleet_operator.placement import (PlacementRequest, is_mine, node_budget_bytes,
+from mlx_fleet_operator.placement import (PlacementRequest, is_mine, node_budget_bytes, serves_task,
                                           place, used_by_others)
 from mlx_fleet_operator.spec import SpecError, parse_spec, resolve_int_or_percent, to_assignment
 
@@ -386,3 +386,45 @@ def test_a_node_change_wakes_only_the_deployments_it_concerns(node, placed, unse
     from mlx_fleet_operator.placement import affected_by_node
 
     assert affected_by_node(node, placed, unsettled) == want
+
+
+def _tasks(n: NodeRecord, *tasks: str) -> NodeRecord:
+    return n.model_copy(update={"tasks": list(tasks)})
+
+
+@pytest.mark.parametrize(("tasks", "task", "serves"), [
+    (None, "TextGeneration", True),          # an agent older than the field: text only
+    (None, "TextEmbedding", False),
+    (("TextGeneration", "TextEmbedding"), "TextEmbedding", True),
+    (("TextGeneration", "TextEmbedding"), "TextGeneration", True),
+    (("TextGeneration",), "TextEmbedding", False),
+])
+def test_serves_task(tasks, task: str, serves: bool) -> None:
+    n = node("a") if tasks is None else _tasks(node("a"), *tasks)
+    assert serves_task(n, task) is serves  # type: ignore[arg-type]
+
+
+def test_an_old_agents_record_reads_as_text_generation_only() -> None:
+    raw = node("a").model_dump(mode="json")
+    del raw["tasks"]
+    assert NodeRecord.model_validate(raw).tasks == ["TextGeneration"]
+
+
+@pytest.mark.parametrize(("task", "want", "unplaced", "message"), [
+    ("TextEmbedding", ("new",), 1,
+     "1/3 nodes fit: 2 serve no TextEmbedding models (agent too old); 1 of 2 replicas unplaced"),
+    ("TextGeneration", ("new", "old-a", "old-b"), 0, ""),
+])
+def test_embedding_deployments_go_only_to_agents_that_serve_the_task(task, want, unplaced,
+                                                                      message) -> None:
+    """A rolling upgrade: only the upgraded agent lists TextEmbedding; an embedding deployment
+    is placed there (and explained where it cannot be), a chat one anywhere."""
+    nodes = [node("old-a"), node("old-b"),
+             _tasks(node("new"), "TextGeneration", "TextEmbedding")]
+    d = place(req(replicas=2 if task == "TextEmbedding" else 3, task=task), nodes, {})
+    assert d.nodes == want and d.unplaced == unplaced
+    assert message in d.message
+    # an embedding replica already on an old agent's node moves off it
+    if task == "TextEmbedding":
+        moved = place(req(replicas=1, task=task), nodes, {"old-a": [asg("llm", 2)]})
+        assert moved.nodes == ("new",) and "old-a" in moved.removed

@@ -339,10 +339,12 @@ def test_chart_runs_the_operator_and_router_on_a_real_node(real_cluster: RealClu
     # Prometheus (the dev set-up's) scrapes the in-cluster operator through the chart's metrics
     # Service: its ClusterIP, routed to the Pod by kube-proxy.
     svc = _json(rc, "get", "service", "mlx-fleet-metrics")["spec"]
-    router_svc = _json(rc, "get", "service", "mlx-fleet-router")["spec"]
+    # The router's, as a ServiceMonitor does: its Pod's IP and port (an open /metrics answers
+    # only Hosts it knows — the Pod's IP, loopback, its Service's names: DNS rebinding).
+    router_ip = _json(rc, "get", "pod", router_pod["metadata"]["name"])["status"]["podIP"]
     prom = start_prometheus(cp.workdir / "prometheus",
                             [ScrapeTarget(f"{svc['clusterIP']}:{svc['ports'][0]['port']}"),
-                             ScrapeTarget(f"{router_svc['clusterIP']}:{router_svc['ports'][0]['port']}")],
+                             ScrapeTarget(f"{router_ip}:{router_port}")],
                             interval="1s")
     try:
         prom.wait_for_scrapes(1, timeout=60)

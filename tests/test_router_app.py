@@ -116,15 +116,16 @@ async def publish(store: MemoryStore, node: str, endpoint: str, revision: str = 
                   ns: str = NS, name: str = DEP, served: str = MODEL, batch: int = 8,
                   state: AssignmentState = AssignmentState.READY,
                   health: NodeHealth = NodeHealth.HEALTHY,
-                  capabilities: ModelCapabilities | None = None) -> None:
-    """A Mac serving ``ns/name`` at ``revision``: its node record, assignment and report
-    (with ``capabilities``; None: unknown, as an agent older than them reports)."""
+                  capabilities: ModelCapabilities | None = None,
+                  task: str = "TextGeneration") -> None:
+    """A Mac serving ``ns/name`` at ``revision`` for ``task``: its node record, assignment and
+    report (with ``capabilities``; None: unknown, as an agent older than them reports)."""
     await store.put(KEYS.node(node), NodeRecord(name=node, address=endpoint, capacity=CAP,
                                                 health=health).to_json())
     await store.put(KEYS.assignment(node, ns, name, revision), Assignment(
         namespace=ns, name=name, generation=1, served_model_name=served,
         source=ModelSource(uri="file:///m", revision=revision), memory_bytes=1,
-        serving=ServingParams(max_concurrent_sequences=batch)).to_json())
+        serving=ServingParams(max_concurrent_sequences=batch), task=task).to_json())
     await store.put(KEYS.report(node, ns, name, revision), AssignmentReport(
         node=node, namespace=ns, name=name, generation=1, revision=revision, state=state,
         endpoint=endpoint, capabilities=capabilities).to_json())
@@ -249,7 +250,8 @@ async def test_embeddings_are_relayed_like_the_other_routes(memory_store, stubs,
         return web.json_response(embedding)
 
     a = await stubs(answer)
-    await publish(memory_store, "mac-a", a.url)
+    # an embedding replica whose capabilities are unknown: its assignment's task says enough
+    await publish(memory_store, "mac-a", a.url, task="TextEmbedding")
     rig = await router(macs=1)
     resp = await rig.client.post("/v1/embeddings", json={"model": MODEL, "input": ["hi"]},
                                  headers={SESSION_HEADER: "s"})
@@ -259,6 +261,11 @@ async def test_embeddings_are_relayed_like_the_other_routes(memory_store, stubs,
                       tenant="default") == 1
     resp = await rig.client.post("/v1/embeddings", json={"model": "nope", "input": "hi"})
     assert resp.status == 404 and (await error_of(resp))["param"] == "model"
+    # a chat request to it is refused by its task, without trying the Mac (old agent or not)
+    resp = await rig.chat()
+    err = await error_of(resp)
+    assert resp.status == 400 and (err["param"], err["code"]) == ("model", "wrong_model_task")
+    assert paths == ["/v1/embeddings"]
 
 
 async def test_a_draining_mac_gets_no_new_request(memory_store, stubs, router) -> None:

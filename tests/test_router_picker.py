@@ -14,8 +14,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mlx_fleet.capabilities import (CHAT_PATH, ModelCapabilities, missing_everywhere,
-                                    required_capabilities, satisfies)
+from mlx_fleet.capabilities import (CHAT_PATH, EMBEDDINGS_PATH, ModelCapabilities,
+                                    beyond_task, missing_everywhere, required_capabilities,
+                                    satisfies)
 from mlx_fleet.contract import SPLIT_BUCKETS, TrafficSplit
 from mlx_fleet.routing.split import bucket
 from mlx_fleet_router import breaker
@@ -421,3 +422,55 @@ def test_a_sessions_revision_is_sticky_through_a_weight_step(keys: list[str], w:
             # and the same Mac: the candidate Macs' ring and loads did not change
             assert p2.targets[0] == p1.targets[0]
         assert p1.bucket == p2.bucket == bucket(DEP, key)
+
+
+@settings(max_examples=150, deadline=None)
+@given(caps=st.lists(_caps, min_size=1, max_size=6), body=_bodies, key=st.text(max_size=8),
+       loads=st.lists(st.integers(0, 4), min_size=6, max_size=6))
+def test_known_capable_macs_come_before_unknown_ones(caps, body: dict, key: str,
+                                                     loads: list[int]) -> None:
+    """Mixed fleets (a rolling upgrade, a standby never loaded): a request that needs more
+    than its endpoint's task tries every Mac known to serve it before any whose capabilities
+    are unknown (an unknown one may only answer 400, which is not retried), whatever the
+    loads; a plain request keeps the CHWBL order over all of them."""
+    names = MACS[:len(caps)]
+    cands = [Candidate(n, "r1", capabilities=c, in_flight=load)
+             for n, c, load in zip(names, caps, loads)]
+    needs = required_capabilities(CHAT_PATH, body)
+    p = pick(ring_of(frozenset(names)), DEP, key, cands, now=0.0, needs=needs)
+    unknown = [c.name for c in cands if c.capabilities is None]
+    flags = [t.name in unknown for t in p.targets]
+    if beyond_task(needs):
+        assert flags == sorted(flags)            # every known Mac before every unknown one
+    plain = pick(ring_of(frozenset(names)), DEP, key, cands, now=0.0,
+                 needs=required_capabilities(CHAT_PATH, {}))
+    assert {t.name for t in plain.targets} == set(names)
+
+
+def test_an_unknown_mac_is_tried_last_for_tools_but_in_ring_order_for_plain_chat() -> None:
+    ring = ring_of(frozenset(MACS[:2]))
+    for key in ("alice", "bob", "carol", "dave"):
+        ringed = pick(ring, DEP, key, [Candidate("mac-0", "r1"), Candidate("mac-1", "r1")],
+                      now=0.0).targets
+        unknown = ringed[0].name          # make the ring owner the unknown one
+        known = ringed[1].name
+        cands = [Candidate(unknown, "r1"), Candidate(known, "r1", capabilities=TOOLS)]
+        assert [t.name for t in pick(ring, DEP, key, cands, now=0.0,
+                                     needs=NEEDS_TOOLS).targets] == [known, unknown]
+        assert [t.name for t in pick(ring, DEP, key, cands, now=0.0,
+                                     needs=required_capabilities(CHAT_PATH, {})).targets] == [
+            unknown, known]
+
+
+@pytest.mark.parametrize(("task", "path", "eligible"), [
+    ("TextGeneration", CHAT_PATH, True),
+    ("TextEmbedding", CHAT_PATH, False),      # an unknown embedding replica takes no chat
+    ("TextEmbedding", EMBEDDINGS_PATH, True),
+    ("TextGeneration", EMBEDDINGS_PATH, False),
+])
+def test_an_unknown_mac_is_still_checked_for_its_task(task: str, path: str,
+                                                      eligible: bool) -> None:
+    ring = ring_of(frozenset(MACS[:1]))
+    cands = [Candidate("mac-0", "r1", task=task)]  # type: ignore[arg-type]
+    p = pick(ring, DEP, "k", cands, now=0.0, needs=required_capabilities(path, {"input": "x"}))
+    assert bool(p.targets) == eligible

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_fleet.capabilities import CHAT_PATH, ModelCapabilities, required_capabilities
+from mlx_fleet.capabilities import (CHAT_PATH, EMBEDDINGS_PATH, ModelCapabilities,
+                                    required_capabilities)
 from mlx_fleet.contract import (Assignment, AssignmentReport, AssignmentState, ModelSource,
                                 NodeCapacity, NodeHealth, NodeRecord, ServingParams,
                                 StatsReport, TrafficSplit, IDLE_UNLOADED)
@@ -159,3 +160,21 @@ def test_replicas_carry_their_reported_capabilities(caps_a, caps_b, body, missin
 def test_a_model_without_replicas_misses_nothing():
     table = build(nodes={}, assignments={K_A: asg("team", "chat", "r1")}, reports={})
     assert table.models["chat"].missing(required_capabilities(CHAT_PATH, TOOL_BODY)) is None
+
+
+@pytest.mark.parametrize(("task", "path", "body", "missing"), [
+    # a replica of an older agent (no capabilities) is known by its assignment's task
+    ("TextGeneration", CHAT_PATH, TOOL_BODY, None),            # it may serve tools
+    ("TextEmbedding", CHAT_PATH, {}, ("model", "wrong_model_task")),
+    ("TextEmbedding", CHAT_PATH, TOOL_BODY, ("model", "wrong_model_task")),
+    ("TextEmbedding", EMBEDDINGS_PATH, {"input": "x"}, None),
+    ("TextGeneration", EMBEDDINGS_PATH, {"input": "x"}, ("model", "wrong_model_task")),
+])
+def test_an_unknown_replica_carries_its_assignments_task(task, path, body, missing):
+    a = asg("team", "chat", "r1").model_copy(update={"task": task})
+    table = build(nodes={"mac-a": node("mac-a")}, assignments={K_A: a},
+                  reports={K_A: rep(*K_A)})
+    (replica,) = table.models["chat"].replicas
+    assert replica.capabilities is None and replica.task == task
+    got = table.models["chat"].missing(required_capabilities(path, body))
+    assert (None if got is None else (got.param, got.code)) == missing

@@ -80,6 +80,7 @@ INFO = ModelInfo("m", "r1", "/models/m", 1, 8, 4096,
                  features=TokenizerFeatures(tool_parser="qwen3_coder", grammar=True))
 NO_PARSER = ModelInfo("m", "r1", "/models/m", 1, 2, 2048,
                       features=TokenizerFeatures(tool_parser=None, grammar=False))
+JSON_TOOLS = dataclasses.replace(INFO, features=TokenizerFeatures("json_tools", True))
 ALL_ON = {"TOOL_CALLING_SERVED": True, "STRUCTURED_OUTPUTS_SERVED": True,
           "LOGPROBS_SERVED": True, "MAX_TOP_LOGPROBS": 20, "MAX_N": 4,
           "EMBEDDINGS_SERVED": True}
@@ -95,6 +96,16 @@ ALL_OFF = {"TOOL_CALLING_SERVED": False, "STRUCTURED_OUTPUTS_SERVED": False,
     (ALL_ON, INFO, "TextGeneration", ModelCapabilities(
         tool_calling=True, tool_parser="qwen3_coder", structured_outputs=True, logprobs=True,
         max_top_logprobs=20, max_n=4, max_context_tokens=4096)),
+    # a parser whose envelope constrained decoding writes: required / named enforced
+    (ALL_ON, JSON_TOOLS, "TextGeneration", ModelCapabilities(
+        tool_calling=True, tool_parser="json_tools", tool_choice_enforced=True,
+        structured_outputs=True, logprobs=True, max_top_logprobs=20, max_n=4,
+        max_context_tokens=4096)),
+    # ... but not without a grammar (llguidance cannot take the tokenizer: p6)
+    (ALL_ON, dataclasses.replace(JSON_TOOLS, features=TokenizerFeatures("json_tools", False)),
+     "TextGeneration", ModelCapabilities(
+         tool_calling=True, tool_parser="json_tools", logprobs=True, max_top_logprobs=20,
+         max_n=4, max_context_tokens=4096)),
     (ALL_ON, NO_PARSER, "TextGeneration", ModelCapabilities(
         logprobs=True, max_top_logprobs=20, max_n=2, max_context_tokens=2048)),
     # an embedding model serves embeddings only
@@ -141,3 +152,60 @@ async def test_the_agent_refuses_by_its_revisions_capabilities(
                    "param": "n", "code": "unsupported_value"}
     assert "(at most 2)" in err["message"]
     assert resp.headers["X-Model-Revision"] == card["revision"]
+
+
+async def test_a_model_whose_tokenizer_llguidance_cannot_take(
+        tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """p6: llguidance cannot adapt the tokenizer. The card claims tool calling but neither
+    structured outputs nor an enforced tool choice; tool_choice required / named is a 400 in
+    the capabilities' words (never a 500), auto and the off spellings are served; a grammar
+    compiled anyway is a 400-able InvalidConstraint."""
+    import llguidance.hf
+
+    from node_agent.serving.constrain import compile_grammar
+    from node_agent.serving.errors import InvalidConstraint
+    from node_agent.serving.grammar import json_object_grammar
+    from serving_fixtures import close_agent, make_agent
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise ValueError("slow tokenizer not supported")
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", refuse)
+    a = await make_agent(tiny_model_path)
+    try:
+        card = (await (await a.client.get("/v1/models")).json())["data"][0]["capabilities"]
+        assert (card["tool_calling"], card["structured_outputs"],
+                card["tool_choice_enforced"]) == (True, False, False)
+        caps = ModelCapabilities.model_validate(card)
+        tools = [{"type": "function", "function": {"name": "get",
+                                                     "parameters": {"type": "object"}}}]
+        msgs = [{"role": "user", "content": "x"}]
+        for choice in ("required", {"type": "function", "function": {"name": "get"}}):
+            body = {"model": MODEL_ID, "messages": msgs, "max_tokens": 3, "tools": tools,
+                    "tool_choice": choice}
+            resp = await a.client.post(CHAT_PATH, json=body)
+            assert resp.status == 400, await resp.text()
+            want = satisfies(caps, required_capabilities(CHAT_PATH, body))
+            assert want is not None
+            assert (await resp.json())["error"] == {
+                "message": want.message(MODEL_ID), "type": "invalid_request_error",
+                "param": "tool_choice", "code": "unsupported_parameter"}
+        for extra in ({"tools": tools, "tool_choice": "auto"},
+                      {"response_format": {"type": "text"}}):
+            resp = await a.client.post(CHAT_PATH, json={"model": MODEL_ID, "messages": msgs,
+                                                        "max_tokens": 2, **extra})
+            assert resp.status == 200, await resp.text()
+        with pytest.raises(InvalidConstraint) as e:
+            compile_grammar(load_tokenizer(tiny_model_path), json_object_grammar(),
+                            "response_format")
+        assert e.value.param == "response_format" and "not available" in str(e.value)
+    finally:
+        await close_agent(a)
+
+
+@pytest.mark.parametrize(("embeddings", "tasks"), [
+    (True, ["TextGeneration", "TextEmbedding"]), (False, ["TextGeneration"])])
+def test_the_agent_advertises_the_tasks_it_serves(embeddings: bool, tasks: list[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(caps_mod, "EMBEDDINGS_SERVED", embeddings)
+    assert caps_mod.served_tasks() == tasks

@@ -21,7 +21,8 @@ named function                    likewise, exactly one call of that function
 
 ``tool_choice`` other than ``none`` without tools, a named function not among the tools, two
 tools of one name, ``required`` / named for a tool-call format constrained decoding cannot
-write, and ``response_format`` JSON together with tool calls are 400s.
+write (in the capabilities' words: ``tool_choice_enforced`` is false there, so the agent's
+capability check answers it first), and ``response_format`` JSON together with tool calls are 400s.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+
+from mlx_fleet.capabilities import Capability, Missing, Need
 
 from ..api_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from ..serving.grammar import (envelope, json_object_grammar, json_schema_grammar,
@@ -95,9 +98,10 @@ def plan_output(req: ChatCompletionRequest, tool_format: ToolFormat | None) -> O
     if name is not None and name not in names:
         raise PlanError("tool_choice.function.name", f"no tool is named {name!r}")
     if envelope(tool_format.parser) is None:
-        raise PlanError("tool_choice", f"tool calls in this model's format (mlx-lm tool parser "
-                        f"{tool_format.parser!r}) cannot be enforced; use auto",
-                        code="unsupported_parameter")
+        # the capabilities (tool_choice_enforced false) refuse this first; the same words
+        missing = Missing(Need(Capability.TOOL_CHOICE, "tool_choice"))
+        raise PlanError(missing.param, missing.message(req.model).removeprefix(
+            f"{missing.param}: "), code=missing.code)
     grammar = tool_call_grammar(tools, tool_format.parser, name=name,
                                 parallel=name is None and req.parallel_tool_calls)
     return OutputPlan(tools=tools, grammar=grammar, grammar_param="tools",

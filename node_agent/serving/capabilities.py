@@ -36,15 +36,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlx_fleet.capabilities import TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities
+from mlx_fleet.capabilities import (TASK_TEXT_EMBEDDING, TASK_TEXT_GENERATION, ModelCapabilities,
+                                    Task)
 
 from ..api_models import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS_OPENAI
 from .constrain import ll_tokenizer
+from .grammar import envelope
 from .types import ModelInfo, TokenizerFeatures
 
 __all__ = ["TOOL_CALLING_SERVED", "STRUCTURED_OUTPUTS_SERVED", "LOGPROBS_SERVED",
            "MAX_TOP_LOGPROBS", "MAX_N", "EMBEDDINGS_SERVED", "tool_parser_name",
-           "grammar_tokenizer_ok", "tokenizer_features", "model_capabilities"]
+           "grammar_tokenizer_ok", "tokenizer_features", "model_capabilities", "served_tasks"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,12 @@ LOGPROBS_SERVED = True
 MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS_OPENAI
 MAX_N = 1
 EMBEDDINGS_SERVED = True
+
+
+def served_tasks() -> list[Task]:
+    """The model tasks this build serves (``NodeRecord.tasks``, read by placement):
+    ``TextGeneration`` always, ``TextEmbedding`` while :data:`EMBEDDINGS_SERVED`."""
+    return [TASK_TEXT_GENERATION] + ([TASK_TEXT_EMBEDDING] if EMBEDDINGS_SERVED else [])
 
 
 def tool_parser_name(tokenizer: Any) -> str | None:
@@ -106,17 +114,23 @@ def model_capabilities(info: ModelInfo, *,
                        max_choices: int | None = None) -> ModelCapabilities:
     """The capabilities of the loaded revision ``info`` (its ``task``, its ``features`` from
     :func:`tokenizer_features`, its limits) as this build serves them (module docstring).
+    ``tool_choice_enforced``: a tool parser whose envelope constrained decoding writes
+    (:func:`~node_agent.serving.grammar.envelope`) and structured outputs.
     ``max_choices``: the agent's bound on ``n`` (None: :data:`MAX_N`)."""
     if info.task == TASK_TEXT_EMBEDDING:
         return ModelCapabilities(task=TASK_TEXT_EMBEDDING, embeddings=EMBEDDINGS_SERVED,
                                  max_context_tokens=info.max_context_tokens)
     n = MAX_N if max_choices is None else max_choices
     parser = info.features.tool_parser if TOOL_CALLING_SERVED else None
+    structured = STRUCTURED_OUTPUTS_SERVED and info.features.grammar
     return ModelCapabilities(
         task=TASK_TEXT_GENERATION,
         tool_calling=parser is not None,
         tool_parser=parser,
-        structured_outputs=STRUCTURED_OUTPUTS_SERVED and info.features.grammar,
+        # required / a named function: the call is written by constrained decoding, in an
+        # envelope the grammar module knows for the parser (node_agent.api.structured)
+        tool_choice_enforced=parser is not None and structured and envelope(parser) is not None,
+        structured_outputs=structured,
         logprobs=LOGPROBS_SERVED,
         max_top_logprobs=MAX_TOP_LOGPROBS if LOGPROBS_SERVED else 0,
         max_n=max(1, min(n, info.max_concurrent_sequences)),

@@ -112,10 +112,19 @@ def compile_grammar(tokenizer: Any, grammar: str, param: str) -> Constraint:
     """Compile ``grammar`` for mlx-lm ``TokenizerWrapper`` ``tokenizer`` (tokenizer pool only:
     the first call per tokenizer adapts it, see :func:`ll_tokenizer`). Raises
     :class:`InvalidConstraint` naming ``param`` (the request field the grammar came from) with
-    llguidance's reason — an unsupported schema keyword, a bad pattern — never ignoring it."""
+    llguidance's reason — an unsupported schema keyword, a bad pattern — never ignoring it;
+    also when llguidance cannot take the model's tokenizer (a slow tokenizer, a broken
+    ``tokenizer.json``: the capabilities then claim no structured outputs, so only a request
+    that reached here anyway meets it), never a bare exception (a 500)."""
     from llguidance import LLMatcher
 
-    llt = ll_tokenizer(tokenizer)
+    try:
+        llt = ll_tokenizer(tokenizer)
+    except Exception as e:  # noqa: BLE001 - any adaptation failure: constraints unavailable
+        log.info("llguidance cannot build a tokenizer for this model (%s: %s)",
+                 type(e).__name__, e)
+        raise InvalidConstraint(param, "constrained decoding is not available for this "
+                                "model (its tokenizer cannot be adapted)") from e
     error = LLMatcher.validate_grammar(grammar, llt)
     if error:
         raise InvalidConstraint(param, public_grammar_error(error))

@@ -12,7 +12,9 @@ Rules
   (deployment, revision), so a rolling update's surge or a canary's candidate is a second
   request for the same deployment.
 * A node is *eligible* when it is ``Healthy``, carries every ``nodeSelector`` label, has
-  ``chip_generation >= minChipGeneration``, hosts no assignment of *another* deployment with
+  ``chip_generation >= minChipGeneration``, serves the deployment's task (:func:`serves_task`:
+  the agent's ``NodeRecord.tasks``; a record of an agent older than the field serves
+  ``TextGeneration`` only, so a ``TextEmbedding`` deployment skips it), hosts no assignment of *another* deployment with
   the same served model name (one agent serves each OpenAI ``model`` id for one deployment;
   a second one would fail there with ``ModelNameConflict`` forever), its memory budget
   fits and it is below its limit on loaded models (``NodeCapacity.max_loaded_models``, the
@@ -67,6 +69,7 @@ import heapq
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from mlx_fleet.capabilities import TASK_TEXT_GENERATION, Task
 from mlx_fleet.contract import (MIN_CHIP_GENERATION, Assignment, AssignmentReport, NodeHealth,
                                 NodeRecord)
 from mlx_fleet.contract import node_budget_bytes as contract_budget
@@ -93,7 +96,7 @@ class PlacementRequest:
     ``estimate_pending``: no memory figure yet (no override, no estimate; ``memory_bytes`` is
     then 0): at most one replica is added, on the node with most free budget (module docstring).
     ``node_labels``: node name → its MacNode's ``metadata.labels`` (set by the cluster admin;
-    :func:`.node_claims.node_label`).
+    :func:`.node_claims.node_label`). ``task``: the deployment's ``spec.model.task``.
     """
 
     namespace: str
@@ -110,6 +113,7 @@ class PlacementRequest:
     draining: frozenset[str] = frozenset()
     estimate_pending: bool = False
     node_labels: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    task: Task = TASK_TEXT_GENERATION
 
     @property
     def model_name(self) -> str:
@@ -239,7 +243,13 @@ def at_model_limit(request: PlacementRequest, node: NodeRecord,
 _NO_LABELS: Mapping[str, str] = {}
 
 # Order of the checks, which is also the order of the reasons in the message.
-_UNHEALTHY, _SELECTOR, _CHIP, _NAME, _MEMORY, _MODEL_LIMIT, _DRAINING, _CORDONED = range(8)
+_UNHEALTHY, _SELECTOR, _CHIP, _TASK, _NAME, _MEMORY, _MODEL_LIMIT, _DRAINING, _CORDONED = range(9)
+
+
+def serves_task(node: NodeRecord, task: Task) -> bool:
+    """Whether ``node``'s agent serves models of ``task`` (its record's ``tasks``: an agent
+    older than the field wrote none and reads as ``TextGeneration`` only)."""
+    return task in node.tasks
 
 
 def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
@@ -253,6 +263,8 @@ def _ineligible(request: PlacementRequest, node: NodeRecord, free: int,
             return _SELECTOR
     if trusted_generation(node.capacity) < request.min_chip_generation:
         return _CHIP
+    if not serves_task(node, request.task):
+        return _TASK
     if assignments and serves_name_of_another(request, assignments):
         return _NAME
     if free < request.memory_bytes:
@@ -366,6 +378,9 @@ def _explain(request: PlacementRequest, by_name: Mapping[str, NodeRecord],
             parts.append(f"{k} not matching node selector {sel}")
         elif kind == _CHIP:
             parts.append(f"{k} below chip generation M{request.min_chip_generation}")
+        elif kind == _TASK:
+            verb = "serves" if k == 1 else "serve"
+            parts.append(f"{k} {verb} no {request.task} models (agent too old)")
         elif kind == _NAME:
             verb = "serves" if k == 1 else "serve"
             parts.append(f"{k} already {verb} model name {request.model_name!r}")

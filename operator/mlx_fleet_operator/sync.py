@@ -220,7 +220,7 @@ def deployment_intent(spec: DeploymentSpec, key: DeploymentKey, *, uid: str, gen
         node_selector=spec.placement.node_selector,
         min_chip_generation=spec.placement.min_chip_generation,
         strategy=spec.placement.strategy, served_model_name=served, cordoned=frozenset(cordoned),
-        draining=frozenset(draining), node_labels=node_labels or {})
+        draining=frozenset(draining), node_labels=node_labels or {}, task=spec.model.task)
     stable = RevisionTarget(request, to_assignment(spec, namespace=key[0], name=key[1], uid=uid,
                                                    generation=generation, memory_bytes=memory))
     cand = None

@@ -34,12 +34,16 @@ its ordered :class:`Target` list. Two steps:
 Eligible: not cordoned, its breaker admits a request now (:func:`breaker.admits`: closed,
 or half-open with its one trial free), and it may serve what the request needs (``needs``,
 :func:`mlx_fleet.capabilities.required_capabilities`: its capabilities
-:func:`~mlx_fleet.capabilities.satisfies` them, or they are unknown). A canary revision
+:func:`~mlx_fleet.capabilities.satisfies` them, or they are unknown and its assignment's
+task fits the endpoint: :func:`~mlx_fleet.capabilities.may_serve`). A canary revision
 without the capability is thus skipped like one without an eligible Mac (the split falls back
 to the stable side). The targets are every eligible Mac of the chosen
 revision, ordered: within the bound and below its admission limit first, then above the bound,
 then at its admission limit (``in_flight ≥ max_in_flight``), each group in ring order from the
-key. The caller tries them in order (:mod:`~mlx_fleet_router.retry`), re-asking the breaker
+key — and, when the request needs more than its endpoint's task
+(:func:`~mlx_fleet.capabilities.beyond_task`: tools, a response format, logprobs, ``n``), all
+Macs whose capabilities are known ahead of those whose are unknown (an older agent in a rolling
+upgrade, a standby never loaded: it may only answer 400, which is not retried). The caller tries them in order (:mod:`~mlx_fleet_router.retry`), re-asking the breaker
 before each attempt.
 
 Properties (``tests/test_router_picker.py``, hypothesis): deterministic, whatever the
@@ -61,7 +65,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from mlx_fleet.capabilities import ModelCapabilities, Need, satisfies
+from mlx_fleet.capabilities import (TASK_TEXT_GENERATION, ModelCapabilities, Need, Task,
+                                    beyond_task, may_serve)
 from mlx_fleet.contract import TrafficSplit
 from mlx_fleet.routing.split import choose, is_active
 
@@ -140,7 +145,7 @@ class Candidate:
     ``breaker``: its circuit breaker. ``cordoned``: its Mac is cordoned (drained: no new
     requests). ``max_in_flight``: the agent's admission limit (concurrent requests it
     takes before answering 429), None when unknown or unlimited. ``capabilities``: what its
-    revision serves (None: unknown)."""
+    revision serves (None: unknown); ``task``: its assignment's (known even then)."""
 
     name: str
     revision: str
@@ -150,10 +155,12 @@ class Candidate:
     cordoned: bool = False
     max_in_flight: int | None = None
     capabilities: ModelCapabilities | None = None
+    task: Task = TASK_TEXT_GENERATION
 
     def may_serve(self, needs: frozenset[Need]) -> bool:
-        """Its capabilities satisfy ``needs``, or they are unknown (its agent decides)."""
-        return self.capabilities is None or satisfies(self.capabilities, needs) is None
+        """Its capabilities satisfy ``needs``, or they are unknown and its task fits the
+        endpoint (its agent decides the rest): :func:`mlx_fleet.capabilities.may_serve`."""
+        return may_serve(self.capabilities, needs, self.task)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +257,10 @@ def pick(ring: Ring, deployment: str, key: str, candidates: Sequence[Candidate],
         if not by_name:
             continue
         bound = capacity(load_factor, sum(c.in_flight for c in by_name.values()), len(by_name))
+        # a request that needs more than its endpoint's task tries the Macs known to serve it
+        # before those whose capabilities are unknown (an older agent, a standby never loaded
+        # here: it may answer 400, which is not retried)
+        unsure = beyond_task(needs)
         order: list[tuple[int, int, Candidate]] = []
         walk = (n for n in ring.walk(key_point(deployment, key)) if n in by_name)
         for i, name in enumerate(walk):
@@ -259,7 +270,7 @@ def pick(ring: Ring, deployment: str, key: str, candidates: Sequence[Candidate],
             order.append((rank, i, c))
             if len(order) == len(by_name):
                 break
-        order.sort(key=lambda t: (t[0], t[1]))
+        order.sort(key=lambda t: (unsure and t[2].capabilities is None, t[0], t[1]))
         targets = tuple(Target(c.name, c.endpoint, c.revision if pin == "*" else pin)
                         for _, _, c in order)
         return Pick(targets, role=role, bucket=bucket, canary=is_active(split),

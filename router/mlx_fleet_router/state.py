@@ -81,7 +81,7 @@ class RouterState:
                           breaker=self.breakers.get(r.node, breaker.CLOSED),
                           cordoned=r.cordoned,
                           max_in_flight=r.batch_limit * s.admission_batches,
-                          capabilities=r.capabilities)
+                          capabilities=r.capabilities, task=r.task)
                 for r in served.replicas]
 
     def feed(self, node: str, event: breaker.Event) -> None:

@@ -39,7 +39,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from mlx_fleet.capabilities import Missing, ModelCapabilities, Need, missing_everywhere
+from mlx_fleet.capabilities import (TASK_TEXT_GENERATION, Missing, ModelCapabilities, Need,
+                                    Task, missing_everywhere)
 from mlx_fleet.contract import (Assignment, AssignmentReport, NodeHealth, NodeRecord,
                                 StatsReport, TrafficSplit)
 from mlx_fleet.routing import names
@@ -62,7 +63,7 @@ class Replica:
     it serves, its ``endpoint`` (base URL), ``cordoned`` (its node is draining: no new
     requests), ``batch_limit`` (the assignment's ``serving.max_concurrent_sequences``) and
     ``capabilities`` (its report's; None: unknown, an agent older than them or a revision not
-    loaded yet)."""
+    loaded yet); ``task``: its assignment's (what even an unknown replica is known to serve)."""
 
     node: str
     revision: str
@@ -70,6 +71,7 @@ class Replica:
     cordoned: bool = False
     batch_limit: int = 1
     capabilities: ModelCapabilities | None = None
+    task: Task = TASK_TEXT_GENERATION
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,8 @@ class Served:
         (:func:`mlx_fleet.capabilities.missing_everywhere` over every replica, cordoned ones
         too: a capability does not come back when a drain ends, availability is the picker's
         concern), or None: some replica may serve the request (or there is none: 503)."""
-        return missing_everywhere((r.capabilities for r in self.replicas), needs)
+        return missing_everywhere((r.task if r.capabilities is None else r.capabilities
+                                   for r in self.replicas), needs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +140,8 @@ def build(*, nodes: Mapping[str, NodeRecord],
         ready[deployment].append(Replica(
             node=node, revision=revision, endpoint=endpoint,
             cordoned=rec.health == NodeHealth.DRAINING,
-            batch_limit=a.serving.max_concurrent_sequences, capabilities=r.capabilities))
+            batch_limit=a.serving.max_concurrent_sequences, capabilities=r.capabilities,
+            task=a.task))
     tripped = {(ns, name, s.canary_uid) for (_, ns, name), s in stats.items()
                if s.guard_tripped}
     conflicts = names.conflicts(claims)
