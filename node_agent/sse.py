@@ -15,7 +15,9 @@ without the memo (:func:`choice_event`): its ``choices`` entry carries its ``ind
 ``logprobs`` (chat: ``{"content": [...]}``, legacy: ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}``, :mod:`node_agent.api_models`). A token whose text is held back
 (it may begin a stop string) sends no event; its log-probabilities go out with the next event of
-its choice, so every token's entry is sent once, in order.
+its choice, so every token's entry is sent once, in order; each entry is encoded when it is
+noted (:class:`~node_agent.logprobs_json.ChoiceLogprobsJson`), so an event after many held
+tokens (a tool call's, up to ``max_tokens``) costs a join, not one encoding of them all.
 
 The bytes are exactly ``json.dumps(event, separators=(",", ":"))`` of the event's dict (ASCII
 only: non-ASCII text is ``\\uXXXX``-escaped, as ``json.dumps`` does by default). Pure: no I/O.
@@ -24,10 +26,9 @@ only: non-ASCII text is ``\\uXXXX``-escaped, as ``json.dumps`` does by default).
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any, Iterable, Literal
 
-from .api_models import chat_logprobs, completion_logprobs
+from .logprobs_json import ChoiceLogprobsJson, dumps, obj
 
 __all__ = ["StreamEncoder", "choice_part", "choice_event", "DONE", "data_event"]
 
@@ -45,9 +46,6 @@ def data_event(body: bytes) -> bytes:
     """``body`` (one JSON document) as one server-sent event."""
     return b"data: " + body + b"\n\n"
 
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
 
 
 @functools.lru_cache(maxsize=CHOICE_CACHE_SIZE)
@@ -67,24 +65,25 @@ def choice_part(kind: Kind, include_usage: bool, text: str, finish_reason: str |
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
-    return b'"choices":[' + _dumps(choice) + b"]" + tail
+    return b'"choices":[' + dumps(choice) + b"]" + tail
 
 
 def choice_event(kind: Kind, include_usage: bool, index: int, text: str,
-                 finish_reason: str | None, logprobs: dict[str, Any] | None,
+                 finish_reason: str | None, logprobs: bytes | None,
                  role: bool = False) -> bytes:
-    """:func:`choice_part` for any choice ``index`` and with ``logprobs`` (OpenAI's
-    ``logprobs`` object of the event's tokens, or ``None``); not memoised."""
+    """:func:`choice_part` for any choice ``index`` and with ``logprobs`` (the JSON of OpenAI's
+    ``logprobs`` object of the event's tokens, :class:`~node_agent.logprobs_json.
+    ChoiceLogprobsJson`, or ``None``); not memoised."""
     if kind == "chat":
         delta: dict[str, Any] = ({"role": "assistant", "content": text} if role
                                  else {"content": text})
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": finish_reason}
+        body: list[tuple[str, bytes]] = [("index", dumps(index)), ("delta", dumps(delta))]
     else:
-        choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        body = [("index", dumps(index)), ("text", dumps(text))]
+    body += [("logprobs", b"null" if logprobs is None else logprobs),
+             ("finish_reason", dumps(finish_reason))]
     tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
-    return b'"choices":[' + _dumps(choice) + b"]" + tail
+    return b'"choices":[' + obj(body) + b"]" + tail
 
 
 class StreamEncoder:
@@ -106,11 +105,12 @@ class StreamEncoder:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.n = n
-        self._held: dict[int, list[Any]] = {}    # per choice: token entries not yet sent
+        # per choice: the token entries not yet sent, encoded as they were noted
+        self._held: dict[int, ChoiceLogprobsJson] = {}
         self._offset: dict[int, int] = {}        # per choice: legacy text_offset so far
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         # `{"id":…,"object":…,"created":…,"model":…,` — everything before "choices"
-        self._head = b"data: " + _dumps({"id": rid, "object": obj, "created": created,
+        self._head = b"data: " + dumps({"id": rid, "object": obj, "created": created,
                                          "model": model})[:-1] + b","
 
     def first(self) -> bytes:
@@ -136,7 +136,12 @@ class StreamEncoder:
         (tool-call parsing)."""
         entry = getattr(chunk, "logprobs", None)
         if entry is not None:
-            self._held.setdefault(getattr(chunk, "index", 0), []).append(entry)
+            index = getattr(chunk, "index", 0)
+            held = self._held.get(index)
+            if held is None:
+                held = self._held[index] = ChoiceLogprobsJson(self.kind,
+                                                              self._offset.get(index, 0))
+            held.add(entry)
 
     def chunks(self, chunks: Iterable[Any]) -> bytes:
         """The events of several chunks (objects with ``text`` and ``finish_reason``, e.g.
@@ -155,17 +160,16 @@ class StreamEncoder:
             out.append(self.chunk(c.text, c.finish_reason, getattr(c, "index", 0)))
         return b"".join(out)
 
-    def _logprobs(self, index: int) -> dict[str, Any] | None:
-        """The held token entries of choice ``index`` as OpenAI's ``logprobs`` object (then
-        sent: forgotten), or ``None`` when there are none."""
-        entries = self._held.pop(index, None)
-        if not entries:
+    def _logprobs(self, index: int) -> bytes | None:
+        """The held token entries of choice ``index`` as OpenAI's ``logprobs`` object's JSON
+        (then sent: forgotten), or ``None`` when there are none. Each entry was encoded when
+        it was noted: an event after many held tokens (a tool call's) costs a join, not one
+        encoding of them all."""
+        held = self._held.pop(index, None)
+        if held is None:
             return None
-        if self.kind == "chat":
-            return chat_logprobs(entries)
-        start = self._offset.get(index, 0)
-        self._offset[index] = start + sum(len(e.text) for e in entries)
-        return completion_logprobs(entries, start)
+        self._offset[index] = held.offset
+        return held.json()
 
     def tool_calls(self, calls: list[dict[str, Any]], first_index: int,
                    choice_index: int = 0) -> bytes:
@@ -177,9 +181,9 @@ class StreamEncoder:
         choice = {"index": choice_index, "delta": delta, "logprobs": None,
                   "finish_reason": None}
         tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
-        return self._head + b'"choices":[' + _dumps(choice) + b"]" + tail
+        return self._head + b'"choices":[' + dumps(choice) + b"]" + tail
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage event (only with ``include_usage``): ``choices`` ``[]`` and
         ``usage`` (OpenAI's ``usage`` object as a dict)."""
-        return self._head + b'"choices":[],"usage":' + _dumps(usage) + b"}\n\n"
+        return self._head + b'"choices":[],"usage":' + dumps(usage) + b"}\n\n"

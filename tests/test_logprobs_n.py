@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,10 +20,13 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from node_agent.api.parse import unsupported
+from node_agent.api.render import completion_answer
 from node_agent.api_models import (MAX_LEGACY_LOGPROBS, MAX_TOP_LOGPROBS, ChatCompletionRequest,
-                                   CompletionRequest)
+                                   ChoiceLogprobs, CompletionLogprobs, CompletionRequest,
+                                   chat_logprobs, completion_logprobs)
+from node_agent.logprobs_json import ChoiceLogprobsJson
 from node_agent.serving import ServingCore, TooManyChoices
-from node_agent.serving.logprobs import MIN_LOGPROB, gather
+from node_agent.serving.logprobs import MIN_LOGPROB, TokenLogprob, TopLogprob, gather
 from node_agent.serving.sampling import choice_seed
 from serving_fixtures import (MODEL_ID, Agent, agent, mlx_thread_held,  # noqa: F401
                               tiny_model_path, wait_for)
@@ -168,6 +172,72 @@ async def test_openai_client_parses_legacy_logprobs(client: openai.AsyncOpenAI) 
         assert c.logprobs is not None and len(c.logprobs.tokens) == len(c.logprobs.text_offset)
         assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
     assert r.choices[0].logprobs == r.choices[1].logprobs
+
+
+# -- large answers ---------------------------------------------------------------------------
+
+
+async def test_a_large_logprobs_answer_does_not_stall_the_event_loop(
+        agent: Agent) -> None:  # noqa: F811
+    """n = 8 choices of up to 2,000 tokens with 20 top log-probabilities each (megabytes of
+    JSON; validated and encoded at once on the loop this stalled it for 1.5 s and more): a
+    ticker task on the agent's loop sees no gap near the request's own time."""
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    start = time.perf_counter()
+    resp = await agent.client.post(CHAT, json={
+        "model": MODEL_ID, "messages": MSGS, "n": 8, "max_tokens": 2000, "temperature": 1,
+        "seed": 1, "logprobs": True, "top_logprobs": 20})
+    raw = await resp.read()
+    elapsed = time.perf_counter() - start
+    task.cancel()
+    assert resp.status == 200, raw[:500]
+    body = json.loads(raw)
+    assert len(raw) > 2_000_000          # large enough that encoding it at once takes seconds
+    assert sum(tokens_of(c) for c in body["choices"]) == body["usage"]["completion_tokens"]
+    worst = max(gaps)
+    assert worst < 0.25 and worst < elapsed / 4, (worst, elapsed)
+
+
+def _entries(count: int, k: int) -> list[TokenLogprob]:
+    texts = ["a", " é", "\ufffd", "b", 'q"', "\n"]
+    return [TokenLogprob(token_id=i, text=texts[i % len(texts)],
+                         bytes=tuple(texts[i % len(texts)].encode()), logprob=-0.5 * i,
+                         top=tuple(TopLogprob(text=texts[(i + j) % len(texts)],
+                                              bytes=tuple(texts[(i + j) % len(texts)].encode()),
+                                              logprob=MIN_LOGPROB if j == 3 else -0.25 * j)
+                                   for j in range(k)))
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("count,k", [(0, 0), (1, 0), (7, 3), (30, 5)])
+def test_encoded_logprobs_equal_the_models_dump(kind: str, count: int, k: int) -> None:
+    """Token-by-token encoding gives the document pydantic's models give."""
+    entries = _entries(count, k)
+    lp = ChoiceLogprobsJson(kind)
+    for e in entries:
+        lp.add(e)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": "x"}, "logprobs": None,
+               "finish_reason": "length"} if kind == "chat"
+              else {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"})
+    payload = {"id": "i", "object": "o", "created": 1, "model": "m", "choices": [choice],
+               "usage": {"prompt_tokens": 1}}
+    got = json.loads(completion_answer(payload, [lp]))
+    want = (ChoiceLogprobs.model_validate(chat_logprobs(entries)) if kind == "chat"
+            else CompletionLogprobs.model_validate(completion_logprobs(entries))).model_dump()
+    assert got == {**payload, "choices": [{**choice, "logprobs": want}]}
+    assert list(got["choices"][0]) == list(choice)     # key order kept
+    assert json.loads(completion_answer(payload, None)) == payload
 
 
 # -- n ---------------------------------------------------------------------------------------

@@ -109,3 +109,39 @@ def test_done_and_data_event() -> None:
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="kind"):
         StreamEncoder("embedding", RID, CREATED, "tiny", False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_logprobs_events_equal_the_dict_encoding(kind: str, include_usage: bool) -> None:
+    """Events with log-probabilities (entries encoded as they are noted, a held token's going
+    out with its choice's next event, legacy text offsets running on across events) are byte
+    for byte json.dumps of the dict built from all of an event's entries at once."""
+    from node_agent.api_models import chat_logprobs, completion_logprobs
+    from node_agent.serving.logprobs import TokenLogprob, TopLogprob
+
+    def entry(i: int, text: str) -> TokenLogprob:
+        return TokenLogprob(token_id=i, text=text, bytes=tuple(text.encode()),
+                            logprob=-0.5 * i,
+                            top=(TopLogprob(text=text, bytes=tuple(text.encode()),
+                                            logprob=-0.5 * i),
+                                 TopLogprob(text="é\"", bytes=(195, 169, 34), logprob=-9999.0)))
+
+    texts = ["Hel", "", "lo é", "\n", "!"]      # the second token's text is held back
+    enc = StreamEncoder(kind, RID, CREATED, "m", include_usage, logprobs=True, n=2)
+    chunks = [Chunk(t, i + 1, "stop" if i == len(texts) - 1 else None, 1, entry(i, t))
+              for i, t in enumerate(texts)]
+    got = enc.chunks(chunks)
+    want, pending, offset = [], [], 0
+    for c in chunks:
+        pending.append(c.logprobs)
+        if not c.text and c.finish_reason is None:
+            continue
+        lp = (chat_logprobs(pending) if kind == "chat"
+              else completion_logprobs(pending, offset))
+        offset += sum(len(e.text) for e in pending)
+        pending = []
+        choice = reference_choice(kind, c.text, c.finish_reason)
+        choice.update(index=1, logprobs=lp)
+        want.append(reference_event(kind, "m", include_usage, [choice]))
+    assert got == b"".join(want)

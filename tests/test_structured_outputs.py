@@ -222,6 +222,24 @@ async def test_unsupported_schema_feature_is_a_400_naming_it(agent: Agent, schem
     assert fragment in err["message"]
 
 
+def test_unknown_keywords_are_ignored_unimplemented_ones_refused(
+        tiny_model_path: Path) -> None:  # noqa: F811
+    """What node_agent/serving/grammar.py and docs/node-agent.md say: a keyword llguidance does
+    not know (a typo'd ``maxlength``) is ignored, as JSON Schema allows, even with ``strict``;
+    one it knows but does not implement is refused naming it."""
+    from mlx_lm.utils import load_tokenizer
+
+    from node_agent.serving.constrain import compile_grammar
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    typo = {"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}},
+            "required": ["a"], "additionalProperties": False}
+    assert compile_grammar(tokenizer, json_schema_grammar(typo), "p").error() is None
+    with pytest.raises(InvalidConstraint, match="dependentSchemas"):
+        compile_grammar(tokenizer, json_schema_grammar(
+            {"type": "object", "dependentSchemas": {"a": {}}}), "p")
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b",
@@ -471,11 +489,37 @@ async def test_core_refuses_an_uncompilable_grammar(agent: Agent,  # noqa: F811
     assert agent.core.inflight_requests() == 0
 
 
-async def test_a_matcher_error_fails_the_request(agent: Agent,  # noqa: F811
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+class RecordingRouter:
+    """A traffic manager stand-in routing every request to ``revision`` here, as under a
+    canary split, and keeping what it is told to :meth:`record` (the per-revision statistics
+    the canary analysis and the local guard read): ``(revision, failed)``."""
+
+    def __init__(self, revision: str) -> None:
+        self.revision = revision
+        self.recorded: list[tuple[str, bool]] = []
+
+    def route(self, model: str, **_: Any) -> Any:
+        from types import SimpleNamespace as NS
+        return NS(route=NS(forward=False, revision=self.revision, canary=True),
+                  standby=False, deployment=("ns", "dep"))
+
+    def touch(self, model: str, revision: str) -> None:
+        pass
+
+    def record(self, routed: Any, **kw: Any) -> None:
+        self.recorded.append((routed.route.revision, kw["failed"]))
+
+
+async def test_a_matcher_error_is_the_requests_fault(agent: Agent,  # noqa: F811
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A grammar the matcher can no longer follow (here: put in its error state by a token it
-    refuses, as a parser limit would) ends the request as failed — a 503, never output that
-    may not match the schema — and the batch goes on."""
+    refuses, as a parser limit would) ends the request — a 400 ``invalid_schema`` naming the
+    grammar's field (an error event once a stream's 200 is out), never output that may not
+    match the schema — and is not counted as a failure of the revision (a 503 was, and could
+    roll a canary back for a client's grammar); the batch goes on."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from node_agent.openai_api import build_app
     from node_agent.serving import constrain, core as core_module
 
     def broken(tokenizer: Any, grammar: str, param: str) -> Any:
@@ -484,18 +528,47 @@ async def test_a_matcher_error_fails_the_request(agent: Agent,  # noqa: F811
         assert c.error() is not None
         return c
 
-    monkeypatch.setattr(core_module, "compile_grammar", broken)
-    resp = await agent.client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
-                                               "max_tokens": 8,
+    router = RecordingRouter(agent.core.model_info(MODEL_ID).revision)
+    client = TestClient(TestServer(build_app(agent.core, health=lambda: (True, {}),
+                                             registry=agent.registry, router=lambda: router),
+                                   host="127.0.0.1"))
+    await client.start_server()
+    try:
+        monkeypatch.setattr(core_module, "compile_grammar", broken)
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        for response_format, param in (
+                ({"type": "json_object"}, "response_format"),
+                ({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                 "response_format.json_schema.schema")):
+            resp = await client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
+                                                 "max_tokens": 8,
+                                                 "response_format": response_format})
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+            assert (err["type"], err["code"], err["param"]) == (
+                "invalid_request_error", "invalid_schema", param), err
+            assert "constrained decoding could not follow the grammar" in err["message"]
+        stream = await client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
+                                               "max_tokens": 8, "stream": True,
                                                "response_format": {"type": "json_object"}})
-    assert resp.status == 503
-    assert (await resp.json())["error"]["message"] == "generation failed"
-    monkeypatch.undo()
-    ok = await agent.client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
-                                             "max_tokens": MAX, "temperature": 0,
-                                             "response_format": {"type": "json_object"}})
-    assert ok.status == 200
-    (choice,) = (await ok.json())["choices"]
+        assert stream.status == 200
+        events = (await stream.read()).decode().split("\n\n")
+        last = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert (last["type"], last["code"], last["param"]) == (
+            "invalid_request_error", "invalid_schema", "response_format")
+        assert "data: [DONE]" not in events
+        # the revision's statistics did not move
+        assert router.recorded == []
+        monkeypatch.undo()
+        ok = await client.post(CHAT, json={"model": MODEL_ID, "messages": MSGS,
+                                           "max_tokens": MAX, "temperature": 0,
+                                           "response_format": {"type": "json_object"}})
+        assert ok.status == 200
+        (choice,) = (await ok.json())["choices"]
+        # a request served is recorded (as not failed): the statistics are there to move
+        assert router.recorded == [(router.revision, False)]
+    finally:
+        await client.close()
     # greedy: the answer finishes within MAX (sampled, a random model may run a string on
     # until max_tokens cuts it: finish_reason "length")
     assert choice["finish_reason"] == "stop"

@@ -20,7 +20,10 @@ answer, word for word, ``param`` naming the field), 400 ``context_length_exceede
 ``tools`` / ``tool_choice`` / ``response_format`` that cannot be served as asked
 (:mod:`.structured`) or whose schema the constrained decoder cannot enforce (``code``
 ``invalid_schema``, ``param`` ``response_format.json_schema.schema`` or ``tools``, the message
-naming the keyword), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
+naming the keyword; the same when the grammar's matcher stops on one of its limits
+mid-generation, :class:`~node_agent.serving.ConstraintFailed`: then, once a stream's 200 is out,
+an error event with that ``type``, ``code`` and ``param``; not counted as a failure of the
+revision), 400 ``invalid_value`` naming ``n`` for more choices than the core takes
 (``ServingCore.generate``'s ``TooManyChoices``; the capabilities answer first), 404
 ``model_not_found``, 429 with
 ``Retry-After`` (seconds), 503 when the model goes away mid-request, the serving core has failed
@@ -40,16 +43,18 @@ from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
 
 from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
-                          ChoiceLogprobs, CompletionLogprobs, CompletionRequest, ErrorDetail,
-                          ErrorResponse, PromptTokensDetails, SamplingRequest, TextChoice,
-                          TextCompletion, ToolCall, Usage, chat_logprobs, completion_logprobs)
-from ..serving import (ContextLengthExceeded, GenerationAborted, InvalidConstraint,
+                          CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
+                          SamplingRequest, TextChoice, TextCompletion, ToolCall, Usage)
+from ..serving import (ConstraintFailed, ContextLengthExceeded, GenerationAborted,
+                       InvalidConstraint,
                        InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,
                        StreamBufferOverflow, TooManyChoices, WrongTask)
+from ..logprobs_json import ChoiceLogprobsJson
 from ..sse import DONE, StreamEncoder, data_event
 from .context import HUNG_UP
 from .forward import Forwarder
 from .parse import parse
+from .render import completion_answer, json_answer
 from .routing import Outcome, Served, refusal, serve_on, wrong_task
 from .structured import OutputPlan, PlanError, plan_output, template_messages
 from .tool_calls import ToolCallReader, finish_reason
@@ -162,7 +167,7 @@ class Completions:
         except InvalidPrompt as e:
             return _error(400, str(e), param=prompt_param,
                           code="invalid_prompt", headers=headers)
-        except InvalidConstraint as e:
+        except (InvalidConstraint, ConstraintFailed) as e:
             return _error(400, str(e), param=e.param, code="invalid_schema", headers=headers)
         except GenerationAborted as e:
             outcome.done(failed=True)
@@ -176,17 +181,23 @@ class Completions:
                 return await self._stream(request, req, kind, gen, rid, created, headers,
                                           outcome, plan)
             parts: list[list[str]] = [[] for _ in range(gen.n)]
-            entries: list[list[Any]] = [[] for _ in range(gen.n)]
+            # each token's log-probabilities encoded as it comes (.render): megabytes with n,
+            # max_tokens and top_logprobs, never built or encoded at once on the event loop
+            logprobs = ([ChoiceLogprobsJson(kind) for _ in range(gen.n)]
+                        if logprobs_wanted(req) is not None else None)
             try:
                 while batch := await gen.next_batch():
                     outcome.token(gen.completion_tokens)
                     for chunk in batch:
                         parts[chunk.index].append(chunk.text)
-                        if chunk.logprobs is not None:
-                            entries[chunk.index].append(chunk.logprobs)
+                        if logprobs is not None and chunk.logprobs is not None:
+                            logprobs[chunk.index].add(chunk.logprobs)
                     if _client_gone(request):
                         gen.cancel()
                         raise ConnectionResetError("client disconnected")
+            except ConstraintFailed as e:   # the client's grammar: not the revision's failure
+                return _error(400, str(e), param=e.param, code="invalid_schema",
+                              headers=headers)
             except GenerationAborted as e:
                 outcome.done(failed=True)
                 return _error(503, self._aborted(e), type_="server_error",
@@ -194,7 +205,6 @@ class Completions:
         outcome.done(failed=False)
         texts = ["".join(p) for p in parts]
         usage = usage_of(gen)
-        want = logprobs_wanted(req) is not None
         body: ChatCompletion | TextCompletion
         if kind == "chat":
             choices, with_calls = [], []
@@ -211,9 +221,7 @@ class Completions:
                     role="assistant", content=content,
                     tool_calls=[ToolCall.model_validate(c) for c in calls] if calls else None)
                 choices.append(ChatChoice(
-                    index=i, message=message,
-                    logprobs=(ChoiceLogprobs.model_validate(chat_logprobs(entries[i]))
-                              if want else None),
+                    index=i, message=message, logprobs=None,
                     finish_reason=finish_reason(gen.finish_reasons[i], bool(calls))))
                 with_calls.append(bool(calls))
             body = ChatCompletion(id=rid, object="chat.completion", created=created,
@@ -222,17 +230,16 @@ class Completions:
             for choice, called in zip(payload["choices"], with_calls):
                 if not called:   # tool_calls only when there are some (as OpenAI answers)
                     choice["message"].pop("tool_calls", None)
-            return web.json_response(payload, headers=headers)
         else:
             body = TextCompletion(
                 id=rid, object="text_completion", created=created, model=req.model,
-                choices=[TextChoice(
-                    index=i, text=texts[i],
-                    logprobs=(CompletionLogprobs.model_validate(completion_logprobs(entries[i]))
-                              if want else None),
-                    finish_reason=gen.finish_reasons[i]) for i in range(gen.n)],
+                choices=[TextChoice(index=i, text=texts[i], logprobs=None,
+                                    finish_reason=gen.finish_reasons[i])
+                         for i in range(gen.n)],
                 usage=usage)
-        return web.json_response(body.model_dump(), headers=headers)
+            payload = body.model_dump()
+        # joined off the event loop
+        return await json_answer(completion_answer, payload, logprobs, headers=headers)
 
     async def _stream(self, request: web.Request, req: SamplingRequest, kind: Kind,
                       gen: Any, rid: str, created: int, headers: dict[str, str],
@@ -259,6 +266,13 @@ class Completions:
                             else _tool_events(events, readers, batch))
                     if data:
                         await resp.write(data)
+            except ConstraintFailed as e:   # the client's grammar: not the revision's failure
+                err = ErrorResponse(error=ErrorDetail(
+                    message=str(e), type="invalid_request_error", param=e.param,
+                    code="invalid_schema"))
+                await resp.write(data_event(err.model_dump_json().encode()))
+                await resp.write_eof()
+                return resp
             except GenerationAborted as e:
                 slow = isinstance(e, StreamBufferOverflow)
                 if not slow:  # a slow client is not a failure of the revision

@@ -18,7 +18,6 @@ input over the model's ``max_context_tokens``), ``prompt_too_large`` (the texts 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from typing import Any, Callable
@@ -33,6 +32,7 @@ from ..serving import (DimensionsNotSupported, GenerationAborted, InputTooLong, 
                        ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore, WrongTask)
 from .forward import Forwarder
 from .parse import validation_error
+from .render import json_answer
 from .routing import Outcome, Served, not_found, refusal, serve_on, wrong_task
 
 __all__ = ["EmbeddingsRoute", "encode"]
@@ -116,6 +116,5 @@ class EmbeddingsRoute:
                           headers=headers)
         outcome.done(failed=False)
         # off the event loop: 2048 vectors of 1024 floats are ~40 MB of JSON (~0.5 s to write)
-        body = await asyncio.get_running_loop().run_in_executor(
-            None, render, result.vectors, result.prompt_tokens, req.model, req.encoding_format)
-        return web.Response(body=body, content_type="application/json", headers=headers)
+        return await json_answer(render, result.vectors, result.prompt_tokens, req.model,
+                                 req.encoding_format, headers=headers)

@@ -26,9 +26,9 @@ its directory), :mod:`.embedder` (the forward pass and pooling on the MLX thread
 
 from .core import DEFAULT_MAX_CHOICES, ServingCore
 from .embeddings import DimensionsNotSupported, Embeddings, InputTooLong
-from .errors import (ContextLengthExceeded, GenerationAborted, InvalidConstraint, InvalidPrompt,
-                     ModelLoadError, ModelNotLoaded, Overloaded, StreamBufferOverflow,
-                     TooManyChoices, WrongTask)
+from .errors import (ConstraintFailed, ContextLengthExceeded, GenerationAborted,
+                     InvalidConstraint, InvalidPrompt, ModelLoadError, ModelNotLoaded, Overloaded,
+                     StreamBufferOverflow, TooManyChoices, WrongTask)
 from .generation import Generation
 from .loading import LoadPacing
 from .options import ServingOptions
@@ -41,5 +41,5 @@ __all__ = [
     "Generation", "ServingCore", "LoadPacing", "LoadProgress", "ServingOptions",
     "PromptTooLarge", "DEFAULT_MAX_PROMPT_BYTES", "InvalidConstraint", "ToolFormat",
     "WrongTask", "Embeddings", "InputTooLong", "DimensionsNotSupported",
-    "TooManyChoices", "DEFAULT_MAX_CHOICES",
+    "TooManyChoices", "DEFAULT_MAX_CHOICES", "ConstraintFailed",
 ]

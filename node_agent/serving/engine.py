@@ -28,11 +28,11 @@ from ..memory_estimate import kv_cache_bytes
 from ..metrics import AgentMetrics, RevisionSeries
 from . import fastpath
 from .admission import admit_kv, kv_budget_bytes, request_kv_bytes
-from .constrain import compile_grammar
+from .constrain import compile_grammar, public_grammar_error
 from .detokenize import feed, next_text
 from .embedder import embed_batch, has_body
-from .errors import (ContextLengthExceeded, GenerationAborted, ModelLoadError,
-                     ModelNotLoaded, Overloaded)
+from .errors import (ConstraintFailed, ContextLengthExceeded, GenerationAborted,
+                     ModelLoadError, ModelNotLoaded, Overloaded)
 from .generation import Request
 from .logprobs import TokenLogprob, TokenTexts, gather, raw_bytes
 from .options import PROMPT_CACHE_ENTRIES, ServingOptions
@@ -559,6 +559,10 @@ class Engine:
                 try:
                     chunk: Any = self._token(res, req, r, now, series,
                                              logprobs.get(r.uid) if logprobs else None)
+                except ConstraintFailed as e:   # the client's grammar: this request ends
+                    log.info("request %d (%s@%s) ended: %s", req.rid, *req.key, e)
+                    chunk = e
+                    req.done = True
                 except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("processing a token of request %d (%s@%s) failed", req.rid,
                                   *req.key)
@@ -652,10 +656,11 @@ class Engine:
         else:
             series.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
-        if req.constraint is not None and req.constraint.error() is not None:
-            # the grammar could not be followed (a parser limit): end the request as failed
-            # rather than answer output that may not match it
-            raise RuntimeError(f"constrained decoding failed: {req.constraint.error()}")
+        error = req.constraint.error() if req.constraint is not None else None
+        if error is not None:
+            # the grammar could not be followed (a parser limit of the client's grammar): end
+            # the request rather than answer output that may not match it
+            raise ConstraintFailed(req.grammar_param, public_grammar_error(error))
         segment = feed(req.detok, r.token, r.finish_reason)
         text, req.held, reason = next_text(req.stop, req.held, segment, r.finish_reason)
         if reason is not None:

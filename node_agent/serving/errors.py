@@ -5,7 +5,8 @@ from __future__ import annotations
 from mlx_fleet.capabilities import Capability, Missing, Need
 
 __all__ = ["LOAD_FAILURE_TEXT", "ModelLoadError", "Overloaded", "ModelNotLoaded", "ContextLengthExceeded",
-           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow", "WrongTask"]
+           "InvalidPrompt", "GenerationAborted", "StreamBufferOverflow", "WrongTask",
+           "ConstraintFailed"]
 
 
 #: :attr:`ModelLoadError.reason` of a load that an unload of the same revision called off.
@@ -126,6 +127,24 @@ class StreamBufferOverflow(GenerationAborted):
         super().__init__(f"the client read the stream too slowly: {buffered} generated chunks "
                          "were waiting for it, so the generation was stopped")
         self.buffered = buffered
+
+
+class ConstraintFailed(GenerationAborted):
+    """A constrained sequence's grammar matcher could not go on mid-generation: llguidance
+    stopped on a limit of the client's grammar (its lexer or parser bounds, e.g. a schema whose
+    grammar grows past the Earley items allowed per token), so the request ends rather than
+    answer output that may not match it. A fault of the request's grammar, not of the revision:
+    the HTTP API answers 400 ``invalid_schema`` (an error event once a stream's 200 is out) and
+    does not count it in the revision's statistics. ``param``: the request field the grammar
+    came from (``response_format.json_schema.schema``, ``tools``); ``reason``: the matcher's
+    error without internal detail (:func:`~node_agent.serving.constrain.public_grammar_error`).
+    A :class:`GenerationAborted`, so callers that only know that still end the generation."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        message = f"{param}: constrained decoding could not follow the grammar: {reason}"
+        super().__init__(message, public=message)
+        self.param = param
+        self.reason = reason
 
 
 class WrongTask(ValueError):

@@ -13,11 +13,18 @@ Three sources (issue 20), each a function from plain request data to the grammar
   (:data:`ENVELOPES`, by mlx-lm tool-parser name), each ``{"name": <a tool>, "arguments":
   <JSON valid against that tool's parameters schema>}``.
 
-JSON is compact (llguidance ``whitespace_flexible: false``: no whitespace between tokens) and
-unknown schema keywords are an error (``lenient: false``): a small or random-weight model would
-otherwise spend its tokens on whitespace, and a keyword the compiler does not implement would be
-silently unenforced. Compiling (and so finding an unsupported keyword) happens in
-:mod:`~node_agent.serving.constrain`; here nothing is validated but the shapes.
+JSON is compact (llguidance ``whitespace_flexible: false``: no whitespace between tokens): a
+small or random-weight model would otherwise spend its tokens on whitespace. Keywords llguidance
+knows but does not implement (``if``/``then``/``else``, ``not``, ``dependentSchemas``, …) are
+refused (``lenient: false``), so none is silently unenforced. Keywords it does not know (a
+typo'd ``maxlength``, a vendor ``x-…`` key) are ignored, as JSON Schema allows (its 2020-12
+Core treats unknown keywords as annotations, not errors). Unlike OpenAI's ``strict: true``,
+they are not refused: llguidance (1.9) has no option to refuse them (its
+``JsonCompileOptions``: ``lenient`` only turns the refusal of unimplemented keywords off), and
+telling a misspelt keyword from a vendor extension or an annotation needs a schema walker of
+our own. Compiling (and so finding an
+unimplemented keyword) happens in :mod:`~node_agent.serving.constrain`; here nothing is validated
+but the shapes.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ __all__ = ["JSON_OPTIONS", "ENVELOPES", "MAX_PARALLEL_CALLS", "json_object_gramm
            "json_schema_grammar", "tool_call_grammar", "envelope"]
 
 #: llguidance JSON compile options forced on every schema (``x-guidance``; they override the
-#: schema's own): compact JSON, unknown keywords refused.
+#: schema's own): compact JSON, keywords llguidance does not implement refused (unknown ones are
+#: ignored: see the module docstring).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
 
 #: The tool-call envelopes constrained decoding can write, by mlx-lm tool parser
