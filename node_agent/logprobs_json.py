@@ -5,7 +5,7 @@ A choice's log-probabilities can be megabytes of JSON (``max_tokens`` × ``top_l
 as one dict and encoded in one ``json.dumps`` call they cost the caller (the event loop) the
 whole document at once, a C call that holds the GIL until it returns. :class:`ChoiceLogprobsJson`
 encodes each token's entry as it arrives instead (the shapes of
-:func:`~node_agent.api_models.chat_logprobs` / :func:`~node_agent.api_models.completion_logprobs`,
+:func:`~node_agent.api_responses.chat_logprobs` / :func:`~node_agent.api_responses.completion_logprobs`,
 called per token), and :func:`obj` splices the parts into the answer or event. The bytes are
 ``json.dumps`` with ``separators=(",", ":")`` of the same document (ASCII only).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-from .api_models import chat_logprobs, completion_logprobs
+from .api_responses import chat_logprobs, completion_logprobs
 
 __all__ = ["ChoiceLogprobsJson", "dumps", "obj"]
 
@@ -34,8 +34,8 @@ class ChoiceLogprobsJson:
     """One choice's ``logprobs`` object (of a non-streamed answer, or of one stream event),
     encoded token by token as the tokens arrive (:meth:`add`), so that no object graph of every
     token's entries is kept and no single call encodes them all: chat ``{"content": [...]}``
-    (:func:`~node_agent.api_models.chat_logprobs`), legacy ``{"tokens", "token_logprobs",
-    "top_logprobs", "text_offset"}`` (:func:`~node_agent.api_models.completion_logprobs`;
+    (:func:`~node_agent.api_responses.chat_logprobs`), legacy ``{"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}`` (:func:`~node_agent.api_responses.completion_logprobs`;
     ``offset``: the first token's ``text_offset``, then the next one's)."""
 
     def __init__(self, kind: str, offset: int = 0) -> None:

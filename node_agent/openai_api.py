@@ -97,7 +97,8 @@ from .api.context import OPEN_PATHS, UNKNOWN_LABEL
 from .api.embeddings import EmbeddingsRoute
 from .api.forward import Forwarder
 from .api.middleware import authentication, keyed, request_errors
-from .api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .api_models import ChatCompletionRequest, CompletionRequest
+from .api_responses import ModelCard, ModelList
 from .openapi import OPENAPI_PATH, openapi_document
 from .serving import ServingCore
 from .serving.capabilities import model_capabilities

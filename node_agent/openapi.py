@@ -25,7 +25,9 @@ from pydantic.json_schema import models_json_schema
 from mlx_fleet.capabilities import rules_markdown
 from mlx_fleet.routing.headers import PIN_HEADER, REVISION_HEADER, SESSION_HEADER
 
-from .api_models import REQUEST_MODELS, RESPONSE_MODELS
+from .api_models import REQUEST_MODELS
+
+from .api_responses import RESPONSE_MODELS
 
 __all__ = ["openapi_document", "OPENAPI_PATH", "TITLE", "STREAM_DONE"]
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from mlx_fleet.testmodel import make_test_model
-from node_agent.api_models import MAX_EMBEDDING_INPUTS, EmbeddingList, EmbeddingRequest
+from node_agent.api_models import MAX_EMBEDDING_INPUTS, EmbeddingRequest
+from node_agent.api_responses import EmbeddingList
 from node_agent.serving import (DimensionsNotSupported, GenerationAborted, InputTooLong,
                                 InvalidPrompt, ModelLoadError, WrongTask)
 from node_agent.serving.embed_batch import BatchPolicy, Decision, decide, fits

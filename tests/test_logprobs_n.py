@@ -22,8 +22,9 @@ from pydantic import ValidationError
 from node_agent.api.parse import unsupported
 from node_agent.api.render import completion_answer
 from node_agent.api_models import (MAX_LEGACY_LOGPROBS, MAX_TOP_LOGPROBS, ChatCompletionRequest,
-                                   ChoiceLogprobs, CompletionLogprobs, CompletionRequest,
-                                   chat_logprobs, completion_logprobs)
+                                   CompletionRequest)
+from node_agent.api_responses import (ChoiceLogprobs, CompletionLogprobs, chat_logprobs,
+                                      completion_logprobs)
 from node_agent.logprobs_json import ChoiceLogprobsJson
 from node_agent.serving import ServingCore, TooManyChoices
 from node_agent.serving.logprobs import MIN_LOGPROB, TokenLogprob, TopLogprob, gather
@@ -484,12 +485,12 @@ def test_gather_sorts_breaks_ties_by_id_and_floors_minus_infinity() -> None:
 
 async def test_requests_without_logprobs_add_no_gather(agent: Agent,  # noqa: F811
                                                       monkeypatch) -> None:
-    import node_agent.serving.engine as engine_module
+    import node_agent.serving.logprobs as logprobs_module
 
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("gather called for a request that did not ask")
 
-    monkeypatch.setattr(engine_module, "gather", boom)
+    monkeypatch.setattr(logprobs_module, "gather", boom)
     body = await post(agent, CHAT, {"messages": MSGS, "max_tokens": 4, "n": 2})
     assert body["usage"]["completion_tokens"] >= 2
 

@@ -25,7 +25,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 
 from mlx_fleet.routing.api_keys import KeyFile
 from node_agent.api_models import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
-                                     ErrorResponse)
+                                   ErrorResponse)
 from node_agent.openai_api import build_app
 from node_agent.openapi import OPENAPI_PATH, openapi_document
 from serving_fixtures import MODEL_ID, Agent, close_agent, make_agent, tiny_model_path  # noqa: F401

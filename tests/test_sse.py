@@ -117,7 +117,7 @@ def test_logprobs_events_equal_the_dict_encoding(kind: str, include_usage: bool)
     """Events with log-probabilities (entries encoded as they are noted, a held token's going
     out with its choice's next event, legacy text offsets running on across events) are byte
     for byte json.dumps of the dict built from all of an event's entries at once."""
-    from node_agent.api_models import chat_logprobs, completion_logprobs
+    from node_agent.api_responses import chat_logprobs, completion_logprobs
     from node_agent.serving.logprobs import TokenLogprob, TopLogprob
 
     def entry(i: int, text: str) -> TokenLogprob:

@@ -322,7 +322,7 @@ def test_finish_reason() -> None:
 
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_tool_calls_event_is_the_json_of_openais_chunk(include_usage: bool) -> None:
-    from node_agent.api_models import ChatCompletionChunk
+    from node_agent.api_responses import ChatCompletionChunk
     from node_agent.sse import StreamEncoder
 
     calls = [{"id": "call_1", "type": "function",

@@ -42,9 +42,11 @@ from aiohttp import web
 from mlx_fleet.capabilities import REQUEST_FIELDS
 from mlx_fleet.http_errors import error_response as _error
 
-from ..api_models import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest,
-                          CompletionRequest, ErrorDetail, ErrorResponse, PromptTokensDetails,
-                          SamplingRequest, TextChoice, TextCompletion, ToolCall, Usage)
+from ..api_models import (ChatCompletionRequest, CompletionRequest, ErrorDetail, ErrorResponse,
+                           SamplingRequest)
+
+from ..api_responses import (AssistantMessage, ChatChoice, ChatCompletion, PromptTokensDetails,
+                              TextChoice, TextCompletion, ToolCall, Usage)
 from ..serving import (ConstraintFailed, ContextLengthExceeded, GenerationAborted,
                        InvalidConstraint,
                        InvalidPrompt, ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore,

@@ -27,7 +27,9 @@ from pydantic import ValidationError
 
 from mlx_fleet.http_errors import error_response as _error
 
-from ..api_models import Embedding, EmbeddingRequest, EmbeddingUsage
+from ..api_models import EmbeddingRequest
+
+from ..api_responses import Embedding, EmbeddingUsage
 from ..serving import (DimensionsNotSupported, GenerationAborted, InputTooLong, InvalidPrompt,
                        ModelNotLoaded, Overloaded, PromptTooLarge, ServingCore, WrongTask)
 from .forward import Forwarder
@@ -47,7 +49,7 @@ def encode(vector: Any, encoding_format: str) -> list[float] | str:
 
 
 def render(vectors: Any, prompt_tokens: int, model: str, encoding_format: str) -> bytes:
-    """The :class:`~node_agent.api_models.EmbeddingList` JSON of ``vectors`` (numpy ``(n, d)``).
+    """The :class:`~node_agent.api_responses.EmbeddingList` JSON of ``vectors`` (numpy ``(n, d)``).
     Written one vector at a time, so a thread writing a large answer holds the GIL only briefly
     at a time and the event loop keeps running."""
     rows = b",".join(Embedding.model_construct(object="embedding", index=i,

@@ -30,7 +30,7 @@ __all__ = ["completion_answer", "json_answer"]
 def completion_answer(payload: dict[str, Any],
                       logprobs: list[ChoiceLogprobsJson] | None) -> bytes:
     """A non-streamed completion's JSON: ``payload`` is the answer's dict
-    (:class:`~node_agent.api_models.ChatCompletion` / ``TextCompletion`` ``model_dump()``, its
+    (:class:`~node_agent.api_responses.ChatCompletion` / ``TextCompletion`` ``model_dump()``, its
     choices' ``logprobs`` ``None``); ``logprobs``: per choice (by position in ``choices``) the
     ``logprobs`` object that replaces that ``None``, or ``None`` when the request asked for
     none. Equal, as a JSON document, to ``payload`` with those objects put in."""

@@ -1,7 +1,9 @@
 """What the MLX thread does to resident revisions: load (its first and last steps; the chunks
 between are :mod:`node_agent.serving.loading`), limits, unload, tokenize and queue a
 request, insert it into the revision's mlx-lm ``BatchGenerator``, run one batch step and turn its
-tokens into chunks, and reset a revision's batch after an error.
+tokens into chunks, and reset a revision's batch after an error. One job, the MLX thread's side
+of serving (hence its ~640 lines); what it delegates has modules of its own (:mod:`.loading`,
+:mod:`.prefill`, :mod:`.fastpath`, :mod:`.logprobs`, :mod:`.constrain`, :mod:`.detokenize`).
 
 The prompt cache (:class:`~node_agent.serving.options.ServingOptions` ``prompt_cache``,
 ``prompt_cache_bytes``) is mlx-lm's ``LRUPromptCache`` per revision with ``max_bytes`` set to
@@ -34,7 +36,7 @@ from .embedder import embed_batch, has_body
 from .errors import (ConstraintFailed, ContextLengthExceeded, GenerationAborted,
                      ModelLoadError, ModelNotLoaded, Overloaded)
 from .generation import Request
-from .logprobs import TokenLogprob, TokenTexts, gather, raw_bytes
+from .logprobs import StepLogprobs, TokenLogprob
 from .options import PROMPT_CACHE_ENTRIES, ServingOptions
 from .prefill import MLX_LM_PREFILL_BATCH_SIZE, prefill_group_size
 from .registry import Registry, Resident, parameter_bytes
@@ -84,8 +86,8 @@ class Engine:
         self.samplers = SamplerCache()
         self.stream: Any = None        # the MLX thread's stream, set before the first load
         self.load_stream: Any = None   # the CPU stream weights are read on (None: the default)
-        # the stream log-probabilities are gathered on, made on first use (see _entries)
-        self.logprobs_stream: Any = None
+        # log-probabilities of the tokens of the sequences that asked (its own MLX stream)
+        self.logprobs = StepLogprobs()
         self._send = send
         self._forget = forget
         # The wired-memory limit from before the first BatchGenerator raised it (see
@@ -413,7 +415,7 @@ class Engine:
             else:
                 reason = "length" if max_tokens <= 1 else None
             series = self.metrics.series(*res.key)
-            lp = (self._entries(res, [(row, token, req.logprobs)])[0]
+            lp = (self.logprobs.entries(res, [(row, token, req.logprobs)])[0]
                   if req.logprobs is not None and reason != "stop" else None)
             chunk = self._token(res, req, _FirstToken(token, reason, cache, prompt),
                                 time.perf_counter(), series, lp)
@@ -550,7 +552,7 @@ class Engine:
         to_remove: list[int] = []                # sequences that ended here but not in mlx-lm
         n_tokens = 0
         try:
-            logprobs = self._logprobs(res, responses)
+            logprobs = self.logprobs.of_step(res, responses)
             for r in responses:
                 req = res.active.get(r.uid)
                 if req is None:
@@ -609,42 +611,6 @@ class Engine:
             else:
                 fed, total = p.progress
                 res.prefilling[p.uid] = max(1, total - fed)
-
-    def _logprobs(self, res: Resident, responses: Any) -> dict[int, TokenLogprob]:
-        """The log-probabilities of this step's tokens for the sequences that asked
-        (:mod:`node_agent.serving.logprobs`), by uid; ``{}`` (and no MLX op) when none did.
-        An end-of-sequence token (mlx-lm ``finish_reason`` ``"stop"``) has none: it is no part
-        of the text."""
-        asked = []
-        for r in responses:
-            req = res.active.get(r.uid)
-            if req is not None and req.logprobs is not None and r.finish_reason != "stop":
-                asked.append((r, req.logprobs))
-        if not asked:
-            return {}
-        return dict(zip((r.uid for r, _ in asked),
-                        self._entries(res, [(r.logprobs, r.token, k) for r, k in asked])))
-
-    def _entries(self, res: Resident, rows: list[tuple[Any, int, int]]) -> list[TokenLogprob]:
-        """:func:`~node_agent.serving.logprobs.gather` of ``rows`` as token entries, with the
-        revision's memoised token texts. On a GPU it is computed on a stream of its own
-        (:attr:`logprobs_stream`), so that its evaluation does not wait for the next step's
-        forward pass, which mlx-lm has already started (the host's work on this step's tokens
-        then still overlaps that pass). On the CPU it stays on the generation stream: a second
-        stream there competes with the forward pass for the same cores (measured: tokens/s of 8
-        streams with top_logprobs 5 fell 21–38 % with its own stream, 4–19 % without, on the
-        2-core development machine)."""
-        import mlx.core as mx
-
-        if self.logprobs_stream is None:
-            device = mx.default_device()
-            self.logprobs_stream = (mx.default_stream(device) if device == mx.cpu
-                                    else mx.new_stream(device))
-        if res.token_texts is None:
-            res.token_texts = TokenTexts(res.tokenizer.decode, raw_bytes(res.tokenizer))
-        texts = res.token_texts
-        return [texts.entry(token, lp, top)
-                for (_, token, _), (lp, top) in zip(rows, gather(rows, self.logprobs_stream))]
 
     def _token(self, res: Resident, req: Request, r: Any, now: float,
                series: RevisionSeries, logprobs: TokenLogprob | None = None) -> Chunk:
