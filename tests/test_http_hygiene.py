@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.http_hygiene import HttpLimits, allowed_hosts, host_allowed, start_server
 from node_agent.openai_api import build_app
+from http_wire import one_response
 from serving_fixtures import MODEL_ID, REVISION, Agent, agent, tiny_model_path  # noqa: F401
 
 KEY = "sk-hygiene-0123456789abcdef"
@@ -119,12 +120,12 @@ async def test_slow_body_is_answered_408(serve: Serve) -> None:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
         await writer.drain()
-        answer = await asyncio.wait_for(reader.read(), BOUND)  # then the server closes
+        status_line, headers, body = await asyncio.wait_for(one_response(reader), BOUND)
     finally:
         writer.close()
-    status_line, _, rest = answer.partition(b"\r\n")
-    assert status_line.startswith(b"HTTP/1.1 408"), answer
-    err = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert status_line.startswith(b"HTTP/1.1 408"), (status_line, body)
+    assert headers["connection"] == "close"  # the server closes it (after aiohttp's lingering)
+    err = json.loads(body)["error"]
     assert err["code"] == "request_timeout" and "0.5 s" in err["message"]
 
 

@@ -29,6 +29,7 @@ from mlx_fleet_router.app import build_app
 from mlx_fleet_router.main import configure, main, parse_args
 from mlx_fleet_router.state import RouterSettings
 from mlx_fleet_router.table import Table
+from http_wire import one_response
 
 KEY = "sk-router-hygiene-0123456789"
 CHAT = "/v1/chat/completions"
@@ -122,11 +123,12 @@ async def test_slow_body_is_answered_408(serve: Serve) -> None:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
         await writer.drain()
-        answer = await asyncio.wait_for(reader.read(), BOUND)
+        status_line, headers, body = await asyncio.wait_for(one_response(reader), BOUND)
     finally:
         writer.close()
-    assert answer.startswith(b"HTTP/1.1 408"), answer
-    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    assert status_line.startswith(b"HTTP/1.1 408"), (status_line, body)
+    assert headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
 async def test_body_is_not_awaited_before_authentication(serve: Serve, tmp_path: Path) -> None:
