@@ -28,12 +28,14 @@ Loopback means ``localhost`` or an IP address in 127.0.0.0/8 or ``::1``; a host 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import ipaddress
 from urllib.parse import urlsplit
 
 __all__ = ["INSECURE_LISTEN", "INSECURE_HTTP_LISTEN", "INSECURE_ETCD", "INSECURE_FORWARD",
-           "Exposure", "is_loopback", "exposure_check", "etcd_exposure_check", "may_send_key"]
+           "Exposure", "is_loopback", "exposure_check", "etcd_exposure_check", "may_send_key",
+           "add_insecure_arguments"]
 
 INSECURE_LISTEN = "--insecure-listen-without-keys"
 """Flag: accept listening on a non-loopback address with no ``--api-key-file``."""
@@ -137,3 +139,26 @@ def may_send_key(url: str, *, insecure: bool = False) -> bool:
     with ``insecure`` (:data:`INSECURE_FORWARD`)."""
     scheme, host = _url_host(url)
     return insecure or scheme == "https" or is_loopback(host)
+
+
+def add_insecure_arguments(parser: argparse.ArgumentParser, program: str
+                           ) -> argparse._ArgumentGroup:
+    """The opt-out flags of :func:`exposure_check` (:data:`INSECURE_LISTEN`,
+    :data:`INSECURE_HTTP_LISTEN`, :data:`INSECURE_ETCD`) in one argument group of ``parser``,
+    their help naming ``program`` ("the agent", "the router"); returns the group (the agent
+    adds its forward-key opt-out to it)."""
+    g = parser.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
+    g.add_argument(INSECURE_LISTEN, action="store_true",
+                   help="accept a --listen address that is not loopback without "
+                        "--api-key-file (anyone who reaches it may use every model); without "
+                        f"this flag {program} refuses to start")
+    g.add_argument(INSECURE_HTTP_LISTEN, action="store_true",
+                   help="accept a --listen address that is not loopback over plain http with "
+                        "--api-key-file (client keys and prompts cross the network in "
+                        f"cleartext); without this flag {program} refuses to start unless "
+                        "--tls-cert-file is given")
+    g.add_argument(INSECURE_ETCD, action="store_true",
+                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
+                        f"or an etcd password over http://; without this flag {program} "
+                        "refuses to start")
+    return g

@@ -16,8 +16,8 @@ import socket
 from mlx_fleet.contract import IDLE_STATS_INTERVAL_SECONDS, ROOT, WATERMARK, check_watermark
 from mlx_fleet.etcd_credentials import EtcdCredentials, add_etcd_arguments, credentials_from_args
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
-                                INSECURE_LISTEN,
-                                exposure_check, is_loopback)
+                                INSECURE_LISTEN, add_insecure_arguments, exposure_check,
+                                is_loopback)
 from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, add_metrics_auth_argument,
                                    add_tls_arguments, check_tls_arguments,
                                    http_limits_from_args, metrics_auth)
@@ -446,20 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'Source policy'). Default: env " + ENV_SOURCE_POLICY + ", else the "
                         "secure policy: https:// to public addresses, hf:// without HF_TOKEN, "
                         "no local directories")
-    g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
-    g.add_argument(INSECURE_LISTEN, action="store_true",
-                   help="accept a --listen address that is not loopback without "
-                        "--api-key-file (anyone who reaches it may use every model); without "
-                        "this flag the agent refuses to start")
-    g.add_argument(INSECURE_HTTP_LISTEN, action="store_true",
-                   help="accept a --listen address that is not loopback over plain http with "
-                        "--api-key-file (client keys and prompts cross the network in "
-                        "cleartext); without this flag the agent refuses to start unless "
-                        "--tls-cert-file is given")
-    g.add_argument(INSECURE_ETCD, action="store_true",
-                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
-                        "or an etcd password over http://; without this flag the agent refuses "
-                        "to start")
+    g = add_insecure_arguments(p, "the agent")
     g.add_argument(INSECURE_FORWARD, action="store_true",
                    help="send the fleet forward key (--forward-key-file) to peers over plain "
                         "http:// on other hosts; without this flag it goes only over https:// "

@@ -33,7 +33,7 @@ from mlx_fleet.contract import ROOT, Keys
 from mlx_fleet.etcd_credentials import (EtcdCredentials, add_etcd_arguments,
                                         credentials_from_args)
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
-                                INSECURE_LISTEN, exposure_check)
+                                INSECURE_LISTEN, add_insecure_arguments, exposure_check)
 from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, allowed_hosts,
                                     http_limits_from_args, start_server)
 from mlx_fleet.http_hygiene import (add_metrics_auth_argument, add_tls_arguments,
@@ -182,20 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s, the agents' default)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     add_http_arguments(p, own_hosts="the --listen host")
-    g = p.add_argument_group("insecure opt-outs (docs/security.md, 'Secure defaults')")
-    g.add_argument(INSECURE_LISTEN, action="store_true",
-                   help="accept a --listen address that is not loopback without "
-                        "--api-key-file (anyone who reaches it may use every model); without "
-                        "this flag the router refuses to start")
-    g.add_argument(INSECURE_HTTP_LISTEN, action="store_true",
-                   help="accept a --listen address that is not loopback over plain http with "
-                        "--api-key-file (client keys and prompts cross the network in "
-                        "cleartext); without this flag the router refuses to start unless "
-                        "--tls-cert-file is given")
-    g.add_argument(INSECURE_ETCD, action="store_true",
-                   help="accept a plain http:// etcd endpoint on a host that is not loopback, "
-                        "or an etcd password over http://; without this flag the router "
-                        "refuses to start")
+    add_insecure_arguments(p, "the router")
     add_etcd_arguments(p)
     return p
 
