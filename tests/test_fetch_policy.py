@@ -416,8 +416,8 @@ def test_agent_and_operator_read_the_same_record_and_refuse_a_bad_one(
 
 
 @pytest.mark.parametrize("reason, detail, status, uri, says", [
-    ("DownloadFailed", "GET https://10.0.0.7:8443/m/manifest.json: ClientConnectorError: "
-     "Cannot connect to host 10.0.0.7:8443 ssl:default [Connect call failed]", None,
+    ("DownloadFailed", "GET https://127.0.0.7:8443/m/manifest.json: ClientConnectorError: "
+     "Cannot connect to host 127.0.0.7:8443 ssl:default [Connect call failed]", None,
      "https://m.example/m/", "download failed; details in the agent's log"),
     ("DownloadFailed", "GET https://m.example/m/x: HTTP 503 Service Unavailable", 503,
      "https://m.example/m/", "download failed (HTTP 5xx); details in the agent's log"),
@@ -444,5 +444,5 @@ def test_status_messages_say_the_kind_of_failure_only(reason: str, detail: str,
     public = "config.json is not valid JSON" if "Expecting" in detail else None
     shown = status_message(SourceError(reason, detail, http_status=status, public=public), uri)
     assert shown.startswith(says), shown
-    for leak in ("10.0.0.7", "Connect call", "/etc/passwd", "/srv", "503 Service", "ab.."):
+    for leak in ("127.0.0.7", "Connect call", "/etc/passwd", "/srv", "503 Service", "ab.."):
         assert leak not in shown, shown

@@ -25,7 +25,7 @@ def test_source_refusal_names_the_field_and_the_rule() -> None:
     got = source_refusal(DEFAULT_POLICY, "/models/qwen")
     assert got == ("spec.model.source: refused by the source policy: file:// sources are "
                    "allowed only under fileRoots, and none are configured")
-    got = source_refusal(DEFAULT_POLICY, "https://10.0.0.5:8443/m/", CANDIDATE_SOURCE_FIELD)
+    got = source_refusal(DEFAULT_POLICY, "https://127.0.0.5:8443/m/", CANDIDATE_SOURCE_FIELD)
     assert got is not None and got.startswith("spec.candidate.source: refused by the source "
                                               "policy: ") and "allowPrivateNetworks" in got
     assert source_refusal(DEV_POLICY, "/models/qwen") is None
