@@ -3,7 +3,7 @@ app in front of a real agent app (the generated random-weight model), the router
 Ready report carrying the capabilities the agent computed (tests/router_fixtures.py). What the
 client gets through the router equals what it gets from the agent directly: a tool loop, forced
 calls valid against their schema, streamed tool-call deltas equal to the non-streamed call, and
-JSON-schema outputs that validate. (The same features against the agent alone, in depth:
+JSON-schema outputs that validate, n choices with logprobs. (The same features against the agent alone, in depth:
 tests/test_structured_outputs.py.)"""
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ async def clients(agent: Agent, memory_store: MemoryStore,  # noqa: F811
     """``(direct, routed)``: the official client against the agent and against the router."""
     follower, url = router_url
     endpoint = str(agent.client.make_url("")).rstrip("/")
-    caps = model_capabilities(agent.core.model_info(MODEL_ID))
+    # what the agent reports for its loaded revision (convergence/load.py)
+    caps = model_capabilities(agent.core.model_info(MODEL_ID),
+                              max_choices=agent.core.max_choices)
     assert caps.tool_calling and caps.structured_outputs  # what the router routes by
     await publish(memory_store, endpoint, MODEL_ID, REVISION, caps)
     await follower.wait_until(lambda t: MODEL_ID in t.models and t.models[MODEL_ID].replicas)
@@ -92,3 +94,28 @@ async def test_json_schema_outputs_through_the_router(clients: Any, name: str) -
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
     assert r.choices[0].message.content == (
         await direct.chat.completions.create(**kw)).choices[0].message.content
+
+
+async def test_logprobs_and_n_through_the_router(clients: Any) -> None:
+    """n = 4 greedy choices with top_logprobs through the router: four indexed choices, usage
+    counting all of them, each token the top of its own list, equal to the agent's answer."""
+    direct, routed = clients
+    kw = {"model": MODEL_ID, "messages": MSGS, "temperature": 0, "max_tokens": 6, "n": 4,
+          "logprobs": True, "top_logprobs": 3}
+    r = await routed.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    for c in r.choices:
+        for t in c.logprobs.content:
+            assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob
+    alone = await direct.chat.completions.create(**kw)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in alone.choices]
+    # streamed through the router: the same tokens and logprobs per choice
+    stream = await routed.chat.completions.create(stream=True, **kw)
+    tokens: dict[int, list[tuple[str, float]]] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            for t in (c.logprobs.content if c.logprobs and c.logprobs.content else ()):
+                tokens.setdefault(c.index, []).append((t.token, t.logprob))
+    assert tokens == {c.index: [(t.token, t.logprob) for t in c.logprobs.content]
+                      for c in r.choices}
