@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -97,19 +96,6 @@ async def test_a_name_resolving_to_loopback_is_refused_and_the_checked_address_i
     # (the stub's 127.0.0.1; the certificate names mirror.example too)
     path = await fetch(url, tmp_path, policy=SourcePolicy(allow_private_networks=True))
     assert (path / "config.json").is_file() and mirror.requests
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:  # noqa: F811
-    """test_sources' certificate, also valid for ``mirror.example``."""
-    d = tmp_path_factory.mktemp("tls-policy")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "2", "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=DNS:localhost,DNS:mirror.example,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,13 +64,14 @@ def reason_of(exc: pytest.ExceptionInfo[SourceError]) -> str:
 
 @pytest.fixture(scope="session")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for ``localhost`` (``(cert, key)``)."""
+    """A self-signed certificate for ``localhost`` and ``mirror.example`` (a name the source
+    policy tests resolve to loopback), ``(cert, key)``."""
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
                     "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "2", "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                    "subjectAltName=DNS:localhost,DNS:mirror.example,IP:127.0.0.1"],
                    check=True, capture_output=True)
     return cert, key
 
