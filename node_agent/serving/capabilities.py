@@ -9,26 +9,15 @@ goes into the revision's reports (``AssignmentReport.capabilities``, read by the
 onto its ``GET /v1/models`` card, and decides the agent's own 400 for a request the revision
 cannot serve (:func:`mlx_fleet.capabilities.satisfies`).
 
-**The switches below are the one place each feature of issue 20 turns on.** At this branch's
-base the agent serves none of them, so each is off and the capabilities claim nothing but
-text generation with ``n`` = 1 — never a feature the agent would accept and not apply. When a
-feature's branch lands, its merge flips its switch here (and nothing else decides it):
-
-* ``TOOL_CALLING_SERVED`` → True with ``tools`` / ``tool_choice`` / the ``tool`` role
-  (wip/h20struct): then a revision whose tokenizer has an mlx-lm tool parser reports
-  ``tool_calling`` and ``tool_parser``;
-* ``STRUCTURED_OUTPUTS_SERVED`` → True with ``response_format`` by llguidance (wip/h20struct):
-  then a revision reports ``structured_outputs`` when llguidance builds its tokenizer
-  (:func:`grammar_tokenizer_ok`; that branch may hand its own built tokenizer's success in);
-* ``LOGPROBS_SERVED`` / ``MAX_TOP_LOGPROBS`` → True / 20 (OpenAI's bound) with
-  ``logprobs`` / ``top_logprobs`` (wip/h20logprobs);
-* ``n`` > 1 (wip/h20logprobs): the agent's bound (``--max-choices``, the core's
-  ``max_choices``) is passed as ``max_choices`` by the callers (the convergence's load, the
-  ``/v1/models`` route, the completion route); a revision offers ``min(max_choices,
-  max_concurrent_sequences)`` (its n sequences share one batch). :data:`MAX_N`, the default
-  while the agent has no such flag, is 1;
-* ``EMBEDDINGS_SERVED`` → True with ``/v1/embeddings`` (wip/h20embed): a revision's
-  ``ModelInfo.task`` (the assignment's ``task``, ``spec.model.task``) says what it serves.
+**The switches below** (``TOOL_CALLING_SERVED``, ``STRUCTURED_OUTPUTS_SERVED``,
+``LOGPROBS_SERVED`` with ``MAX_TOP_LOGPROBS``, ``EMBEDDINGS_SERVED``) say which of issue 20's
+features this build serves; all are on. They are the one place a feature is claimed, so a test
+stands in a Mac that lacks one (an older agent in a mixed fleet: tests/test_capabilities_e2e.py)
+by turning its switch off, and the capabilities then claim only what is served — never a
+feature the agent would accept and not apply. ``n``: the callers pass the agent's bound
+(``--max-choices``, the core's ``max_choices``: the convergence's load, the ``/v1/models``
+route, the completion route); a revision offers ``min(max_choices, max_concurrent_sequences)``
+(its n sequences share one batch); :data:`MAX_N` (1) only where no bound is given.
 """
 
 from __future__ import annotations
@@ -50,8 +39,8 @@ __all__ = ["TOOL_CALLING_SERVED", "STRUCTURED_OUTPUTS_SERVED", "LOGPROBS_SERVED"
 
 log = logging.getLogger(__name__)
 
-#: Served by this build of the agent (module docstring: who flips each, and when). ``MAX_N``:
-#: the ``n`` bound when the caller passes none.
+#: Served by this build of the agent (module docstring). ``MAX_N``: the ``n`` bound when the
+#: caller passes none.
 TOOL_CALLING_SERVED = True
 STRUCTURED_OUTPUTS_SERVED = True
 LOGPROBS_SERVED = True
