@@ -45,7 +45,7 @@ async def test_the_router_and_the_agent_refuse_alike(agent: Agent,  # noqa: F811
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     follower, url = router_url
     endpoint = str(agent.client.make_url("")).rstrip("/")
-    # logprobs and n > 1 are served now (wip/h20logprobs): this agent is made one that serves
+    # logprobs and n > 1 are served: this agent is made one that serves
     # no logprobs and at most 2 choices, to see both refuse them alike
     monkeypatch.setattr(caps_mod, "LOGPROBS_SERVED", False)
     monkeypatch.setattr(agent.core, "max_choices", 2)

@@ -573,7 +573,7 @@ def test_top_k_ids_picks_the_k_largest(rows: int, vocab: int, k: int, seed: int,
         assert len(set(r)) == k and all(0 <= i < vocab for i in r)
 
 
-# -- n and logprobs with constrained decoding and tools (wip/h20struct) ----------------------
+# -- n and logprobs with constrained decoding and tools ------------------------------------
 
 
 async def test_n_constrained_choices_each_follow_the_schema_with_logprobs(
