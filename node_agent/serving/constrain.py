@@ -101,6 +101,11 @@ class Constraint:
     def processor(self) -> "GrammarProcessor":
         return GrammarProcessor(self.matcher, self.vocab_size, self.eos_ids)
 
+    def copy(self) -> "Constraint":
+        """The same compiled grammar with a matcher of its own, at the start (llguidance's
+        ``deep_copy``: no second compile) — for each further sequence of a request's ``n``."""
+        return Constraint(self.matcher.deep_copy(), self.vocab_size, self.eos_ids)
+
     def error(self) -> str | None:
         """Why the matcher cannot go on (a token it refused, a parser limit such as
         llguidance's per-token lexer fuel), or None. The engine then ends the request as
@@ -125,10 +130,7 @@ def compile_grammar(tokenizer: Any, grammar: str, param: str) -> Constraint:
                  type(e).__name__, e)
         raise InvalidConstraint(param, "constrained decoding is not available for this "
                                 "model (its tokenizer cannot be adapted)") from e
-    error = LLMatcher.validate_grammar(grammar, llt)
-    if error:
-        raise InvalidConstraint(param, public_grammar_error(error))
-    matcher = LLMatcher(llt, grammar, log_level=0)
+    matcher = LLMatcher(llt, grammar, log_level=0)  # one compile; its error is the reason
     if matcher.is_error():
         raise InvalidConstraint(param, public_grammar_error(matcher.get_error()))
     return Constraint(matcher, llt.vocab_size, sorted(tokenizer.eos_token_ids))

@@ -465,11 +465,13 @@ class ServingCore(_Revisions, _CommandChannel, _StepLoop, _Embeddings):
             loop = asyncio.get_running_loop()
             req.prompt_ids = await loop.run_in_executor(
                 self._tokenize_pool, tokenize, tokenizer, req.prompt, req.messages, req.tools)
-            # each of a request's n sequences follows the grammar with a matcher of its own
-            for r in (req.group or [req]) if req.grammar is not None else ():
-                r.constraint = await loop.run_in_executor(
-                    self._tokenize_pool, compile_grammar, tokenizer, r.grammar,
-                    r.grammar_param)
+            # compiled once; each further sequence of a request's n gets a matcher of its own
+            if req.grammar is not None:
+                first = await loop.run_in_executor(
+                    self._tokenize_pool, compile_grammar, tokenizer, req.grammar,
+                    req.grammar_param)
+                for i, r in enumerate(req.group or [req]):
+                    r.constraint = first if i == 0 else first.copy()
 
     async def _lead(self, key: Any, req: Request) -> Generation:
         """Submit ``req`` as a shared generation joinable under ``key``; the caller's handle.

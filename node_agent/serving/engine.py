@@ -339,9 +339,10 @@ class Engine:
         # only for a caller that hands in a raw request
         ids = (req.prompt_ids if req.prompt_ids is not None
                else tokenize(tok, req.prompt, req.messages, req.tools))
-        for r in req.group or [req]:   # a matcher per sequence
-            if r.grammar is not None and r.constraint is None:
-                r.constraint = compile_grammar(tok, r.grammar, r.grammar_param)
+        if req.grammar is not None and req.constraint is None:  # a matcher per sequence
+            first = compile_grammar(tok, req.grammar, req.grammar_param)
+            for i, r in enumerate(req.group or [req]):
+                r.constraint = first if i == 0 else first.copy()
         limit = res.info.max_context_tokens
         if req.max_tokens is None:
             req.max_tokens = limit - len(ids)
