@@ -51,7 +51,7 @@ __all__ = ["HttpLimits", "hygiene_middlewares", "CappedTCPSite", "host_allowed",
            "allowed_hosts", "JSON_TYPES", "start_server", "add_http_arguments",
            "http_limits_from_args", "raise_fd_limit", "server_tls_context",
            "add_tls_arguments", "check_tls_arguments", "add_metrics_auth_argument",
-           "metrics_auth"]
+           "metrics_auth", "positive_number"]
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +433,7 @@ async def start_server(app: web.Application, host: str, port: int, *, limits: Ht
     return runner, site
 
 
-def _positive(kind: type[float] | type[int]) -> Callable[[str], Any]:
+def positive_number(kind: type[float] | type[int]) -> Callable[[str], Any]:
     """An argparse type: a finite number of ``kind`` above 0 (one line naming the value)."""
     def parse(text: str) -> Any:
         try:
@@ -455,29 +455,29 @@ def add_http_arguments(p: argparse.ArgumentParser, *, own_hosts: str) -> None:
     accepts besides loopback (for ``--allowed-host``'s help, e.g. "the --listen host")."""
     d = HttpLimits()
     g = p.add_argument_group("HTTP server limits (docs/security.md, 'HTTP hygiene')")
-    g.add_argument("--header-timeout-seconds", type=_positive(float),
+    g.add_argument("--header-timeout-seconds", type=positive_number(float),
                    default=d.header_timeout_seconds, metavar="SECONDS",
                    help="a connection that has not sent a whole request head this long after "
                         "it opened (or after its last response) is closed: slow-loris clients "
                         "and idle keep-alive connections (default: %(default)s)")
-    g.add_argument("--body-timeout-seconds", type=_positive(float),
+    g.add_argument("--body-timeout-seconds", type=positive_number(float),
                    default=d.body_timeout_seconds, metavar="SECONDS",
                    help="a POST body that has not arrived this long after its head is answered "
                         "408 and the connection closed (default: %(default)s)")
-    g.add_argument("--max-connections", type=_positive(int),
+    g.add_argument("--max-connections", type=positive_number(int),
                    default=d.max_connections, metavar="N",
                    help="open connections at once; one more is answered 503 and closed "
                         "(default: %(default)s)")
-    g.add_argument("--max-connections-per-client", type=_positive(int),
+    g.add_argument("--max-connections-per-client", type=positive_number(int),
                    default=d.max_connections_per_client, metavar="N",
                    help="open connections from one client address (an IPv6 /64; loopback "
                         "included) at once; one more is answered 503 and closed (default: "
                         "%(default)s; raise it behind a reverse proxy on one address)")
-    g.add_argument("--max-requests-per-connection", type=_positive(int),
+    g.add_argument("--max-requests-per-connection", type=positive_number(int),
                    default=d.max_requests_per_connection, metavar="N",
                    help="requests on one connection; the response to the last closes it "
                         "(default: %(default)s)")
-    g.add_argument("--max-connection-age-seconds", type=_positive(float),
+    g.add_argument("--max-connection-age-seconds", type=positive_number(float),
                    default=d.max_connection_age_seconds, metavar="SECONDS",
                    help="the first response on a connection this old closes it "
                         "(default: %(default)s)")

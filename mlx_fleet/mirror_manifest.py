@@ -23,21 +23,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST_NAME", "build_manifest", "write_manifest", "add_arguments", "run"]
+__all__ = ["MANIFEST_NAME", "build_manifest", "write_manifest", "add_arguments", "run",
+           "hash_file"]
 
 #: The mirror's file list, at the mirror's base URL next to the model files.
 MANIFEST_NAME = "manifest.json"
 _BLOCK = 1 << 20
 
 
-def _sha256(path: Path) -> tuple[int, str]:
+def hash_file(path: Path) -> tuple[Any, int]:
+    """``(sha256 hasher, bytes read)`` of the file at ``path``, read in 1 MiB blocks; the hasher
+    can go on (the agent resumes a partial download's hash with it)."""
     h = hashlib.sha256()
     n = 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
             h.update(block)
             n += len(block)
-    return n, h.hexdigest()
+    return h, n
 
 
 def build_manifest(model_dir: Path) -> dict[str, Any]:
@@ -59,7 +62,8 @@ def build_manifest(model_dir: Path) -> dict[str, Any]:
                 raise ValueError(f"{rel!r} can't be a manifest path")
             if not path.is_file():
                 continue  # a device, a socket, a dangling link: not part of a model
-            size, digest = _sha256(path)
+            hasher, size = hash_file(path)
+            digest = hasher.hexdigest()
             files.append({"path": rel, "size": size, "sha256": digest})
     if not any(f["path"] == "config.json" for f in files):
         raise ValueError(f"{root} holds no config.json (not an mlx-lm model)")

@@ -43,7 +43,6 @@ CODE_SUFFIXES = (".py", ".pyc")
 #: ``config.json`` / ``tokenizer_config.json`` keys that name custom code: ``auto_map``
 #: (transformers' remote-code classes), ``model_file`` (mlx-lm's custom architecture).
 CODE_KEYS = ("auto_map", "model_file")
-_CODE_CONFIGS = ("config.json", "tokenizer_config.json")
 
 
 class SourceError(Exception):

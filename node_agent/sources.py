@@ -111,9 +111,8 @@ def resolve_source(uri: str, *, dest_root: str | os.PathLike | None = None,
         raise SourceError("InvalidSource", f"model path must be absolute, got {raw!r}")
     if ".." in path.parts:
         raise SourceError("InvalidSource", f"model path must not contain '..' segments: {raw!r}")
-    refusal = (check_source(policy, str(path))  # the scheme, roots as written
-               or check_file_path(policy, str(path))  # as written, then symlinks resolved
-               or check_file_path(policy, os.path.realpath(path),
+    refusal = (check_source(policy, str(path))  # the scheme, the roots as written
+               or check_file_path(policy, os.path.realpath(path),  # then symlinks resolved
                                   [os.path.realpath(r) for r in policy.file_roots]))
     if refusal is not None:
         raise SourceError(SOURCE_REFUSED, refusal.message)

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -154,14 +153,6 @@ def _complete_download(target: Path, base: str) -> bool:
     return True
 
 
-def _hash_file(path: Path) -> tuple[Any, int]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK_BYTES):
-            h.update(block)
-            n += len(block)
-    return h, n
 
 
 @contextlib.asynccontextmanager

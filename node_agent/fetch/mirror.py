@@ -56,11 +56,12 @@ from urllib.parse import quote
 
 import aiohttp
 
+from mlx_fleet.mirror_manifest import hash_file
 from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 
 from ..model_dir import SourceError, check_config, check_model_dir
 from .bounds import DownloadLimits, manifest_digest
-from .cache import (MakeRoom, _complete_download, _dir_lock, _hash_file, _load_state,
+from .cache import (MakeRoom, _complete_download, _dir_lock, _load_state,
                     _write_json_atomic, ensure_room, touch_state)
 from .manifest import (MANIFEST_NAME, STATE_FILE, ManifestEntry, mirror_base_url, mirror_dir,
                        parse_manifest)
@@ -237,7 +238,7 @@ class _Mirror:
         url = self.base + quote(entry.path)
         await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
         if await asyncio.to_thread(part.is_file):
-            hasher, offset = await asyncio.to_thread(_hash_file, part)
+            hasher, offset = await asyncio.to_thread(hash_file, part)
         else:
             hasher, offset = hashlib.sha256(), 0
         expected = entry.size

@@ -35,7 +35,7 @@ from mlx_fleet.etcd_credentials import (EtcdCredentials, add_etcd_arguments,
 from mlx_fleet.exposure import (INSECURE_ETCD, INSECURE_FORWARD, INSECURE_HTTP_LISTEN,
                                 INSECURE_LISTEN, add_insecure_arguments, exposure_check)
 from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, allowed_hosts,
-                                    http_limits_from_args, start_server)
+                                    http_limits_from_args, positive_number, start_server)
 from mlx_fleet.http_hygiene import (add_metrics_auth_argument, add_tls_arguments,
                                     check_tls_arguments, metrics_auth, server_tls_context)
 from mlx_fleet.quantity import parse_quantity
@@ -93,14 +93,6 @@ def _prompt_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return n
 
-
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
-        v = kind(text)
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return v
-    return parse
 
 
 def _tenant_limits(text: str) -> tuple[str, limits.TenantLimits]:
@@ -160,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-factor", type=float, default=LOAD_FACTOR,
                    help="CHWBL load bound: a Mac above load-factor × mean in-flight is skipped "
                         "(default: %(default)s)")
-    p.add_argument("--max-attempts", type=_positive(int),
+    p.add_argument("--max-attempts", type=positive_number(int),
                    default=retry.RetryConfig().max_attempts,
                    help="attempts per request, the first included (default: %(default)s)")
     p.add_argument("--breaker-cooldown", type=float, metavar="SECONDS",
@@ -170,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=limits.QueueConfig().max_queued,
                    help="requests waiting per model when every Mac is saturated "
                         "(default: %(default)s)")
-    p.add_argument("--max-queue-wait", type=_positive(float), metavar="SECONDS",
+    p.add_argument("--max-queue-wait", type=positive_number(float), metavar="SECONDS",
                    default=limits.QueueConfig().max_wait_seconds,
                    help="longest wait in that queue before 429 (default: %(default)s)")
     p.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
