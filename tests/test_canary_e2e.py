@@ -220,11 +220,12 @@ async def test_faulty_candidate_is_rolled_back_and_stable_sessions_see_no_error(
     assert obj["status"]["currentWeight"] == 0
     assert get(control_plane, "modeldeployment", namespace, name)["spec"]["model"][
         "revision"] == "v1"
-    # the candidate is unloaded everywhere
-    wait_for(control_plane, "modeldeployment", namespace, name,
-             "jsonpath={.status.replicas}=2")
-    md = get(control_plane, "modeldeployment", namespace, name)
-    assert {n["revision"] for n in md["status"]["nodes"]} == {"v1"}
+    # the candidate is unloaded everywhere (after the endpoint grace that follows the removal
+    # of its traffic split), and the two stable replicas stay
+    with ObjectWatch(control_plane, "modeldeployment", name, namespace) as watch:
+        md = await asyncio.to_thread(watch.wait, lambda o: {
+            n["revision"] for n in (o.get("status") or {}).get("nodes") or []} == {"v1"}, 60)
+    assert md["status"]["replicas"] == 2 and md["status"]["readyReplicas"] == 2
 
 
 def cli(cp: ControlPlane, *args: str) -> subprocess.CompletedProcess[str]:

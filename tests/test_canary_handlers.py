@@ -453,6 +453,40 @@ async def test_a_local_guard_trip_rolls_back(store, keys, events):
     assert rt.custom_api.spec_patches() == []
 
 
+async def test_the_candidate_is_released_only_once_its_split_is_gone(store, keys, events,
+                                                                   monkeypatch):
+    """A rolled-back candidate keeps its assignment until the traffic split that sends it
+    requests is deleted (agents that still see the split would route to an unloaded revision
+    and answer 404): while etcd refuses the delete, the candidate stays kept; the tick that
+    deletes the split releases it, and the target's sync unloads it after the endpoint grace
+    (tests/test_operator_runtime.py)."""
+    from mlx_fleet.store import StoreError
+
+    rt = runtime(store, keys)
+    uid = "uid-order"
+    body = await progressing_canary(rt, uid)
+    set_stats(rt, uid, T0 + 1, stable=110, candidate=14, guard_tripped=True,
+              guard_reason="3 of 4 candidate requests failed")
+    real_txn = store.txn
+
+    async def refused(*args, **kwargs):
+        raise StoreError("etcd unavailable")
+
+    monkeypatch.setattr(store, "txn", refused)
+    await tick(rt, body, now=T0 + 1)
+    assert rt.custom_api.statuses("llm-v2")[-1]["phase"] == "RolledBack"
+    assert (await stored_split(rt)).weight == 10  # not deleted yet ...
+    assert rt.candidates == {T: CandidateIntent("llm-v2", "v2")}  # ... so still kept
+    assert rt.deployment(T).released_candidate is None
+
+    monkeypatch.setattr(store, "txn", real_txn)
+    await tick(rt, body, now=T0 + 2)
+    assert await stored_split(rt) is None
+    assert rt.candidates == {}
+    released = rt.deployment(T).released_candidate
+    assert released is not None and released.intent == CandidateIntent("llm-v2", "v2")
+
+
 async def test_a_rogue_nodes_stats_neither_trip_the_guard_nor_enter_the_analysis(store, keys,
                                                                                events):
     """Issue 19 review: an agent credential may write stats/<its node>/ for any deployment,

@@ -7,6 +7,7 @@ suite); the operator against the real etcd and API server: tests/test_operator_k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -201,29 +202,38 @@ async def test_invalid_spec_warns_once_and_status_keeps_the_placed_replicas(stor
     assert (await store.get(asg_key(keys, "mac-a", "ns", "llm"))) is not None  # still served
 
 
+async def one_node_deployment(store, keys, monkeypatch, patched: list[dict]):
+    """A Runtime on ``store`` with one Mac registered (mac-a, 64 GiB) and the body of a
+    one-replica ModelDeployment ns/llm at v1 (1 GiB); its status patches go to ``patched``
+    and kopf's events nowhere. Returns (runtime, key, body)."""
+    import kopf
+
+    from mlx_fleet_operator.runtime import Runtime
+
+    async def patch_status(key, status):
+        patched.append(dict(status))
+
+    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status,
+                 source_policy=DEV_POLICY)
+    monkeypatch.setattr(kopf, "event", lambda body, **_: None)
+    await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
+    body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
+            "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1,
+                     "resources": {"memory": "1Gi"}}}
+    return rt, ("ns", "llm"), body
+
+
 async def test_status_patches_coalesce_and_a_resync_of_nothing_writes_nothing(store, keys,
                                                                               monkeypatch):
     """Statuses computed in quick succession (replica placed, then Ready) become one patch of
     the latest; a re-sync with nothing changed writes nothing to etcd and patches nothing."""
-    import kopf
-
     from mlx_fleet_operator import status_writer
-    from mlx_fleet_operator.runtime import Runtime
     from mlx_fleet_operator.sync import sync
 
     monkeypatch.setattr(status_writer, "STATUS_COALESCE_SECONDS", 3600.0)  # flushed by hand
     patched: list[dict] = []
 
-    async def patch_status(key, status):
-        patched.append(dict(status))
-
-    rt = Runtime(store=store, keys=keys, writer="test", patch_status=patch_status, source_policy=DEV_POLICY)
-    monkeypatch.setattr(kopf, "event", lambda body, **_: None)
-    await store.put(keys.node("mac-a"), node_record("mac-a").to_json())
-    key = ("ns", "llm")
-    body = {"metadata": {"namespace": "ns", "name": "llm", "generation": 1, "uid": "u"},
-            "spec": {"model": {"source": "file:///m", "revision": "v1"}, "replicas": 1,
-                     "resources": {"memory": "1Gi"}}}
+    rt, key, body = await one_node_deployment(store, keys, monkeypatch, patched)
     log = logging.getLogger("test")
     await sync(rt, body, log)  # placed: not Ready yet
     assert rt.deployment(key).status.pending["readyReplicas"] == 0 and patched == []
@@ -352,4 +362,69 @@ async def test_a_forged_report_from_another_node_does_not_set_per_replica_memory
     assert set(rt.deployment(key).placed) == {("mac-a", "v1")}
     status = rt.deployment(key).status.pending or rt.deployment(key).status.last
     assert [n["name"] for n in status["nodes"]] == ["mac-a"]
+    rt.forget(key)
+
+
+@pytest.mark.parametrize("active, released_ago, held", [
+    # the running Canary's candidate always stays
+    ("v3", None, "v3"),
+    ("v3", 0.5, "v3"),
+    # one whose Canary ended stays for the grace after its split was removed, then goes
+    (None, 0.0, "v2"),
+    (None, 1.9, "v2"),
+    (None, 2.0, None),
+    (None, 30.0, None),
+    # none kept, none released
+    (None, None, None),
+])
+def test_a_released_candidate_stays_for_the_endpoint_grace(active, released_ago, held):
+    from mlx_fleet_operator.records import CandidateIntent, DeploymentRecord, ReleasedCandidate
+
+    now, grace = 1000.0, 2.0
+    rec = DeploymentRecord()
+    if released_ago is not None:
+        rec.released_candidate = ReleasedCandidate(CandidateIntent("c", "v2"), now - released_ago)
+    kept = CandidateIntent("c3", active) if active else None
+    got = rec.resident_candidate(kept, now, grace)
+    assert (got.revision if got else None) == held
+
+
+async def test_an_ended_canarys_candidate_unloads_only_after_the_grace(store, keys, monkeypatch):
+    """A Canary let go of its candidate (aborted, rolled back, deleted) once its traffic split
+    was removed: the target's sync keeps the candidate's assignment for the endpoint grace —
+    agents that have not yet seen the split go keep serving it — re-arms itself for the end of
+    the grace, and only then deletes it. A new Canary's candidate replaces a released one."""
+    import time
+
+    from mlx_fleet_operator.records import CandidateIntent
+    from mlx_fleet_operator.sync import ENDPOINT_GRACE_SECONDS, sync
+
+    rt, key, body = await one_node_deployment(store, keys, monkeypatch, [])
+    rearmed: list[float] = []
+    monkeypatch.setattr(rt, "rearm", lambda key, delay: rearmed.append(delay))
+    log = logging.getLogger("test")
+
+    async def revisions() -> set[str]:
+        listed = await store.list(keys.assignments_prefix)
+        return {Assignment.from_json(kv.value).source.revision for kv in listed.items}
+
+    rt.keep_candidate(key, CandidateIntent("llm-v2", "v2"))
+    await sync(rt, body, log)
+    assert await revisions() == {"v1", "v2"}
+
+    assert rt.release_candidate(key, "llm-v2")  # its split was just removed
+    await sync(rt, body, log)
+    assert await revisions() == {"v1", "v2"}  # still served during the grace
+    assert rearmed and 0 < rearmed[-1] <= ENDPOINT_GRACE_SECONDS + 0.05
+
+    rt.deployment(key).released_candidate = dataclasses.replace(
+        rt.deployment(key).released_candidate, at=time.monotonic() - ENDPOINT_GRACE_SECONDS)
+    rearmed.clear()
+    await sync(rt, body, log)
+    assert await revisions() == {"v1"}  # the grace is over: unloaded
+    assert rearmed == []
+
+    assert not rt.release_candidate(key, "llm-v2")  # released once only
+    rt.keep_candidate(key, CandidateIntent("llm-v3", "v3"))
+    assert rt.deployment(key).released_candidate is None
     rt.forget(key)

@@ -278,17 +278,21 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
             events.extend(d.events)
 
     # -- apply ---------------------------------------------------------------------------------
+    keep = keep and spec is not None
     if spec is not None and keep:
         intent = CandidateIntent(name, spec.candidate.revision, spec.candidate.source,
                                  spec.candidate.memory_bytes)
         rt.keep_candidate(target, intent)
-    else:
-        rt.release_candidate(target, name)  # the target's reconcile unloads the candidate
     try:
         split = (_split(rt, spec, state, target, name, uid, generation, weight)
                  if spec is not None and keep else None)
-        if split is not None or rt.candidate(target) is None:
+        owner = rt.candidate(target)
+        if split is not None or owner is None or owner.canary == name:
             await _write_split(rt, target, split)
+        if not keep:
+            # released only now that its split is gone: the agents stop routing to the
+            # candidate, and the target's reconcile unloads it after the endpoint grace
+            rt.release_candidate(target, name)
     except StoreError as e:
         log.warning("canary %s/%s: writing the traffic split failed (retrying): %s",
                     namespace, name, e)
@@ -369,11 +373,13 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.
     (unless it was promoted: then it *is* the stable revision)."""
     rt = runtime(memo)
     target = (namespace, (body.get("spec") or {}).get("targetRef", {}).get("name", ""))
-    if rt.release_candidate(target, name):
+    owner = rt.candidate(target)
+    if owner is not None and owner.canary == name:
         try:
             await _write_split(rt, target, None)
         except StoreError as e:
             raise kopf.TemporaryError(f"etcd: {e}", delay=2) from e
+        rt.release_candidate(target, name)  # unloaded after the endpoint grace
     uid = (body.get("metadata") or {}).get("uid", "")
     rt.forget_canary(uid)
     metrics.forget_canary(namespace, name)

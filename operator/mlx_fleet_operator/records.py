@@ -5,6 +5,7 @@
   replicas, its status queue), forgotten in one place when the object is deleted
   (``Runtime.forget``);
 * :class:`CandidateIntent`: what a running Canary asks of its target's placement;
+  :class:`ReleasedCandidate`: one whose Canary ended, kept a grace longer;
 * :class:`CanaryRecord`: per Canary (by uid), what its daemon remembers between ticks — the
   last analysis window's end and the status last patched (kopf's ``body`` lags behind it).
 
@@ -40,6 +41,15 @@ class CandidateIntent:
     revision: str
     source: str | None = None
     memory_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleasedCandidate:
+    """A candidate whose Canary no longer keeps it (aborted, rolled back, failed, deleted):
+    ``intent`` as it was, ``at``: ``time.monotonic()`` when its traffic split was removed."""
+
+    intent: CandidateIntent
+    at: float
 
 
 @dataclasses.dataclass
@@ -95,7 +105,8 @@ class DeploymentRecord:
     assignments as last reconciled; ``unsettled``: whether that reconcile left something open
     (placement's ``affected_by_node``: a node change then wakes it); ``drain``: its replicas on
     draining nodes then; ``withdrawn``: slot → ``time.monotonic()`` when the status leaving it
-    out of ``endpoints`` was published; ``status``: its status queue."""
+    out of ``endpoints`` was published; ``status``: its status queue; ``released_candidate``:
+    the candidate a Canary let go last (:meth:`resident_candidate`)."""
 
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -105,6 +116,7 @@ class DeploymentRecord:
     drain: DrainState = DrainState()
     withdrawn: dict[Slot, float] = dataclasses.field(default_factory=dict)
     status: StatusQueue = dataclasses.field(default_factory=StatusQueue)
+    released_candidate: ReleasedCandidate | None = None
 
     def observe_spec(self, synced: SyncedSpec) -> None:
         """A sync parsed a valid spec."""
@@ -123,6 +135,19 @@ class DeploymentRecord:
         """The withdrawn slots whose withdrawal was published at least ``grace`` seconds
         before ``now`` (both ``time.monotonic()`` seconds): their assignments may go."""
         return {slot for slot, at in self.withdrawn.items() if now - at >= grace}
+
+    def resident_candidate(self, active: CandidateIntent | None, now: float,
+                           grace: float) -> CandidateIntent | None:
+        """The candidate placement keeps on this deployment at ``now`` (``time.monotonic()``
+        seconds): the running Canary's (``active``), else the one released less than ``grace``
+        seconds ago. A Canary's traffic split is removed before its candidate is released, so
+        the agents stop routing to the candidate (and forwarding to it) before it unloads —
+        Argo Rollouts' ``abortScaleDownDelaySeconds``, and the endpoint grace of a drained
+        replica (:meth:`released`)."""
+        if active is not None:
+            return active
+        gone = self.released_candidate
+        return gone.intent if gone is not None and now - gone.at < grace else None
 
     def withdraw(self, slots: Collection[Slot], now: float) -> float | None:
         """The slots now withdrawn from ``endpoints`` with a published status (kept: the time

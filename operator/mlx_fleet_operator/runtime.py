@@ -39,8 +39,8 @@ from .followers import EtcdViews
 from .holds import NodeHolds
 from .kube import PLURAL, patch_object
 from .placement import affected_by_node
-from .records import (CandidateIntent, CanaryRecord, DeploymentKey, DeploymentRecord, Slot,
-                      SyncedSpec)
+from .records import (CandidateIntent, CanaryRecord, DeploymentKey, DeploymentRecord,
+                      ReleasedCandidate, Slot, SyncedSpec)
 from .reconcile import ParseMemo
 from .rollout import DrainState
 from .view import AssignmentsView
@@ -258,17 +258,24 @@ class Runtime:
         """``intent.canary`` keeps its candidate on ``target``: a change wakes the target."""
         if self._candidates.get(target) != intent:
             self._candidates[target] = intent
+            self.deployment(target).released_candidate = None
             self.deployment(target).wake.set()
 
-    def release_candidate(self, target: DeploymentKey, canary: str) -> bool:
-        """The Canary ``canary`` no longer keeps a candidate on ``target`` (the target's
-        reconcile unloads it; another Canary's intent is left alone). Returns whether it held
-        one."""
+    def release_candidate(self, target: DeploymentKey, canary: str,
+                          now: float | None = None) -> bool:
+        """The Canary ``canary`` no longer keeps a candidate on ``target`` (another Canary's
+        intent is left alone); call it once the target's traffic split is removed. The
+        target's reconcile unloads the candidate the endpoint grace after ``now``
+        (``time.monotonic()`` by default; :meth:`.records.DeploymentRecord.resident_candidate`).
+        Returns whether it held one."""
         owner = self._candidates.get(target)
         if owner is None or owner.canary != canary:
             return False
         del self._candidates[target]
-        self.deployment(target).wake.set()
+        rec = self.deployment(target)
+        rec.released_candidate = ReleasedCandidate(
+            owner, time.monotonic() if now is None else now)
+        rec.wake.set()
         return True
 
     def canary_wakeup(self, target: DeploymentKey) -> asyncio.Event:

@@ -11,7 +11,9 @@ whose ``spec.model.source`` the fleet's source policy refuses (:mod:`.admission`
 the same way, with ``SourceAllowed=False`` and reason ``SourceRefused``: no assignment is
 written for it. A drained
 replica whose replacement is Ready is first withdrawn from ``status.endpoints``; its
-assignment goes :data:`ENDPOINT_GRACE_SECONDS` after that status is published.
+assignment goes :data:`ENDPOINT_GRACE_SECONDS` after that status is published. A candidate
+whose Canary ended likewise stays :data:`ENDPOINT_GRACE_SECONDS` after its traffic split was
+removed (:meth:`.records.DeploymentRecord.resident_candidate`).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ __all__ = ["sync", "deployment_intent", "CONFLICT_RETRY_SECONDS", "ENDPOINT_GRAC
 #: After a reconcile gave up on etcd conflicts, its daemon is woken again after a delay
 #: uniform in [0.5, 1.5] × this (jittered, so the losers do not collide again in lockstep).
 CONFLICT_RETRY_SECONDS = 1.0
-#: Seconds a drained replica stays assigned after the status that withdraws it from
-#: ``status.endpoints`` is published, so that clients following the endpoints stop sending to
-#: it before its agent stops taking requests (the role of a Pod's preStop delay in Kubernetes).
+#: Seconds a replica stays assigned after what sends it traffic stops naming it: a drained
+#: replica after the status that withdraws it from ``status.endpoints`` is published, a
+#: released canary candidate after its traffic split is removed — so that clients and agents
+#: stop sending to it before its agent stops taking requests (the role of a Pod's preStop
+#: delay in Kubernetes; Argo Rollouts' ``abortScaleDownDelaySeconds`` for the candidate).
 ENDPOINT_GRACE_SECONDS = 2.0
 
 
@@ -102,7 +106,10 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
             raise kopf.PermanentError(refused)
 
         rec.observe_spec(SyncedSpec(spec, generation, meta.get("uid", "")))
-        released = rec.released(time.monotonic(), ENDPOINT_GRACE_SECONDS)
+        now = time.monotonic()
+        released = rec.released(now, ENDPOINT_GRACE_SECONDS)
+        active = rt.candidate(key)
+        candidate = rec.resident_candidate(active, now, ENDPOINT_GRACE_SECONDS)
         try:
             estimates: dict[str, int] = {}
             if not spec.resources.memory_bytes:  # else the override wins: no estimate needed
@@ -116,7 +123,7 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
                 estimates = revision_estimates(rt.reports.get(key, {}), held)
             intent = deployment_intent(
                 spec, key, uid=meta.get("uid", ""), generation=generation,
-                candidate=rt.candidate(key), cordoned=rt.cordoned, draining=rt.draining,
+                candidate=candidate, cordoned=rt.cordoned, draining=rt.draining,
                 node_labels=rt.node_labels, estimates=estimates)
             result = await reconcile(rt.store, rt.keys, intent, rt.reports.get(key, {}),
                                      writer=rt.writer, released=released,
@@ -164,6 +171,10 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         first = rec.withdraw(result.drain.withdraw, now)
         if first is not None:
             due = first + ENDPOINT_GRACE_SECONDS - now
+            rt.rearm(key, max(due, 0.0) + 0.05)
+        if candidate is not None and active is None and rec.released_candidate is not None:
+            # a released candidate: unloaded by the sync after its grace
+            due = rec.released_candidate.at + ENDPOINT_GRACE_SECONDS - now
             rt.rearm(key, max(due, 0.0) + 0.05)
         metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
