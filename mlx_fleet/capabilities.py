@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .openai_fields import LEGACY_REFUSAL, LEGACY_REFUSED
+from .openai_fields import LEGACY_REFUSAL, LEGACY_REFUSED, is_off
 
 __all__ = ["Task", "TASK_TEXT_GENERATION", "TASK_TEXT_EMBEDDING", "TASKS", "Capability", "Need",
            "Missing", "WRONG_MODEL_TASK",
@@ -294,6 +294,8 @@ def required_capabilities(path: str, body: Mapping[str, Any]) -> frozenset[Need]
       - ``logprobs`` other than absent/null/false/0 → logprobs (``logprobs``; ``amount``: its
         value when it is a number — legacy completions' top-k — else 0); ``top_logprobs`` other
         than absent/null/0 → logprobs (``top_logprobs``, ``amount`` its value);
+
+      "off" is :func:`mlx_fleet.openai_fields.is_off`, the rule the agent refuses by;
       - ``n`` a whole number > 1 → :attr:`Capability.N` (``amount`` n).
 
     Refused whatever the model (:attr:`Need.refused`, answered first): on
@@ -315,16 +317,15 @@ def required_capabilities(path: str, body: Mapping[str, Any]) -> frozenset[Need]
     legacy = path == COMPLETIONS_PATH
     needs = {Need(Capability.GENERATE, "model")}
     tools, choice = body.get("tools"), body.get("tool_choice")
-    choice_on = choice is not None and choice != "none"
+    choice_on = not is_off("tool_choice", choice)
     field_needs: list[Need] = []
-    if tools and choice != "none":
+    if not is_off("tools", tools) and choice != "none":  # absent tool_choice: "auto"
         field_needs.append(Need(Capability.TOOL_CALLING, "tools"))
         if choice == "required" or isinstance(choice, Mapping):
             field_needs.append(Need(Capability.TOOL_CHOICE, "tool_choice"))
     elif choice_on:
         field_needs.append(Need(Capability.TOOL_CALLING, "tool_choice"))
-    rf = body.get("response_format")
-    if (rf.get("type") not in (None, "text")) if isinstance(rf, Mapping) else rf is not None:
+    if not is_off("response_format", body.get("response_format")):
         field_needs.append(Need(Capability.STRUCTURED_OUTPUTS, "response_format"))
     if legacy:
         field_needs = [Need(n.capability, n.param, refused=legacy_refused_message(n.param),
@@ -332,12 +333,12 @@ def required_capabilities(path: str, body: Mapping[str, Any]) -> frozenset[Need]
                        for n in field_needs if n.capability is not Capability.TOOL_CHOICE]
     needs.update(field_needs)
     logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False and logprobs != 0:
+    if not is_off("logprobs", logprobs):
         amount = max(_whole(logprobs) or 0, 0)
         needs.add(_logprobs_need("logprobs", amount, OPENAI_MAX_LEGACY_LOGPROBS if legacy
                                  else None))
     top = body.get("top_logprobs")
-    if top is not None and top is not False and top != 0:
+    if not is_off("top_logprobs", top):
         needs.add(_logprobs_need("top_logprobs", max(_whole(top) or 0, 0),
                                  None if legacy else OPENAI_MAX_TOP_LOGPROBS))
     n = _whole(body.get("n"))

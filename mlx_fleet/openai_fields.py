@@ -15,6 +15,7 @@ legacy ``completions`` (openai 3.57).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 __all__ = ["LEGACY_REFUSED", "LEGACY_REFUSAL", "UNRECOGNIZED", "NOT_APPLIED", "NO_EFFECT",
@@ -45,8 +46,10 @@ _NULL_ONLY = frozenset({"audio", "prediction", "reasoning_effort", "verbosity",
 def is_off(param: str, value: Any) -> bool:
     """Whether ``value`` (parsed JSON, or the validated request's attribute) of the OpenAI field
     ``param`` asks for nothing: null, ``false``, ``0``, ``""``, ``[]`` or ``{}``; and per field
-    ``tool_choice`` / ``function_call`` ``"none"``, ``response_format`` ``{"type": "text"}``
-    (no other key), ``modalities`` ``["text"]``, ``service_tier`` ``"auto"`` or
+    ``tool_choice`` / ``function_call`` ``"none"``, ``response_format`` whose ``type`` is
+    ``"text"`` or null (an object or a parsed model; other keys are not looked at: a validated
+    request's dump has ``"json_schema": None``), ``modalities`` ``["text"]``, ``service_tier``
+    ``"auto"`` or
     ``"default"``; only null for the fields of ``_NULL_ONLY`` (``audio``, ``prediction``,
     ``web_search_options``, ...)."""
     if param in ("tool_choice", "function_call"):
@@ -54,9 +57,9 @@ def is_off(param: str, value: Any) -> bool:
     if param == "response_format":
         if value is None:
             return True
-        if isinstance(value, dict):
-            return value == {"type": "text"}
-        return getattr(value, "type", None) == "text"
+        if isinstance(value, Mapping):
+            return value.get("type") in (None, "text")
+        return hasattr(value, "type") and value.type in (None, "text")
     if param in _NULL_ONLY:
         return value is None
     if param == "modalities":

@@ -185,9 +185,10 @@ class TrafficManager:
 
     # -- per request -------------------------------------------------------------------------
     def route(self, model: str, *, session_header: str | None = None, user: str | None = None,
-              pinned: str = "") -> Routed | None:
+              pinned: str = "", stable: bool = False) -> Routed | None:
         """Where a request for ``model`` goes; None when no revision of it is served here and
-        none can be forwarded to (→ 404)."""
+        none can be forwarded to (→ 404). ``stable``: the stable side of a split whatever the
+        session's bucket (as with a tripped guard; never forwarded)."""
         served = self._served().get(model)
         if served is None:
             return None
@@ -196,7 +197,7 @@ class TrafficManager:
         guard = self._guards.get(dep)
         key, _ = session_key(session_header, user)
         r = route(dict(served.revisions), split, key,
-                  guard_tripped=guard is not None and guard.tripped, pinned=pinned)
+                  guard_tripped=stable or (guard is not None and guard.tripped), pinned=pinned)
         if r is None:
             return None
         return Routed(r, dep, model, standby=not r.forward and r.revision in served.standby)

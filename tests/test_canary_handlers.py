@@ -12,7 +12,9 @@ raises ``LookupError``) — is replaced by a recorder. Time is the ``now`` passe
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -457,9 +459,11 @@ async def test_the_candidate_is_released_only_once_its_split_is_gone(store, keys
                                                                    monkeypatch):
     """A rolled-back candidate keeps its assignment until the traffic split that sends it
     requests is deleted (agents that still see the split would route to an unloaded revision
-    and answer 404): while etcd refuses the delete, the candidate stays kept; the tick that
-    deletes the split releases it, and the target's sync unloads it after the endpoint grace
-    (tests/test_operator_runtime.py)."""
+    and answer 404). While etcd refuses the delete — or a concurrent write wins its compare —
+    nothing of the end is applied: the candidate stays kept, no status, no event (an operator
+    restarted then still seeds the candidate from the running status). The tick that deletes
+    the split applies it all and releases the candidate; the target's sync unloads it after
+    the endpoint grace (tests/test_operator_runtime.py)."""
     from mlx_fleet.store import StoreError
 
     rt = runtime(store, keys)
@@ -468,23 +472,71 @@ async def test_the_candidate_is_released_only_once_its_split_is_gone(store, keys
     set_stats(rt, uid, T0 + 1, stable=110, candidate=14, guard_tripped=True,
               guard_reason="3 of 4 candidate requests failed")
     real_txn = store.txn
+    patches, posted = len(rt.custom_api.calls), len(events)
 
     async def refused(*args, **kwargs):
         raise StoreError("etcd unavailable")
 
-    monkeypatch.setattr(store, "txn", refused)
-    await tick(rt, body, now=T0 + 1)
-    assert rt.custom_api.statuses("llm-v2")[-1]["phase"] == "RolledBack"
-    assert (await stored_split(rt)).weight == 10  # not deleted yet ...
-    assert rt.candidates == {T: CandidateIntent("llm-v2", "v2")}  # ... so still kept
-    assert rt.deployment(T).released_candidate is None
+    async def lost_the_compare(*args, **kwargs):
+        return 0
+
+    for failing in (refused, lost_the_compare):
+        monkeypatch.setattr(store, "txn", failing)
+        await tick(rt, body, now=T0 + 1)
+        assert (await stored_split(rt)).weight == 10  # not deleted ...
+        assert rt.candidates == {T: CandidateIntent("llm-v2", "v2")}  # ... so still kept
+        assert rt.deployment(T).released_candidate is None
+        assert (len(rt.custom_api.calls), len(events)) == (patches, posted)
 
     monkeypatch.setattr(store, "txn", real_txn)
     await tick(rt, body, now=T0 + 2)
     assert await stored_split(rt) is None
+    assert rt.custom_api.statuses("llm-v2")[-1]["phase"] == "RolledBack"
+    assert events[-1][2] == "RolledBack"
     assert rt.candidates == {}
     released = rt.deployment(T).released_candidate
     assert released is not None and released.intent == CandidateIntent("llm-v2", "v2")
+
+
+async def test_a_new_canary_waits_for_the_last_candidate_to_unload(store, keys, events):
+    """Placement keeps one candidate per target: a Canary that starts while the candidate of
+    an ended one is still in its endpoint grace would unload that candidate at once (the
+    404s the grace exists to prevent). It waits — no split, no status — and starts after."""
+    rt = runtime(store, keys)
+    body = await progressing_canary(rt, "uid-first")
+    assert rt.custom_api.statuses("llm-v2")[-1]["phase"] == "Progressing"
+    await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2",
+                                         memo=kopf.Memo(runtime=rt))
+    assert rt.deployment(T).released_candidate is not None
+
+    calls = len(rt.custom_api.calls)
+    v3 = canary("llm-v3", uid="uid-next", spec={**CANARY_SPEC, "candidate": {"revision": "v3"}})
+    wait = await tick(rt, v3, now=T0 + 1)
+    assert 0 < wait <= canary_handlers.ENDPOINT_GRACE_SECONDS + 0.05
+    assert rt.candidates == {} and await stored_split(rt) is None
+    assert len(rt.custom_api.calls) == calls  # nothing patched yet
+
+    rec = rt.deployment(T)
+    rec.released_candidate = dataclasses.replace(rec.released_candidate, at=(
+        time.monotonic() - canary_handlers.ENDPOINT_GRACE_SECONDS))  # the grace is over
+    await tick(rt, v3, now=T0 + 2)
+    assert rt.candidates == {T: CandidateIntent("llm-v3", "v3")}
+    assert rec.released_candidate is None
+
+
+async def test_deleting_a_canary_whose_split_changed_meanwhile_is_retried(store, keys, events,
+                                                                          monkeypatch):
+    rt = runtime(store, keys)
+    body = await progressing_canary(rt, "uid-race")
+
+    async def lost_the_compare(*args, **kwargs):
+        return 0
+
+    monkeypatch.setattr(store, "txn", lost_the_compare)
+    with pytest.raises(kopf.TemporaryError):
+        await canary_handlers.canary_deleted(body=body, namespace=NS, name="llm-v2",
+                                             memo=kopf.Memo(runtime=rt))
+    assert T in rt.candidates and rt.deployment(T).released_candidate is None
 
 
 async def test_a_rogue_nodes_stats_neither_trip_the_guard_nor_enter_the_analysis(store, keys,

@@ -780,6 +780,25 @@ async def test_candidate_held_elsewhere_is_forwarded_streaming_pinned(
     assert front.recorded == []
 
 
+async def test_a_forward_to_a_node_that_dropped_the_candidate_is_served_by_stable_here(
+        store: Store, keys: Keys, start_node: NodeFactory) -> None:
+    """A canary ends: its split goes before its candidate unloads, but a node may see the
+    unload elsewhere before the split's removal. The node it forwards to answers 404 (it no
+    longer holds the pinned revision); nothing has gone to the client yet, so the request is
+    served here by the stable revision — never a 404 for a model this node serves."""
+    back = await start_node(Keys(keys.root + "-back"), "dropped", {"r1": Role.STABLE})
+    await put_split(store, keys, canary_split(100, endpoints=(back.url,)))
+    front = await start_node(keys, "front", {"r1": Role.STABLE})
+    for stream in (False, True):
+        resp = await front.client.post(CHAT, json={"model": CANARY_MODEL, "messages": msgs(),
+                                                   "max_tokens": 2, "stream": stream})
+        assert resp.status == 200, await resp.text()
+        assert resp.headers[REVISION_HEADER] == "r1"
+        await resp.read()
+    assert front.recorded == [Recorded("r1", False)] * 2  # the stable side served them
+    assert back.recorded == []  # its 404 served nothing
+
+
 async def test_unreachable_forward_target_is_a_503(store: Store, keys: Keys,
                                                    start_node: NodeFactory) -> None:
     with socket.socket() as s:  # a port nobody listens on

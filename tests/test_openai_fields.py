@@ -53,7 +53,9 @@ MSGS = [{"role": "user", "content": "Hello"}]
     ("tool_choice", "none", True), ("tool_choice", "auto", False),
     ("tool_choice", "required", False),
     ("response_format", {"type": "text"}, True),
-    ("response_format", {"type": "text", "x": 1}, False),
+    ("response_format", {"type": "text", "json_schema": None}, True),  # a validated dump
+    ("response_format", {"type": None}, True), ("response_format", "text", False),
+    ("response_format", {"type": "json_schema", "json_schema": {}}, False),
     ("response_format", {"type": "json_object"}, False),
     ("function_call", "none", True), ("function_call", "auto", False),
     ("functions", [], True), ("functions", [{"name": "f"}], False),

@@ -8,7 +8,8 @@ until the stable one is Ready here) and ``Candidate`` (a canary's). :func:`route
    stable or candidate (:func:`mlx_fleet.routing.split.choose`; a tripped local guard always picks
    stable). A candidate that this node does not hold is *forwarded* to a node that does (one of
    ``candidate_endpoints``, chosen by the bucket, so a session sticks to one node); with none
-   known it falls back to the stable revision.
+   known it falls back to the stable revision — as the agent does when the node forwarded to
+   answers 404 (it no longer holds the candidate: ``guard_tripped`` routes to stable).
 2. Otherwise — and for the stable side of a split — the node serves its ``Stable`` revision;
    while that is not loaded yet, a ``Previous`` one (a revision edit never leaves a gap); as a
    last resort any loaded revision (a candidate-only node still answers).

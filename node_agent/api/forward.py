@@ -46,6 +46,7 @@ class Forwarder:
         self._session: ClientSession | None = None
         self._refused_by: set[str] = set()  # targets that answered 401 (logged once each)
         self._cleartext_refused: set[str] = set()  # http:// targets not sent the key (once each)
+        self._dropped: set[tuple[str, str]] = set()  # (target, revision) answered 404 (once each)
 
     def _client(self) -> ClientSession:
         if self._session is None:  # created on the running loop, by the first forward
@@ -58,9 +59,12 @@ class Forwarder:
             await session.close()
 
     async def __call__(self, request: web.Request, routed: Any, body: bytes
-                       ) -> web.StreamResponse:
+                       ) -> web.StreamResponse | None:
         """Relay ``request`` (its ``body`` already read) to ``routed.route.forward`` pinned to
-        ``routed.route.revision``; 503 ``unavailable`` when that node can't be reached."""
+        ``routed.route.revision``; 503 ``unavailable`` when that node can't be reached. None
+        when that node answers 404 (it no longer serves the pinned revision: the canary ended
+        and this node has not yet seen its split go); nothing was sent to the client then, and
+        the caller serves the request otherwise."""
         t0 = time.perf_counter()
         target = routed.route.forward
         headers = {"Content-Type": "application/json", PIN_HEADER: routed.route.revision}
@@ -76,8 +80,15 @@ class Forwarder:
         failed = False  # counted here only when the serving node could not be reached
         try:
             resp = await proxy(request, self._client(), target.rstrip("/") + request.path,
-                               body=body, headers=headers)
+                               body=body, headers=headers, retry_statuses=(404,))
         except UpstreamError as e:
+            if e.status == 404:
+                if (target, routed.route.revision) not in self._dropped:
+                    self._dropped.add((target, routed.route.revision))
+                    log.warning("%s answered 404 for revision %s (it no longer holds it): "
+                                "serving its requests from the stable revision here", target,
+                                routed.route.revision)
+                return None
             failed = True
             log.warning("forwarding to %s failed: %s", target, e.reason)
             return _error(503, f"the node serving revision {routed.route.revision} is not "

@@ -80,7 +80,9 @@ async def serve_on(request: web.Request, core: ServingCore, router: Callable[[],
     """Route ``request`` for ``model`` (session key: the ``X-Session-ID`` header, else
     ``user``): the revision here that serves it (loaded first if it was on standby; labels the
     request with the model and revision), or the answer to send instead — an error, or the
-    forwarded request's answer when another node serves the routed revision."""
+    forwarded request's answer when another node serves the routed revision. A forward that
+    the other node answers 404 (it no longer holds the revision) is served here by the stable
+    side of the split instead."""
     if core.failure is not None:
         return _error(503, "this node cannot serve: its serving core failed",
                       type_="server_error", code="unavailable")
@@ -94,7 +96,15 @@ async def serve_on(request: web.Request, core: ServingCore, router: Callable[[],
         if routed is None:
             return not_found(model)
         if routed.route.forward:
-            return await forward(request, routed, await request.read())
+            relayed = await forward(request, routed, await request.read())
+            if relayed is not None:
+                return relayed
+            # the candidate's node no longer serves it: its canary has just ended (the split
+            # goes before the candidate unloads, but this node may not have seen it yet)
+            routed = tm.route(model, session_header=request.headers.get(SESSION_HEADER),
+                              user=user, stable=True)
+            if routed is None:
+                return not_found(model)
         revision = routed.route.revision
         if routed.standby:  # unloaded while idle: reload it (once), then serve
             try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -171,6 +172,8 @@ class _Embeddings:
         except BaseException as e:
             for f in futs:
                 f.cancel()
+            if futs:
+                self._drop_gone(info.key)
             self._set_retry_after(e, info.key)
             raise
         finally:
@@ -191,14 +194,26 @@ class _Embeddings:
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, tokenize_inputs, tokenizer, list(texts))
 
+    def _drop_gone(self, key: ModelKey) -> None:
+        """Drop the waiting inputs of requests that went away (cancelled, or failed on another
+        input) and pump: once per such request, so that a pump itself looks only at the head
+        of the queue (n requests arriving together cost O(n) pumping, not O(n²))."""
+        queue = self._embed_queues.get(key)
+        if queue is not None:
+            queue.items = collections.deque(it for it in queue.items if not it.fut.done())
+            self._pump(key)
+
     def _pump(self, key: ModelKey) -> None:
         """Loop side: start the revision's next forward pass when
-        :func:`~node_agent.serving.embed_batch.decide` says so, or wake up when it says to."""
+        :func:`~node_agent.serving.embed_batch.decide` says so, or wake up when it says to.
+        Looks at no more of the queue than one batch and the input after it."""
         queue = self._embed_queues.get(key)
         if queue is None:
             return
-        # inputs of requests that went away (cancelled, or failed on another input) are dropped
-        queue.items = collections.deque(it for it in queue.items if not it.fut.done())
+        # a request cancelled while it waited: its futures are done before its task runs
+        # _drop_gone; those at the head go now, the others are left out of the batch below
+        while queue.items and queue.items[0].fut.done():
+            queue.items.popleft()
         if queue.timer is not None:
             queue.timer.cancel()
             queue.timer = None
@@ -212,10 +227,12 @@ class _Embeddings:
             return
         policy = BatchPolicy(info.max_concurrent_sequences,
                              info.max_concurrent_sequences * info.max_context_tokens)
-        decision = decide([len(it.ids) for it in queue.items],
+        head = itertools.islice(queue.items, policy.max_inputs + 1)  # all decide needs
+        decision = decide([len(it.ids) for it in head],
                           time.monotonic() - queue.items[0].queued_at, queue.busy, policy)
         if decision.take:
-            taken = [queue.items.popleft() for _ in range(decision.take)]
+            taken = [it for it in (queue.items.popleft() for _ in range(decision.take))
+                     if not it.fut.done()]
             queue.busy = True
             asyncio.ensure_future(self._run_batch(key, queue, taken))
         elif decision.wait_s is not None:

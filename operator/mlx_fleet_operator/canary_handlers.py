@@ -10,7 +10,11 @@ reports or statistics change (a local guard trip wakes it) — and applies the d
   own fenced transaction), or to unload it once the canary ends;
 * the :class:`~mlx_fleet.contract.TrafficSplit` in etcd (``traffic/<ns>/<target>``) carries the
   weight, the local guard and the nodes serving the candidate (for forwarding); it is deleted
-  when the canary ends, so all traffic returns to the stable revision;
+  when the canary ends, so all traffic returns to the stable revision. The end is applied in
+  that order: until the split is deleted nothing else of it is (no release, no status, no
+  events: the next tick decides again); then the candidate is released and unloaded the
+  endpoint grace later (:meth:`.records.DeploymentRecord.resident_candidate`), and a new
+  Canary of the same target waits for that grace before it starts;
 * promotion patches the target's ``spec.model.revision`` (and ``source``) to the candidate: the
   candidate's assignments become Stable without a reload, the old revision is unloaded;
 * ``status`` (phase, step, weight, the last analysis per check), conditions, a Kubernetes event
@@ -53,6 +57,7 @@ from .runtime import Runtime, runtime
 from .records import AnalysisWindow, CandidateIntent, DeploymentKey
 from .admission import CANDIDATE_SOURCE_FIELD, SOURCE_REFUSED, source_refusal
 from .status import _condition, now_rfc3339
+from .sync import ENDPOINT_GRACE_SECONDS
 
 if TYPE_CHECKING:
     from kubernetes.client import CustomObjectsApi
@@ -165,22 +170,39 @@ def _split(rt: Runtime, spec: CanarySpec, state: CanaryState, target: Deployment
         guard=to_local_guard(spec))
 
 
-async def _write_split(rt: Runtime, target: DeploymentKey, split: TrafficSplit | None) -> None:
+async def _write_split(rt: Runtime, target: DeploymentKey, split: TrafficSplit | None) -> bool:
     """Put (or delete, for None) the target's split when it differs from what is stored;
-    compared on its mod_revision, so a concurrent writer is never clobbered (the next tick
-    retries)."""
+    compared on its mod_revision, so a concurrent writer is never clobbered. Returns whether
+    the store now holds ``split`` (False: a concurrent write won; the next tick retries).
+    Raises :class:`~mlx_fleet.store.StoreError` when etcd can't be reached."""
     key = rt.keys.traffic(*target)
     have = await rt.store.get(key)
     if split is None:
-        if have is not None:
-            await rt.store.txn([Compare(key, "mod", "==", have.mod_revision)], [Delete(key)])
-        return
+        if have is None:
+            return True
+        return bool(await rt.store.txn([Compare(key, "mod", "==", have.mod_revision)],
+                                       [Delete(key)]))
     if have is not None:
         with contextlib.suppress(ValueError):
             if TrafficSplit.from_json(have.value) == split:
-                return
-    await rt.store.txn([Compare(key, "mod", "==", have.mod_revision if have else 0)],
-                       [Put(key, split.to_json())])
+                return True
+    return bool(await rt.store.txn(
+        [Compare(key, "mod", "==", have.mod_revision if have else 0)],
+        [Put(key, split.to_json())]))
+
+
+def _lingering(rt: Runtime, target: DeploymentKey, canary: str, revision: str) -> float | None:
+    """Seconds until a candidate another Canary (or this one, of another revision) released on
+    ``target`` unloads — a new candidate waits for them, since placement keeps one candidate
+    per target; None when there is none."""
+    rec = rt.existing(target)
+    if rec is None or rt.candidate(target) is not None or rec.released_candidate is None:
+        return None
+    gone = rec.released_candidate
+    if (gone.intent.canary, gone.intent.revision) == (canary, revision):
+        return None
+    left = gone.at + ENDPOINT_GRACE_SECONDS - time.monotonic()
+    return left if left > 0 else None
 
 
 async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict[str, Any],
@@ -271,6 +293,9 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
             events.append(("Warning", "InvalidSpec", msg))
             state = _fail(state, "InvalidSpec", msg, spec.candidate.revision)
             weight, keep = 0, False
+        elif (state.phase not in TERMINAL or starting) and (wait := _lingering(
+                rt, target, name, spec.candidate.revision)) is not None:
+            return wait + 0.05  # the last candidate still unloads: start after it
         else:
             obs = _observe(rt, spec, state, target, uid, meta.get("annotations") or {}, now)
             d = step(spec, state, obs, now)
@@ -283,19 +308,23 @@ async def tick(rt: Runtime, body: Mapping[str, Any], now: float | None = None) -
         intent = CandidateIntent(name, spec.candidate.revision, spec.candidate.source,
                                  spec.candidate.memory_bytes)
         rt.keep_candidate(target, intent)
+    written = True  # the store holds this tick's split (or another Canary's, left alone)
     try:
         split = (_split(rt, spec, state, target, name, uid, generation, weight)
                  if spec is not None and keep else None)
         owner = rt.candidate(target)
         if split is not None or owner is None or owner.canary == name:
-            await _write_split(rt, target, split)
-        if not keep:
-            # released only now that its split is gone: the agents stop routing to the
-            # candidate, and the target's reconcile unloads it after the endpoint grace
-            rt.release_candidate(target, name)
+            written = await _write_split(rt, target, split)
     except StoreError as e:
+        written = False
         log.warning("canary %s/%s: writing the traffic split failed (retrying): %s",
                     namespace, name, e)
+    if not keep:
+        if not written:  # the split still sends traffic to the candidate: the end waits
+            return TICK_SECONDS
+        # released only now that its split is gone: the agents stop routing to the
+        # candidate, and the target's reconcile unloads it after the endpoint grace
+        rt.release_candidate(target, name)
     if promote is not None and spec is not None:
         patch: dict[str, Any] = {"revision": promote}
         if spec.candidate.source:
@@ -376,9 +405,11 @@ async def canary_deleted(body: kopf.Body, namespace: str, name: str, memo: kopf.
     owner = rt.candidate(target)
     if owner is not None and owner.canary == name:
         try:
-            await _write_split(rt, target, None)
+            deleted = await _write_split(rt, target, None)
         except StoreError as e:
             raise kopf.TemporaryError(f"etcd: {e}", delay=2) from e
+        if not deleted:
+            raise kopf.TemporaryError("the traffic split changed meanwhile", delay=1)
         rt.release_candidate(target, name)  # unloaded after the endpoint grace
     uid = (body.get("metadata") or {}).get("uid", "")
     rt.forget_canary(uid)
