@@ -351,6 +351,34 @@ async def test_cancelled_and_unloaded_requests_leave_nothing_behind(
     assert core.inflight_requests() == 0 and not core._embed_queues
 
 
+async def test_a_cancelled_requests_waiting_inputs_never_reach_a_forward_pass(
+        emb_agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs of a request cancelled while they wait behind a running forward pass are dropped
+    from the queue: the next pass holds only the other requests' inputs."""
+    core = emb_agent.core
+    passes: list[int] = []
+    real = core._engine.embed
+
+    def counting(key, batch):
+        passes.append(len(batch))
+        return real(key, batch)
+
+    monkeypatch.setattr(core._engine, "embed", counting)
+    async with mlx_thread_held(core, 30):
+        first = asyncio.ensure_future(core.embed(EMB_ID, texts=["first"]))
+        # its pass has started: it waits for the MLX thread, the queue is busy
+        await wait_for(lambda: any(q.busy for q in core._embed_queues.values()))
+        gone = asyncio.ensure_future(core.embed(EMB_ID, texts=["gone", "gone too"]))
+        kept = asyncio.ensure_future(core.embed(EMB_ID, texts=["kept"]))
+        await wait_for(lambda: sum(len(q.items) for q in core._embed_queues.values()) == 3)
+        gone.cancel()
+    assert (await first).vectors.shape[0] == 1 and (await kept).vectors.shape[0] == 1
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert passes == [1, 1]  # "first", then "kept" alone
+    assert core.inflight_requests() == 0
+
+
 async def test_a_model_that_asks_for_what_is_not_served_does_not_load(
         emb_agent: Agent, embed_model_path: Path, tmp_path: Path) -> None:
     import shutil
