@@ -102,9 +102,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="an mlx-lm model directory")
-    p.add_argument("--workload", default="duplicate", choices=("duplicate", "unique"),
+    p.add_argument("--workload", default="duplicate", choices=("duplicate", "unique", "logprobs"),
                    help="duplicate: 20 identical greedy requests (coalesced); unique: "
-                        "--concurrency distinct ones")
+                        "--concurrency distinct ones; logprobs: unique's with top_logprobs "
+                        "(serving.py's TOP_LOGPROBS)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
