@@ -145,3 +145,42 @@ def test_logprobs_events_equal_the_dict_encoding(kind: str, include_usage: bool)
         choice.update(index=1, logprobs=lp)
         want.append(reference_event(kind, "m", include_usage, [choice]))
     assert got == b"".join(want)
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_every_event_has_the_documented_chunk_shape(kind: str, include_usage: bool, n: int,
+                                                    logprobs: bool) -> None:
+    """The encoder writes its events by hand (speed); the response models of
+    node_agent/api_responses.py document them (the OpenAPI document): every kind of event must
+    validate against its model, which forbids extra fields — the two cannot drift apart."""
+    from node_agent.api_responses import ChatCompletionChunk, TextCompletionChunk
+    from node_agent.serving.logprobs import TokenLogprob, TopLogprob
+
+    shape = ChatCompletionChunk if kind == "chat" else TextCompletionChunk
+    enc = StreamEncoder(kind, RID, CREATED, "m", include_usage, logprobs=logprobs, n=n)
+    entry = (TokenLogprob(7, "hé", tuple("hé".encode()), -0.25,
+                          (TopLogprob("hé", tuple("hé".encode()), -0.25),
+                           TopLogprob("ho", tuple(b"ho"), -1.5))) if logprobs else None)
+    events = [enc.first()] if kind == "chat" else []
+    for i in range(n):
+        events.append(enc.chunks([Chunk("hé", 1, None, i, entry), Chunk("", 2, None, i, entry),
+                                  Chunk(" là", 3, "length", i, entry)]))
+    if kind == "chat":
+        events.append(enc.tool_calls([{"id": "call_1", "type": "function", "function": {
+            "name": "f", "arguments": "{}"}}], 0))
+    if include_usage:
+        events.append(enc.usage({"prompt_tokens": 3, "completion_tokens": 3 * n,
+                                 "total_tokens": 3 + 3 * n,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}))
+    bodies = [e.removeprefix(b"data: ") for blob in events
+              for e in blob.split(b"\n\n") if e]
+    assert len(bodies) >= n * 2
+    for body in bodies:
+        chunk = shape.model_validate_json(body)
+        assert (chunk.usage is not None) == (not chunk.choices)  # usage only on the last event
+        if logprobs and chunk.choices and chunk.choices[0].finish_reason is None and (
+                kind == "text" or chunk.choices[0].delta.content):
+            assert chunk.choices[0].logprobs is not None
