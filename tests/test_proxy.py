@@ -178,6 +178,38 @@ async def test_a_status_not_listed_is_relayed(servers) -> None:
     assert await front.outcomes.get() is None
 
 
+async def test_upstream_dying_after_its_header_before_any_body_is_an_upstream_error(
+        servers) -> None:
+    """An agent killed just after it began a stream (its 200 and SSE header sent, no event
+    yet): nothing has gone to the client, so the caller may still retry elsewhere."""
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"")  # the header goes out
+        assert request.transport is not None
+        request.transport.close()  # dies before its first event
+        return resp
+
+    url, front = await servers(upstream)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", data=b"{}") as resp:
+            assert resp.status == 503  # the caller's own answer, not the upstream's 200
+            assert (await resp.json())["status"] is None
+    err = await front.outcomes.get()
+    assert isinstance(err, UpstreamError) and err.status is None
+
+
+async def test_an_empty_body_is_relayed(servers) -> None:
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=204)
+
+    url, front = await servers(upstream)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", data=b"{}") as resp:
+            assert resp.status == 204 and await resp.read() == b""
+    assert await front.outcomes.get() is None
+
+
 async def test_upstream_dropping_mid_stream_cuts_the_clients_stream(servers) -> None:
     first_read = asyncio.Event()
 
@@ -193,7 +225,7 @@ async def test_upstream_dropping_mid_stream_cuts_the_clients_stream(servers) -> 
     url, front = await servers(upstream)
     async with aiohttp.ClientSession() as client:
         async with client.post(url + "/v1/completions", data=b"{}") as resp:
-            assert resp.status == 200  # the header went out before the upstream died
+            assert resp.status == 200  # the header went out (with "one") before it died
             assert await asyncio.wait_for(resp.content.readuntil(b"\n\n"), BOUND) == \
                 b"data: one\n\n"
             first_read.set()

@@ -7,11 +7,14 @@ headers in :data:`RELAYED_HEADERS` and the body to the client chunk by chunk, as
 an SSE stream (``text/event-stream``) stays a stream. The line that matters to a caller is the
 response header: until the upstream's status and headers went to the client nothing was sent
 and the request can still be answered otherwise (or tried on another server); after it, it
-can't.
+can't. The header goes to the client with the upstream's first body bytes, not before: an
+upstream that answers its header and dies before any body (an agent killed just after it began
+a stream) is still an :class:`UpstreamError`, which the caller may retry — the first chunk of a
+stream comes as early either way.
 
-* before: the upstream can't be reached, drops the connection before answering, or answers
-  with a status the caller listed in ``retry_statuses`` → :class:`UpstreamError`, and the
-  client has been sent nothing;
+* before: the upstream can't be reached, drops the connection before its first body bytes,
+  or answers with a status the caller listed in ``retry_statuses`` → :class:`UpstreamError`,
+  and the client has been sent nothing;
 * after: the upstream drops the connection mid-body (or the client's connection fails) →
   :class:`StreamCut`, a :class:`ConnectionResetError`: the client's connection is closed (its
   response cut short; a chunked one without its last chunk, which clients report as an
@@ -83,9 +86,9 @@ async def proxy(request: web.Request, session: aiohttp.ClientSession, url: str, 
     it comes (module docstring); returns the finished response.
 
     Raises :class:`UpstreamError` when nothing went to the client yet (connection refused or
-    timed out, connection dropped before the upstream's status, or a status in
+    timed out, connection dropped before the upstream's first body bytes, or a status in
     ``retry_statuses``: its body is not read); :class:`StreamCut` once the response header went
-    out.
+    out (with those first bytes).
 
     Observers (for a caller's metrics; they must not raise): ``on_start(status)`` when the
     upstream's status line arrived and is about to be relayed (not for a ``retry_statuses``
@@ -98,9 +101,17 @@ async def proxy(request: web.Request, session: aiohttp.ClientSession, url: str, 
                 on_start(up.status)
             resp = web.StreamResponse(status=up.status, headers={
                 k: v for k, v in up.headers.items() if k.lower() in RELAYED_HEADERS})
+            # the first body bytes (b"": an empty body) before anything goes to the client: a
+            # failure until then raises UpstreamError below
+            parts = up.content.iter_any()
+            first = await anext(parts, b"")
             try:
                 await resp.prepare(request)
-                async for part in up.content.iter_any():
+                if first:
+                    if on_chunk is not None:
+                        on_chunk(first)
+                    await resp.write(first)
+                async for part in parts:
                     if on_chunk is not None:
                         on_chunk(part)
                     await resp.write(part)
