@@ -50,7 +50,7 @@ ORGS = SourcePolicy(hf_organizations=("mlx-community",), hf_token_organizations=
     (DEFAULT_POLICY, "https://[2001:4860::8888]/m/", None),  # a global IPv6 address
     (DEFAULT_POLICY, "https://8.8.8.8/m/", None),
     (PRIVATE_OK, "https://127.0.0.1:8443/m/", None),
-    (PRIVATE_OK, "https://[::ffff:192.168.0.1]/m/", None),
+    (PRIVATE_OK, "https://[::ffff:10.0.0.1]/m/", None),
     (PRIVATE_OK, "https://[fd12::1]/m/", None),
     # other spellings of an IPv4 address: refused whatever they mean
     (DEFAULT_POLICY, "https://2130706433/m/", "source"),
@@ -118,25 +118,25 @@ def test_check_source(policy: SourcePolicy, uri: str, rule: str | None) -> None:
 @pytest.mark.parametrize("ip, default, private_ok", [
     ("8.8.8.8", True, True), ("2001:4860::8888", True, True),
     ("127.0.0.1", False, True), ("127.255.0.9", False, True), ("::1", False, True),
-    ("172.16.0.1", False, True), ("192.168.0.1", False, True), ("172.31.255.255", False, True),
+    ("10.0.0.1", False, True), ("192.168.0.1", False, True), ("172.31.255.255", False, True),
     ("100.64.0.1", False, True), ("169.254.1.1", False, True), ("fe80::1", False, True),
-    ("fe80::1%en0", False, True), ("fd00::1", False, True), ("::ffff:172.16.0.1", False, True),
+    ("fe80::1%en0", False, True), ("fd00::1", False, True), ("::ffff:10.0.0.1", False, True),
     ("::ffff:8.8.8.8", True, True), ("64:ff9b::808:808", True, True),
-    ("0.0.0.0", False, False), ("::", False, False),
+    ("0.0.0.0", False, False), ("0.1.2.3", False, False), ("::", False, False),
     ("169.254.169.254", False, False), ("fd00:ec2::254", False, False),
     ("::ffff:169.254.169.254", False, False), ("224.0.0.1", False, False),
     ("ff02::1", False, False), ("240.0.0.1", False, False), ("192.0.2.1", False, False),
     ("2001:db8::1", False, False), ("not-an-ip", False, False),
     # 6to4 (2002::/16): judged by the IPv4 address inside, then as itself
     ("2002:c0a8:101::", False, True), ("2002:7f00:1::1", False, True),
-    ("2002:a00:1::", False, True), ("2002:a9fe:a9fe::1", False, False),  # 169.254.169.254
-    ("2002::1", False, False), ("2002:808:808::1", True, True),  # 0.0.0.0 / 8.8.8.8
+    ("2002:a00:1::", False, True), ("2002:a9fe:a9fe::1", False, False),  # metadata inside
+    ("2002::1", False, False), ("2002:808:808::1", True, True),  # 0.0.0.0 / public
     # Teredo (2001::/32): server and client inside (the client's bits are inverted); the
     # prefix itself is not global, so only a policy allowing private networks reaches it
     ("2001:0:4136:e378:8000:63bf:80ff:fffe", False, True),    # client 127.0.0.1
-    ("2001:0:808:808:8000:63bf:5601:5601", False, False),     # client 169.254.169.254
-    ("2001:0:a9fe:a9fe:8000:63bf:f7f7:f7f7", False, False),   # server 169.254.169.254
-    ("2001:0:808:808:8000:63bf:f7f7:f7f7", False, True),      # both 8.8.8.8
+    ("2001:0:808:808:8000:63bf:5601:5601", False, False),     # client: metadata
+    ("2001:0:a9fe:a9fe:8000:63bf:f7f7:f7f7", False, False),   # server: metadata
+    ("2001:0:808:808:8000:63bf:f7f7:f7f7", False, True),      # both public
 ])
 def test_check_address(ip: str, default: bool, private_ok: bool) -> None:
     assert (check_address(DEFAULT_POLICY, ip) is None) is default, ip
