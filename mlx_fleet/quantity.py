@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from decimal import ROUND_CEILING, Decimal
 
-__all__ = ["parse_quantity", "format_bytes"]
+__all__ = ["parse_quantity", "positive_quantity", "format_bytes"]
 
 #: Suffix → multiplier, as in k8s.io/apimachinery/pkg/api/resource (binary SI, decimal SI).
 _SUFFIXES: dict[str, Decimal] = {
@@ -57,6 +57,15 @@ def parse_quantity(value: str | int) -> int:
         num *= _SUFFIXES[m["suffix"] or ""]
     result = int(num.to_integral_value(rounding=ROUND_CEILING))
     return -result if m["sign"] == "-" else result
+
+
+def positive_quantity(text: str) -> int:
+    """A Kubernetes quantity of at least one (the agent's and the router's
+    ``--max-prompt-bytes``); raises ``ValueError``."""
+    n = parse_quantity(text)
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {text!r}")
+    return n
 
 
 def format_bytes(n: int) -> str:

@@ -25,7 +25,7 @@ from mlx_fleet.source_policy import DEFAULT_POLICY, SourcePolicy
 from mlx_fleet.source_policy_file import ENV_SOURCE_POLICY, load_policy
 from mlx_fleet.store import check_endpoint, parse_endpoint
 
-from .capacity import parse_quantity
+from mlx_fleet.quantity import parse_quantity, positive_quantity
 from .fetch.bounds import DEFAULT_UNUSED_MAX_AGE_S, DownloadLimits, parse_reserve
 from .lifecycle import DEFAULT_MAX_PREFETCHES, DEFAULT_PREFETCH_WINDOW_SECONDS
 from .registration import DEFAULT_LEASE_TTL
@@ -209,14 +209,6 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "fixed groups of 8 prompts; below 2048 long prompts may go one per "
                         "pass; default: %(default)s, the largest pass mlx-lm's defaults make, "
                         "8 x 2048)")
-
-
-def positive_quantity(text: str) -> int:
-    """A Kubernetes quantity of at least one (``--max-prompt-bytes``)."""
-    n = parse_quantity(text)
-    if n < 1:
-        raise ValueError(f"must be at least 1, got {text!r}")
-    return n
 
 
 def model_cache_reserve(text: str) -> tuple[int, float]:

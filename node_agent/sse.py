@@ -55,17 +55,15 @@ def choice_part(kind: Kind, include_usage: bool, text: str, finish_reason: str |
     ``"choices":[{"index":0,"delta":{"content":text},"logprobs":null,"finish_reason":...}]``
     (``kind`` ``"chat"``; with ``role``: ``"delta":{"role":"assistant","content":text}``, the
     first chunk) or ``"choices":[{"index":0,"text":text,...}]`` (``"text"``), then
-    ``,"usage":null`` when ``include_usage``, ``}`` and ``\\n\\n``. Memoised
-    (:data:`CHOICE_CACHE_SIZE` entries): equal arguments give the same bytes object."""
-    if kind == "chat":
-        delta: dict[str, Any] = ({"role": "assistant", "content": text} if role
-                                 else {"content": text})
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
-    return b'"choices":[' + dumps(choice) + b"]" + tail
+    ``,"usage":null`` when ``include_usage``, ``}`` and ``\\n\\n``: :func:`choice_event` of
+    choice 0 without log-probabilities, memoised (:data:`CHOICE_CACHE_SIZE` entries): equal
+    arguments give the same bytes object."""
+    return choice_event(kind, include_usage, 0, text, finish_reason, None, role)
+
+
+def _tail(include_usage: bool) -> bytes:
+    """What ends an event after its ``choices``: ``,"usage":null`` with ``include_usage``."""
+    return b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
 
 def choice_event(kind: Kind, include_usage: bool, index: int, text: str,
@@ -82,8 +80,7 @@ def choice_event(kind: Kind, include_usage: bool, index: int, text: str,
         body = [("index", dumps(index)), ("text", dumps(text))]
     body += [("logprobs", b"null" if logprobs is None else logprobs),
              ("finish_reason", dumps(finish_reason))]
-    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
-    return b'"choices":[' + obj(body) + b"]" + tail
+    return b'"choices":[' + obj(body) + b"]" + _tail(include_usage)
 
 
 class StreamEncoder:
@@ -180,8 +177,7 @@ class StreamEncoder:
         delta = {"tool_calls": [{"index": first_index + i, **c} for i, c in enumerate(calls)]}
         choice = {"index": choice_index, "delta": delta, "logprobs": None,
                   "finish_reason": None}
-        tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
-        return self._head + b'"choices":[' + dumps(choice) + b"]" + tail
+        return self._head + b'"choices":[' + dumps(choice) + b"]" + _tail(self.include_usage)
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage event (only with ``include_usage``): ``choices`` ``[]`` and

@@ -198,11 +198,10 @@ def _lingering(rt: Runtime, target: DeploymentKey, canary: str, revision: str) -
     rec = rt.existing(target)
     if rec is None or rt.candidate(target) is not None or rec.released_candidate is None:
         return None
-    gone = rec.released_candidate
-    if (gone.intent.canary, gone.intent.revision) == (canary, revision):
+    gone = rec.released_candidate.intent
+    if (gone.canary, gone.revision) == (canary, revision):
         return None
-    left = gone.at + ENDPOINT_GRACE_SECONDS - time.monotonic()
-    return left if left > 0 else None
+    return rec.candidate_unloads_in(time.monotonic(), ENDPOINT_GRACE_SECONDS)
 
 
 async def _patch(rt: Runtime, plural: str, namespace: str, name: str, body: dict[str, Any],

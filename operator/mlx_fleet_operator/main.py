@@ -172,15 +172,14 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def load_etcd_credentials(args: argparse.Namespace) -> EtcdCredentials:
-    """The ``--etcd-*`` TLS/auth flags read and checked against ``--etcd-endpoint`` and its
-    exposure (:func:`check_etcd_exposure`); raises :class:`PreflightError` with one line naming
-    the flag (never a file's contents)."""
+    """The ``--etcd-*`` TLS/auth flags read and checked against ``--etcd-endpoint`` (its
+    exposure is :func:`check_etcd_exposure`'s); raises :class:`PreflightError` with one line
+    naming the flag (never a file's contents)."""
     try:
         credentials = credentials_from_args(args)
         check_endpoint(args.etcd_endpoint, credentials)
     except ValueError as e:
         raise PreflightError(str(e)) from None
-    check_etcd_exposure(args, credentials)
     return credentials
 
 
@@ -236,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns the process exit code."""
     args = build_parser().parse_args(argv)
     try:
-        etcd_credentials = load_etcd_credentials(args)  # refuses an exposed etcd
-        exposure_warnings = check_etcd_exposure(args, etcd_credentials)  # the accepted risks
+        etcd_credentials = load_etcd_credentials(args)
+        # refuses an exposed etcd; returns the warnings of the risks accepted with a flag
+        exposure_warnings = check_etcd_exposure(args, etcd_credentials)
         source_policy = _source_policy(args.source_policy)
         preflight(args)
     except PreflightError as e:

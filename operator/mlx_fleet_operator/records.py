@@ -146,8 +146,14 @@ class DeploymentRecord:
         replica (:meth:`released`)."""
         if active is not None:
             return active
+        return self.released_candidate.intent if self.candidate_unloads_in(now, grace) else None
+
+    def candidate_unloads_in(self, now: float, grace: float) -> float | None:
+        """Seconds from ``now`` until the released candidate's grace ends (None: none released,
+        or its grace is over)."""
         gone = self.released_candidate
-        return gone.intent if gone is not None and now - gone.at < grace else None
+        left = None if gone is None else gone.at + grace - now
+        return left if left is not None and left > 0 else None
 
     def withdraw(self, slots: Collection[Slot], now: float) -> float | None:
         """The slots now withdrawn from ``endpoints`` with a published status (kept: the time

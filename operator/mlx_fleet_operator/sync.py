@@ -108,8 +108,7 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         rec.observe_spec(SyncedSpec(spec, generation, meta.get("uid", "")))
         now = time.monotonic()
         released = rec.released(now, ENDPOINT_GRACE_SECONDS)
-        active = rt.candidate(key)
-        candidate = rec.resident_candidate(active, now, ENDPOINT_GRACE_SECONDS)
+        candidate = rec.resident_candidate(rt.candidate(key), now, ENDPOINT_GRACE_SECONDS)
         try:
             estimates: dict[str, int] = {}
             if not spec.resources.memory_bytes:  # else the override wins: no estimate needed
@@ -167,15 +166,14 @@ async def sync(rt: Runtime, body: Mapping[str, Any], logger: logging.Logger) -> 
         await publish(rt, body, key, status, events, spec.replicas,
                        at_once=bool(result.drain.withdraw))
         # withdrawn from the endpoints now that this status is published: removed after the grace
+        # ... and a released candidate is unloaded by the sync after its own grace
         now = time.monotonic()
         first = rec.withdraw(result.drain.withdraw, now)
-        if first is not None:
-            due = first + ENDPOINT_GRACE_SECONDS - now
-            rt.rearm(key, max(due, 0.0) + 0.05)
-        if candidate is not None and active is None and rec.released_candidate is not None:
-            # a released candidate: unloaded by the sync after its grace
-            due = rec.released_candidate.at + ENDPOINT_GRACE_SECONDS - now
-            rt.rearm(key, max(due, 0.0) + 0.05)
+        dues = [d for d in (None if first is None else first + ENDPOINT_GRACE_SECONDS - now,
+                            rec.candidate_unloads_in(now, ENDPOINT_GRACE_SECONDS))
+                if d is not None]
+        if dues:
+            rt.rearm(key, max(min(dues), 0.0) + 0.05)
         metrics.RECONCILE_TOTAL.labels(result="changed" if result.written else "unchanged").inc()
         metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
 

@@ -38,7 +38,7 @@ from mlx_fleet.http_hygiene import (HttpLimits, add_http_arguments, allowed_host
                                     http_limits_from_args, positive_number, start_server)
 from mlx_fleet.http_hygiene import (add_metrics_auth_argument, add_tls_arguments,
                                     check_tls_arguments, metrics_auth, server_tls_context)
-from mlx_fleet.quantity import parse_quantity
+from mlx_fleet.quantity import positive_quantity
 from mlx_fleet.routing.api_keys import KeyFile
 from mlx_fleet.routing.body_size import DEFAULT_MAX_PROMPT_BYTES
 from mlx_fleet.store import EtcdStore, check_endpoint, parse_endpoint
@@ -84,14 +84,11 @@ only loopback and --allowed-host names are answered (DNS rebinding); slow client
 
 
 def _prompt_bytes(text: str) -> int:
-    """``--max-prompt-bytes``: a Kubernetes quantity of at least one byte."""
+    """``--max-prompt-bytes``: :func:`mlx_fleet.quantity.positive_quantity` for argparse."""
     try:
-        n = parse_quantity(text)
+        return positive_quantity(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return n
 
 
 
